@@ -27,10 +27,12 @@ class ErrorKind(str, enum.Enum):
 
 @dataclass(frozen=True)
 class ErrorSite:
-    """A failed tool call at assistant turn `turn` (0-based index into the turns).
+    """A failed tool call.
 
-    tool: the tool's name ("" when unknown); message: the error text as the model
-    saw it (trimmed); kind: the classification.
+    turn: index into the chat message list of the assistant message whose tool
+    call failed (messages[turn]["role"] == "assistant"); the hint is placed right
+    after the failed call's result. tool: the tool's name ("" when unknown);
+    message: the error text as the model saw it (trimmed); kind: the class.
     """
 
     turn: int
