@@ -1,0 +1,44 @@
+"""`JobConfig`: the whole recipe, one frozen dataclass per TOML section.
+
+Section classes live in `configs/sections/<section>.py`, next to nothing else,
+so each component owns its knobs while the loader sees one schema.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from configs.sections.checkpoint import CheckpointConfig
+from configs.sections.diloco import DiLoCoConfig
+from configs.sections.env import EnvConfig
+from configs.sections.generator import GeneratorConfig
+from configs.sections.job import RunConfig
+from configs.sections.loss import LossConfig
+from configs.sections.mesh import MeshConfig
+from configs.sections.metrics import MetricsConfig
+from configs.sections.model import ModelConfig
+from configs.sections.optimizer import OptimizerConfig
+from configs.sections.parallelism import ParallelismConfig
+from configs.sections.replay import ReplayConfig
+from configs.sections.teachers import TeachersConfig
+from configs.sections.trainer import TrainerConfig
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """A full recipe: `[job] [model] [parallelism] ... [metrics]`."""
+
+    job: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    generator: GeneratorConfig = field(default_factory=GeneratorConfig)
+    teachers: TeachersConfig = field(default_factory=TeachersConfig)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    diloco: DiLoCoConfig = field(default_factory=DiLoCoConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)

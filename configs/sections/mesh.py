@@ -1,0 +1,19 @@
+"""[mesh]: where the actor roles run (process meshes on hosts)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from configs.fields import option
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    backend: str = option("local", choices=("local", "slurm", "kubernetes"), doc="Where meshes are allocated.")
+    placement: str = option(
+        "disaggregated", choices=("colocated", "disaggregated"), doc="Trainer and generators on the same or separate processes."
+    )
+    trainer_procs: int = option(1, ge=1, doc="Trainer processes per host (one per GPU on clusters).")
+    generator_procs: int = option(1, ge=1, doc="Generator processes per host.")
+    replay_procs: int = option(1, ge=0, doc="Teacher-replay processes (0 disables the replay actor).")
+    hosts: int = option(1, ge=1, doc="Hosts per mesh on a cluster backend.")

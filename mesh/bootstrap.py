@@ -1,0 +1,121 @@
+"""Fresh machine → working virtualenv → command: the README's two quick-start commands.
+
+    python3 -m mesh.bootstrap main   # set up, then run the main job (embedded default recipe)
+    python3 -m mesh.bootstrap test   # set up, then run the test suite
+    python3 -m mesh.bootstrap exec composer-mesh config show debug_cpu.toml
+
+Standard library only (it runs before anything is installed). It creates `.venv`
+in the repository, installs torch *first* and pinned (a plain `pip install torch`
+would pull a CUDA build), then the project with its test extra in the same pip
+command as the torch pin, and records a stamp so the next call skips the install
+unless pyproject.toml, the torch spec or the Python version changed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+VENV = Path(os.environ.get("COMPOSER_MESH_VENV", REPO / ".venv"))
+# GPU hosts may set e.g. COMPOSER_MESH_TORCH="torch==2.14.0" (or a CUDA index build).
+TORCH_SPEC = os.environ.get("COMPOSER_MESH_TORCH", "torch==2.13.0")
+STAMP = VENV / ".composer-mesh-stamp"
+
+# The main job. Until `composer-mesh train` lands it builds the tiny offline
+# assets and prints the resolved embedded default recipe.
+MAIN_JOB: tuple[tuple[str, ...], ...] = (
+    ("composer-mesh", "assets", "build"),
+    ("composer-mesh", "config", "show", "configs/debug_cpu.toml"),
+)
+TEST_COMMAND: tuple[str, ...] = ("python", "-m", "pytest")
+
+
+def _log(msg: str) -> None:
+    print(f"[bootstrap] {msg}", flush=True)
+
+
+def _stamp_value() -> str:
+    h = hashlib.sha256()
+    h.update((REPO / "pyproject.toml").read_bytes())
+    h.update(TORCH_SPEC.encode())
+    h.update(sys.version.encode())
+    return h.hexdigest()
+
+
+def _run(cmd: list[str], **kw) -> None:
+    _log("$ " + " ".join(cmd))
+    subprocess.run(cmd, check=True, **kw)
+
+
+def ensure_venv() -> Path:
+    """Create/refresh `.venv` when needed; return its bin directory."""
+    bin_dir = VENV / "bin"
+    python = bin_dir / "python"
+    stamp = _stamp_value()
+    if python.exists() and STAMP.exists() and STAMP.read_text().strip() == stamp:
+        _log(f"environment up to date ({VENV})")
+        return bin_dir
+    t0 = time.monotonic()
+    if not python.exists():
+        _run([sys.executable, "-m", "venv", str(VENV)])
+    pip = [str(python), "-m", "pip", "install", "--disable-pip-version-check"]
+    _run([*pip, TORCH_SPEC])
+    _run([*pip, TORCH_SPEC, "-e", f"{REPO}[test]"])
+    _check_torch(python)
+    STAMP.write_text(stamp + "\n")
+    _log(f"environment ready in {time.monotonic() - t0:.0f}s ({VENV})")
+    return bin_dir
+
+
+def _check_torch(python: Path) -> None:
+    """Fail loudly if pip replaced the pinned torch (e.g. by a CUDA build)."""
+    want = TORCH_SPEC.split("==", 1)[1] if "==" in TORCH_SPEC else None
+    out = subprocess.run(
+        [str(python), "-c", "import torch; print(torch.__version__)"], check=True, capture_output=True, text=True
+    ).stdout.strip()
+    if want and not out.startswith(want):
+        raise SystemExit(f"[bootstrap] torch {out} installed, expected {TORCH_SPEC}; refusing to continue")
+    _log(f"torch {out}")
+
+
+def run_in_venv(bin_dir: Path, cmd: tuple[str, ...] | list[str]) -> int:
+    env = dict(os.environ)
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
+    env["VIRTUAL_ENV"] = str(VENV)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    exe = cmd[0]
+    if (bin_dir / exe).exists():
+        exe = str(bin_dir / exe)
+    _log("$ " + " ".join(cmd))
+    return subprocess.run([exe, *cmd[1:]], cwd=REPO, env=env).returncode
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python3 -m mesh.bootstrap", description=__doc__.split("\n\n")[0])
+    parser.add_argument("target", choices=("setup", "main", "test", "exec"), help="what to run after setup")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="extra arguments (pytest args for test; the command for exec)")
+    args = parser.parse_args(argv)
+    bin_dir = ensure_venv()
+    if args.target == "setup":
+        return 0
+    if args.target == "test":
+        return run_in_venv(bin_dir, [*TEST_COMMAND, *args.args])
+    if args.target == "exec":
+        if not args.args:
+            parser.error("exec needs a command")
+        return run_in_venv(bin_dir, args.args)
+    for cmd in MAIN_JOB:
+        rc = run_in_venv(bin_dir, [*cmd, *args.args] if cmd is MAIN_JOB[-1] else cmd)
+        if rc:
+            return rc
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

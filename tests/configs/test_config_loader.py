@@ -1,0 +1,143 @@
+"""The TOML config system: validation errors name the key, includes, overrides, round trip."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from configs.loader import ConfigError, dump_config, load_config, loads_config, list_recipes
+from configs.schema import JobConfig
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _write(tmp_path: Path, name: str, text: str) -> Path:
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+# (id, recipe text, overrides, words the error must contain)
+INVALID = [
+    ("unknown-section", "[trainr]\nsteps = 3\n", (), ["trainr", "trainer"]),
+    ("unknown-key-typo", "[trainer]\nstepz = 3\n", (), ["trainer.stepz", "steps"]),
+    ("unknown-key-far", "[trainer]\nqqqq = 3\n", (), ["trainer.qqqq", "valid keys"]),
+    ("typo-generator", "[generator]\ntemprature = 0.5\n", (), ["generator.temprature", "temperature"]),
+    ("wrong-type-int", '[trainer]\nsteps = "ten"\n', (), ["trainer.steps", "int", "ten"]),
+    ("bool-for-int", "[trainer]\nsteps = true\n", (), ["trainer.steps", "int", "True"]),
+    ("float-for-int", "[trainer]\nsteps = 2.5\n", (), ["trainer.steps", "int", "2.5"]),
+    ("wrong-type-bool", '[metrics]\njsonl = "yes"\n', (), ["metrics.jsonl", "bool"]),
+    ("wrong-type-float", '[generator]\ntemperature = "hot"\n', (), ["generator.temperature", "float"]),
+    ("wrong-type-str", "[job]\nname = 5\n", (), ["job.name", "str"]),
+    ("section-not-table", "trainer = 5\n", (), ["trainer", "table"]),
+    ("out-of-range-ge", "[trainer]\nsteps = 0\n", (), ["trainer.steps", ">= 1", "0"]),
+    ("out-of-range-le", "[generator]\ntop_p = 1.5\n", (), ["generator.top_p", "<= 1", "1.5"]),
+    ("out-of-range-gt", "[generator]\ntop_p = 0.0\n", (), ["generator.top_p", "> 0"]),
+    ("out-of-range-lt", "[diloco]\nouter_momentum = 1.0\n", (), ["diloco.outer_momentum", "< 1"]),
+    ("bad-choice", '[trainer]\nmode = "turbo"\n', (), ["trainer.mode", "sync", "turbo"]),
+    ("bad-choice-mesh", '[mesh]\nbackend = "yarn"\n', (), ["mesh.backend", "slurm"]),
+    ("override-unknown", "", ("--trainer.stepz=3",), ["override", "trainer.stepz", "steps"]),
+    ("override-wrong-type", "", ("--trainer.steps=abc",), ["override", "trainer.steps", "int"]),
+    ("override-range", "", ("--parallelism.ep=0",), ["override", "parallelism.ep", ">= 1"]),
+    ("override-malformed", "", ("--trainer.steps",), ["trainer.steps", "--section.key=value"]),
+    ("bad-toml", "[trainer\nsteps = 3\n", (), ["invalid TOML"]),
+    ("bad-include-missing", 'base = "nope.toml"\n', (), ["base", "nope.toml", "does not exist"]),
+    ("bad-include-type", "base = 3\n", (), ["base", "expected a file name"]),
+]
+
+
+@pytest.mark.parametrize("name,text,overrides,words", INVALID, ids=[row[0] for row in INVALID])
+def test_invalid_config_names_the_key(tmp_path, name, text, overrides, words):
+    path = _write(tmp_path, f"{name}.toml", text)
+    with pytest.raises(ConfigError) as exc:
+        load_config(path, overrides)
+    msg = str(exc.value)
+    for word in words:
+        assert word in msg, f"{word!r} not in error: {msg}"
+    if "override" not in name and name != "bad-toml":
+        assert str(path) in msg, f"error should name the file: {msg}"
+
+
+def test_include_cycle_is_an_error(tmp_path):
+    _write(tmp_path, "a.toml", 'base = "b.toml"\n')
+    _write(tmp_path, "b.toml", 'base = "a.toml"\n')
+    with pytest.raises(ConfigError, match="include cycle a.toml -> b.toml -> a.toml"):
+        load_config(tmp_path / "a.toml")
+
+
+def test_precedence_defaults_base_file_override(tmp_path):
+    _write(tmp_path, "base.toml", "[trainer]\nsteps = 7\nprompts_per_step = 3\nmicrobatches = 2\n[job]\nname = 'from-base'\n")
+    child = _write(tmp_path, "child.toml", 'base = "base.toml"\n[trainer]\nsteps = 11\nprompts_per_step = 5\n')
+    cfg = load_config(child, ["--trainer.steps=13"])
+    assert cfg.trainer.steps == 13  # CLI beats file
+    assert cfg.trainer.prompts_per_step == 5  # file beats base
+    assert cfg.trainer.microbatches == 2  # base beats defaults
+    assert cfg.job.name == "from-base"
+    assert cfg.trainer.max_seq_len == JobConfig().trainer.max_seq_len  # untouched default
+
+
+def test_errors_name_the_file_that_set_the_bad_value(tmp_path):
+    _write(tmp_path, "base.toml", "[trainer]\nsteps = -4\n")
+    child = _write(tmp_path, "child.toml", 'base = "base.toml"\n[job]\nname = "x"\n')
+    with pytest.raises(ConfigError) as exc:
+        load_config(child)
+    assert str(tmp_path / "base.toml") in str(exc.value) and "trainer.steps" in str(exc.value)
+
+
+def test_override_values_are_typed_by_the_schema():
+    cfg = load_config(None, ["--generator.temperature=1", "--metrics.jsonl=false", "--job.name=run 7", "--job.seed=3"])
+    assert cfg.generator.temperature == 1.0 and isinstance(cfg.generator.temperature, float)
+    assert cfg.metrics.jsonl is False
+    assert cfg.job.name == "run 7"
+    assert cfg.job.seed == 3
+
+
+@pytest.mark.parametrize("recipe", list_recipes())
+def test_shipped_recipes_load_dump_load_identical(recipe):
+    cfg = load_config(f"configs/{recipe}")
+    text = dump_config(cfg)
+    again = loads_config(text)
+    assert again == cfg
+    assert dump_config(again) == text
+
+
+def test_round_trip_with_non_defaults_everywhere():
+    """Change one field of every section, dump, reload: nothing is lost."""
+    cfg = load_config(
+        None,
+        ["--job.seed=9", "--parallelism.ep=2", "--trainer.mode=async", "--trainer.max_staleness=2",
+         "--generator.top_k=5", "--diloco.enabled=true", "--mesh.placement=colocated",
+         "--checkpoint.keep_last=4", "--metrics.plot=false"],
+    )
+    assert loads_config(dump_config(cfg)) == cfg
+
+
+def test_config_is_frozen():
+    cfg = load_config(None)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.trainer.steps = 3  # type: ignore[misc]
+
+
+def test_cli_config_show_prints_resolved_and_exits_2_on_error(tmp_path):
+    ok = subprocess.run(
+        [sys.executable, "-m", "mesh.cli", "config", "show", "configs/debug_cpu.toml", "--trainer.steps=3"],
+        cwd=REPO, capture_output=True, text=True,
+    )
+    assert ok.returncode == 0, ok.stderr
+    assert loads_config(ok.stdout).trainer.steps == 3
+    bad = subprocess.run(
+        [sys.executable, "-m", "mesh.cli", "config", "show", "configs/debug_cpu.toml", "--trainer.stepz=3"],
+        cwd=REPO, capture_output=True, text=True,
+    )
+    assert bad.returncode == 2 and "did you mean 'steps'" in bad.stderr
+
+
+def test_reference_doc_is_generated_from_schema():
+    """docs/configuration.md is the output of `composer-mesh config reference` (regenerate it when the schema changes)."""
+    from configs.reference import render_reference
+
+    assert (REPO / "docs" / "configuration.md").read_text() == render_reference()
