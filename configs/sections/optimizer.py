@@ -1,0 +1,10 @@
+"""[optimizer]: filled in by its component (being written now)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    pass
