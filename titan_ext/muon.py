@@ -1,0 +1,541 @@
+"""Sharded Muon: every matrix is orthogonalised once, on one owner rank.
+
+Muon (Keller Jordan 2024; Moonlight, arXiv:2502.16982) replaces the update of a
+hidden-layer matrix by the orthogonalised momentum NS(B). Under FSDP2 a rank
+holds only a slice of B, and Newton–Schulz needs the whole matrix. Running NS on
+DTensors (what `torch.optim.Muon` does with FSDP2 params) issues collectives in
+every iteration and repeats the work on every rank. Here each sharded matrix
+has one owner rank, chosen greedily by size so ranks get similar work: one
+`all_to_all` moves the shards of every matrix to its owner, the owner runs NS
+(batched over same-shaped matrices), and one `all_to_all` returns the slices —
+two collectives per step per shard group, on gloo and NCCL alike. Stacked
+expert weights `[E, m, n]` sharded on dim 0 (expert parallel) already hold whole
+matrices locally and need no communication.
+
+AdamW updates the other parameters (embeddings, norms, head, biases) inside the
+same `torch.optim.Optimizer`, so LR schedulers, `state_dict` and DCP see one
+object. On CUDA, `backend="auto"` uses TorchTitan's `DistMuon` (flex_shard)
+instead, which needs one CUDA device per process.
+"""
+
+from __future__ import annotations
+
+import glob
+import math
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.optim import Optimizer
+from torch.optim.adam import adam
+
+from configs.sections.optimizer import OptimizerConfig
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+_NS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def zeropower_via_newtonschulz(
+    update: torch.Tensor,
+    *,
+    coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+    steps: int = 5,
+    eps: float = 1e-7,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Quintic Newton–Schulz approximation of the polar factor U·Vᵀ of each matrix.
+
+    update: [m, n] or a batch [E, m, n] of independent matrices. Each matrix is
+    divided by its Frobenius norm (floored at eps), then X ← aX + (bA + cA²)X
+    with A = XXᵀ, on the wide orientation (m ≤ n). The 2-D path uses the same
+    kernels as `torch.optim.Muon`. Returns a tensor of update's dtype and shape.
+    """
+    a, b, c = coefficients
+    x = update.to(dtype=dtype, copy=True)
+    transposed = x.shape[-2] > x.shape[-1]
+    if transposed:
+        x = x.transpose(-2, -1)
+    if x.ndim == 2:
+        x.div_(x.norm().clamp(min=eps))
+        for _ in range(steps):
+            gram = x @ x.T  # [m, m]
+            poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+            x = torch.addmm(x, poly, x, beta=a)
+    else:
+        x.div_(x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps))
+        for _ in range(steps):
+            gram = x @ x.transpose(-2, -1)  # [E, m, m]
+            poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+            x = torch.baddbmm(x, poly, x, beta=a)
+    if transposed:
+        x = x.transpose(-2, -1)
+    return x.to(update.dtype)
+
+
+def adjusted_lr(lr: float, lr_adjust: str, rows: int, cols: int) -> float:
+    """Muon's per-matrix LR: original √max(1, m/n), or 0.2·√max(m, n) to match AdamW's update RMS."""
+    if lr_adjust == "original":
+        return lr * math.sqrt(max(1.0, rows / cols))
+    if lr_adjust == "match_rms_adamw":
+        return lr * 0.2 * math.sqrt(max(rows, cols))
+    raise ValueError(f"lr_adjust must be 'original' or 'match_rms_adamw', got {lr_adjust!r}")
+
+
+# ---------------------------------------------------------------------------
+# Where a parameter's matrices live, and who orthogonalises them.
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """How one Muon parameter's update reaches Newton–Schulz.
+
+    local:   this rank holds whole matrices (plain tensor, replicated DTensor,
+             or [E, m, n] sharded on dim 0 only) — NS here, no communication.
+    owner:   sharded on one mesh dim: shards go to `owner` (rank in `group`),
+             which runs NS on the full tensor and sends the slices back.
+    gather:  any other placement: all ranks rebuild the full tensor and run NS
+             (correct, slower; e.g. FSDP × TP 2-D sharding).
+    """
+
+    kind: Literal["local", "owner", "gather"]
+    group: Any = None  # ProcessGroup of the sharded mesh dim (owner)
+    shard_dim: int = 0
+    shard_sizes: tuple[int, ...] = ()  # size along shard_dim on each group rank
+    owner: int = 0
+
+
+def _chunk_sizes(size: int, parts: int) -> tuple[int, ...]:
+    """DTensor `Shard` sizes: torch.chunk convention, ceil(size / parts) per rank, tail short or empty."""
+    chunk = -(-size // parts)
+    return tuple(max(0, min(size, (r + 1) * chunk) - r * chunk) for r in range(parts))
+
+
+def _classify(p: torch.Tensor) -> _Layout:
+    if not isinstance(p, DTensor):
+        return _Layout("local")
+    sharded = [(d, pl) for d, pl in enumerate(p.placements) if not isinstance(pl, Replicate)]
+    if not sharded:
+        return _Layout("local")
+    if all(type(pl) is Shard and pl.dim == 0 for _, pl in sharded) and p.ndim == 3:
+        return _Layout("local")
+    if len(sharded) == 1 and type(sharded[0][1]) is Shard:
+        mesh_dim, placement = sharded[0]
+        parts = p.device_mesh.size(mesh_dim)
+        sizes = _chunk_sizes(p.shape[placement.dim], parts)
+        local = p.to_local().shape[placement.dim]
+        me = p.device_mesh.get_local_rank(mesh_dim)
+        if sizes[me] != local:
+            raise ValueError(f"unexpected shard size {local} (expected {sizes[me]}) for {tuple(p.shape)} {p.placements}")
+        return _Layout("owner", p.device_mesh.get_group(mesh_dim), placement.dim, sizes)
+    return _Layout("gather")
+
+
+def assign_owners(numels: list[int], world: int) -> list[int]:
+    """Greedy balance: largest matrix first, to the least-loaded rank (ties: lowest rank). Deterministic."""
+    load = [0] * world
+    owners = [0] * len(numels)
+    for i in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
+        rank = min(range(world), key=lambda r: (load[r], r))
+        owners[i] = rank
+        load[rank] += numels[i]
+    return owners
+
+
+@dataclass
+class MuonStepStats:
+    """What the last `step()` did on this rank (for tests and metrics)."""
+
+    orthogonalized: int = 0  # matrices (expert matrices counted one by one) NS'ed here
+    orthogonalized_numel: int = 0
+    collectives: int = 0
+    comm_numel: int = 0  # elements this rank sent in collectives
+    by_kind: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+
+# ---------------------------------------------------------------------------
+
+
+class ShardedMuon(Optimizer):
+    """Muon on groups with `use_muon=True`, AdamW on the others, one optimizer.
+
+    Muon group keys: lr, weight_decay, momentum, nesterov, ns_steps,
+    ns_coefficients, eps (NS norm floor), ns_dtype, lr_adjust.
+    AdamW group keys: lr, weight_decay, betas, eps.
+    Per matrix: B ← μB + (1−μ)g; U = (1−μ)g + μB (Nesterov) or B;
+    O = NS(U); θ ← θ(1 − lr·wd) − adjusted_lr·O — the update of
+    `torch.optim.Muon`. Params may be plain tensors or DTensors (FSDP2, HSDP,
+    EP); whether a param has a grad must agree across its shard group.
+    """
+
+    def __init__(self, param_groups: Iterable[dict[str, Any]]) -> None:
+        defaults = dict(
+            lr=1e-3, weight_decay=0.1, use_muon=True, momentum=0.95, nesterov=True, ns_steps=5,
+            ns_coefficients=NS_COEFFICIENTS, eps=1e-7, ns_dtype="float32", lr_adjust="match_rms_adamw",
+            betas=(0.9, 0.95),
+        )
+        super().__init__(list(param_groups), defaults)
+        for group in self.param_groups:
+            if group["use_muon"]:
+                for p in group["params"]:
+                    if p.ndim not in (2, 3):
+                        raise ValueError(f"Muon needs 2-D or stacked 3-D [E, m, n] params, got shape {tuple(p.shape)}")
+                if group["ns_dtype"] not in _NS_DTYPES:
+                    raise ValueError(f"ns_dtype must be one of {sorted(_NS_DTYPES)}, got {group['ns_dtype']!r}")
+                adjusted_lr(1.0, group["lr_adjust"], 1, 1)
+        self._layouts: dict[torch.Tensor, _Layout] = {}
+        self._assign()
+        self.stats = MuonStepStats()
+
+    def _assign(self) -> None:
+        """Classify every Muon param; give each owner-path matrix an owner, balanced per shard group."""
+        by_group: dict[Any, list[torch.Tensor]] = {}
+        for group in self.param_groups:
+            if not group["use_muon"]:
+                continue
+            for p in group["params"]:
+                layout = _classify(p)
+                self._layouts[p] = layout
+                if layout.kind == "owner":
+                    by_group.setdefault(layout.group, []).append(p)
+        for pg, params in by_group.items():
+            owners = assign_owners([p.numel() for p in params], dist.get_world_size(pg))
+            for p, owner in zip(params, owners):
+                layout = self._layouts[p]
+                self._layouts[p] = _Layout("owner", pg, layout.shard_dim, layout.shard_sizes, owner)
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.stats = MuonStepStats()
+        pending: list[tuple[torch.Tensor, dict, torch.Tensor]] = []  # (param, group, local update)
+        for group in self.param_groups:
+            if group["use_muon"]:
+                pending.extend((p, group, self._momentum(p, group)) for p in group["params"] if p.grad is not None)
+            else:
+                self._adamw(group)
+        self._orthogonalize_and_apply(pending)
+        return loss
+
+    def _momentum(self, p: torch.Tensor, group: dict) -> torch.Tensor:
+        """Shard-local momentum (elementwise, so no communication): returns the local update U."""
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p)
+        buf = _local(state["momentum_buffer"])
+        grad = _local(p.grad)
+        buf.lerp_(grad, 1 - group["momentum"])
+        return grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf.clone()
+
+    def _orthogonalize_and_apply(self, pending: list[tuple[torch.Tensor, dict, torch.Tensor]]) -> None:
+        exchanges: dict[tuple[Any, torch.dtype], list[int]] = {}
+        for i, (p, _, _) in enumerate(pending):
+            layout = self._layouts[p]
+            if layout.kind == "owner":
+                exchanges.setdefault((layout.group, pending[i][2].dtype), []).append(i)
+        results: dict[int, torch.Tensor] = {}
+        for (pg, _), indices in exchanges.items():
+            results.update(self._exchange(pg, [(i, *pending[i]) for i in indices]))
+        for i, (p, group, update) in enumerate(pending):
+            kind = self._layouts[p].kind
+            if kind == "local":
+                results[i] = self._ns(update, group)
+            elif kind == "gather":
+                results[i] = self._gather_ns(p, update, group)
+        for i, (p, group, _) in enumerate(pending):
+            p_local = _local(p)
+            p_local.mul_(1 - group["lr"] * group["weight_decay"])
+            p_local.add_(results[i], alpha=-adjusted_lr(group["lr"], group["lr_adjust"], p.shape[-2], p.shape[-1]))
+
+    def _ns(self, update: torch.Tensor, group: dict) -> torch.Tensor:
+        if update.numel() == 0:
+            return update
+        matrices = update.shape[0] if update.ndim == 3 else 1
+        self.stats.orthogonalized += matrices
+        self.stats.orthogonalized_numel += update.numel()
+        return zeropower_via_newtonschulz(
+            update, coefficients=tuple(group["ns_coefficients"]), steps=group["ns_steps"], eps=group["eps"],
+            dtype=_NS_DTYPES[group["ns_dtype"]],
+        )
+
+    def _gather_ns(self, p: DTensor, update: torch.Tensor, group: dict) -> torch.Tensor:
+        """Fallback for placements the owner path does not cover: every rank orthogonalises the full tensor."""
+        full = DTensor.from_local(update, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()).full_tensor()
+        self.stats.collectives += 1
+        ortho = self._ns(full, group)
+        replicated = DTensor.from_local(ortho, p.device_mesh, [Replicate()] * p.device_mesh.ndim)
+        return replicated.redistribute(p.device_mesh, p.placements).to_local()
+
+    def _exchange(self, pg: Any, items: list[tuple[int, torch.Tensor, dict, torch.Tensor]]) -> dict[int, torch.Tensor]:
+        """Shards → owners (all_to_all), NS on owners, slices → shard holders (all_to_all).
+
+        items: (index, param, group, local update), all on the same shard group.
+        Send order is by (owner, param order) on every rank, so both sides
+        agree on the layout of the flat buffers without exchanging metadata.
+        """
+        world, me = dist.get_world_size(pg), dist.get_rank(pg)
+        layouts = {i: self._layouts[p] for i, p, _, _ in items}
+        items = sorted(items, key=lambda it: (layouts[it[0]].owner, it[0]))
+        mine = [it for it in items if layouts[it[0]].owner == me]
+
+        def shard_numel(i: int, p: torch.Tensor, rank: int) -> int:
+            layout = layouts[i]
+            return p.numel() // p.shape[layout.shard_dim] * layout.shard_sizes[rank]
+
+        send_splits = [0] * world
+        for i, p, _, _ in items:
+            send_splits[layouts[i].owner] += shard_numel(i, p, me)
+        recv_splits = [sum(shard_numel(i, p, src) for i, p, _, _ in mine) for src in range(world)]
+        send = torch.cat([u.reshape(-1) for _, _, _, u in items]) if items else torch.empty(0)
+        recv = send.new_empty(sum(recv_splits))
+        dist.all_to_all_single(recv, send, recv_splits, send_splits, group=pg)
+
+        # Owner: rebuild each full update from the pieces of every source rank, NS by shape.
+        pieces: dict[int, list[torch.Tensor]] = {i: [] for i, _, _, _ in mine}
+        offset = 0
+        for src in range(world):
+            for i, p, _, _ in mine:
+                n = shard_numel(i, p, src)
+                shape = list(p.shape)
+                shape[layouts[i].shard_dim] = layouts[i].shard_sizes[src]
+                pieces[i].append(recv[offset:offset + n].view(shape))
+                offset += n
+        full = {i: torch.cat(pieces[i], dim=layouts[i].shard_dim) for i, _, _, _ in mine}
+        ortho = self._ns_batched(full, {i: group for i, _, group, _ in mine})
+
+        back = torch.cat([
+            ortho[i].narrow(layouts[i].shard_dim, sum(layouts[i].shard_sizes[:dst]), layouts[i].shard_sizes[dst]).reshape(-1)
+            for dst in range(world) for i, _, _, _ in mine
+        ]) if mine else send.new_empty(0)
+        result_flat = send.new_empty(send.numel())
+        dist.all_to_all_single(result_flat, back, send_splits, recv_splits, group=pg)
+        self.stats.collectives += 2
+        self.stats.comm_numel += send.numel() + back.numel()
+
+        results, offset = {}, 0
+        for i, _, _, u in items:
+            results[i] = result_flat[offset:offset + u.numel()].view(u.shape)
+            offset += u.numel()
+        return results
+
+    def _ns_batched(self, full: dict[int, torch.Tensor], groups: dict[int, dict]) -> dict[int, torch.Tensor]:
+        """NS on an owner's matrices: same shape and hyper-parameters → one batched call."""
+        batches: dict[tuple, list[int]] = defaultdict(list)
+        for i, u in full.items():
+            g = groups[i]
+            batches[(tuple(u.shape), g["ns_steps"], tuple(g["ns_coefficients"]), g["eps"], g["ns_dtype"])].append(i)
+        out = {}
+        for (shape, *_), indices in batches.items():
+            if len(indices) == 1 or len(shape) != 2:
+                for i in indices:
+                    out[i] = self._ns(full[i], groups[i])
+                continue
+            stacked = self._ns(torch.stack([full[i] for i in indices]), groups[indices[0]])  # [k, m, n]
+            out.update(zip(indices, stacked.unbind(0)))
+        return out
+
+    def _adamw(self, group: dict) -> None:
+        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = torch.zeros_like(p)
+                state["exp_avg_sq"] = torch.zeros_like(p)
+            params.append(p)
+            grads.append(p.grad)
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            steps.append(state["step"])
+        if not params:
+            return
+        beta1, beta2 = group["betas"]
+        adam(
+            params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=None, decoupled_weight_decay=True,
+            amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
+            eps=group["eps"], maximize=False,
+        )
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+# ---------------------------------------------------------------------------
+# Building the optimizer for a model.
+
+_ADAMW_MODULES = (nn.Embedding, nn.LayerNorm, nn.RMSNorm)
+
+
+def split_muon_params(model: nn.Module, adamw_patterns: Iterable[str]) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, nn.Parameter]]]:
+    """(muon, adamw) named params: Muon for 2-D / stacked 3-D matrices that are not embeddings, head or norms.
+
+    AdamW: params of nn.Embedding / norm modules, names matching any of
+    adamw_patterns (re.search), and everything not 2-D or 3-D. Tied params
+    are listed once; frozen params are left out.
+    """
+    patterns = [re.compile(pat) for pat in adamw_patterns]
+    forced = {id(p) for m in model.modules() if isinstance(m, _ADAMW_MODULES) or "norm" in type(m).__name__.lower()
+              for p in m.parameters(recurse=False)}
+    muon, adamw = [], []
+    for name, p in model.named_parameters():  # deduplicates tied params
+        if not p.requires_grad:
+            continue
+        is_matrix = p.ndim in (2, 3) and id(p) not in forced and not any(pat.search(name) for pat in patterns)
+        (muon if is_matrix else adamw).append((name, p))
+    return muon, adamw
+
+
+def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> Optimizer:
+    """The optimizer `cfg` describes, as one `torch.optim.Optimizer`.
+
+    name = "adamw": AdamW on every parameter. name = "muon": Muon (sharded
+    owner path, or TorchTitan's DistMuon per `cfg.backend`) on the matrices
+    `split_muon_params` picks, AdamW on the rest.
+    """
+    adamw_keys = dict(weight_decay=cfg.weight_decay, betas=tuple(cfg.betas), eps=cfg.eps, use_muon=False)
+    if cfg.name == "adamw":
+        params = [p for p in model.parameters() if p.requires_grad]
+        return ShardedMuon([dict(params=params, lr=cfg.lr, **adamw_keys)])
+    muon, adamw = split_muon_params(model, cfg.adamw_patterns)
+    muon_keys = dict(
+        lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum, nesterov=cfg.nesterov,
+        ns_steps=cfg.ns_steps, ns_coefficients=tuple(cfg.ns_coefficients), eps=cfg.ns_eps, ns_dtype=cfg.ns_dtype,
+        lr_adjust=cfg.lr_adjust,
+    )
+    backend = cfg.backend
+    if backend == "auto":
+        backend = "dist_muon" if _dist_muon_applicable([p for _, p in muon]) else "owner"
+    if backend == "dist_muon":
+        return _build_dist_muon(muon, adamw, cfg)
+    groups = [dict(params=[p for _, p in muon], use_muon=True, **muon_keys)] if muon else []
+    if adamw:
+        groups.append(dict(params=[p for _, p in adamw], lr=cfg.adamw_lr, **adamw_keys))
+    return ShardedMuon(groups)
+
+
+# ---------------------------------------------------------------------------
+# CUDA: TorchTitan's DistMuon (flex_shard). Needs one CUDA device per process;
+# it refuses CPU tensors, so this path cannot run on the CPU CI box.
+
+
+def _dist_muon_applicable(params: list[torch.Tensor]) -> bool:
+    """DistMuon fits: CUDA DTensors on meshes with named axes, each layout one DistMuon supports."""
+    if not params or not torch.cuda.is_available():
+        return False
+    try:
+        import torchtitan.distributed.flex_shard  # noqa: F401
+    except ImportError:
+        return False
+    return all(
+        isinstance(p, DTensor) and p.device.type == "cuda" and p.device_mesh.mesh_dim_names is not None
+        and _dist_muon_layout(p) is not None
+        for p in params
+    )
+
+
+def _dist_muon_layout(p: DTensor) -> Any:
+    """DistMuon ComputeLayout: whole-matrix `Owned` for sharded 2-D, `Shard(0)` per expert for 3-D; None if unsupported."""
+    from torchtitan.distributed.flex_shard import ComputeLayout, Owned
+
+    names = p.device_mesh.mesh_dim_names
+    sharded = [names[d] for d, pl in enumerate(p.placements) if not isinstance(pl, Replicate)]
+    if not sharded or any(type(p.placements[names.index(n)]) is not Shard for n in sharded):
+        return None
+    if p.ndim == 2 and len(sharded) == 1:
+        return ComputeLayout(shardings_by_mesh_axis={sharded[0]: Owned()})
+    if p.ndim == 3 and all(p.placements[names.index(n)].dim == 0 for n in sharded):
+        return ComputeLayout(shardings_by_mesh_axis={n: Shard(0) for n in sharded})
+    return None
+
+
+def _build_dist_muon(muon: list[tuple[str, nn.Parameter]], adamw: list[tuple[str, nn.Parameter]], cfg: OptimizerConfig) -> Optimizer:
+    """DistMuon on the matrices + torch AdamW on the rest, chained into one optimizer."""
+    from torchtitan.components.checkpointer.utils import canonical_fqn
+    from torchtitan.distributed.flex_shard import BucketConfig, build_dist_muon
+
+    if cfg.ns_dtype != "bfloat16":
+        raise ValueError("backend='dist_muon' runs Newton–Schulz in bfloat16; set optimizer.ns_dtype = 'bfloat16' or use backend='owner'")
+    if not _dist_muon_applicable([p for _, p in muon]):
+        raise ValueError("backend='dist_muon' needs CUDA DTensor params on named meshes, 2-D sharded on one axis or 3-D on dim 0")
+    names = [canonical_fqn(name) for name, _ in muon]
+    buckets: dict[tuple, list[str]] = {}  # DistMuon buckets must share one transport group
+    for name, (_, p) in zip(names, muon):
+        sharded = tuple(n for n, pl in zip(p.device_mesh.mesh_dim_names, p.placements) if not isinstance(pl, Replicate))
+        buckets.setdefault((p.ndim, sharded, tuple(p.device_mesh.mesh.flatten().tolist())), []).append(name)
+    dist_muon = build_dist_muon(
+        [dict(params=[p for _, p in muon], param_names=names)],
+        compute_sharding_by_fqn={name: _dist_muon_layout(p) for name, (_, p) in zip(names, muon)},
+        bucket_configs=[
+            BucketConfig(patterns=tuple(glob.escape(n) for n in fqns), name=f"muon{k}")
+            for k, fqns in enumerate(buckets.values())
+        ],
+        lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum, nesterov=cfg.nesterov,
+        ns_coefficients=tuple(cfg.ns_coefficients), eps=cfg.ns_eps, ns_steps=cfg.ns_steps, adjust_lr_fn=cfg.lr_adjust,
+    )
+    children: list[Optimizer] = [dist_muon]
+    if adamw:
+        children.append(torch.optim.AdamW(
+            [p for _, p in adamw], lr=cfg.adamw_lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay,
+        ))
+    return ChainedOptimizer(children)
+
+
+class ChainedOptimizer(Optimizer):
+    """Several optimizers on disjoint params behaving as one (step, zero_grad, state_dict, LR schedulers).
+
+    `param_groups` is the children's group dicts in order, so a scheduler that
+    edits `lr` edits the children; it is re-linked after `load_state_dict`
+    because torch replaces group dicts on load.
+    """
+
+    def __init__(self, children: list[Optimizer]) -> None:
+        self.children = children
+        super().__init__([p for child in children for g in child.param_groups for p in g["params"]], {})
+        self._link()
+
+    def _link(self) -> None:
+        self.param_groups = [g for child in self.children for g in child.param_groups]
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for child in self.children:
+            child.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for child in self.children:
+            child.zero_grad(set_to_none=set_to_none)
+
+    @property
+    def state(self) -> dict:  # type: ignore[override]
+        return {p: s for child in self.children for p, s in child.state.items()}
+
+    @state.setter
+    def state(self, value: dict) -> None:
+        if value:
+            raise ValueError("ChainedOptimizer state lives in its children")
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        return {f"child{i}": child.state_dict() for i, child in enumerate(self.children)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        expected = {f"child{i}" for i in range(len(self.children))}
+        if set(state_dict) != expected:
+            raise ValueError(f"state dict keys {sorted(state_dict)} do not match this optimizer's {sorted(expected)}")
+        for i, child in enumerate(self.children):
+            child.load_state_dict(state_dict[f"child{i}"])
+        self._link()
