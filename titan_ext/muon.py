@@ -175,7 +175,7 @@ class ShardedMuon(Optimizer):
     def __init__(self, param_groups: Iterable[dict[str, Any]]) -> None:
         defaults = dict(
             lr=1e-3, weight_decay=0.1, use_muon=True, momentum=0.95, nesterov=True, ns_steps=5,
-            ns_coefficients=NS_COEFFICIENTS, eps=1e-7, ns_dtype="float32", lr_adjust="match_rms_adamw",
+            ns_coefficients=NS_COEFFICIENTS, eps=1e-7, ns_dtype="bfloat16", lr_adjust="match_rms_adamw",
             betas=(0.9, 0.95),
         )
         super().__init__(list(param_groups), defaults)
@@ -414,7 +414,8 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> Optimizer:
     )
     backend = cfg.backend
     if backend == "auto":
-        backend = "dist_muon" if _dist_muon_applicable([p for _, p in muon]) else "owner"
+        fits = cfg.ns_dtype == "bfloat16" and _dist_muon_applicable([p for _, p in muon])
+        backend = "dist_muon" if fits else "owner"
     if backend == "dist_muon":
         return _build_dist_muon(muon, adamw, cfg)
     groups = [dict(params=[p for _, p in muon], use_muon=True, **muon_keys)] if muon else []

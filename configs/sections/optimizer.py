@@ -39,7 +39,7 @@ class OptimizerConfig:
     )
     ns_eps: float = option(1e-7, doc="floor of the Frobenius norm that normalises the update before Newton–Schulz", gt=0.0)
     ns_dtype: Literal["float32", "bfloat16"] = option(
-        "float32", doc="dtype of the Newton–Schulz matmuls (torch.optim.Muon and DistMuon use bfloat16)",
+        "bfloat16", doc="dtype of the Newton–Schulz matmuls (bfloat16 as torch.optim.Muon and DistMuon; float32 for exact checks)",
         choices=("float32", "bfloat16"),
     )
     lr_adjust: Literal["match_rms_adamw", "original"] = option(

@@ -4,8 +4,8 @@ Each test spawns 2 or 4 processes (torch.multiprocessing, gloo on loopback).
 Parameters are real DTensors: FSDP2 `fully_shard` modules with a real
 forward/backward, stacked experts `distribute_tensor(..., [Shard(0)])` on an EP
 mesh, HSDP and 2-D sharded matrices. Every rank also runs the reference — the
-published Muon update written out below on full fp32 matrices — on the same
-gradients (`grad.full_tensor()`), and compares after 3 steps at 1e-5.
+published Muon update (`test_muon_reference.ref_muon_step`) on full fp32
+matrices — on the same gradients (`grad.full_tensor()`), and compares after 3 steps at 1e-5.
 """
 
 from __future__ import annotations
@@ -18,37 +18,17 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+from test_muon_reference import ref_muon_step  # the in-test formula, shared
 from titan_ext.muon import ShardedMuon
 
 pytestmark = pytest.mark.timeout(240)
 
 LR, WD, MU = 0.02, 0.1, 0.95
-A, B, C = 3.4445, -4.7750, 2.0315
-
-
-# --- reference: Muon from the published formula, one full fp32 matrix at a time ---------------
-
-def ref_orthogonalize(u_MN: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
-    x = u_MN.T if u_MN.shape[0] > u_MN.shape[1] else u_MN
-    x = x / max(x.norm().item(), eps)
-    for _ in range(steps):
-        a_mat = x @ x.T
-        x = A * x + (B * a_mat + C * (a_mat @ a_mat)) @ x
-    return x.T if u_MN.shape[0] > u_MN.shape[1] else x
-
-
-def ref_muon_step(w: torch.Tensor, g: torch.Tensor, buf: torch.Tensor, *, nesterov: bool, lr_adjust: str) -> None:
-    """In place on full tensors; w/g/buf are [m, n] or [E, m, n] (experts independent)."""
-    buf.mul_(MU).add_((1 - MU) * g)
-    u = (1 - MU) * g + MU * buf if nesterov else buf
-    m, n = w.shape[-2:]
-    scale = 0.2 * max(m, n) ** 0.5 if lr_adjust == "match_rms_adamw" else max(1.0, m / n) ** 0.5
-    o = torch.stack([ref_orthogonalize(e) for e in u]) if u.ndim == 3 else ref_orthogonalize(u)
-    w.mul_(1 - LR * WD).sub_(LR * scale * o)
 
 
 # --- process harness ------------------------------------------------------------------------------
@@ -91,7 +71,7 @@ class ReferenceRun:
 
     def step(self) -> None:
         for (p, w), buf in zip(self.muon, self.bufs):
-            ref_muon_step(w, _full(p.grad), buf, nesterov=self.nesterov, lr_adjust=self.lr_adjust)
+            ref_muon_step(w, _full(p.grad), buf, lr=LR, wd=WD, mu=MU, nesterov=self.nesterov, lr_adjust=self.lr_adjust)
         for p, w in self.adamw_pairs:
             w.grad = _full(p.grad).clone()
         if self.adamw:
@@ -105,7 +85,7 @@ class ReferenceRun:
 
 
 def _groups(muon_params, adamw_params, **muon_kwargs):
-    groups = [dict(params=list(muon_params), lr=LR, weight_decay=WD, momentum=MU, **muon_kwargs)]
+    groups = [dict(params=list(muon_params), lr=LR, weight_decay=WD, momentum=MU, ns_dtype="float32", **muon_kwargs)]
     if adamw_params:
         groups.append(dict(params=list(adamw_params), lr=LR, weight_decay=WD, betas=(0.9, 0.95), eps=1e-8,
                            use_muon=False))
@@ -151,6 +131,8 @@ def _fsdp_ep_case(rank: int, world: int) -> None:
         nn.Parameter(distribute_tensor(torch.randn(3, 6, 4), ep_mesh, [Shard(0)])),
         nn.Parameter(distribute_tensor(torch.randn(2, 9, 5), ep_mesh, [Shard(1)])),
     ]
+    model.register_parameter("expert_a", experts[0])  # so DCP can name them
+    model.register_parameter("expert_b", experts[1])
     muon_params = [model.l1.weight, model.l2.weight, model.l3.weight, *experts]
     adamw_params = [model.embed.weight, model.l1.bias, model.norm.weight, model.lm_head.weight]
     for p in muon_params:
@@ -170,10 +152,11 @@ def _fsdp_ep_case(rank: int, world: int) -> None:
 
     for step in range(2):
         one_step(step)
-    # state_dict round trip into a fresh optimizer mid-run (DTensor momentum / Adam moments).
-    saved = opt.state_dict()
+    # DCP state-dict round trip into a fresh optimizer mid-run (DTensor momentum / Adam moments).
+    saved = get_optimizer_state_dict(model, opt)
+    assert "l1.weight" in saved["state"] and "expert_b" in saved["state"], sorted(saved["state"])
     opt = ShardedMuon(_groups(muon_params, adamw_params))
-    opt.load_state_dict(saved)
+    set_optimizer_state_dict(model, opt, saved)
     one_step(2)
     ref.assert_close(f"rank {rank} FSDP+EP")
 
