@@ -1,10 +1,89 @@
-"""[env]: filled in by its component (being written now)."""
+"""`[env]`: verifiable tasks, the sandbox that runs model-written code, the tool loop.
+
+`task` picks the environment the generators drive: the CPU demo task (tiny
+arithmetic with a fixed answer format), feature deletion on a local Python
+repository, or the multi-turn tool loop over such a repository.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
+
+from configs.fields import option
+
+
+@dataclass(frozen=True)
+class SandboxConfig:
+    """Limits for one sandboxed process tree (see docs/envs.md for what enforces each)."""
+
+    wall_timeout_s: float = option(20.0, doc="wall-clock limit; the whole process tree is killed after it", gt=0.0)
+    cpu_time_s: int = option(10, doc="RLIMIT_CPU seconds per process (SIGXCPU, then SIGKILL)", ge=1)
+    address_space_mb: int = option(1024, doc="RLIMIT_AS per process in MiB", ge=64)
+    file_size_mb: int = option(16, doc="RLIMIT_FSIZE: largest file (and stdout/stderr) a process may write, MiB", ge=1)
+    max_processes: int = option(32, doc="RLIMIT_NPROC for the sandbox's private uid", ge=1)
+    max_open_files: int = option(256, doc="RLIMIT_NOFILE", ge=16)
+    output_tail_chars: int = option(4000, doc="characters of stdout/stderr kept in results", ge=0)
+    root_dir: str = option("", doc="where private work directories are made ('' = the system temp dir)")
+    hide_paths: tuple[str, ...] = option(
+        ("/root", "/home"), doc="directories covered by an empty read-only tmpfs inside the sandbox"
+    )
+    env_passthrough: tuple[str, ...] = option(
+        ("LANG", "LC_ALL"), doc="host environment variables copied in (names only; never put secrets here)"
+    )
+    uid_base: int = option(200_000, doc="first of the private uids given to sandboxes", ge=1000)
+    uid_count: int = option(100_000, doc="how many private uids to draw from", ge=1)
+    unshare_binary: str = option("unshare", doc="util-linux unshare used for the namespaces")
+
+
+@dataclass(frozen=True)
+class DemoTaskConfig:
+    """The fast CPU demo task: tiny problems, answer as `ANSWER: <result>`."""
+
+    ops: tuple[str, ...] = option(("add",), doc="problem kinds: add, sub, mul, reverse")
+    max_operand: int = option(9, doc="operands are drawn from 0..max_operand", ge=1, le=999)
+    word_length: int = option(3, doc="letters in a reverse problem", ge=1, le=12)
+    heldout_fraction: float = option(0.2, doc="share of the problem space kept for evaluation", ge=0.0, lt=1.0)
+    max_turns: int = option(2, doc="assistant attempts per episode (feedback after a failed attempt)", ge=1)
+    format_reward: float = option(0.2, doc="reward for a well-formed but wrong answer", ge=0.0, le=1.0)
+    closeness_scale: float = option(
+        5.0, doc="numeric answers: credit falls linearly to the format reward at this distance", gt=0.0
+    )
+
+
+@dataclass(frozen=True)
+class FeatureDeletionConfig:
+    """Tasks generated from a local Python repository with a passing pytest suite."""
+
+    repo: str = option("", doc="path of the local repository to generate tasks from")
+    max_tasks: int = option(8, doc="tasks to generate (after verification)", ge=1)
+    functions_per_task: int = option(1, doc="functions deleted per task (>1: a feature of related functions)", ge=1, le=4)
+    min_body_statements: int = option(2, doc="only delete functions with at least this many statements", ge=1)
+    seed: int = option(0, doc="order in which candidate functions are tried")
+
+
+@dataclass(frozen=True)
+class ToolLoopConfig:
+    """The multi-turn tool loop over a task workspace."""
+
+    max_turns: int = option(12, doc="assistant messages per episode before it is graded as is", ge=1)
+    tool_output_chars: int = option(2000, doc="characters of a tool result shown to the model", ge=64)
+    shell_commands: tuple[str, ...] = option(
+        ("ls", "cat", "head", "tail", "grep", "wc", "find", "diff", "echo", "python"),
+        doc="programs the restricted shell tool may run (no pipes, redirection or chaining)",
+    )
 
 
 @dataclass(frozen=True)
 class EnvConfig:
-    pass
+    """Which task generators drive, and how its code runs."""
+
+    task: Literal["demo", "feature_deletion", "tool_loop"] = option(
+        "demo", doc="environment for rollouts", choices=("demo", "feature_deletion", "tool_loop")
+    )
+    sandbox: SandboxConfig = option(default_factory=SandboxConfig, doc="sandbox limits")
+    demo: DemoTaskConfig = option(default_factory=DemoTaskConfig, doc="the CPU demo task")
+    feature_deletion: FeatureDeletionConfig = option(
+        default_factory=FeatureDeletionConfig, doc="feature-deletion task generation"
+    )
+    tool_loop: ToolLoopConfig = option(default_factory=ToolLoopConfig, doc="the multi-turn tool loop")

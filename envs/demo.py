@@ -1,0 +1,150 @@
+"""The CPU demo task: tiny arithmetic / string problems answered as `ANSWER: <result>`.
+
+Built for a ~0.5M-parameter model trained by RL for ~100 steps: prompts and
+answers are a few tokens, and the reward is shaped so that a random model
+gets a gradient: 0 for a malformed reply, `format_reward` for a well-formed
+wrong one, more the closer it is, 1 for the exact answer. A failed attempt
+yields an error site (SYNTAX for a malformed reply, TEST_FAILURE for a wrong
+one) and a feedback message, so a second turn can retry and a hint can be made.
+
+Problems are drawn deterministically from a seed; a fixed share of the problem
+space (by a stable hash of the problem text) is held out for evaluation and
+never drawn for training.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import re
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from configs.records import ErrorKind, ErrorSite
+from configs.sections.env import DemoTaskConfig
+from envs.base import Environment, Observation
+
+SYSTEM_PROMPT = "Solve it. Reply with one line: ANSWER: <result>"
+_OPS = {"add": "+", "sub": "-", "mul": "*"}
+_PROBLEM = re.compile(r"^\s*(?:(\d+)\s*([+\-*])\s*(\d+)|reverse ([a-z]+))\s*$")
+_ANSWER = re.compile(r"^\s*ANSWER:\s*(\S+)\s*$", re.MULTILINE)
+Split = Literal["train", "heldout"]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """`a <op> b` for numeric ops, or `reverse <word>`."""
+
+    op: str
+    a: int = 0
+    b: int = 0
+    word: str = ""
+
+    @property
+    def text(self) -> str:
+        return f"reverse {self.word}" if self.op == "reverse" else f"{self.a}{_OPS[self.op]}{self.b}"
+
+    @property
+    def answer(self) -> str:
+        if self.op == "reverse":
+            return self.word[::-1]
+        return str({"add": self.a + self.b, "sub": self.a - self.b, "mul": self.a * self.b}[self.op])
+
+    @classmethod
+    def parse(cls, text: str) -> Problem:
+        m = _PROBLEM.match(text)
+        if m is None:
+            raise ValueError(f"not a demo problem: {text[:60]!r}")
+        if m.group(4):
+            return cls("reverse", word=m.group(4))
+        op = {v: k for k, v in _OPS.items()}[m.group(2)]
+        return cls(op, int(m.group(1)), int(m.group(3)))
+
+
+def split_of(p: Problem, heldout_fraction: float) -> Split:
+    """Stable split by a hash of the problem text (independent of seeds and config order)."""
+    h = int.from_bytes(hashlib.sha256(p.text.encode()).digest()[:8], "big") / 2**64
+    return "heldout" if h < heldout_fraction else "train"
+
+
+def make_problem(seed: int, config: DemoTaskConfig, split: Split = "train") -> Problem:
+    """The problem for `seed` in `split` (deterministic)."""
+    for op in config.ops:
+        if op not in (*_OPS, "reverse"):
+            raise ValueError(f"unknown demo op {op!r}; choose from {sorted((*_OPS, 'reverse'))}")
+    rng = random.Random(f"demo:{seed}")
+    for _ in range(10_000):
+        op = rng.choice(config.ops)
+        if op == "reverse":
+            p = Problem(op, word="".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(config.word_length)))
+        else:
+            p = Problem(op, rng.randint(0, config.max_operand), rng.randint(0, config.max_operand))
+        if split_of(p, config.heldout_fraction) == split:
+            return p
+    raise ValueError(f"no {split} problem found; heldout_fraction={config.heldout_fraction} leaves it empty")
+
+
+def prompt_messages(p: Problem) -> list[dict[str, Any]]:
+    return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": p.text}]
+
+
+@dataclass(frozen=True)
+class Score:
+    reward: float
+    kind: ErrorKind | None  # None when exact
+    feedback: str
+
+
+def score(reply: str, p: Problem, config: DemoTaskConfig) -> Score:
+    """Shaped reward for one reply (see the module docstring)."""
+    m = _ANSWER.search(reply or "")
+    numeric = p.op != "reverse"
+    well_formed = m is not None and (re.fullmatch(r"-?\d+", m.group(1)) if numeric else m.group(1).isalpha())
+    if not well_formed:
+        shape = "<integer>" if numeric else "<letters>"
+        return Score(0.0, ErrorKind.SYNTAX, f"Format error: reply with one line `ANSWER: {shape}`.")
+    got = m.group(1)
+    if got == p.answer:
+        return Score(1.0, None, "Correct.")
+    if numeric:
+        closeness = max(0.0, 1.0 - abs(int(got) - int(p.answer)) / config.closeness_scale)
+    else:
+        closeness = sum(x == y for x, y in zip(got, p.answer)) / max(len(got), len(p.answer))
+    reward = config.format_reward + (1.0 - config.format_reward) * 0.5 * closeness
+    return Score(reward, ErrorKind.TEST_FAILURE, f"Wrong answer: {got} is not the result of {p.text}. Try again.")
+
+
+def solve(messages: list[dict[str, Any]]) -> str:
+    """The correct next assistant message for a demo episode (the local teacher serves it)."""
+    for msg in messages:
+        if msg.get("role") == "user":
+            return f"ANSWER: {Problem.parse(str(msg.get('content', ''))).answer}"
+    raise ValueError("no user message with a demo problem")
+
+
+class DemoEnv(Environment):
+    """Demo episodes: up to `max_turns` attempts, feedback after each failed one."""
+
+    def __init__(self, config: DemoTaskConfig | None = None, split: Split = "train") -> None:
+        super().__init__()
+        self.config = config or DemoTaskConfig()
+        self.split = split
+        self.problem: Problem | None = None
+        self._attempts = 0
+
+    def _start(self, seed: int | None) -> Observation:
+        self.problem = make_problem(seed if seed is not None else random.randrange(2**31), self.config, self.split)
+        self._attempts = 0
+        return Observation(prompt_messages(self.problem), info={"problem": self.problem.text})
+
+    def _answer(self, action: dict[str, Any], turn: int) -> Observation:
+        assert self.problem is not None
+        self._attempts += 1
+        s = score(str(action.get("content") or ""), self.problem, self.config)
+        done = s.kind is None or self._attempts >= self.config.max_turns
+        info = {"problem": self.problem.text, "attempt": self._attempts}
+        if s.kind is None:
+            return Observation([], reward=s.reward, done=True, info=info)
+        site = ErrorSite(turn=turn, kind=s.kind, message=s.feedback)
+        messages = [] if done else [{"role": "user", "content": s.feedback}]
+        return Observation(messages, reward=s.reward, done=done, error_sites=[site], info=info)

@@ -1,0 +1,43 @@
+"""Fixtures for envs/: one sandbox and the verified tasks of the vendored repositories.
+
+The fixture repositories under `fixtures/` carry their own test suites; they are
+run inside the sandbox by the tests here, never collected by the project's run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from configs.sections.env import FeatureDeletionConfig, SandboxConfig
+
+collect_ignore_glob = ["fixtures/*"]
+
+FIXTURES = Path(__file__).parent / "fixtures"
+REPOS = ("textkit", "minicalc")
+
+
+@pytest.fixture(scope="session")
+def sandbox():
+    from envs.sandbox import Sandbox
+
+    return Sandbox(SandboxConfig(wall_timeout_s=15.0, cpu_time_s=3, address_space_mb=1024, max_processes=24))
+
+
+@pytest.fixture(scope="session")
+def task_store(sandbox):
+    from envs.feature_deletion import TaskStore
+
+    store = TaskStore(sandbox)
+    yield store
+    store.cleanup()
+
+
+@pytest.fixture(scope="session")
+def repo_tasks(sandbox, task_store):
+    """Verified single-function tasks, three per vendored repository."""
+    from envs.feature_deletion import generate_tasks
+
+    config = FeatureDeletionConfig(max_tasks=3, functions_per_task=1, seed=0)
+    return {repo: generate_tasks(FIXTURES / repo, config, sandbox, task_store) for repo in REPOS}

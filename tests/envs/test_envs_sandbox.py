@@ -1,0 +1,162 @@
+"""The sandbox against real attempts to escape it, checked from the host side."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import uuid
+from pathlib import Path
+
+import pytest
+
+from configs.sections.env import SandboxConfig
+from envs.sandbox import Sandbox, SandboxUnavailable, copy_tree, processes_of, redact
+
+
+def _py(sandbox, ws, code: str, **kw):
+    return sandbox.run([sandbox.python(), "-c", code], ws, **kw)
+
+
+def _marker_processes(marker: str) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if marker.encode() in Path(f"/proc/{entry}/cmdline").read_bytes():
+                    found.append(int(entry))
+            except OSError:
+                continue
+    return found
+
+
+@pytest.fixture
+def ws(sandbox):
+    with sandbox.workspace() as w:
+        yield w
+
+
+def test_runs_as_private_uid_in_own_pid_namespace(sandbox, ws):
+    r = _py(sandbox, ws, "import os, sys; print(os.getuid(), os.getpid(), sys.version); open('out.txt', 'w').write('x')")
+    assert r.ok, r.stderr
+    uid, pid, version = r.stdout.split(" ", 2)
+    assert int(uid) == ws.uid and int(uid) != 0
+    assert int(pid) <= 3  # PID 1 is the sandbox init; the program is its child
+    assert version.strip() == sys.version  # same interpreter and stdlib as the host
+    assert (ws.path / "out.txt").read_text() == "x"
+    assert (ws.path / "out.txt").stat().st_uid == ws.uid
+
+
+def test_no_network_even_to_a_live_host_server(sandbox, ws):
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    accepted = []
+    threading.Thread(target=lambda: accepted.append(server.accept()), daemon=True).start()
+    with socket.create_connection(("127.0.0.1", port), timeout=5):  # the server is real and reachable from the host
+        pass
+    r = _py(sandbox, ws, f"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=3)")
+    assert r.exit_code != 0
+    assert "Network is unreachable" in r.stderr or "Connection refused" in r.stderr
+    server.close()
+
+
+def test_cannot_write_outside_the_workspace(sandbox, ws):
+    marker = uuid.uuid4().hex
+    targets = [f"/tmp/{marker}", f"/var/tmp/{marker}", f"/dev/shm/{marker}", str(Path(__file__).parent / marker)]
+    code = "import sys\nfor t in sys.argv[1:]:\n    try:\n        open(t, 'w').write('x')\n        print('WROTE', t)\n    except OSError as e:\n        print('DENIED', t, e.errno)\n"
+    r = sandbox.run([sandbox.python(), "-c", code, *targets], ws)
+    assert "WROTE" not in r.stdout and r.stdout.count("DENIED") == len(targets)
+    for t in targets:
+        assert not os.path.exists(t)
+
+
+def test_home_directories_are_hidden(sandbox, ws):
+    r = _py(sandbox, ws, "import os; print(*sorted(os.listdir('/root')))")
+    assert r.ok, r.stderr
+    # Only the top directories of re-exposed paths (the interpreter may live under /root) remain.
+    exposed = {Path(os.path.realpath(p)) for p in (sys.base_prefix, sys.prefix)}
+    allowed = {p.relative_to("/root").parts[0] for p in exposed if Path("/root") in p.parents}
+    assert set(r.stdout.split()) <= allowed
+    host_entries = set(os.listdir("/root"))
+    assert host_entries - allowed == host_entries - set(r.stdout.split())  # nothing else shows
+
+
+def test_environment_is_scrubbed_and_secrets_redacted(sandbox, ws, monkeypatch):
+    secret = "sk-test-" + uuid.uuid4().hex
+    monkeypatch.setenv("COMPOSER_TEST_API_KEY", secret)
+    r = _py(sandbox, ws, "import os; print(sorted(os.environ))")
+    assert r.ok and "COMPOSER_TEST_API_KEY" not in r.stdout
+    assert secret not in r.stdout
+    # A program that learnt the value some other way still cannot print it into our logs.
+    r = sandbox.run([sandbox.python(), "-c", "import sys; print(sys.stdin.read())"], ws, stdin=secret.encode())
+    assert secret not in r.stdout and "<redacted:COMPOSER_TEST_API_KEY>" in r.stdout
+    assert redact(f"x {secret} y", {"COMPOSER_TEST_API_KEY": secret}) == "x <redacted:COMPOSER_TEST_API_KEY> y"
+
+
+def test_wall_clock_timeout_kills_the_tree(sandbox, ws):
+    marker = uuid.uuid4().hex
+    code = f"import subprocess, time; subprocess.Popen(['sleep', '300', '{marker}']); time.sleep(300)"
+    r = _py(sandbox, ws, code, timeout_s=2)
+    assert r.timed_out and "timeout" in r.violations and r.exit_code < 0
+    assert _marker_processes(marker) == [] and processes_of(ws.uid) == []
+
+
+def test_cpu_time_limit(sandbox, ws):
+    r = _py(sandbox, ws, "while True: pass", timeout_s=30)
+    assert "cpu_time_limit" in r.violations and not r.timed_out
+    assert r.wall_s < 20
+
+
+def test_memory_limit(sandbox, ws):
+    r = _py(sandbox, ws, "x = bytearray(10 * 1024**3)")
+    assert r.exit_code == 1 and "memory_limit" in r.violations
+
+
+def test_file_size_limit(sandbox, ws):
+    cfg = SandboxConfig(file_size_mb=1)
+    small = Sandbox(cfg)
+    r = small.run(["/bin/sh", "-c", "yes > big.txt"], ws)
+    assert "file_size_limit" in r.violations
+    assert (ws.path / "big.txt").stat().st_size <= 1 << 20
+
+
+def test_fork_bomb_is_contained(sandbox, ws):
+    marker = uuid.uuid4().hex
+    r = _py(sandbox, ws, f"import os  # {marker}\nwhile True:\n    os.fork()", timeout_s=10)
+    assert r.exit_code != 0 and "process_limit" in r.violations
+    assert _marker_processes(marker) == [] and processes_of(ws.uid) == []
+
+
+def test_daemon_dies_with_the_run(sandbox, ws):
+    marker = uuid.uuid4().hex
+    code = (
+        "import os, time\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        "    if os.fork() == 0:\n"
+        f"        os.execv('/bin/sleep', ['/bin/sleep', '300', '{marker}'])\n"
+        "    os._exit(0)\n"
+        "time.sleep(0.3)\n"
+        "print('parent exits')\n"
+    )
+    r = _py(sandbox, ws, code)
+    assert r.ok and "parent exits" in r.stdout
+    assert _marker_processes(marker) == []
+    assert processes_of(ws.uid) == []
+
+
+def test_copy_tree_drops_symlinks_and_special_files(tmp_path):
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    (src / "pkg").mkdir(parents=True)
+    (src / "pkg" / "a.py").write_text("A")
+    (src / "link.py").symlink_to("/etc/passwd")
+    (src / "dirlink").symlink_to("/etc")
+    os.mkfifo(src / "fifo")
+    copy_tree(src, dst, skip=lambda rel: rel.endswith(".skip"))
+    assert sorted(str(p.relative_to(dst)) for p in dst.rglob("*")) == ["pkg", "pkg/a.py"]
+
+
+def test_refuses_when_namespaces_are_unavailable():
+    with pytest.raises(SandboxUnavailable, match="refusing to run untrusted code"):
+        Sandbox(SandboxConfig(unshare_binary="/nonexistent/unshare"))
