@@ -1,10 +1,42 @@
-"""[model]: filled in by its component (being written now)."""
+"""[model]: which model to train and generate with, and where its weights come from."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
+
+from configs.fields import option
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    pass
+    flavour: str = option(
+        "tiny",
+        doc='model flavour: "tiny", "tiny_moe", a named flavour such as "qwen3_8b" or '
+        '"qwen3_30b_a3b", or "family:flavor" for any TorchTitan registry entry (e.g. "qwen3:14B")',
+    )
+    hf_path: str = option(
+        "",
+        doc="local HF directory (config.json + safetensors) to load weights from; empty: the "
+        "tiny flavours use the built assets, other flavours start from a seeded random init",
+    )
+    tokenizer_path: str = option(
+        "", doc="local HF tokenizer directory; empty: the one in hf_path (or the built assets)"
+    )
+    assets_cache_dir: str = option(
+        "",
+        doc="where `composer-mesh assets build` writes the tiny offline assets; empty: "
+        "$COMPOSER_MESH_CACHE/assets, else ~/.cache/composer-mesh/assets",
+    )
+    seed: int = option(0, doc="seed of the random init and of the tiny assets", ge=0)
+    dtype: Literal["float32", "bfloat16"] = option(
+        "float32", doc="parameter dtype of the built model", choices=("float32", "bfloat16")
+    )
+    device: Literal["auto", "cpu", "cuda"] = option(
+        "auto", doc="device kind; auto picks CUDA when visible", choices=("auto", "cpu", "cuda")
+    )
+    attention: Literal["auto", "sdpa", "flex", "varlen"] = option(
+        "auto",
+        doc="training attention: auto = masked SDPA on CPU, FlexAttention on CUDA",
+        choices=("auto", "sdpa", "flex", "varlen"),
+    )

@@ -1,0 +1,236 @@
+"""Tiny offline model assets, deterministic from a seed.
+
+`build_assets(cache_dir, seed)` writes three HF-format directories that load
+with `HF_HUB_OFFLINE=1` (transformers, vLLM, TorchTitan via
+`titan_ext.hf_checkpoint`):
+
+- `tokenizer/`: a byte-level BPE (2048 tokens, Qwen2-style pre-tokenizer that
+  splits digits) trained on `titan_ext/data/tokenizer_corpus.txt`, with a
+  ChatML chat template that renders system/user/assistant/tool turns, tool
+  definitions, assistant tool calls, tool results, and `{% generation %}`
+  markers for assistant-token masks;
+- `tiny/`: the dense tiny Qwen3 (`models.TINY_SHAPES["composer_tiny"]`);
+- `tiny_moe/`: the tiny Qwen3-MoE (4 experts, top-2).
+
+Weights are TorchTitan's init under the seed, converted with TorchTitan's
+state-dict adapter. Same seed -> byte-identical files. A stamp of all inputs
+(corpus, these sources, library versions, seed) makes the call idempotent; a
+file lock and an atomic rename make concurrent callers safe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+ASSETS_FORMAT = 1
+CORPUS_PATH = Path(__file__).parent / "data" / "tokenizer_corpus.txt"
+TOKENIZER_VOCAB_SIZE = 2048
+
+# Special tokens take ids 0..2 (the BPE trainer adds them first), tool markers the last 6.
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>")
+TOKEN_IDS = {"bos_token_id": 0, "pad_token_id": 0, "eos_token_id": 2}
+
+# Qwen2/Qwen3 pre-tokenizer split: contractions, words, single digits, punctuation runs, newlines.
+_SPLIT_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+CHAT_TEMPLATE = """\
+{%- if tools %}
+{{- '<|im_start|>system\\n' }}
+{%- if messages and messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}
+{{- '# Tools\\n\\nYou may call one or more functions. Function signatures are within <tools></tools>:\\n<tools>' }}
+{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}
+{{- '\\n</tools>\\n\\nFor each call, return a JSON object with the name and arguments within <tool_call></tool_call>:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}
+{%- endif %}
+{%- for message in messages %}
+{%- if message.role == 'system' %}
+{%- if not (tools and loop.first) %}{{- '<|im_start|>system\\n' + message.content + '<|im_end|>\\n' }}{%- endif %}
+{%- elif message.role == 'user' %}
+{{- '<|im_start|>user\\n' + message.content + '<|im_end|>\\n' }}
+{%- elif message.role == 'assistant' %}
+{{- '<|im_start|>assistant\\n' }}
+{%- generation %}
+{%- if message.content %}{{- message.content }}{%- endif %}
+{%- for tool_call in (message.tool_calls or []) %}
+{%- set call = tool_call.function if tool_call.function is defined else tool_call %}
+{%- if message.content or not loop.first %}{{- '\\n' }}{%- endif %}
+{{- '<tool_call>\\n{\"name\": \"' + call.name + '\", \"arguments\": ' }}
+{%- if call.arguments is string %}{{- call.arguments }}{%- else %}{{- call.arguments | tojson }}{%- endif %}
+{{- '}\\n</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>' }}
+{%- endgeneration %}
+{{- '\\n' }}
+{%- elif message.role == 'tool' %}
+{{- '<|im_start|>tool\\n<tool_response>\\n' + message.content + '\\n</tool_response><|im_end|>\\n' }}
+{%- else %}
+{{- raise_exception('unknown chat role: ' + message.role) }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
+"""
+
+
+@dataclass(frozen=True)
+class AssetPaths:
+    """HF-format directories of one build (each model dir also holds the tokenizer files)."""
+
+    root: Path
+    tokenizer_dir: Path
+    dense_dir: Path
+    moe_dir: Path
+
+
+def default_cache_dir() -> Path:
+    """$COMPOSER_MESH_CACHE/assets, else ~/.cache/composer-mesh/assets."""
+    root = os.environ.get("COMPOSER_MESH_CACHE")
+    return (Path(root) if root else Path.home() / ".cache" / "composer-mesh") / "assets"
+
+
+def _paths_under(root: Path) -> AssetPaths:
+    return AssetPaths(root=root, tokenizer_dir=root / "tokenizer", dense_dir=root / "tiny", moe_dir=root / "tiny_moe")
+
+
+def asset_paths(cache_dir: Path, seed: int) -> AssetPaths:
+    """Where `build_assets(cache_dir, seed)` puts its files."""
+    return _paths_under(Path(cache_dir) / f"seed{seed}")
+
+
+def build_tokenizer(corpus_path: Path = CORPUS_PATH, vocab_size: int = TOKENIZER_VOCAB_SIZE):
+    """Train the byte-level BPE and wrap it as a `PreTrainedTokenizerFast` with the chat template."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from titan_ext.models import TINY_MAX_SEQ_LEN
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_SPLIT_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(TOOL_TOKENS),
+        min_frequency=2,
+        special_tokens=[AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train([str(corpus_path)], trainer)
+    # Tool/think markers take the last ids and stay in decoded text (not "special").
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
+    if tok.get_vocab_size() != vocab_size:
+        raise RuntimeError(f"the corpus yields {tok.get_vocab_size()} tokens, not {vocab_size}")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=None,
+        eos_token=SPECIAL_TOKENS[2],
+        pad_token=SPECIAL_TOKENS[0],
+        unk_token=None,
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=TINY_MAX_SEQ_LEN,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def _input_stamp(seed: int) -> str:
+    """Hash of everything the assets depend on."""
+    import safetensors
+    import tokenizers
+    import torch
+    import torchtitan
+    import transformers
+
+    from titan_ext import hf_checkpoint, models
+
+    h = hashlib.sha256()
+    h.update(f"format={ASSETS_FORMAT} seed={seed}".encode())
+    for lib in (torch, transformers, tokenizers, safetensors, torchtitan):
+        h.update(f"{lib.__name__}={getattr(lib, '__version__', '?')}".encode())
+    for path in (CORPUS_PATH, Path(__file__), Path(models.__file__), Path(hf_checkpoint.__file__)):
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def _stamp_matches(root: Path, stamp: str) -> bool:
+    try:
+        return json.loads((root / "stamp.json").read_text())["inputs"] == stamp
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _write_model(out_dir: Path, flavour: str, seed: int, tokenizer_dir: Path) -> None:
+    from transformers import GenerationConfig
+
+    from configs.sections.model import ModelConfig
+    from titan_ext.hf_checkpoint import save_hf
+    from titan_ext.models import build_model, resolve_model
+    from titan_ext.platform import detect_platform
+
+    cfg = ModelConfig(flavour=flavour, seed=seed, device="cpu")
+    platform = detect_platform("cpu")
+    model = build_model(cfg, device="cpu", platform=platform)
+    save_hf(model, out_dir, resolve_model(cfg, platform).hf_config)
+    GenerationConfig(**TOKEN_IDS).save_pretrained(out_dir)
+    for f in sorted(tokenizer_dir.iterdir()):
+        shutil.copy2(f, out_dir / f.name)
+
+
+def _write_assets(paths: AssetPaths, seed: int) -> None:
+    build_tokenizer().save_pretrained(paths.tokenizer_dir)
+    _write_model(paths.dense_dir, "tiny", seed, paths.tokenizer_dir)
+    _write_model(paths.moe_dir, "tiny_moe", seed, paths.tokenizer_dir)
+
+
+def build_assets(cache_dir: Path, seed: int = 0) -> AssetPaths:
+    """Build (or reuse) the tokenizer and the tiny dense and MoE checkpoints under cache_dir/seed<N>."""
+    cache_dir = Path(cache_dir)
+    paths = asset_paths(cache_dir, seed)
+    stamp = _input_stamp(seed)
+    if _stamp_matches(paths.root, stamp):
+        return paths
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with _file_lock(cache_dir / f".seed{seed}.lock"):
+        if _stamp_matches(paths.root, stamp):
+            return paths
+        tmp = Path(tempfile.mkdtemp(dir=cache_dir, prefix=f".seed{seed}-build-"))
+        try:
+            tmp.chmod(0o755)
+            _write_assets(_paths_under(tmp), seed)
+            (tmp / "stamp.json").write_text(json.dumps({"inputs": stamp, "seed": seed}, indent=2) + "\n")
+            stale = None
+            if paths.root.exists():
+                stale = Path(tempfile.mkdtemp(dir=cache_dir, prefix=f".seed{seed}-stale-"))
+                os.replace(paths.root, stale / "old")
+            os.replace(tmp, paths.root)
+            if stale is not None:
+                shutil.rmtree(stale, ignore_errors=True)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return paths
+

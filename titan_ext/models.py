@@ -1,0 +1,260 @@
+"""Model flavours: `ModelConfig` -> TorchTitan `ModelSpec` + the HF config of the same model.
+
+Every flavour, tiny or real, comes out of a TorchTitan registry
+(`torchtitan.models.<family>.model_registry(flavor)`), so the trainer never
+special-cases one. The two tiny flavours are registered into the Qwen3
+registry here (`composer_tiny`, `composer_tiny_moe`): a dense Qwen3 and a
+Qwen3-MoE (4 experts, top-2) small enough for CPU RL, with head_dim 32 (the
+smallest head size the vLLM CPU backend accepts) and exact HF equivalents.
+
+`resolve_model` then applies the platform's code paths to the config (masked
+SDPA attention and per-expert fp32 experts on CPU, see `titan_ext.platform`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torchtitan.models.common.moe import GroupedExperts
+from torchtitan.protocols.model_spec import ModelSpec
+
+from configs.sections.model import ModelConfig
+from titan_ext.attention import use_masked_sdpa
+from titan_ext.hf_checkpoint import hf_config_for, load_hf_into_titan
+from titan_ext.platform import Platform, detect_platform
+
+# Tiny flavours: (dim, n_layers, n_heads, n_kv_heads, head_dim, ffn/expert hidden, experts, top_k).
+TINY_VOCAB_SIZE = 2048  # the tiny tokenizer's size (titan_ext.assets)
+TINY_MAX_SEQ_LEN = 4096
+TINY_ROPE_THETA = 1_000_000.0
+
+
+@dataclass(frozen=True)
+class TinyShape:
+    dim: int = 128
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: int = 32
+    hidden_dim: int = 384  # dense FFN width, or each expert's width
+    num_experts: int = 0  # 0: dense
+    top_k: int = 0
+    tie_embeddings: bool = True
+
+
+TINY_SHAPES: dict[str, TinyShape] = {
+    "composer_tiny": TinyShape(),
+    "composer_tiny_moe": TinyShape(hidden_dim=128, num_experts=4, top_k=2, tie_embeddings=False),
+}
+
+# Friendly flavour names -> (TorchTitan family, registry flavor).
+FLAVOURS: dict[str, tuple[str, str]] = {
+    "tiny": ("qwen3", "composer_tiny"),
+    "tiny_moe": ("qwen3", "composer_tiny_moe"),
+    "qwen3_0.6b": ("qwen3", "0.6B"),
+    "qwen3_1.7b": ("qwen3", "1.7B"),
+    "qwen3_4b": ("qwen3", "4B"),
+    "qwen3_8b": ("qwen3", "8B"),
+    "qwen3_14b": ("qwen3", "14B"),
+    "qwen3_32b": ("qwen3", "32B"),
+    "qwen3_30b_a3b": ("qwen3", "30B-A3B"),
+    "qwen3_235b_a22b": ("qwen3", "235B-A22B"),
+    "deepseek_v3_16b": ("deepseek_v3", "16B"),
+    "deepseek_v3_236b": ("deepseek_v3", "236B"),
+    "deepseek_v3_671b": ("deepseek_v3", "671B"),
+    "moonlight_16b_a3b": ("kimi_k2_7", "moonlight-16B-A3B"),
+    "kimi_k2.5": ("kimi_k2_7", "Kimi-K2.5"),
+}
+FAMILIES = ("qwen3", "deepseek_v3", "kimi_k2_7", "llama3")
+
+
+def _tiny_config(shape: TinyShape, attn_backend: str, moe_comm_backend: str = "standard") -> Any:
+    """A Qwen3Model.Config built with TorchTitan's own Qwen3 layer builders."""
+    import torchtitan.models.qwen3 as qwen3
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+
+    V, D = TINY_VOCAB_SIZE, shape.dim
+    attention = dict(
+        n_layers=shape.n_layers,
+        dim=D,
+        n_heads=shape.n_heads,
+        n_kv_heads=shape.n_kv_heads,
+        head_dim=shape.head_dim,
+        attn_backend=attn_backend,
+        rope=CosSinRoPE.Config(dim=shape.head_dim, max_seq_len=TINY_MAX_SEQ_LEN, theta=TINY_ROPE_THETA),
+    )
+    if shape.num_experts:
+        layers = qwen3._build_qwen3_moe_layers(
+            moe_hidden_dim=shape.hidden_dim,
+            num_experts=shape.num_experts,
+            top_k=shape.top_k,
+            moe_comm_backend=moe_comm_backend,
+            **attention,
+        )
+        for layer in layers:
+            # HF Qwen3-MoE has no router bias: keep routing identical in both worlds.
+            layer.moe.load_balance_coeff = None
+    else:
+        layers = qwen3._build_qwen3_layers(hidden_dim=shape.hidden_dim, **attention)
+    return qwen3.Qwen3Model.Config(
+        vocab_size=V,
+        dim=D,
+        norm=qwen3._qwen3_norm(D),
+        enable_weight_tying=shape.tie_embeddings,
+        tok_embeddings=Embedding.Config(
+            num_embeddings=V,
+            embedding_dim=D,
+            param_init=qwen3._EMBEDDING_SKIP_INIT if shape.tie_embeddings else qwen3._EMBEDDING_INIT,
+        ),
+        lm_head=Linear.Config(in_features=D, out_features=V, param_init=qwen3._LINEAR_INIT),
+        layers=layers,
+    )
+
+
+def register_tiny_flavours() -> None:
+    """Add the tiny flavours to TorchTitan's Qwen3 registry (idempotent)."""
+    import functools
+
+    import torchtitan.models.qwen3 as qwen3
+
+    for name, shape in TINY_SHAPES.items():
+        qwen3.qwen3_configs.setdefault(name, functools.partial(_tiny_config, shape))
+
+
+class ExactGroupedExperts(GroupedExperts):
+    """Grouped SwiGLU experts as a loop of per-expert matmuls in the parameter dtype.
+
+    TorchTitan's `GroupedExperts` casts to bf16 for `torch._grouped_mm`, which
+    also has no CPU backward; this computes the same function exactly (fp32 on
+    CPU) with autograd through ordinary matmuls. Same parameters, same names.
+    """
+
+    @dataclasses.dataclass(kw_only=True, slots=True)
+    class Config(GroupedExperts.Config):
+        pass
+
+    def forward(self, x_RD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        w1_EFD, w2_EDF, w3_EFD = (
+            w.to_local() if hasattr(w, "to_local") else w for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD)
+        )
+        counts = [int(c) for c in num_tokens_per_expert_E.tolist()]
+        routed = sum(counts)
+        outs = []
+        for e, x_rD in enumerate(torch.split(x_RD[:routed], counts)):
+            h_rF = F.silu(x_rD @ w1_EFD[e].T) * (x_rD @ w3_EFD[e].T)
+            outs.append(h_rF @ w2_EDF[e].T)
+        # Rows past the routed tokens are padding (as with grouped_mm offsets).
+        outs.append(x_RD.new_zeros(x_RD.shape[0] - routed, x_RD.shape[1]))
+        return torch.cat(outs).type_as(x_RD)
+
+
+def use_exact_experts(model_config: Any) -> int:
+    """Swap every `GroupedExperts` config for `ExactGroupedExperts` in place; returns the count."""
+    swapped = 0
+    for _, cfg, parent, attr in list(model_config.traverse(GroupedExperts.Config)):
+        if isinstance(cfg, ExactGroupedExperts.Config):
+            continue
+        fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.init}
+        setattr(parent, attr, ExactGroupedExperts.Config(**fields))
+        swapped += 1
+    return swapped
+
+
+@dataclass
+class ResolvedModel:
+    """What a `ModelConfig` names, ready to build.
+
+    spec: TorchTitan's ModelSpec (model config with the platform's code paths
+    applied, parallelize_fn, state_dict_adapter, ...); hf_config: the HF config
+    of the same model, or None where no mapping exists (DeepSeek/Kimi families:
+    use the config.json shipped with their checkpoints); platform: what it was
+    resolved for.
+    """
+
+    spec: ModelSpec
+    hf_config: Any
+    platform: Platform
+    family: str
+
+
+def flavour_entry(flavour: str) -> tuple[str, str]:
+    """(family, registry flavor) for a friendly name or "family:flavor"."""
+    if flavour in FLAVOURS:
+        return FLAVOURS[flavour]
+    family, sep, flavor = flavour.partition(":")
+    if sep and family in FAMILIES and flavor:
+        return family, flavor
+    raise ValueError(
+        f"unknown model flavour {flavour!r}; expected one of {sorted(FLAVOURS)} or 'family:flavor' "
+        f"with family in {FAMILIES}"
+    )
+
+
+def resolve_model(model_cfg: ModelConfig, platform: Platform | None = None) -> ResolvedModel:
+    """The one mapping from `[model]` to a TorchTitan ModelSpec (+ HF config)."""
+    platform = platform or detect_platform(model_cfg.device)
+    family, flavor = flavour_entry(model_cfg.flavour)
+    if family == "qwen3":
+        register_tiny_flavours()
+    module = importlib.import_module(f"torchtitan.models.{family}")
+    attention = platform.attention if model_cfg.attention == "auto" else model_cfg.attention
+    try:
+        spec = module.model_registry(flavor, attn_backend="flex" if attention == "sdpa" else attention)
+    except KeyError:
+        raise ValueError(f"TorchTitan's {family} registry has no flavor {flavor!r}") from None
+    if attention == "sdpa":
+        use_masked_sdpa(spec.model)
+    if platform.exact_experts:
+        use_exact_experts(spec.model)
+    hf_config = hf_config_for(spec.model, **_tiny_token_ids(model_cfg)) if family == "qwen3" else None
+    return ResolvedModel(spec=spec, hf_config=hf_config, platform=platform, family=family)
+
+
+def _tiny_token_ids(model_cfg: ModelConfig) -> dict[str, int]:
+    """Special-token ids recorded in the tiny flavours' HF config."""
+    if model_cfg.flavour not in ("tiny", "tiny_moe"):
+        return {}
+    from titan_ext.assets import TOKEN_IDS
+
+    return dict(TOKEN_IDS)
+
+
+def init_model(model: torch.nn.Module, device: torch.device | str, seed: int) -> None:
+    """Materialize a meta-device model on `device` and run TorchTitan's seeded init.
+
+    Seeds a forked RNG, so the caller's random state is unchanged.
+    """
+    device = torch.device(device)
+    model.to_empty(device=device)
+    fork_devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=fork_devices), torch.no_grad():
+        torch.manual_seed(seed)
+        model.init_states(buffer_device=device)
+
+
+def build_model(
+    model_cfg: ModelConfig,
+    device: torch.device | str | None = None,
+    platform: Platform | None = None,
+) -> torch.nn.Module:
+    """Build and initialize a model on one device; load `hf_path` when set.
+
+    With no hf_path the weights are TorchTitan's init under `seed`; for the
+    tiny flavours on CPU that is exactly what the built assets hold. The
+    parallel trainer does the same steps with parallelization between
+    the meta build and `init_model`: resolve_model -> build on meta ->
+    parallelize -> init_model -> load_hf_into_titan.
+    """
+    resolved = resolve_model(model_cfg, platform)
+    device = torch.device(device) if device is not None else resolved.platform.device_type
+    with torch.device("meta"):
+        model = resolved.spec.model.build()
+    init_model(model, device, model_cfg.seed)
+    if model_cfg.hf_path:
+        load_hf_into_titan(model, model_cfg.hf_path)
+    return model.to(getattr(torch, model_cfg.dtype))
