@@ -32,10 +32,12 @@ class LocalServerConfig:
     enabled: bool = option(False, doc="start `serve-teachers` in-process for this run")
     host: str = option("127.0.0.1", doc="loopback address to bind")
     port: int = option(0, doc="port (0 = any free port; teachers.base_url is then rewritten)", ge=0, le=65535)
-    responder: Literal["echo", "solver", "hf"] = option(
-        "echo", doc="who answers: deterministic echo, the demo-task solver, or a local HF model",
-        choices=("echo", "solver", "hf"),
+    responder: Literal["consensus", "echo", "solver", "hf"] = option(
+        "consensus",
+        doc="who answers: a deterministic consensus responder, echo, the demo-task solver, or a local HF model",
+        choices=("consensus", "echo", "solver", "hf"),
     )
+    noise: float = option(0.2, doc="consensus responder: chance a model departs from the shared answer", ge=0.0, le=1.0)
     model_dir: str = option("", doc="local HF model directory for responder = hf")
     latency_s: float = option(0.0, doc="injected latency per request", ge=0.0)
     request_log: str = option("", doc="JSONL file where the server logs every request it answers")
@@ -59,9 +61,10 @@ class ReplayConfig:
     min_weight_fraction: float = option(
         0.5, doc="weighted strategy: winner's share of the voting weight must exceed this", ge=0.0, le=1.0
     )
-    equivalence: Literal["auto", "text", "tool_call"] = option(
-        "auto", doc="action equality: normalised text, tool call (name + canonical args), or auto",
-        choices=("auto", "text", "tool_call"),
+    equivalence: Literal["tool_call", "text"] = option(
+        "tool_call",
+        doc="action equality: tool calls by name + canonical arguments (text when neither calls a tool), or normalised text",
+        choices=("tool_call", "text"),
     )
     concurrency: int = option(8, doc="states replayed at once", ge=1)
     recipe: str = option("default", doc="data-juicer recipe: a name in replay/recipes or a YAML path")

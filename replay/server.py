@@ -1,0 +1,360 @@
+"""A local OpenAI-compatible teacher server (`composer-mesh serve-teachers`).
+
+`POST /v1/chat/completions`, `GET /v1/models` and `GET /v1/usage` on loopback,
+one thread per connection (keep-alive), so concurrent clients are served
+concurrently. Answers come from a pluggable `Responder`
+`(model, messages, params) -> str | dict` (a dict is an assistant message with
+`content` and/or `tool_calls`). Usage is counted per request (prompt and
+completion tokens; completions are cut at `max_tokens`) and every answered
+request is logged (in memory and optionally to a JSONL file) *before* its
+response is written, with whether it was billed: the log is the ground truth the
+budget and resume tests check the client against.
+
+Fault injection (per server or per model, random with a seed, or scripted):
+latency, 429 with Retry-After / retry-after-ms, 500, a malformed 200 body, a
+dropped connection, and a response slower than the client's timeout.
+Billing model: 429 / 500 / 4xx are free; any request that produced a completion
+(ok, malformed, dropped, slow) is billed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import random
+import socket
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from replay.cache import context_hash
+
+Responder = Callable[[str, list[dict], dict], "str | dict"]
+
+FAULTS = ("rate_limit", "server_error", "malformed", "disconnect", "timeout")
+
+
+@dataclass(frozen=True)
+class FaultPlan:
+    """Injected behaviour: latency for every request, then at most one fault drawn in FAULTS order."""
+
+    latency_s: float = 0.0
+    latency_jitter_s: float = 0.0
+    p_rate_limit: float = 0.0
+    retry_after_s: float = 1.0
+    p_server_error: float = 0.0
+    p_malformed: float = 0.0
+    p_disconnect: float = 0.0
+    p_timeout: float = 0.0
+    timeout_delay_s: float = 30.0
+
+
+def word_count(text: str) -> int:
+    """Token count of the built-in responders: whitespace-separated words."""
+    return len(text.split())
+
+
+def echo_responder(model: str, messages: list[dict], params: dict) -> str:
+    """The last user message, back."""
+    return next((str(m.get("content", "")) for m in reversed(messages) if m.get("role") == "user"), "")
+
+
+class ConsensusResponder:
+    """Deterministic teachers that mostly agree: every model gives the context's shared
+    answer, except that each model departs from it with probability `noise`
+    (decided by a hash of model and context, so repeated requests repeat)."""
+
+    def __init__(self, choices: int = 4, noise: float = 0.2) -> None:
+        if choices < 2:
+            raise ValueError("choices must be at least 2")
+        self.choices = choices
+        self.noise = noise
+
+    @staticmethod
+    def _h(*parts: str) -> int:
+        return int.from_bytes(hashlib.sha256("\x00".join(parts).encode()).digest()[:8], "big")
+
+    def __call__(self, model: str, messages: list[dict], params: dict) -> str:
+        ctx = json.dumps(messages, sort_keys=True)
+        base = self._h(ctx) % self.choices
+        if (self._h(model, ctx, "noise") % 10_000) / 10_000 < self.noise:
+            base = (base + 1 + self._h(model, ctx) % (self.choices - 1)) % self.choices
+        return f"answer {base}"
+
+
+class HFResponder:
+    """A local Hugging Face causal LM directory answering greedily (one request at a time)."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
+        self._lock = threading.Lock()
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def __call__(self, model: str, messages: list[dict], params: dict) -> str:
+        import torch
+
+        ids = self.tokenizer.apply_chat_template(
+            [{"role": m["role"], "content": m.get("content") or ""} for m in messages],
+            add_generation_prompt=True, return_tensors="pt", return_dict=True,
+        )
+        with self._lock, torch.no_grad():
+            out = self.model.generate(
+                **ids, max_new_tokens=int(params.get("max_tokens") or 64), do_sample=False,
+                pad_token_id=self.tokenizer.pad_token_id or self.tokenizer.eos_token_id,
+            )
+        return self.tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
+
+
+class TeacherServer:
+    """The server; `with TeacherServer(responder) as server: server.url` → `http://127.0.0.1:PORT/v1`.
+
+    models: names served (None = any model name is accepted); model_faults:
+    per-model FaultPlans overriding `faults`; request_log: JSONL path;
+    api_key: when set, requests must carry `Authorization: Bearer <api_key>`.
+    """
+
+    def __init__(
+        self,
+        responder: Responder,
+        *,
+        models: Iterable[str] | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        faults: FaultPlan = FaultPlan(),
+        model_faults: dict[str, FaultPlan] | None = None,
+        request_log: str | Path | None = None,
+        seed: int = 0,
+        api_key: str | None = None,
+    ) -> None:
+        self.responder = responder
+        self.api_key = api_key
+        self.models = tuple(models) if models is not None else None
+        self.faults = faults
+        self.model_faults = dict(model_faults or {})
+        self.count_tokens: Callable[[str], int] = getattr(responder, "count_tokens", word_count)
+        self.log: list[dict] = []
+        self._log_path = Path(request_log) if request_log else None
+        self._log_file = None
+        self._scripted: dict[str, deque] = {}
+        self._rng = random.Random(seed)
+        self._lock = threading.Lock()
+        self._httpd = ThreadingHTTPServer((host, port), _Handler, bind_and_activate=False)
+        self._httpd.daemon_threads = True
+        self._httpd.request_queue_size = 256
+        self._httpd.allow_reuse_address = True
+        self._httpd.server_bind()
+        self._httpd.server_activate()
+        self._httpd.teacher_server = self  # type: ignore[attr-defined]
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host, port = self._httpd.server_address[:2]
+        return f"http://{host}:{port}/v1"
+
+    def start(self) -> "TeacherServer":
+        if self._log_path is not None:
+            self._log_path.parent.mkdir(parents=True, exist_ok=True)
+            self._log_file = open(self._log_path, "a", encoding="utf-8")
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="teacher-server", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        if self._log_file is not None:
+            self._log_file.close()
+
+    def __enter__(self) -> "TeacherServer":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def inject(self, model: str, *faults: str) -> None:
+        """Apply these faults (names from FAULTS, or "ok") to the model's next requests, in order."""
+        for f in faults:
+            if f not in FAULTS and f != "ok":
+                raise ValueError(f"unknown fault {f!r}; choose from {FAULTS + ('ok',)}")
+        with self._lock:
+            self._scripted.setdefault(model, deque()).extend(faults)
+
+    def usage(self) -> dict[str, Any]:
+        """Totals over the log: requests, billed requests and tokens per model."""
+        with self._lock:
+            out: dict[str, Any] = {"requests": len(self.log), "billed": 0, "models": {}}
+            for rec in self.log:
+                m = out["models"].setdefault(rec["model"], {"requests": 0, "billed": 0, "prompt_tokens": 0, "completion_tokens": 0})
+                m["requests"] += 1
+                if rec["billed"]:
+                    out["billed"] += 1
+                    m["billed"] += 1
+                    m["prompt_tokens"] += rec["prompt_tokens"]
+                    m["completion_tokens"] += rec["completion_tokens"]
+            return out
+
+    # -- request handling (called from handler threads)
+
+    def _plan(self, model: str) -> tuple[FaultPlan, str]:
+        plan = self.model_faults.get(model, self.faults)
+        with self._lock:
+            queue = self._scripted.get(model)
+            if queue:
+                return plan, queue.popleft()
+            u = self._rng.random()
+            jitter = self._rng.uniform(0, plan.latency_jitter_s) if plan.latency_jitter_s else 0.0
+        edge = 0.0
+        for name, p in zip(FAULTS, (plan.p_rate_limit, plan.p_server_error, plan.p_malformed, plan.p_disconnect, plan.p_timeout)):
+            edge += p
+            if u < edge:
+                return FaultPlan(**{**plan.__dict__, "latency_s": plan.latency_s + jitter}), name
+        return FaultPlan(**{**plan.__dict__, "latency_s": plan.latency_s + jitter}), "ok"
+
+    def _record(self, rec: dict) -> None:
+        with self._lock:
+            rec["n"] = len(self.log)
+            self.log.append(rec)
+            if self._log_file is not None:
+                self._log_file.write(json.dumps(rec) + "\n")
+                self._log_file.flush()
+
+    def _completion(self, model: str, messages: list[dict], params: dict) -> tuple[dict, dict, str]:
+        """(assistant message, usage, finish_reason) with completions cut at max_tokens."""
+        out = self.responder(model, messages, params)
+        message = {"role": "assistant", "content": out} if isinstance(out, str) else {"role": "assistant", **out}
+        message.setdefault("content", "")
+        text = message["content"] or ""
+        calls_text = json.dumps(message.get("tool_calls")) if message.get("tool_calls") else ""
+        completion = self.count_tokens(text) + (self.count_tokens(calls_text) if calls_text else 0)
+        limit = int(params.get("max_tokens") or 1 << 30)
+        finish = "tool_calls" if message.get("tool_calls") else "stop"
+        if completion > limit:
+            words = text.split()[:limit]
+            while words and self.count_tokens(" ".join(words)) > limit:
+                words.pop()
+            message = {"role": "assistant", "content": " ".join(words)}
+            completion, finish = self.count_tokens(message["content"]), "length"
+        prompt = sum(
+            self.count_tokens(str(m.get("content") or ""))
+            + (self.count_tokens(json.dumps(m["tool_calls"])) if m.get("tool_calls") else 0)
+            + 4
+            for m in messages
+        ) + (self.count_tokens(json.dumps(params["tools"])) if params.get("tools") else 0)
+        usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return message, usage, finish
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = "composer-mesh-teachers/1"
+
+    def setup(self) -> None:
+        super().setup()
+        # headers and body go out as two writes; without NODELAY, Nagle + delayed ACK add ~40 ms
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def log_message(self, format: str, *args: Any) -> None:  # the request log is the record
+        return
+
+    @property
+    def app(self) -> TeacherServer:
+        return self.server.teacher_server  # type: ignore[attr-defined]
+
+    def _send(self, status: int, payload: bytes, headers: dict[str, str] | None = None) -> None:
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(payload)))
+            for k, v in (headers or {}).items():
+                self.send_header(k, v)
+            self.end_headers()
+            self.wfile.write(payload)
+            self.wfile.flush()
+        except OSError:
+            self.close_connection = True  # the client went away (e.g. it timed out)
+
+    def _error(self, status: int, message: str, kind: str, headers: dict[str, str] | None = None) -> None:
+        self._send(status, json.dumps({"error": {"message": message, "type": kind}}).encode(), headers)
+
+    def do_GET(self) -> None:
+        if self.path.rstrip("/") == "/v1/models":
+            names = self.app.models or ()
+            data = [{"id": m, "object": "model", "owned_by": "composer-mesh"} for m in names]
+            self._send(200, json.dumps({"object": "list", "data": data}).encode())
+        elif self.path.rstrip("/") == "/v1/usage":
+            self._send(200, json.dumps(self.app.usage()).encode())
+        else:
+            self._error(404, f"no route {self.path}", "not_found")
+
+    def do_POST(self) -> None:
+        raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        if self.path.rstrip("/") != "/v1/chat/completions":
+            self._error(404, f"no route {self.path}", "not_found")
+            return
+        try:
+            body = json.loads(raw)
+            model, messages = str(body["model"]), body["messages"]
+            if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+                raise TypeError("messages must be a list of objects")
+        except (ValueError, KeyError, TypeError) as exc:
+            self._error(400, f"bad request: {exc}", "invalid_request_error")
+            return
+        app = self.app
+        if app.api_key is not None:
+            given = self.headers.get("Authorization", "").removeprefix("Bearer ")
+            if given != app.api_key:  # echoes the key it got, as public APIs do: clients must redact
+                self._error(401, f"Incorrect API key provided: {given}", "invalid_request_error")
+                return
+        if app.models is not None and model not in app.models:
+            self._error(404, f"model {model!r} not found", "not_found")
+            return
+        key = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+        context = context_hash(messages)
+        plan, fault = app._plan(model)
+        if plan.latency_s:
+            time.sleep(plan.latency_s)
+        rec = {"model": model, "key": key, "context": context, "outcome": fault, "billed": False, "prompt_tokens": 0, "completion_tokens": 0}
+        if fault == "rate_limit":
+            app._record(rec)
+            headers = {"Retry-After": str(math.ceil(plan.retry_after_s)), "retry-after-ms": str(int(plan.retry_after_s * 1000))}
+            self._error(429, "rate limited", "rate_limit_error", headers)
+            return
+        if fault == "server_error":
+            app._record(rec)
+            self._error(500, "injected server error", "server_error")
+            return
+        params = {k: v for k, v in body.items() if k not in ("model", "messages")}
+        try:
+            message, usage, finish = app._completion(model, messages, params)
+        except Exception as exc:  # a responder bug is the server's 500, not a crash
+            app._record({**rec, "outcome": "responder_error"})
+            self._error(500, f"responder failed: {type(exc).__name__}: {exc}", "server_error")
+            return
+        rec.update(billed=True, prompt_tokens=usage["prompt_tokens"], completion_tokens=usage["completion_tokens"])
+        app._record(rec)
+        if fault == "disconnect":
+            self.close_connection = True
+            try:
+                self.connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            return
+        if fault == "timeout":
+            time.sleep(plan.timeout_delay_s)
+        payload = {
+            "id": f"chatcmpl-{rec['n']}", "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": message, "finish_reason": finish}], "usage": usage,
+        }
+        data = json.dumps(payload).encode()
+        self._send(200, data[: len(data) // 2] if fault == "malformed" else data)

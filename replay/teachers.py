@@ -1,0 +1,297 @@
+"""Async client for teacher models behind OpenAI-compatible `/v1/chat/completions`.
+
+One `TeacherClient` serves all teachers of a `TeachersConfig` (OpenRouter, vLLM,
+the local `serve-teachers` server: anything with that endpoint). Per call:
+cache lookup → per-teacher concurrency slot → budget reservation of the worst
+case → journal intent → POST → settle the budget to the billed cost → journal
+the result (the response is on disk before it is returned).
+
+Failures: 429 / 5xx / connection errors / timeouts / malformed bodies are
+retried with exponential backoff and full jitter (Retry-After and
+retry-after-ms honoured); other 4xx end at once. A call that still fails comes
+back as a `TeacherReply` with a structured `TeacherError`, never an exception.
+Billing: 429 and 5xx are assumed free; a timeout, dropped connection or
+malformed 200 body may have been billed, so it is charged its worst case.
+API keys are read from environment variables and never appear in errors or logs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import json
+import math
+import os
+import random
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+import httpx
+
+from configs.sections.teachers import TeacherSpec, TeachersConfig
+from replay.budget import Budget, BudgetExceeded, cost_nusd
+from replay.cache import NANO, ResponseCache, canonical_json, context_hash, request_key
+
+_WIRE_KEYS = ("role", "content", "tool_calls", "tool_call_id", "name")
+_RETRYABLE_STATUS = (429, 500, 502, 503, 504, 529)
+
+
+@dataclass(frozen=True)
+class TeacherError:
+    """Why a call produced no response. kind: rate_limited, server_error, timeout,
+    connection, disconnect, malformed, client_error, budget."""
+
+    kind: str
+    message: str
+    status: int | None = None
+
+
+@dataclass(frozen=True)
+class TeacherReply:
+    """One teacher's answer to one context (or why there is none)."""
+
+    teacher: str
+    model: str
+    message: dict | None
+    usage: dict = field(default_factory=dict)
+    cost_usd: float = 0.0
+    cached: bool = False
+    attempts: int = 0
+    error: TeacherError | None = None
+
+
+@dataclass
+class ClientStats:
+    requests: int = 0  # HTTP attempts sent
+    cache_hits: int = 0
+    retries: int = 0
+    successes: int = 0
+    failures: Counter = field(default_factory=Counter)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**{k: v for k, v in self.__dict__.items() if k != "failures"}, "failures": dict(self.failures)}
+
+
+def wire_messages(messages: list[dict]) -> list[dict]:
+    """Messages with only the keys the OpenAI API accepts (drops reasoning, is_error, ...)."""
+    return [{k: m[k] for k in _WIRE_KEYS if k in m and m[k] is not None} for m in messages]
+
+
+def tool_specs(names: tuple[str, ...] | list[str]) -> list[dict]:
+    """Function-tool declarations for tools known only by name (free-form arguments)."""
+    return [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in names]
+
+
+def retry_after_s(headers: httpx.Headers) -> float | None:
+    """Server-requested delay: retry-after-ms, else Retry-After (seconds or HTTP date)."""
+    if "retry-after-ms" in headers:
+        try:
+            return max(0.0, float(headers["retry-after-ms"]) / 1000)
+        except ValueError:
+            pass
+    value = headers.get("retry-after")
+    if value is None:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        try:
+            return max(0.0, email.utils.parsedate_to_datetime(value).timestamp() - time.time())
+        except (TypeError, ValueError):
+            return None
+
+
+class TeacherClient:
+    """Chat completions for the teachers of `cfg`, with cache, budget and retries.
+
+    cache: the durable response cache (None: no caching, e.g. benchmarks);
+    budget: shared spend cap (default: `cfg.budget_usd`, starting from the
+    cache's recorded prior spend); sleep/seed: the backoff clock and jitter.
+    """
+
+    def __init__(
+        self,
+        cfg: TeachersConfig,
+        cache: ResponseCache | None = None,
+        budget: Budget | None = None,
+        *,
+        sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
+        seed: int = 0,
+    ) -> None:
+        self.cfg = cfg
+        self.teachers: dict[str, TeacherSpec] = {t.name: t for t in cfg.models}
+        if len(self.teachers) != len(cfg.models) or "" in self.teachers:
+            raise ValueError("teacher names must be unique and non-empty")
+        self.cache = cache
+        self.budget = budget or Budget(cfg.budget_usd, cache.prior_spend_nusd if cache else 0)
+        self.stats = ClientStats()
+        self._sleep = sleep
+        self._rng = random.Random(seed)
+        self._secrets: dict[str, str] = {}
+        self._http: dict[str, httpx.AsyncClient] = {}
+        self._slots: dict[str, asyncio.Semaphore] = {}
+        for spec in cfg.models:
+            env = spec.api_key_env or cfg.api_key_env
+            if env and env not in os.environ:
+                raise ValueError(f"teacher {spec.name!r}: environment variable {env} is not set")
+            self._secrets[spec.name] = os.environ.get(env, "") if env else ""
+
+    def __repr__(self) -> str:  # never show keys
+        return f"TeacherClient(teachers={list(self.teachers)}, budget=${self.budget.cap_usd})"
+
+    def base_url(self, spec: TeacherSpec) -> str:
+        return (spec.base_url or self.cfg.base_url).rstrip("/")
+
+    def _client(self, spec: TeacherSpec) -> httpx.AsyncClient:
+        url = self.base_url(spec)
+        if url not in self._http:
+            limit = sum(t.max_concurrency for t in self.cfg.models)
+            self._http[url] = httpx.AsyncClient(
+                timeout=httpx.Timeout(self.cfg.read_timeout_s, connect=self.cfg.connect_timeout_s, pool=None),
+                limits=httpx.Limits(max_connections=limit, max_keepalive_connections=limit),
+            )
+        return self._http[url]
+
+    def _slot(self, name: str) -> asyncio.Semaphore:
+        if name not in self._slots:
+            self._slots[name] = asyncio.Semaphore(self.teachers[name].max_concurrency)
+        return self._slots[name]
+
+    def worst_case_nusd(self, spec: TeacherSpec, body: dict) -> int:
+        """Upper bound on the call's cost: prompt bytes × tokens/byte + per-message markup, and max_tokens out."""
+        nbytes = len(canonical_json({"messages": body["messages"], "tools": body.get("tools")}).encode())
+        prompt = math.ceil(nbytes * self.cfg.prompt_tokens_per_byte) + self.cfg.prompt_tokens_overhead * (
+            len(body["messages"]) + 1
+        )
+        return cost_nusd(prompt, spec.max_tokens, spec.price_in_per_mtok, spec.price_out_per_mtok)
+
+    def _redact(self, text: str) -> str:
+        for secret in self._secrets.values():
+            if secret:
+                text = text.replace(secret, "***")
+        return text
+
+    def _backoff(self, attempt: int, server_delay: float | None) -> float:
+        jitter = self._rng.uniform(0.0, min(self.cfg.backoff_max_s, self.cfg.backoff_base_s * 2**attempt))
+        return max(server_delay, jitter) if server_delay is not None else jitter
+
+    async def complete(self, teacher: str, messages: list[dict], tools: list[dict] | None = None) -> TeacherReply:
+        """The teacher's next assistant message for `messages` (cached, budgeted, retried)."""
+        spec = self.teachers[teacher]
+        body: dict[str, Any] = {
+            "model": spec.model,
+            "messages": wire_messages(messages),
+            "max_tokens": spec.max_tokens,
+            "temperature": spec.temperature,
+        }
+        if tools:
+            body["tools"] = tools
+        params = {k: body[k] for k in ("max_tokens", "temperature", "tools") if k in body}
+        key = request_key(spec.name, spec.model, params, body["messages"])
+        if self.cache is not None and (hit := self.cache.get(key)) is not None:
+            self.stats.cache_hits += 1
+            return TeacherReply(teacher, spec.model, hit.message, hit.usage, hit.cost_nusd / NANO, cached=True)
+        worst = self.worst_case_nusd(spec, body)
+        error: TeacherError | None = None
+        sent = 0
+        async with self._slot(teacher):
+            for attempt in range(self.cfg.max_retries + 1):
+                try:
+                    await self.budget.reserve(worst)
+                except BudgetExceeded as exc:
+                    error = TeacherError("budget", str(exc))
+                    break
+                self.stats.retries += attempt > 0
+                sent += 1
+                reply, error, delay = await self._attempt(spec, body, key, worst, attempt + 1)
+                if reply is not None:
+                    self.stats.successes += 1
+                    return reply
+                if error.kind == "client_error" or attempt == self.cfg.max_retries:
+                    break
+                await self._sleep(self._backoff(attempt, delay))
+        self.stats.failures[error.kind] += 1
+        return TeacherReply(teacher, spec.model, None, attempts=sent, error=error)
+
+    async def _attempt(
+        self, spec: TeacherSpec, body: dict, key: str, worst: int, attempt: int
+    ) -> tuple[TeacherReply | None, TeacherError | None, float | None]:
+        """One HTTP attempt under a held reservation; always settles it and journals the outcome."""
+        journal = self.cache.intent(key, spec.name, worst, context_hash(body["messages"])) if self.cache is not None else None
+        headers = {"Authorization": f"Bearer {self._secrets[spec.name]}"} if self._secrets[spec.name] else {}
+        charged, error, delay, reply = 0, None, None, None
+        self.stats.requests += 1
+        try:
+            resp = await self._client(spec).post(f"{self.base_url(spec)}/chat/completions", json=body, headers=headers)
+        except httpx.TimeoutException as exc:
+            charged, error = (0, TeacherError("connection", f"connect timeout: {exc!r}")) if isinstance(
+                exc, httpx.ConnectTimeout
+            ) else (worst, TeacherError("timeout", f"no response within {self.cfg.read_timeout_s}s"))
+        except httpx.ConnectError as exc:
+            error = TeacherError("connection", self._redact(f"cannot connect: {exc}"))
+        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
+            charged, error = worst, TeacherError("disconnect", self._redact(f"connection dropped: {exc!r}"))
+        else:
+            if resp.status_code == 200:
+                reply, error, charged = self._parse(spec, resp, worst, attempt)
+            else:
+                text = self._redact(resp.text[:300])
+                kind = "rate_limited" if resp.status_code == 429 else (
+                    "server_error" if resp.status_code in _RETRYABLE_STATUS or resp.status_code >= 500 else "client_error"
+                )
+                error = TeacherError(kind, f"HTTP {resp.status_code}: {text}", resp.status_code)
+                delay = retry_after_s(resp.headers) if kind != "client_error" else None
+        if journal is not None:
+            if reply is not None:
+                self.cache.result(journal, key, spec.name, spec.model, charged, reply.message, reply.usage)
+            else:
+                self.cache.result(journal, key, spec.name, spec.model, charged, error=f"{error.kind}: {error.message}")
+        await self.budget.settle(worst, charged)
+        return reply, error, delay
+
+    def _parse(self, spec: TeacherSpec, resp: httpx.Response, worst: int, attempt: int):
+        """(reply, error, cost charged) of a 200 response; malformed bodies are charged the worst case."""
+        try:
+            data = resp.json()
+            raw = data["choices"][0]["message"]
+            message = {"role": "assistant", "content": raw.get("content") or ""}
+            if raw.get("tool_calls"):
+                message["tool_calls"] = list(raw["tool_calls"])
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+            return None, TeacherError("malformed", f"unparseable 200 body: {self._redact(resp.text[:120])!r}"), worst
+        usage = data.get("usage") or {}
+        try:
+            charged = cost_nusd(
+                int(usage["prompt_tokens"]), int(usage["completion_tokens"]), spec.price_in_per_mtok, spec.price_out_per_mtok
+            )
+        except (KeyError, TypeError, ValueError):
+            charged = worst  # no usage reported: assume the worst we allowed
+        usage = {"prompt_tokens": usage.get("prompt_tokens"), "completion_tokens": usage.get("completion_tokens")}
+        return TeacherReply(spec.name, spec.model, message, usage, charged / NANO, attempts=attempt), None, charged
+
+    async def aclose(self) -> None:
+        for client in self._http.values():
+            await client.aclose()
+        self._http.clear()
+
+
+class SyncTeacherClient:
+    """A `TeacherClient` on its own event-loop thread, for blocking callers (hint generation)."""
+
+    def __init__(self, cfg: TeachersConfig, cache: ResponseCache | None = None, **kwargs: Any) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="teacher-client", daemon=True)
+        self._thread.start()
+        self.client = TeacherClient(cfg, cache, **kwargs)
+
+    def complete(self, teacher: str, messages: list[dict], tools: list[dict] | None = None) -> TeacherReply:
+        return asyncio.run_coroutine_threadsafe(self.client.complete(teacher, messages, tools), self._loop).result()
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.client.aclose(), self._loop).result()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()

@@ -1,0 +1,107 @@
+"""Error classification, hint generators and hint placement / token alignment."""
+
+from __future__ import annotations
+
+import pytest
+
+from configs.records import ErrorKind, ErrorSite
+from configs.sections.teachers import TeachersConfig, TeacherSpec
+from replay.hints import LLMHintGenerator, TemplateHintGenerator, classify_error, hint_token_spans, insert_hint
+from replay.server import FaultPlan, TeacherServer
+from replay.teachers import SyncTeacherClient
+
+CASES = [
+    ("bash: rg: command not found", "Bash", ErrorKind.COMMAND_NOT_FOUND),
+    ("/bin/sh: 1: cargo: not found\nzsh: command not found: cargo", "Bash", ErrorKind.COMMAND_NOT_FOUND),
+    ("cat: NOTES.md: No such file or directory", "Bash", ErrorKind.FILE_NOT_FOUND),
+    ("FileNotFoundError: [Errno 2] No such file or directory: 'data.csv'", "", ErrorKind.FILE_NOT_FOUND),
+    ("File does not exist.", "Read", ErrorKind.FILE_NOT_FOUND),
+    ("mkdir: cannot create directory '/opt/x': Permission denied", "Bash", ErrorKind.PERMISSION),
+    ("PermissionError: [Errno 13] Permission denied: '/etc/passwd'", "", ErrorKind.PERMISSION),
+    ('  File "a.py", line 3\n    def f(:\n          ^\nSyntaxError: invalid syntax', "Bash", ErrorKind.SYNTAX),
+    ("bash: -c: line 1: syntax error near unexpected token `)'", "Bash", ErrorKind.SYNTAX),
+    ("Command timed out after 2m 0.0s", "Bash", ErrorKind.TIMEOUT),
+    ("FAILED test_calc.py::test_add - AssertionError\n1 failed, 2 passed in 0.03s", "Bash", ErrorKind.TEST_FAILURE),
+    ("<tool_use_error>String to replace not found in file.</tool_use_error>", "Edit", ErrorKind.BAD_TOOL_CALL),
+    ("InputValidationError: Read failed due to the following issue: The required parameter `file_path` is missing",
+     "Read", ErrorKind.BAD_TOOL_CALL),
+    ("Error: No such tool available: Browse", "Browse", ErrorKind.BAD_TOOL_CALL),
+    ("The user doesn't want to proceed with this tool use.", "Bash", ErrorKind.OTHER),
+]
+
+
+@pytest.mark.parametrize("message,tool,kind", CASES)
+def test_classify_error(message, tool, kind):
+    assert classify_error(message, tool) == kind
+
+
+MESSAGES = [
+    {"role": "user", "content": "fix it"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "a", "type": "function", "function": {"name": "Bash", "arguments": '{"command": "cat x"}'}},
+        {"id": "b", "type": "function", "function": {"name": "Bash", "arguments": '{"command": "ls"}'}},
+    ]},
+    {"role": "tool", "tool_call_id": "a", "content": "cat: x: No such file or directory", "is_error": True},
+    {"role": "tool", "tool_call_id": "b", "content": "y"},
+    {"role": "assistant", "content": "The file is y."},
+]
+SITE = ErrorSite(turn=1, kind=ErrorKind.FILE_NOT_FOUND, message="cat: x: No such file or directory", tool="Bash")
+
+
+def test_template_hints_quote_the_error_and_differ_by_kind():
+    gen = TemplateHintGenerator()
+    hint = gen.hint(SITE, MESSAGES)
+    assert "(Bash)" in hint and '"cat: x: No such file or directory"' in hint
+    hints = {gen.hint(ErrorSite(1, kind, "boom", ""), MESSAGES) for kind in ErrorKind}
+    assert len(hints) == len(ErrorKind)
+
+
+def test_insert_hint_after_all_results_of_the_failed_turn():
+    hinted = insert_hint(MESSAGES, SITE, "look first")
+    assert hinted.hint_index == 4 and hinted.after_index == 3
+    assert hinted.messages[4] == {"role": "user", "content": "look first"}
+    assert hinted.messages[:4] == MESSAGES[:4] and hinted.messages[5:] == MESSAGES[4:]
+    assert MESSAGES[4] == {"role": "assistant", "content": "The file is y."}  # input untouched
+    # an environment that returns the result as a user message
+    env = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "run x"}, {"role": "user", "content": "error: x"}]
+    assert insert_hint(env, ErrorSite(1, ErrorKind.OTHER, "error: x"), "h").hint_index == 3
+    with pytest.raises(ValueError, match="outside"):
+        insert_hint(MESSAGES, ErrorSite(9, ErrorKind.OTHER, "m"), "h")
+
+
+def test_hint_token_spans_align_with_a_real_chat_template(tiny_assets):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_assets.tokenizer_dir))
+    plain = [{"role": m["role"], "content": m["content"] or "call"} for m in MESSAGES]
+    hinted = insert_hint(plain, SITE, "Check the path with ls before reading it.")
+
+    def template(messages, tokenize=True):
+        return tok.apply_chat_template(messages, tokenize=tokenize, return_dict=False)
+
+    student, teacher, spans = hint_token_spans(plain, hinted, template)
+    assert spans.hint_end - spans.hint_start == len(teacher) - len(student) > 0
+    assert "Check the path with ls" in tok.decode(teacher[spans.hint_start : spans.hint_end])
+    for j, t in enumerate(student):
+        assert teacher[spans.student_to_hinted(j)] == t
+
+
+def test_llm_hints_through_the_teacher_client(tmp_path):
+    def mentor(model, messages, params):
+        assert "No such file" in messages[-1]["content"]
+        return "Run ls to see which files exist."
+
+    with TeacherServer(mentor, model_faults={"down": FaultPlan(p_server_error=1.0)}) as server:
+        cfg = TeachersConfig(
+            models=(TeacherSpec(name="mentor", model="m"), TeacherSpec(name="broken", model="down")),
+            base_url=server.url, max_retries=1, backoff_base_s=0.001,
+        )
+        client = SyncTeacherClient(cfg)
+        try:
+            assert LLMHintGenerator(client, "mentor").hint(SITE, MESSAGES) == "Run ls to see which files exist."
+            fallback = LLMHintGenerator(client, "broken")
+            assert fallback.hint(SITE, MESSAGES) == TemplateHintGenerator().hint(SITE, MESSAGES)
+            assert fallback.fallbacks == 1
+        finally:
+            client.close()
+    assert [r["outcome"] for r in server.log if r["model"] == "down"] == ["server_error"] * 2
