@@ -47,6 +47,11 @@ INVALID = [
     ("bad-toml", "[trainer\nsteps = 3\n", (), ["invalid TOML"]),
     ("bad-include-missing", 'base = "nope.toml"\n', (), ["base", "nope.toml", "does not exist"]),
     ("bad-include-type", "base = 3\n", (), ["base", "expected a file name"]),
+    ("secret-env-missing", '[teachers]\napi_key_env = "COMPOSER_MESH_TEST_UNSET_KEY"\n', (),
+     ["teachers.api_key_env", "COMPOSER_MESH_TEST_UNSET_KEY", "not set"]),
+    ("secret-env-missing-nested", '[[teachers.models]]\nname = "a"\napi_key_env = "COMPOSER_MESH_TEST_UNSET_KEY"\n', (),
+     ["teachers.models.0.api_key_env", "not set"]),
+    ("array-of-tables-typo", '[[teachers.models]]\nnmae = "a"\n', (), ["teachers.models.0.nmae", "name"]),
 ]
 
 
@@ -60,6 +65,23 @@ def test_invalid_config_names_the_key(tmp_path, name, text, overrides, words):
         assert word in msg, f"{word!r} not in error: {msg}"
     if "override" not in name and name != "bad-toml":
         assert str(path) in msg, f"error should name the file: {msg}"
+
+
+def test_secret_values_are_refused_without_echoing_them(tmp_path):
+    """A key pasted where an env-var *name* belongs is an error that does not repeat the key."""
+    secret = "sk-or-v1-0123456789abcdef"
+    path = _write(tmp_path, "leak.toml", f'[teachers]\napi_key_env = "{secret}"\n')
+    with pytest.raises(ConfigError) as exc:
+        load_config(path)
+    assert "teachers.api_key_env" in str(exc.value) and "name" in str(exc.value)
+    assert secret not in str(exc.value)
+
+
+def test_secret_env_present_loads_and_dump_holds_only_the_name(tmp_path):
+    path = _write(tmp_path, "ok.toml", '[teachers]\napi_key_env = "COMPOSER_MESH_TEST_KEY"\n')
+    cfg = load_config(path, environ={"COMPOSER_MESH_TEST_KEY": "sk-secret-value"})
+    assert cfg.teachers.api_key_env == "COMPOSER_MESH_TEST_KEY"
+    assert "sk-secret-value" not in dump_config(cfg)
 
 
 def test_include_cycle_is_an_error(tmp_path):
