@@ -20,11 +20,12 @@ instead, which needs one CUDA device per process.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import math
 import re
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable, Literal
 
 import torch
@@ -95,18 +96,26 @@ class _Layout:
     """How one Muon parameter's update reaches Newton–Schulz.
 
     local:   this rank holds whole matrices (plain tensor, replicated DTensor,
-             or [E, m, n] sharded on dim 0 only) — NS here, no communication.
-    owner:   sharded on one mesh dim: shards go to `owner` (rank in `group`),
-             which runs NS on the full tensor and sends the slices back.
+             or [E, m, n] sharded on dim 0 only, e.g. EP) — NS here, no communication.
+    owner:   one mesh dim shards a matrix dim: the shards of the slab (the
+             local tensor with that dim made whole) go to `owner` (rank in
+             `group`), which runs NS and sends the slices back. Other mesh
+             dims may replicate or shard the expert dim 0 (EP × FSDP).
     gather:  any other placement: all ranks rebuild the full tensor and run NS
-             (correct, slower; e.g. FSDP × TP 2-D sharding).
+             (correct, slower; e.g. FSDP × TP 2-D sharding of one matrix).
     """
 
     kind: Literal["local", "owner", "gather"]
-    group: Any = None  # ProcessGroup of the sharded mesh dim (owner)
+    group: Any = None  # ProcessGroup of the sharding mesh dim (owner)
     shard_dim: int = 0
     shard_sizes: tuple[int, ...] = ()  # size along shard_dim on each group rank
+    slab_shape: tuple[int, ...] = ()  # what the owner reassembles
     owner: int = 0
+
+    def shard_shape(self, rank: int) -> list[int]:
+        shape = list(self.slab_shape)
+        shape[self.shard_dim] = self.shard_sizes[rank]
+        return shape
 
 
 def _chunk_sizes(size: int, parts: int) -> tuple[int, ...]:
@@ -119,19 +128,21 @@ def _classify(p: torch.Tensor) -> _Layout:
     if not isinstance(p, DTensor):
         return _Layout("local")
     sharded = [(d, pl) for d, pl in enumerate(p.placements) if not isinstance(pl, Replicate)]
-    if not sharded:
+    # Shard (or _StridedShard) of the expert dim keeps whole matrices on each rank.
+    matrix = [(d, pl) for d, pl in sharded if not (p.ndim == 3 and isinstance(pl, Shard) and pl.dim == 0)]
+    if not matrix:
         return _Layout("local")
-    if all(type(pl) is Shard and pl.dim == 0 for _, pl in sharded) and p.ndim == 3:
-        return _Layout("local")
-    if len(sharded) == 1 and type(sharded[0][1]) is Shard:
-        mesh_dim, placement = sharded[0]
-        parts = p.device_mesh.size(mesh_dim)
-        sizes = _chunk_sizes(p.shape[placement.dim], parts)
-        local = p.to_local().shape[placement.dim]
+    if len(matrix) == 1 and type(matrix[0][1]) is Shard:
+        mesh_dim, placement = matrix[0]
+        local = p.to_local().shape
+        sizes = _chunk_sizes(p.shape[placement.dim], p.device_mesh.size(mesh_dim))
         me = p.device_mesh.get_local_rank(mesh_dim)
-        if sizes[me] != local:
-            raise ValueError(f"unexpected shard size {local} (expected {sizes[me]}) for {tuple(p.shape)} {p.placements}")
-        return _Layout("owner", p.device_mesh.get_group(mesh_dim), placement.dim, sizes)
+        if sizes[me] != local[placement.dim]:
+            raise ValueError(f"unexpected shard size {local[placement.dim]} (expected {sizes[me]}) "
+                             f"for {tuple(p.shape)} {p.placements}")
+        slab = list(local)
+        slab[placement.dim] = p.shape[placement.dim]
+        return _Layout("owner", p.device_mesh.get_group(mesh_dim), placement.dim, sizes, tuple(slab))
     return _Layout("gather")
 
 
@@ -154,7 +165,6 @@ class MuonStepStats:
     orthogonalized_numel: int = 0
     collectives: int = 0
     comm_numel: int = 0  # elements this rank sent in collectives
-    by_kind: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
 
 # ---------------------------------------------------------------------------
@@ -203,10 +213,9 @@ class ShardedMuon(Optimizer):
                 if layout.kind == "owner":
                     by_group.setdefault(layout.group, []).append(p)
         for pg, params in by_group.items():
-            owners = assign_owners([p.numel() for p in params], dist.get_world_size(pg))
+            owners = assign_owners([math.prod(self._layouts[p].slab_shape) for p in params], dist.get_world_size(pg))
             for p, owner in zip(params, owners):
-                layout = self._layouts[p]
-                self._layouts[p] = _Layout("owner", pg, layout.shard_dim, layout.shard_sizes, owner)
+                self._layouts[p] = dataclasses.replace(self._layouts[p], owner=owner)
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
@@ -286,14 +295,13 @@ class ShardedMuon(Optimizer):
         mine = [it for it in items if layouts[it[0]].owner == me]
 
         def shard_numel(i: int, p: torch.Tensor, rank: int) -> int:
-            layout = layouts[i]
-            return p.numel() // p.shape[layout.shard_dim] * layout.shard_sizes[rank]
+            return math.prod(layouts[i].shard_shape(rank))
 
         send_splits = [0] * world
         for i, p, _, _ in items:
             send_splits[layouts[i].owner] += shard_numel(i, p, me)
         recv_splits = [sum(shard_numel(i, p, src) for i, p, _, _ in mine) for src in range(world)]
-        send = torch.cat([u.reshape(-1) for _, _, _, u in items]) if items else torch.empty(0)
+        send = torch.cat([u.reshape(-1) for _, _, _, u in items])
         recv = send.new_empty(sum(recv_splits))
         dist.all_to_all_single(recv, send, recv_splits, send_splits, group=pg)
 
@@ -303,9 +311,7 @@ class ShardedMuon(Optimizer):
         for src in range(world):
             for i, p, _, _ in mine:
                 n = shard_numel(i, p, src)
-                shape = list(p.shape)
-                shape[layouts[i].shard_dim] = layouts[i].shard_sizes[src]
-                pieces[i].append(recv[offset:offset + n].view(shape))
+                pieces[i].append(recv[offset:offset + n].view(layouts[i].shard_shape(src)))
                 offset += n
         full = {i: torch.cat(pieces[i], dim=layouts[i].shard_dim) for i, _, _, _ in mine}
         ortho = self._ns_batched(full, {i: group for i, _, group, _ in mine})

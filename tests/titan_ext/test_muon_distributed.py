@@ -22,9 +22,10 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torchtitan.distributed.flex_shard import Owned
 
 from test_muon_reference import ref_muon_step  # the in-test formula, shared
-from titan_ext.muon import ShardedMuon
+from titan_ext.muon import ShardedMuon, _dist_muon_applicable, _dist_muon_layout
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -137,6 +138,11 @@ def _fsdp_ep_case(rank: int, world: int) -> None:
     adamw_params = [model.embed.weight, model.l1.bias, model.norm.weight, model.lm_head.weight]
     for p in muon_params:
         assert isinstance(p, DTensor), type(p)
+    # The layouts the CUDA path would hand TorchTitan's DistMuon (it cannot run on CPU).
+    layouts = [_dist_muon_layout(p) for p in muon_params]
+    assert [type(layouts[0].shardings_by_mesh_axis["fsdp"]), dict(layouts[3].shardings_by_mesh_axis)] == [
+        Owned, {"ep": Shard(0)}], layouts
+    assert layouts[4] is None and not _dist_muon_applicable(muon_params)  # dim-1 experts; and CPU tensors
     ref = ReferenceRun(muon_params, adamw_params)
     opt = ShardedMuon(_groups(muon_params, adamw_params))
 
@@ -177,6 +183,7 @@ def _four_rank_case(rank: int, world: int) -> None:
     torch.manual_seed(1)
     flat = init_device_mesh("cpu", (4,), mesh_dim_names=("fsdp",))
     hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    ep_fsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "efsdp"))
     specs = [  # (full shape, mesh, placements)
         ((3, 8), flat, [Shard(0)]),  # shards 1/1/1/0
         ((10, 6), flat, [Shard(0)]),
@@ -185,6 +192,7 @@ def _four_rank_case(rank: int, world: int) -> None:
         ((12, 12), hsdp, [Replicate(), Shard(0)]),
         ((3, 6, 5), flat, [Shard(0)]),  # EP: rank 3 holds no expert
         ((8, 6), hsdp, [Shard(0), Shard(1)]),  # 2-D sharded: the gather fallback
+        ((3, 10, 6), ep_fsdp, [Shard(0), Shard(1)]),  # experts 2/1 over EP, rows 5/5 over efsdp
     ]
     params = [nn.Parameter(distribute_tensor(torch.randn(shape), mesh, pl)) for shape, mesh, pl in specs]
     for nesterov, lr_adjust in ((True, "match_rms_adamw"), (False, "original")):
@@ -199,11 +207,13 @@ def _four_rank_case(rank: int, world: int) -> None:
         ref.assert_close(f"rank {rank} nesterov={nesterov} {lr_adjust}")
 
     # Owner path, greedy by size: flat group (65, 60, 24) → ranks 0, 1, 2; HSDP shard group (144, 63) →
-    # shard ranks 0, 1 (global r % 2); local experts 30 each on ranks 0-2; the 2-D fallback (48) everywhere.
+    # shard ranks 0, 1 (global r % 2); local experts 30 each on ranks 0-2; the 2-D fallback (48) everywhere;
+    # EP×FSDP experts: each efsdp group's slab ([2, 10, 6] on EP rank 0, [1, 10, 6] on EP rank 1) → efsdp rank 0.
     stats = _gather_stats(opt, world)
-    assert [s[1] for s in stats] == [65 + 144 + 30 + 48, 60 + 63 + 30 + 48, 24 + 144 + 30 + 48, 0 + 63 + 0 + 48], stats
-    # flat group: one exchange (2 all_to_all); HSDP shard group: one exchange; 2-D param: one full_tensor.
-    assert all(s[2] == 2 + 2 + 1 for s in stats), stats
+    expected = [65 + 144 + 30 + 48 + 120, 60 + 63 + 30 + 48, 24 + 144 + 30 + 48 + 60, 0 + 63 + 0 + 48]
+    assert [s[1] for s in stats] == expected, stats
+    # one exchange (2 all_to_all) per group: flat, HSDP shard, efsdp; the 2-D param: one full_tensor.
+    assert all(s[2] == 2 + 2 + 2 + 1 for s in stats), stats
 
 
 def test_sharded_muon_hsdp_uneven_and_2d_sharded_match_reference_on_4_ranks():
