@@ -219,10 +219,7 @@ class ShardedMuon(Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _run_closure(closure)
         self.stats = MuonStepStats()
         pending: list[tuple[torch.Tensor, dict, torch.Tensor]] = []  # (param, group, local update)
         for group in self.param_groups:
@@ -239,7 +236,10 @@ class ShardedMuon(Optimizer):
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p)
         buf = _local(state["momentum_buffer"])
-        grad = _local(p.grad)
+        grad = p.grad
+        if isinstance(grad, DTensor) and grad.placements != p.placements:
+            grad = grad.redistribute(p.device_mesh, p.placements)
+        grad = _local(grad)
         buf.lerp_(grad, 1 - group["momentum"])
         return grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf.clone()
 
@@ -376,6 +376,14 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _run_closure(closure: Any) -> Any:
+    """torch.optim convention: re-evaluate the loss with grad enabled inside a no-grad step."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 # ---------------------------------------------------------------------------
 # Building the optimizer for a model.
 
@@ -428,6 +436,22 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> Optimizer:
     if adamw:
         groups.append(dict(params=[p for _, p in adamw], lr=cfg.adamw_lr, **adamw_keys))
     return ShardedMuon(groups)
+
+
+def build_lr_scheduler(optimizer: Optimizer, cfg: OptimizerConfig, training_steps: int) -> Any:
+    """TorchTitan's LambdaLR warmup-stable-decay schedule over `optimizer`, from the [optimizer] knobs.
+
+    Returns a `torchtitan.components.optimizer.lr_scheduler.LRSchedulersContainer`
+    (step / state_dict / load_state_dict / get_metrics); every param group
+    (Muon and AdamW) is scaled by the same factor of its own base LR.
+    """
+    from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
+
+    schedule = LRSchedulersContainer.Config(
+        warmup_steps=cfg.warmup_steps, decay_ratio=cfg.decay_ratio, decay_type=cfg.decay_type,
+        min_lr_factor=cfg.min_lr_factor,
+    )
+    return schedule.build(optimizers=[optimizer], training_steps=training_steps)
 
 
 # ---------------------------------------------------------------------------
@@ -515,10 +539,7 @@ class ChainedOptimizer(Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _run_closure(closure)
         for child in self.children:
             child.step()
         return loss

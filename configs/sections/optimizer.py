@@ -1,7 +1,7 @@
 """[optimizer]: Muon for hidden matrices + AdamW for the rest, and the LR schedule knobs.
 
-Consumed by `titan_ext.muon.build_optimizer` (the optimizer) and by the trainer
-(the warmup / decay schedule). With `name = "adamw"` every parameter uses AdamW
+Consumed by `titan_ext.muon.build_optimizer` (the optimizer) and
+`titan_ext.muon.build_lr_scheduler` (TorchTitan's warmup-stable-decay schedule). With `name = "adamw"` every parameter uses AdamW
 at `lr`; with `name = "muon"` matrices use Muon at `lr` and embeddings, norms,
 the head and biases use AdamW at `adamw_lr`.
 """
@@ -57,9 +57,9 @@ class OptimizerConfig:
         "owner: gather → Newton–Schulz on one owner rank → scatter (any backend); dist_muon: TorchTitan's (CUDA only)",
         choices=("auto", "owner", "dist_muon"),
     )
-    warmup_steps: int = option(0, doc="linear LR warmup steps (from lr / (warmup_steps + 1))", ge=0)
+    warmup_steps: int = option(0, doc="linear LR warmup steps: factor (step + 1) / warmup_steps", ge=0)
     decay_ratio: float | None = option(
-        None, doc="fraction of the training steps spent decaying at the end (warmup-stable-decay); none = constant after warmup",
+        None, doc="fraction of the steps spent decaying at the end (warmup-stable-decay); none = decay right after warmup",
         ge=0.0, le=1.0,
     )
     decay_type: Literal["linear", "sqrt", "cosine"] = option(

@@ -22,6 +22,7 @@ from titan_ext.muon import (
     ChainedOptimizer,
     ShardedMuon,
     assign_owners,
+    build_lr_scheduler,
     build_optimizer,
     split_muon_params,
     zeropower_via_newtonschulz,
@@ -264,3 +265,21 @@ def test_owner_assignment_is_balanced_and_deterministic():
         loads = [sum(n for n, o in zip(numels, owners) if o == r) for r in range(world)]
         assert max(loads) - min(loads) <= max(numels), loads  # greedy largest-first bound
     assert assign_owners([10, 10, 10, 10], 2) == [0, 1, 0, 1]
+
+
+def test_lr_schedule_from_config_is_warmup_stable_decay():
+    """2 warmup steps, stable, last 40% linear decay to 0.1: factors from the WSD formula, both groups."""
+    model = TinyLM()
+    cfg = OptimizerConfig(lr=0.01, adamw_lr=0.002, warmup_steps=2, decay_ratio=0.4, min_lr_factor=0.1)
+    opt = build_optimizer(model, cfg)
+    sched = build_lr_scheduler(opt, cfg, training_steps=10)
+    decay_steps, stable_end = 4, 2 + (10 + 1 - 2 - 4)  # torchtitan adds one virtual stable step
+    factors = []
+    for step in range(10):
+        factors.append(opt.param_groups[0]["lr"] / cfg.lr)
+        assert opt.param_groups[1]["lr"] / cfg.adamw_lr == pytest.approx(factors[-1])
+        opt.step()
+        sched.step()
+    expected = [(s + 1) / 2 if s < 2 else 1.0 if s < stable_end else
+                0.1 + 0.9 * (1 - (s + 1 - stable_end) / decay_steps) for s in range(10)]
+    assert factors == pytest.approx(expected)
