@@ -1,0 +1,140 @@
+"""The CPU demo task: shaped reward against a reference written from its definition, splits, solver, episodes."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from configs.loader import loads_config
+from configs.records import ErrorKind
+from configs.sections.env import DemoTaskConfig
+from envs.base import assistant
+from envs.demo import DemoEnv, Problem, make_problem, prompt_messages, score, solve, split_of
+
+CONFIG = DemoTaskConfig(ops=("add", "sub", "mul", "reverse"), max_operand=9, heldout_fraction=0.25)
+
+
+def reference_reward(reply: str, answer: str, numeric: bool, fmt: float, scale: float) -> float:
+    """Independent restatement: 0 malformed; 1 exact; else fmt + (1 - fmt) * 0.5 * closeness."""
+    lines = [ln.strip() for ln in reply.splitlines()]
+    value = next((ln[len("ANSWER:"):].strip() for ln in lines if ln.startswith("ANSWER:")), None)
+    if value is None or " " in value or not value:
+        return 0.0
+    if numeric:
+        try:
+            got = int(value)
+        except ValueError:
+            return 0.0
+        if str(got) != value:
+            return 0.0
+        if value == answer:
+            return 1.0
+        return fmt + (1 - fmt) * 0.5 * max(0.0, 1 - abs(got - int(answer)) / scale)
+    if not value.isalpha():
+        return 0.0
+    if value == answer:
+        return 1.0
+    same = sum(1 for i in range(min(len(value), len(answer))) if value[i] == answer[i])
+    return fmt + (1 - fmt) * 0.5 * same / max(len(value), len(answer))
+
+
+def test_reward_matches_reference_on_random_replies():
+    rng = random.Random(0)
+    for seed in range(400):
+        p = make_problem(seed, CONFIG)
+        numeric = p.op != "reverse"
+        candidates = [
+            f"ANSWER: {p.answer}",
+            f"ANSWER: {int(p.answer) + rng.randint(-8, 8)}" if numeric else f"ANSWER: {p.answer[::-1]}x",
+            f"ANSWER:{rng.choice(['', ' '])}{rng.randint(-20, 90)}",
+            "ANSWER: " + "".join(rng.choice("abcxyz") for _ in range(3)),
+            rng.choice(["", "42", "answer: 3", "ANSWER 3", "ANSWER: 3 4", "The answer is 7"]),
+            f"thinking...\nANSWER: {p.answer}\n",
+        ]
+        for reply in candidates:
+            got = score(reply, p, CONFIG).reward
+            want = reference_reward(reply, p.answer, numeric, CONFIG.format_reward, CONFIG.closeness_scale)
+            assert got == pytest.approx(want, abs=1e-12), (p.text, reply)
+
+
+def test_reward_is_ordered_malformed_wrong_close_exact():
+    p = Problem("add", 4, 3)
+    r = [score(s, p, CONFIG).reward for s in ("7", "ANSWER: 40", "ANSWER: 9", "ANSWER: 8", "ANSWER: 7")]
+    assert r[0] == 0.0 < r[1] == CONFIG.format_reward < r[2] < r[3] < r[4] == 1.0
+
+
+def test_splits_are_disjoint_deterministic_and_cover_the_space():
+    train = {make_problem(s, CONFIG, "train").text for s in range(3000)}
+    held = {make_problem(s, CONFIG, "heldout").text for s in range(3000)}
+    assert train.isdisjoint(held)
+    assert all(split_of(Problem.parse(t), CONFIG.heldout_fraction) == "heldout" for t in held)
+    assert [make_problem(s, CONFIG).text for s in range(50)] == [make_problem(s, CONFIG).text for s in range(50)]
+    numeric = DemoTaskConfig(ops=("add",), max_operand=9, heldout_fraction=0.2)
+    all_train = {make_problem(s, numeric, "train").text for s in range(5000)}
+    all_held = {make_problem(s, numeric, "heldout").text for s in range(5000)}
+    assert len(all_train) + len(all_held) == 100  # every a+b with a, b in 0..9, each in one split
+    assert 10 <= len(all_held) <= 30
+
+
+def test_solver_answers_every_problem_and_retries():
+    for split in ("train", "heldout"):
+        for seed in range(300):
+            p = make_problem(seed, CONFIG, split)
+            msgs = prompt_messages(p)
+            assert score(solve(msgs), p, CONFIG).reward == 1.0
+            retry = msgs + [assistant("ANSWER: oops"), {"role": "user", "content": "Format error"}]
+            assert solve(retry) == solve(msgs)
+
+
+def test_episode_feedback_and_error_sites():
+    env = DemoEnv(DemoTaskConfig(max_turns=3))
+    obs = env.reset(seed=5)
+    assert [m["role"] for m in obs.messages] == ["system", "user"]
+    obs = env.step(assistant("no idea"))
+    assert not obs.done and obs.reward == 0.0
+    (site,) = obs.error_sites
+    assert site.turn == 2 and env.state.messages[site.turn]["content"] == "no idea"
+    assert site.kind is ErrorKind.SYNTAX and "ANSWER" in obs.messages[0]["content"]
+    wrong = int(env.problem.answer) + 1
+    obs = env.step(assistant(f"ANSWER: {wrong}"))
+    assert obs.error_sites[0].kind is ErrorKind.TEST_FAILURE and obs.error_sites[0].turn == 4
+    assert env.problem.answer not in obs.messages[0]["content"].split("result of")[0]
+    obs = env.step(assistant(solve(env.state.messages)))
+    assert obs.done and obs.reward == 1.0
+    assert len(env.state.error_sites) == 2
+    with pytest.raises(RuntimeError, match="episode is done"):
+        env.step(assistant("ANSWER: 1"))
+
+
+def test_episode_ends_after_max_turns_and_rejects_non_assistant_actions():
+    env = DemoEnv(DemoTaskConfig(max_turns=2))
+    env.reset(seed=1)
+    with pytest.raises(ValueError, match="assistant message"):
+        env.step({"role": "user", "content": "hi"})
+    assert not env.step(assistant("x")).done
+    obs = env.step(assistant("y"))
+    assert obs.done and obs.reward == 0.0 and obs.messages == []
+
+
+def test_solver_beats_random_replies_by_a_wide_margin():
+    """The learning signal: mean reward of the solver vs replies of a random policy over the format."""
+    rng = random.Random(0)
+    env = DemoEnv(DemoTaskConfig(max_turns=1))
+    solver, rand = [], []
+    for seed in range(200):
+        env.reset(seed=seed)
+        solver.append(env.step(assistant(solve(env.state.messages))).reward)
+        env.reset(seed=seed)
+        rand.append(env.step(assistant(f"ANSWER: {rng.randint(0, 18)}")).reward)
+    assert sum(solver) / 200 == 1.0
+    assert 0.2 < sum(rand) / 200 < 0.6
+
+
+def test_env_section_loads_and_validates():
+    cfg = loads_config('[env]\ntask = "demo"\n[env.demo]\nops = ["add", "sub"]\nmax_turns = 3\n')
+    assert cfg.env.demo.ops == ("add", "sub") and cfg.env.demo.max_turns == 3
+    with pytest.raises(Exception, match="max_turns"):
+        loads_config("[env.demo]\nmax_turns = 0\n")
+    with pytest.raises(ValueError, match="unknown demo op"):
+        make_problem(0, DemoTaskConfig(ops=("div",)))

@@ -1,0 +1,170 @@
+"""Feature-deletion tasks from real repositories: oracle 1 on every task, no-op 0; generator checks."""
+
+from __future__ import annotations
+
+import ast
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from configs.sections.env import FeatureDeletionConfig
+from envs.feature_deletion import generate_tasks, stub_functions
+from envs.grading import grade_workspace, run_suite
+from envs.safeguards import manifest
+
+FIXTURES = Path(__file__).parent / "fixtures"
+REPOS = ("textkit", "minicalc")
+
+
+def _grade(sandbox, task, write_original: bool):
+    with task.workspace(sandbox) as ws:
+        start = manifest(ws.path)
+        assert not any(h in start for h in task.hidden_tests)  # hidden tests are not in the workspace
+        assert (ws.path / task.target).read_text() == task.stubbed_source
+        if write_original:
+            (ws.path / task.target).write_text(task.original_source())
+        return grade_workspace(sandbox, task.pristine, start, ws, task.expected_tests)
+
+
+@pytest.mark.parametrize("repo", REPOS)
+def test_oracle_gets_one_and_noop_gets_zero_on_every_task(repo, repo_tasks, sandbox):
+    tasks = repo_tasks[repo]
+    assert len(tasks) == 3
+    for task in tasks:
+        oracle = _grade(sandbox, task, write_original=True)
+        assert (oracle.reward, oracle.reason) == (1.0, "passed"), (task.name, oracle.violations, oracle.output[-800:])
+        assert oracle.passed == oracle.total == len(task.expected_tests) == 8
+        noop = _grade(sandbox, task, write_original=False)
+        assert noop.reward == 0.0 and noop.reason.startswith("tests_failed"), (task.name, noop.reason)
+        assert noop.violations == ()
+
+
+def test_multi_function_features(sandbox, task_store):
+    config = FeatureDeletionConfig(max_tasks=2, functions_per_task=2, seed=1)
+    tasks = generate_tasks(FIXTURES / "minicalc", config, sandbox, task_store)
+    assert len(tasks) == 2
+    for task in tasks:
+        assert len(task.symbols) == 2
+        tree = ast.parse(task.stubbed_source)
+        stubbed = {
+            node.name for node in ast.walk(tree)
+            if isinstance(node, ast.FunctionDef) and "deleted feature" in ast.unparse(node)
+        }
+        assert stubbed == {s.split(".")[-1] for s in task.symbols}
+        assert _grade(sandbox, task, write_original=True).reward == 1.0
+        assert _grade(sandbox, task, write_original=False).reward == 0.0
+
+
+def test_stub_keeps_docstrings_and_everything_else():
+    source = textwrap.dedent('''
+        import math
+
+
+        def keep(x):
+            return x + 1
+
+
+        class Box:
+            def area(self, w, h):
+                """Area of the box."""
+                a = w * h
+                return a
+
+            def other(self):
+                return 2
+
+
+        def gone(n):
+            total = 0
+            for i in range(n):
+                total += i
+            return total
+    ''')
+    out = stub_functions(source, {"Box.area", "gone"})
+    tree, before = ast.parse(out), ast.parse(source)
+    fns = {n.name: n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+    old = {n.name: n for n in ast.walk(before) if isinstance(n, ast.FunctionDef)}
+    assert ast.get_docstring(fns["area"]) == "Area of the box."
+    assert [type(s).__name__ for s in fns["area"].body] == ["Expr", "Raise"]
+    assert [type(s).__name__ for s in fns["gone"].body] == ["Raise"]
+    for name in ("keep", "other"):
+        assert ast.dump(fns[name]) == ast.dump(old[name])
+
+
+def _make_repo(root: Path, tests: str) -> Path:
+    (root / "pkg").mkdir(parents=True)
+    (root / "tests").mkdir()
+    (root / "pkg" / "__init__.py").write_text("")
+    (root / "pkg" / "mod.py").write_text(textwrap.dedent('''
+        def covered(xs):
+            out = []
+            for x in xs:
+                out.append(x * 2)
+            return out
+
+
+        def uncovered(xs):
+            total = 0
+            for x in xs:
+                total += x
+            return total
+    '''))
+    (root / "tests" / "test_mod.py").write_text(textwrap.dedent(tests))
+    return root
+
+
+def test_generator_works_on_any_local_repo_and_drops_untested_functions(tmp_path, sandbox, task_store):
+    repo = _make_repo(tmp_path / "anyrepo", "from pkg.mod import covered\n\ndef test_covered():\n    assert covered([1, 2]) == [2, 4]\n")
+    tasks = generate_tasks(repo, FeatureDeletionConfig(max_tasks=5), sandbox, task_store)
+    assert [t.symbols for t in tasks] == [("covered",)]  # deleting `uncovered` breaks no test: no task
+    assert tasks[0].hidden_tests == ("tests/test_mod.py",)
+    assert _grade(sandbox, tasks[0], write_original=True).reward == 1.0
+
+
+def test_generator_refuses_a_repo_whose_suite_fails(tmp_path, sandbox, task_store):
+    repo = _make_repo(tmp_path / "broken", "def test_broken():\n    assert 1 == 2\n")
+    with pytest.raises(ValueError, match="pristine test suite must pass"):
+        generate_tasks(repo, FeatureDeletionConfig(), sandbox, task_store)
+
+
+def test_task_store_is_private(repo_tasks):
+    task = repo_tasks["textkit"][0]
+    assert (task.pristine.parent.stat().st_mode & 0o777) == 0o700 and task.pristine.parent.stat().st_uid == 0
+
+
+def test_runtime_integrity_check_catches_patching_the_static_scan_misses(sandbox):
+    """`run_suite` alone (no static scan): the audit hook and the identity checks still see tampering."""
+    with sandbox.workspace(copy_from=FIXTURES / "textkit") as ws:
+        core = ws.path / "textkit" / "core.py"
+        patch = (
+            "\nimport importlib as _il\n"
+            "_il.import_module('_pytest.python').Function.runtest = lambda self: None\n"
+            "try:\n    open('/var/tmp/cm-should-not-exist', 'w')\nexcept OSError:\n    pass\n"
+        )
+        core.write_text(core.read_text() + patch)
+        ws.adopt()
+        run = run_suite(sandbox, ws, ["textkit/core.py"])
+    reasons = {r for r, _ in run.violations}
+    assert {"test_runner_tamper", "write_outside_workdir"} <= reasons
+    assert ("test_runner_tamper", "_pytest.python.Function.runtest") in run.violations
+    assert run.complete and all(o == "passed" for o in run.tests.values())  # the tamper did make tests "pass"
+    assert not Path("/var/tmp/cm-should-not-exist").exists()
+
+
+def test_bytecode_is_not_carried_into_grading(repo_tasks, sandbox):
+    """A planted .pyc (even a valid one for the original module) must not be what gets graded."""
+    import py_compile
+
+    task = repo_tasks["textkit"][0]
+    with task.workspace(sandbox) as ws:
+        start = manifest(ws.path)
+        target = ws.path / task.target
+        original = ws.path / "orig_tmp.py"
+        original.write_text(task.original_source())
+        # A sourceless module next to where the source was: Python would import it.
+        py_compile.compile(str(original), cfile=str(target.with_suffix(".pyc")))
+        target.unlink()  # only the bytecode of the real implementation is left
+        original.unlink()
+        grade = grade_workspace(sandbox, task.pristine, start, ws, task.expected_tests)
+    assert grade.reward == 0.0

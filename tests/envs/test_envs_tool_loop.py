@@ -1,0 +1,140 @@
+"""The multi-turn tool loop: tool results, error sites with the right kinds, hints from replay/, safeguards."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from configs.records import ErrorKind
+from envs.base import assistant
+from envs.safeguards import change_violations, diff_tree, is_test_path, scan_source
+from envs.tool_loop import TOOLS, ToolLoopEnv
+
+
+LEXER = "minicalc/lexer.py"
+LEXER_SOURCE = (Path(__file__).parent / "fixtures" / "minicalc" / LEXER).read_text()
+
+
+@pytest.fixture(scope="module")
+def env(repo_tasks, sandbox):
+    """A minicalc task whose visible tests include the lexer's (so a broken lexer fails `run_tests`)."""
+    task = next(t for t in repo_tasks["minicalc"] if "tests/test_lexer.py" not in t.hidden_tests)
+    e = ToolLoopEnv([task], sandbox)
+    yield e
+    e.close()
+
+
+@pytest.fixture(scope="module")
+def episode(env):
+    """A short episode that trips every kind of tool error, then repairs the code (run once)."""
+    env.reset(seed=0)
+    task = env.task
+    outside = os.path.relpath("/etc/hostname", env.ws.path)
+    broken = task.stubbed_source + "\ndef oops(:\n"
+    steps = [
+        assistant(tool_calls=[("list_dir", {}), ("read_file", {"path": "missing.py"})]),           # FILE_NOT_FOUND
+        assistant(tool_calls=[("read_file", {"path": outside})]),                                  # PERMISSION
+        assistant(tool_calls=[("frobnicate", {"x": 1})]),                                          # BAD_TOOL_CALL
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c9", "type": "function", "function": {"name": "read_file", "arguments": "{not json"}}]},
+        assistant(tool_calls=[("shell", {"command": "rm -rf ."})]),                                # COMMAND_NOT_FOUND
+        assistant(tool_calls=[("write_file", {"path": LEXER, "content": LEXER_SOURCE.replace("return tokens", "return tokens[:1]")}),
+                              ("run_tests", {})]),                                                 # TEST_FAILURE
+        assistant(tool_calls=[("write_file", {"path": task.target, "content": broken}), ("run_tests", {})]),  # SYNTAX
+        assistant(tool_calls=[("shell", {"command": "python -c 'while True: pass'"})]),            # TIMEOUT
+        assistant(tool_calls=[("write_file", {"path": task.target, "content": task.original_source()}),
+                              ("write_file", {"path": LEXER, "content": LEXER_SOURCE}), ("run_tests", {})]),
+        assistant("The feature is back."),
+    ]
+    observations = [env.step(a) for a in steps]
+    return list(env.state.messages), list(env.state.error_sites), observations
+
+
+def test_tool_errors_become_error_sites_and_episode_is_graded(episode):
+    messages, sites, observations = episode
+    kinds = [[s.kind for s in o.error_sites] for o in observations]
+    assert kinds == [
+        [ErrorKind.FILE_NOT_FOUND], [ErrorKind.PERMISSION], [ErrorKind.BAD_TOOL_CALL], [ErrorKind.BAD_TOOL_CALL],
+        [ErrorKind.COMMAND_NOT_FOUND], [ErrorKind.TEST_FAILURE], [ErrorKind.SYNTAX], [ErrorKind.TIMEOUT], [], [],
+    ]
+    for site in sites:
+        assert messages[site.turn]["role"] == "assistant"
+        names = [c["function"]["name"] for c in messages[site.turn]["tool_calls"]]
+        assert site.tool in names
+        results = [m["content"] for m in messages[site.turn + 1 :] if m["role"] == "tool"]
+        assert any(site.message[:40] in r for r in results)
+    # every tool call got exactly one tool message with its id
+    for i, m in enumerate(messages):
+        if m.get("tool_calls"):
+            ids = [c["id"] for c in m["tool_calls"]]
+            assert [t["tool_call_id"] for t in messages[i + 1 : i + 1 + len(ids)]] == ids
+    final = observations[-1]
+    assert final.done and final.reward == 1.0 and final.info["reason"] == "passed"
+
+
+def test_error_sites_become_hints_through_replay(episode):
+    """Integration: the sites the loop produces go through replay/'s hint pipeline unchanged."""
+    from replay.hints import TemplateHintGenerator, insert_hint
+
+    messages, sites, _ = episode
+    generator = TemplateHintGenerator()
+    assert len(sites) == 8
+    for site in sites:
+        hint = generator.hint(site, messages)
+        assert hint.strip()
+        ctx = insert_hint(messages, site, hint)
+        assert ctx.messages[ctx.hint_index] == {"role": "user", "content": hint}
+        # the hint sits right after all tool results of the failed call
+        assert all(m["role"] == "tool" for m in ctx.messages[site.turn + 1 : ctx.hint_index])
+        assert ctx.messages[: ctx.hint_index] == messages[: ctx.hint_index]
+        assert ctx.messages[ctx.hint_index + 1 :] == messages[ctx.hint_index :]
+    hints = {s.kind: generator.hint(s, messages) for s in sites}
+    assert len(set(hints.values())) == len(hints)  # kinds map to different hints
+
+
+def test_write_file_cannot_follow_a_symlink_out(env):
+    env.reset(seed=0)
+    obs = env.step(assistant(tool_calls=[("shell", {"command": "python -c \"import os; os.symlink('/etc', 'esc')\""})]))
+    assert obs.error_sites == [], obs.messages
+    obs = env.step(assistant(tool_calls=[("write_file", {"path": "esc/cm-pwned", "content": "x"})]))
+    assert obs.error_sites[0].kind is ErrorKind.PERMISSION and not os.path.exists("/etc/cm-pwned")
+
+
+def test_turn_limit_ends_the_episode(repo_tasks, sandbox):
+    from configs.sections.env import ToolLoopConfig
+
+    env = ToolLoopEnv(repo_tasks["minicalc"][:1], sandbox, ToolLoopConfig(max_turns=2))
+    env.reset(seed=0)
+    assert not env.step(assistant(tool_calls=[("list_dir", {})])).done
+    obs = env.step(assistant(tool_calls=[("list_dir", {})]))
+    assert obs.done and obs.reward == 0.0 and len(obs.messages) == 1
+    env.close()
+
+
+def test_tool_schemas_are_openai_functions():
+    assert [t["function"]["name"] for t in TOOLS] == ["read_file", "write_file", "list_dir", "run_tests", "shell"]
+    assert all(t["type"] == "function" and t["function"]["parameters"]["type"] == "object" for t in TOOLS)
+
+
+def test_static_scan_counts_only_what_the_agent_added():
+    old = "import os\n\ndef f():\n    return os.environ.get('HOME')\n"
+    assert scan_source(old + "\ndef g():\n    return 1\n", old) == []
+    new = old + "\ndef g():\n    import sys\n    sys.exit(0)\n    return os.environ['X']\n"
+    assert scan_source(new, old) == [("env_access", "os.environ"), ("exit_trick", "sys.exit")]
+    assert ("test_runner_tamper", "import _pytest") in scan_source("import _pytest.python\n", None)
+    assert ("reads_tests", "string 'tests/test_core.py'") in scan_source("open('tests/test_core.py')\n", None)
+    assert scan_source("def f(:\n", None) == []  # syntax errors are the test run's business
+
+
+def test_change_rules():
+    before = {"pkg/a.py": "1", "tests/test_a.py": "1", "pytest.ini": "1", "tests/test_b.py": "1"}
+    after = {"pkg/a.py": "2", "tests/test_a.py": "2", "pytest.ini": "2", "conftest.py": "1",
+             "pkg/b.pth": "1", "pkg/__pycache__/a.cpython-311.pyc": "1"}
+    found = change_violations(diff_tree(before, after))
+    assert sorted(found) == [
+        ("added_conftest", "conftest.py"), ("deleted_tests", "tests/test_b.py"),
+        ("edited_test_config", "pkg/b.pth"), ("edited_test_config", "pytest.ini"), ("edited_tests", "tests/test_a.py"),
+    ]
+    assert is_test_path("tests/data/x.json") and is_test_path("a/test_x.py") and not is_test_path("pkg/testing.py")
