@@ -11,7 +11,7 @@ HELP = "Replay frozen agent traces with teacher models into a normalized prefere
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="recipe with [replay] and [teachers] (e.g. configs/replay_local.toml)")
     parser.add_argument("overrides", nargs=argparse.REMAINDER, help="--section.key=value ...")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar (logs and CI)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar (logs and CI); put it before CONFIG")
 
 
 def run(args: argparse.Namespace) -> int:
