@@ -111,6 +111,7 @@ class _Layout:
     shard_sizes: tuple[int, ...] = ()  # size along shard_dim on each group rank
     slab_shape: tuple[int, ...] = ()  # what the owner reassembles
     owner: int = 0
+    bucket: int = 0  # exchange round within the group (bounds the owner's memory)
 
     def shard_shape(self, rank: int) -> list[int]:
         shape = list(self.slab_shape)
@@ -146,9 +147,12 @@ def _classify(p: torch.Tensor) -> _Layout:
     return _Layout("gather")
 
 
-def assign_owners(numels: list[int], world: int) -> list[int]:
-    """Greedy balance: largest matrix first, to the least-loaded rank (ties: lowest rank). Deterministic."""
-    load = [0] * world
+def assign_owners(numels: list[int], world: int, load: list[int] | None = None) -> list[int]:
+    """Greedy balance: largest matrix first, to the least-loaded rank (ties: lowest rank). Deterministic.
+
+    load: per-rank work already assigned (earlier buckets); updated in place.
+    """
+    load = [0] * world if load is None else load
     owners = [0] * len(numels)
     for i in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
         rank = min(range(world), key=lambda r: (load[r], r))
@@ -182,7 +186,8 @@ class ShardedMuon(Optimizer):
     EP); whether a param has a grad must agree across its shard group.
     """
 
-    def __init__(self, param_groups: Iterable[dict[str, Any]]) -> None:
+    def __init__(self, param_groups: Iterable[dict[str, Any]], *, bucket_bytes: int = 512 * 2**20) -> None:
+        """bucket_bytes: most full-matrix bytes an exchange round moves to owners (one matrix may exceed it)."""
         defaults = dict(
             lr=1e-3, weight_decay=0.1, use_muon=True, momentum=0.95, nesterov=True, ns_steps=5,
             ns_coefficients=NS_COEFFICIENTS, eps=1e-7, ns_dtype="bfloat16", lr_adjust="match_rms_adamw",
@@ -198,11 +203,12 @@ class ShardedMuon(Optimizer):
                     raise ValueError(f"ns_dtype must be one of {sorted(_NS_DTYPES)}, got {group['ns_dtype']!r}")
                 adjusted_lr(1.0, group["lr_adjust"], 1, 1)
         self._layouts: dict[torch.Tensor, _Layout] = {}
-        self._assign()
+        self._assign(bucket_bytes)
         self.stats = MuonStepStats()
 
-    def _assign(self) -> None:
-        """Classify every Muon param; give each owner-path matrix an owner, balanced per shard group."""
+    def _assign(self, bucket_bytes: int) -> None:
+        """Classify every Muon param; cut each shard group's owner-path params into buckets (param
+        order, ≤ bucket_bytes of full slabs) and give each an owner, balancing the total work per rank."""
         by_group: dict[Any, list[torch.Tensor]] = {}
         for group in self.param_groups:
             if not group["use_muon"]:
@@ -213,9 +219,20 @@ class ShardedMuon(Optimizer):
                 if layout.kind == "owner":
                     by_group.setdefault(layout.group, []).append(p)
         for pg, params in by_group.items():
-            owners = assign_owners([math.prod(self._layouts[p].slab_shape) for p in params], dist.get_world_size(pg))
-            for p, owner in zip(params, owners):
-                self._layouts[p] = dataclasses.replace(self._layouts[p], owner=owner)
+            load = [0] * dist.get_world_size(pg)
+            buckets: list[list[torch.Tensor]] = [[]]
+            filled = 0
+            for p in params:
+                size = math.prod(self._layouts[p].slab_shape) * p.element_size()
+                if buckets[-1] and filled + size > bucket_bytes:
+                    buckets.append([])
+                    filled = 0
+                buckets[-1].append(p)
+                filled += size
+            for k, bucket in enumerate(buckets):
+                owners = assign_owners([math.prod(self._layouts[p].slab_shape) for p in bucket], len(load), load)
+                for p, owner in zip(bucket, owners):
+                    self._layouts[p] = dataclasses.replace(self._layouts[p], owner=owner, bucket=k)
 
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
@@ -244,20 +261,35 @@ class ShardedMuon(Optimizer):
         return grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf.clone()
 
     def _orthogonalize_and_apply(self, pending: list[tuple[torch.Tensor, dict, torch.Tensor]]) -> None:
-        exchanges: dict[tuple[Any, torch.dtype], list[int]] = {}
-        for i, (p, _, _) in enumerate(pending):
+        """NS every update once, then θ ← θ(1 − lr·wd) − adjusted_lr·O on the local shard.
+
+        Exchange rounds are pipelined: the next round's shards travel while
+        this rank orthogonalises the current round (and, first, its local
+        matrices such as EP experts).
+        """
+        rounds: dict[tuple[Any, int, torch.dtype], list[tuple[int, torch.Tensor, dict, torch.Tensor]]] = {}
+        for i, (p, group, update) in enumerate(pending):
             layout = self._layouts[p]
             if layout.kind == "owner":
-                exchanges.setdefault((layout.group, pending[i][2].dtype), []).append(i)
+                rounds.setdefault((layout.group, layout.bucket, update.dtype), []).append((i, p, group, update))
+        exchanges = [_Exchange(pg, items, self._layouts) for (pg, _, _), items in rounds.items()]
         results: dict[int, torch.Tensor] = {}
-        for (pg, _), indices in exchanges.items():
-            results.update(self._exchange(pg, [(i, *pending[i]) for i in indices]))
+        if exchanges:
+            exchanges[0].send_to_owners()
         for i, (p, group, update) in enumerate(pending):
             kind = self._layouts[p].kind
             if kind == "local":
                 results[i] = self._ns(update, group)
             elif kind == "gather":
                 results[i] = self._gather_ns(p, update, group)
+        for k, ex in enumerate(exchanges):
+            if k + 1 < len(exchanges):
+                exchanges[k + 1].send_to_owners()
+            ex.orthogonalize_and_return(self._ns_batched)
+        for ex in exchanges:
+            results.update(ex.results())
+            self.stats.collectives += 2
+            self.stats.comm_numel += ex.sent_numel
         for i, (p, group, _) in enumerate(pending):
             p_local = _local(p)
             p_local.mul_(1 - group["lr"] * group["weight_decay"])
@@ -281,55 +313,6 @@ class ShardedMuon(Optimizer):
         ortho = self._ns(full, group)
         replicated = DTensor.from_local(ortho, p.device_mesh, [Replicate()] * p.device_mesh.ndim)
         return replicated.redistribute(p.device_mesh, p.placements).to_local()
-
-    def _exchange(self, pg: Any, items: list[tuple[int, torch.Tensor, dict, torch.Tensor]]) -> dict[int, torch.Tensor]:
-        """Shards → owners (all_to_all), NS on owners, slices → shard holders (all_to_all).
-
-        items: (index, param, group, local update), all on the same shard group.
-        Send order is by (owner, param order) on every rank, so both sides
-        agree on the layout of the flat buffers without exchanging metadata.
-        """
-        world, me = dist.get_world_size(pg), dist.get_rank(pg)
-        layouts = {i: self._layouts[p] for i, p, _, _ in items}
-        items = sorted(items, key=lambda it: (layouts[it[0]].owner, it[0]))
-        mine = [it for it in items if layouts[it[0]].owner == me]
-
-        def shard_numel(i: int, p: torch.Tensor, rank: int) -> int:
-            return math.prod(layouts[i].shard_shape(rank))
-
-        send_splits = [0] * world
-        for i, p, _, _ in items:
-            send_splits[layouts[i].owner] += shard_numel(i, p, me)
-        recv_splits = [sum(shard_numel(i, p, src) for i, p, _, _ in mine) for src in range(world)]
-        send = torch.cat([u.reshape(-1) for _, _, _, u in items])
-        recv = send.new_empty(sum(recv_splits))
-        dist.all_to_all_single(recv, send, recv_splits, send_splits, group=pg)
-
-        # Owner: rebuild each full update from the pieces of every source rank, NS by shape.
-        pieces: dict[int, list[torch.Tensor]] = {i: [] for i, _, _, _ in mine}
-        offset = 0
-        for src in range(world):
-            for i, p, _, _ in mine:
-                n = shard_numel(i, p, src)
-                pieces[i].append(recv[offset:offset + n].view(layouts[i].shard_shape(src)))
-                offset += n
-        full = {i: torch.cat(pieces[i], dim=layouts[i].shard_dim) for i, _, _, _ in mine}
-        ortho = self._ns_batched(full, {i: group for i, _, group, _ in mine})
-
-        back = torch.cat([
-            ortho[i].narrow(layouts[i].shard_dim, sum(layouts[i].shard_sizes[:dst]), layouts[i].shard_sizes[dst]).reshape(-1)
-            for dst in range(world) for i, _, _, _ in mine
-        ]) if mine else send.new_empty(0)
-        result_flat = send.new_empty(send.numel())
-        dist.all_to_all_single(result_flat, back, send_splits, recv_splits, group=pg)
-        self.stats.collectives += 2
-        self.stats.comm_numel += send.numel() + back.numel()
-
-        results, offset = {}, 0
-        for i, _, _, u in items:
-            results[i] = result_flat[offset:offset + u.numel()].view(u.shape)
-            offset += u.numel()
-        return results
 
     def _ns_batched(self, full: dict[int, torch.Tensor], groups: dict[int, dict]) -> dict[int, torch.Tensor]:
         """NS on an owner's matrices: same shape and hyper-parameters → one batched call."""
@@ -370,6 +353,68 @@ class ShardedMuon(Optimizer):
             amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
             eps=group["eps"], maximize=False,
         )
+
+
+class _Exchange:
+    """One round of the owner path on one shard group: shards → owners, NS on owners, slices back.
+
+    items: (index, param, group, local update). Both all_to_all calls are
+    asynchronous; the flat buffers are laid out by (owner, param order) on
+    every rank, so all sides agree on them without exchanging metadata.
+    """
+
+    def __init__(self, pg: Any, items: list[tuple[int, torch.Tensor, dict, torch.Tensor]],
+                 layouts: dict[torch.Tensor, _Layout]) -> None:
+        self.pg = pg
+        self.world, me = dist.get_world_size(pg), dist.get_rank(pg)
+        self.layouts = {i: layouts[p] for i, p, _, _ in items}
+        self.items = sorted(items, key=lambda it: (self.layouts[it[0]].owner, it[0]))
+        self.mine = [it for it in self.items if self.layouts[it[0]].owner == me]
+        self.send_splits = [0] * self.world
+        for i, _, _, _ in self.items:
+            self.send_splits[self.layouts[i].owner] += math.prod(self.layouts[i].shard_shape(me))
+        self.recv_splits = [sum(math.prod(self.layouts[i].shard_shape(src)) for i, _, _, _ in self.mine)
+                            for src in range(self.world)]
+        self.sent_numel = 0
+
+    def send_to_owners(self) -> None:
+        self.send = torch.cat([u.reshape(-1) for _, _, _, u in self.items])
+        self.recv = self.send.new_empty(sum(self.recv_splits))
+        self.work = dist.all_to_all_single(self.recv, self.send, self.recv_splits, self.send_splits,
+                                           group=self.pg, async_op=True)
+
+    def orthogonalize_and_return(self, ns_batched: Any) -> None:
+        """Owner: rebuild each full slab from every source rank's piece, NS them, send the slices back."""
+        self.work.wait()
+        pieces: dict[int, list[torch.Tensor]] = {i: [] for i, _, _, _ in self.mine}
+        offset = 0
+        for src in range(self.world):
+            for i, _, _, _ in self.mine:
+                shape = self.layouts[i].shard_shape(src)
+                pieces[i].append(self.recv[offset:offset + math.prod(shape)].view(shape))
+                offset += math.prod(shape)
+        full = {i: torch.cat(pieces[i], dim=self.layouts[i].shard_dim) for i, _, _, _ in self.mine}
+        ortho = ns_batched(full, {i: group for i, _, group, _ in self.mine})
+        back = [
+            ortho[i].narrow(lay.shard_dim, sum(lay.shard_sizes[:dst]), lay.shard_sizes[dst]).reshape(-1)
+            for dst in range(self.world) for i, lay in ((i, self.layouts[i]) for i, _, _, _ in self.mine)
+        ]
+        self.back = torch.cat(back) if back else self.send.new_empty(0)  # kept alive until the work is done
+        self.result_flat = self.send.new_empty(self.send.numel())
+        self.work = dist.all_to_all_single(self.result_flat, self.back, self.send_splits, self.recv_splits,
+                                           group=self.pg, async_op=True)
+        self.sent_numel = self.send.numel() + self.back.numel()
+        del self.send, self.recv  # the owner's full slabs live only in this call
+
+    def results(self) -> dict[int, torch.Tensor]:
+        """Wait for the slices; this rank's orthogonalised shard per item index."""
+        self.work.wait()
+        del self.back
+        out, offset = {}, 0
+        for i, _, _, u in self.items:
+            out[i] = self.result_flat[offset:offset + u.numel()].view(u.shape)
+            offset += u.numel()
+        return out
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -435,7 +480,7 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> Optimizer:
     groups = [dict(params=[p for _, p in muon], use_muon=True, **muon_keys)] if muon else []
     if adamw:
         groups.append(dict(params=[p for _, p in adamw], lr=cfg.adamw_lr, **adamw_keys))
-    return ShardedMuon(groups)
+    return ShardedMuon(groups, bucket_bytes=int(cfg.bucket_mb * 2**20))
 
 
 def build_lr_scheduler(optimizer: Optimizer, cfg: OptimizerConfig, training_steps: int) -> Any:

@@ -51,6 +51,10 @@ class OptimizerConfig:
         (r"embed", r"(^|\.)(lm_head|output)\.", r"norm", r"(^|\.)bias$"),
         doc="regexes (re.search on the parameter name) of matrices kept on AdamW; nn.Embedding and norm modules always are",
     )
+    bucket_mb: float = option(
+        512.0, doc="owner path: most MiB of full matrices one exchange round moves to owners (bounds owner memory; rounds pipeline)",
+        gt=0.0,
+    )
     backend: Literal["auto", "owner", "dist_muon"] = option(
         "auto",
         doc="auto: TorchTitan DistMuon for CUDA DTensor params with named mesh axes, else owner; "

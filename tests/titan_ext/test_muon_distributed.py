@@ -195,25 +195,32 @@ def _four_rank_case(rank: int, world: int) -> None:
         ((3, 10, 6), ep_fsdp, [Shard(0), Shard(1)]),  # experts 2/1 over EP, rows 5/5 over efsdp
     ]
     params = [nn.Parameter(distribute_tensor(torch.randn(shape), mesh, pl)) for shape, mesh, pl in specs]
-    for nesterov, lr_adjust in ((True, "match_rms_adamw"), (False, "original")):
+    stats = []
+    # Default buckets (one exchange round per group), then 500-byte buckets (several rounds, pipelined).
+    for nesterov, lr_adjust, bucket_bytes in ((True, "match_rms_adamw", 2**29), (False, "original", 500)):
         ref = ReferenceRun(params, [], nesterov=nesterov, lr_adjust=lr_adjust)
-        opt = ShardedMuon(_groups(params, [], nesterov=nesterov, lr_adjust=lr_adjust))
+        opt = ShardedMuon(_groups(params, [], nesterov=nesterov, lr_adjust=lr_adjust), bucket_bytes=bucket_bytes)
         for step in range(3):
             gen = torch.Generator().manual_seed(step)
             for p in params:
                 p.grad = distribute_tensor(torch.randn(p.shape, generator=gen), p.device_mesh, p.placements)
             ref.step()
             opt.step()
-        ref.assert_close(f"rank {rank} nesterov={nesterov} {lr_adjust}")
+        ref.assert_close(f"rank {rank} nesterov={nesterov} {lr_adjust} bucket={bucket_bytes}")
+        stats.append(_gather_stats(opt, world))
 
-    # Owner path, greedy by size: flat group (65, 60, 24) → ranks 0, 1, 2; HSDP shard group (144, 63) →
-    # shard ranks 0, 1 (global r % 2); local experts 30 each on ranks 0-2; the 2-D fallback (48) everywhere;
+    # NS work per rank (numel), owners greedy by size with the load carried across rounds:
+    # local experts 30 on ranks 0-2 and the 2-D fallback (48) on every rank in both runs;
     # EP×FSDP experts: each efsdp group's slab ([2, 10, 6] on EP rank 0, [1, 10, 6] on EP rank 1) → efsdp rank 0.
-    stats = _gather_stats(opt, world)
-    expected = [65 + 144 + 30 + 48 + 120, 60 + 63 + 30 + 48, 24 + 144 + 30 + 48 + 60, 0 + 63 + 0 + 48]
-    assert [s[1] for s in stats] == expected, stats
-    # one exchange (2 all_to_all) per group: flat, HSDP shard, efsdp; the 2-D param: one full_tensor.
-    assert all(s[2] == 2 + 2 + 2 + 1 for s in stats), stats
+    # One round per group: flat (65, 60, 24) → ranks 0, 1, 2; HSDP shard group (144, 63) → shard ranks 0, 1
+    # (global r % 2). Collectives: 2 all_to_all per round (flat, HSDP shard, efsdp) + 1 full_tensor.
+    common = [30 + 48 + 120, 30 + 48, 30 + 48 + 60, 48]
+    assert [s[1] for s in stats[0]] == [c + w for c, w in zip(common, [65 + 144, 60 + 63, 24 + 144, 63])], stats
+    assert all(s[2] == 2 + 2 + 2 + 1 for s in stats[0]), stats
+    # 500-byte rounds: flat [24, 60] then [65] (60 → r0, 24 → r1, then 65 → r2, the least loaded);
+    # HSDP [63] then [144] (63 → shard rank 0, 144 → shard rank 1); 2 + 2 + 1 rounds.
+    assert [s[1] for s in stats[1]] == [c + w for c, w in zip(common, [60 + 63, 24 + 144, 65 + 63, 144])], stats
+    assert all(s[2] == 2 * 5 + 1 for s in stats[1]), stats
 
 
 def test_sharded_muon_hsdp_uneven_and_2d_sharded_match_reference_on_4_ranks():
