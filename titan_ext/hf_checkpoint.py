@@ -97,7 +97,14 @@ def load_hf_into_titan(model: torch.nn.Module, hf_dir: str | Path, adapter: Any 
     model is left untouched in that case.
     """
     adapter = adapter or make_adapter(model, hf_dir)
-    state_dict = adapter.from_hf(read_hf_state_dict(hf_dir))
+    hf_state_dict = read_hf_state_dict(hf_dir)
+    try:
+        state_dict = adapter.from_hf(hf_state_dict)
+    except (AssertionError, KeyError, StopIteration, RuntimeError) as e:
+        raise ValueError(
+            f"HF checkpoint {hf_dir} cannot be converted for {type(model).__name__} "
+            f"({type(e).__name__}: {e}); is it a checkpoint of this flavour?"
+        ) from e
     expected = set(model.state_dict().keys())
     missing = sorted(k for k in expected - state_dict.keys() if not k.endswith(_TITAN_ONLY_SUFFIXES))
     unexpected = sorted(state_dict.keys() - expected)

@@ -1,0 +1,112 @@
+"""Two gloo processes: process-group setup, the set_timeout shim, FSDP2 with summed gradients."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from titan_ext.platform import detect_platform, install_torch_shims
+
+WORLD = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+
+
+def _batch(rank: int) -> torch.Tensor:
+    return torch.randn(6, 8, generator=torch.Generator().manual_seed(10 + rank))
+
+
+def _sharded(force_sum: bool, platform):
+    """FSDP2 as TorchTitan configures it: no gradient division (sum over ranks)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from titan_ext.platform import configure_fsdp_comms
+
+    model = _model()
+    for module in (model[0], model[2], model):
+        fully_shard(module)
+        module.set_gradient_divide_factor(1.0)
+    configured = configure_fsdp_comms(model, platform) if force_sum else 0
+    return model, configured
+
+
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch.distributed as dist
+
+    from titan_ext.platform import init_process_group
+
+    report = Path(out_dir) / f"rank{rank}.txt"
+    try:
+        platform = detect_platform("cpu")
+        device = init_process_group(platform, timeout=datetime.timedelta(seconds=60))
+        assert device == torch.device("cpu") and dist.get_backend() == "gloo" and dist.get_world_size() == WORLD
+        t = torch.tensor([rank + 1.0])
+        dist.all_reduce(t)
+        assert t.item() == 3.0
+        dist.set_timeout(datetime.timedelta(seconds=30))  # the shim TorchTitan's set_pg_timeouts calls
+        dist.barrier()
+
+        # Without force-sum, gloo cannot reduce-scatter with FSDP's PREMUL_SUM.
+        plain, _ = _sharded(force_sum=False, platform=platform)
+        try:
+            plain(_batch(rank)).square().sum().backward()
+            premul = "ran"
+        except RuntimeError as e:
+            premul = "PREMUL_SUM" if "PREMUL_SUM" in str(e) else f"other: {e}"
+        dist.barrier()
+
+        model, configured = _sharded(force_sum=True, platform=platform)
+        model(_batch(rank)).square().sum().backward()
+        grads = [p.grad.full_tensor() for p in model.parameters()]
+
+        # Reference: one process, full model, loss summed over both ranks' batches.
+        reference = _model()
+        sum(reference(_batch(r)).square().sum() for r in range(WORLD)).backward()
+        max_err = max((g - p.grad).abs().max().item() for g, p in zip(grads, reference.parameters()))
+        report.write_text(f"configured={configured} premul={premul} max_err={max_err:.3e}\n")
+        dist.destroy_process_group()
+    except BaseException:
+        report.write_text("error\n" + traceback.format_exc())
+        raise
+
+
+@pytest.mark.timeout(300)
+def test_two_gloo_ranks(tmp_path):
+    mp.start_processes(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, start_method="spawn")
+    for rank in range(WORLD):
+        text = (tmp_path / f"rank{rank}.txt").read_text()
+        assert text.startswith("configured=3 premul=PREMUL_SUM "), text
+        assert float(text.split("max_err=")[1]) < 1e-5, text
+
+
+def test_shims_and_platform_selection():
+    install_torch_shims()
+    import torch.distributed as dist
+
+    assert callable(dist.set_timeout)
+    cpu = detect_platform("cpu")
+    assert (cpu.device_type, cpu.backend, cpu.attention, cpu.exact_experts) == ("cpu", "gloo", "sdpa", True)
+    assert cpu.needs_force_sum_reduction
+    if not torch.cuda.is_available():
+        assert detect_platform("auto") == cpu
+        with pytest.raises(RuntimeError, match="no CUDA device"):
+            detect_platform("cuda")
+    with pytest.raises(ValueError, match="unknown device 'tpu'"):
+        detect_platform("tpu")
