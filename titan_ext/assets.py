@@ -12,6 +12,10 @@ with `HF_HUB_OFFLINE=1` (transformers, vLLM, TorchTitan via
 - `tiny/`: the dense tiny Qwen3 (`models.TINY_SHAPES["composer_tiny"]`);
 - `tiny_moe/`: the tiny Qwen3-MoE (4 experts, top-2).
 
+`hf_dir_for(model_cfg)` / `tokenizer_dir_for(model_cfg)` name the directories
+a `[model]` section resolves to (building the assets on first use), so a
+generator starts from exactly the trainer's initial weights.
+
 Weights are TorchTitan's init under the seed, converted with TorchTitan's
 state-dict adapter. Same seed -> byte-identical files. A stamp of all inputs
 (corpus, these sources, library versions, seed) makes the call idempotent; a
@@ -30,6 +34,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
+
+from configs.sections.model import ModelConfig
 
 ASSETS_FORMAT = 1
 CORPUS_PATH = Path(__file__).parent / "data" / "tokenizer_corpus.txt"
@@ -186,7 +192,6 @@ def _file_lock(path: Path) -> Iterator[None]:
 def _write_model(out_dir: Path, flavour: str, seed: int, tokenizer_dir: Path) -> None:
     from transformers import GenerationConfig
 
-    from configs.sections.model import ModelConfig
     from titan_ext.hf_checkpoint import save_hf
     from titan_ext.models import build_model, resolve_model
     from titan_ext.platform import detect_platform
@@ -234,3 +239,36 @@ def build_assets(cache_dir: Path, seed: int = 0) -> AssetPaths:
             raise
     return paths
 
+
+
+TINY_FLAVOUR_DIRS = {"tiny": "dense_dir", "tiny_moe": "moe_dir"}
+
+
+def _cache_dir_for(model_cfg: ModelConfig) -> Path:
+    return Path(model_cfg.assets_cache_dir) if model_cfg.assets_cache_dir else default_cache_dir()
+
+
+def hf_dir_for(model_cfg: ModelConfig) -> Path | None:
+    """The HF directory holding the weights `build_model(model_cfg)` starts from.
+
+    hf_path when set; for the tiny flavours the built assets of the config's
+    seed (built on first use); None for other flavours without a checkpoint.
+    Generators load this so they start from the trainer's weights.
+    """
+    if model_cfg.hf_path:
+        return Path(model_cfg.hf_path)
+    if model_cfg.flavour in TINY_FLAVOUR_DIRS:
+        paths = build_assets(_cache_dir_for(model_cfg), seed=model_cfg.seed)
+        return getattr(paths, TINY_FLAVOUR_DIRS[model_cfg.flavour])
+    return None
+
+
+def tokenizer_dir_for(model_cfg: ModelConfig) -> Path:
+    """tokenizer_path, else hf_path, else (tiny flavours) the built tiny tokenizer."""
+    if model_cfg.tokenizer_path:
+        return Path(model_cfg.tokenizer_path)
+    if model_cfg.hf_path:
+        return Path(model_cfg.hf_path)
+    if model_cfg.flavour in TINY_FLAVOUR_DIRS:
+        return build_assets(_cache_dir_for(model_cfg), seed=model_cfg.seed).tokenizer_dir
+    raise ValueError(f"model flavour {model_cfg.flavour!r} needs model.tokenizer_path or model.hf_path")

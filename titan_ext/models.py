@@ -171,9 +171,10 @@ class ResolvedModel:
 
     spec: TorchTitan's ModelSpec (model config with the platform's code paths
     applied, parallelize_fn, state_dict_adapter, ...); hf_config: the HF config
-    of the same model, or None where no mapping exists (DeepSeek/Kimi families:
-    use the config.json shipped with their checkpoints); platform: what it was
-    resolved for.
+    of the same model: the config.json of `hf_path` when set (checked against
+    the flavour for Qwen3), else derived from the TorchTitan config for Qwen3
+    flavours, else None (DeepSeek/Kimi/Llama without a checkpoint: no derivation
+    is implemented for them); platform: what it was resolved for.
     """
 
     spec: ModelSpec
@@ -212,7 +213,40 @@ def resolve_model(model_cfg: ModelConfig, platform: Platform | None = None) -> R
     if platform.exact_experts:
         use_exact_experts(spec.model)
     hf_config = hf_config_for(spec.model, **_tiny_token_ids(model_cfg)) if family == "qwen3" else None
+    if model_cfg.hf_path:
+        hf_config = _checkpoint_config(model_cfg, hf_config)
     return ResolvedModel(spec=spec, hf_config=hf_config, platform=platform, family=family)
+
+
+_ARCHITECTURE_FIELDS = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "tie_word_embeddings",
+)
+
+
+def _checkpoint_config(model_cfg: ModelConfig, derived: Any) -> Any:
+    """The config.json of hf_path; must agree with the flavour's derived config where there is one."""
+    from transformers import AutoConfig
+
+    loaded = AutoConfig.from_pretrained(model_cfg.hf_path)
+    if derived is not None:
+        for field in _ARCHITECTURE_FIELDS:
+            want, got = getattr(derived, field, None), getattr(loaded, field, None)
+            if want != got:
+                raise ValueError(
+                    f"model.hf_path {model_cfg.hf_path} is not a {model_cfg.flavour!r} checkpoint: "
+                    f"{field} is {got!r} there, the flavour has {want!r}"
+                )
+    return loaded
 
 
 def _tiny_token_ids(model_cfg: ModelConfig) -> dict[str, int]:

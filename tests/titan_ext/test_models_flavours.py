@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -107,3 +109,23 @@ def test_tiny_moe_fits_a_fixed_batch_on_cpu_with_packed_documents():
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0] - 0.5
     routers = [p for n, p in model.named_parameters() if "router.gate" in n]
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in routers)
+
+
+def test_model_config_resolves_to_asset_directories(tiny_assets):
+    from titan_ext.assets import hf_dir_for, tokenizer_dir_for
+
+    cache = str(tiny_assets.root.parent)
+    tiny = ModelConfig(flavour="tiny_moe", assets_cache_dir=cache)
+    assert hf_dir_for(tiny) == tiny_assets.moe_dir and tokenizer_dir_for(tiny) == tiny_assets.tokenizer_dir
+    real = ModelConfig(flavour="qwen3_8b", hf_path="/ckpt/qwen3-8b")
+    assert hf_dir_for(real) == tokenizer_dir_for(real) == Path("/ckpt/qwen3-8b")
+    assert hf_dir_for(ModelConfig(flavour="qwen3_8b")) is None
+    with pytest.raises(ValueError, match="needs model.tokenizer_path or model.hf_path"):
+        tokenizer_dir_for(ModelConfig(flavour="qwen3_8b"))
+
+
+def test_checkpoint_of_another_flavour_is_refused(tiny_assets):
+    with pytest.raises(ValueError, match="is not a 'tiny' checkpoint: model_type is 'qwen3_moe'"):
+        resolve_model(ModelConfig(flavour="tiny", hf_path=str(tiny_assets.moe_dir)), CPU)
+    resolved = resolve_model(ModelConfig(flavour="tiny_moe", hf_path=str(tiny_assets.moe_dir)), CPU)
+    assert resolved.hf_config.eos_token_id == 2 and resolved.hf_config.num_experts == 4
