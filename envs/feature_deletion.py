@@ -14,17 +14,21 @@ from __future__ import annotations
 import ast
 import os
 import random
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from configs.records import ErrorKind, ErrorSite
 from configs.sections.env import FeatureDeletionConfig
-from envs.grading import run_suite
-from envs.safeguards import is_bytecode, is_test_path
+from envs.base import Environment, Observation
+from envs.grading import grade_workspace, run_suite
+from envs.safeguards import is_bytecode, is_test_path, manifest
 from envs.sandbox import Sandbox, Workspace, copy_tree
 
 _STUB = 'raise NotImplementedError("deleted feature: rebuild {name}")'
+_CODE_BLOCK = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -45,12 +49,15 @@ class RepoTask:
     hidden_tests: tuple[str, ...]
     expected_tests: tuple[str, ...]
 
-    @property
-    def prompt(self) -> str:
+    def prompt(self, tools: bool = True) -> str:
+        """Terse instruction: with tools (the multi-turn loop) or with the file inline (single turn)."""
         names = ", ".join(f"`{s}`" for s in self.symbols)
+        head = f"Repository `{self.pristine.name}`: the body of {names} in `{self.target}` was deleted. "
+        if tools:
+            return head + "Rebuild it so the hidden tests pass. Use the tools; answer without a tool call when done."
         return (
-            f"Repository `{self.pristine.name}`: the body of {names} in `{self.target}` was deleted. "
-            "Rebuild it so the hidden tests pass. Use the tools; answer without a tool call when done."
+            head + f"Reply with the complete new `{self.target}` in one ```python block.\n\n"
+            f"```python\n{self.stubbed_source}```"
         )
 
     def original_source(self) -> str:
@@ -169,3 +176,42 @@ def generate_tasks(
         name = f"{pristine.name}:{rel}:{'+'.join(group)}"
         tasks.append(RepoTask(name, pristine, rel, group, stubbed, tuple(failing_files), expected))
     return tasks
+
+
+class FeatureDeletionEnv(Environment):
+    """Single-turn feature deletion: the reply carries the whole target file; it is graded as written.
+
+    The multi-turn variant with tools over the same tasks is `envs.tool_loop.ToolLoopEnv`.
+    """
+
+    def __init__(self, tasks: list[RepoTask], sandbox: Sandbox) -> None:
+        super().__init__()
+        if not tasks:
+            raise ValueError("FeatureDeletionEnv needs at least one task")
+        self.tasks, self.sandbox = tasks, sandbox
+        self.task: RepoTask | None = None
+
+    def _start(self, seed: int | None) -> Observation:
+        self.task = self.tasks[(seed if seed is not None else random.randrange(len(self.tasks))) % len(self.tasks)]
+        return Observation([{"role": "user", "content": self.task.prompt(tools=False)}], info={"task": self.task.name})
+
+    def _answer(self, action: dict, turn: int) -> Observation:
+        assert self.task is not None
+        blocks = _CODE_BLOCK.findall(str(action.get("content") or ""))
+        info: dict = {"task": self.task.name}
+        if not blocks:
+            site = ErrorSite(turn, ErrorKind.SYNTAX, "no ```python block with the new file in the reply")
+            return Observation([], reward=0.0, done=True, error_sites=[site], info=info | {"reason": "no_code"})
+        with self.task.workspace(self.sandbox) as ws:
+            start = manifest(ws.path)
+            (ws.path / self.task.target).write_text(blocks[-1])
+            grade = grade_workspace(self.sandbox, self.task.pristine, start, ws, self.task.expected_tests)
+        info |= {"reason": grade.reason, "violations": list(grade.violations), "passed": grade.passed, "total": grade.total}
+        sites = []
+        if grade.reward < 1.0:
+            kind = (
+                ErrorKind.TIMEOUT if grade.reason in ("timeout", "cpu_time_limit")
+                else ErrorKind.TEST_FAILURE if grade.reason.startswith("tests_failed") else ErrorKind.OTHER
+            )
+            sites = [ErrorSite(turn, kind, f"{grade.reason}\n{grade.output[-400:]}".strip())]
+        return Observation([], reward=grade.reward, done=True, error_sites=sites, info=info)

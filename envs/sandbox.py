@@ -317,6 +317,19 @@ def processes_of(uid: int) -> list[int]:
     return pids
 
 
+def processes_with(marker: str) -> list[int]:
+    """PIDs (host view) whose command line contains `marker` (how tests find escaped processes)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if marker.encode() in Path(f"/proc/{entry}/cmdline").read_bytes():
+                    pids.append(int(entry))
+            except OSError:
+                continue
+    return pids
+
+
 def kill_stray(uid: int, grace_s: float = 2.0) -> bool:
     """Kill what is left of a sandbox uid; True when something survived `grace_s` of SIGKILLs.
 

@@ -94,7 +94,7 @@ class ToolLoopEnv(Environment):
         self.ws = self.task.workspace(self.sandbox)
         self._start_manifest = manifest(self.ws.path)
         self._violations = []
-        messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": self.task.prompt}]
+        messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": self.task.prompt()}]
         return Observation(messages, info={"task": self.task.name, "tools": TOOLS})
 
     def close(self) -> None:

@@ -168,3 +168,36 @@ def test_bytecode_is_not_carried_into_grading(repo_tasks, sandbox):
         original.unlink()
         grade = grade_workspace(sandbox, task.pristine, start, ws, task.expected_tests)
     assert grade.reward == 0.0
+
+
+def test_single_turn_env_grades_the_file_in_the_reply(repo_tasks, sandbox):
+    from configs.records import ErrorKind
+    from envs.base import assistant
+    from envs.feature_deletion import FeatureDeletionEnv
+
+    env = FeatureDeletionEnv(repo_tasks["minicalc"], sandbox)
+    (prompt,) = env.reset(seed=1).messages
+    task = env.task
+    assert task.stubbed_source in prompt["content"] and task.target in prompt["content"]
+    obs = env.step(assistant(f"Here it is:\n```python\n{task.original_source()}```\n"))
+    assert (obs.reward, obs.info["reason"]) == (1.0, "passed")
+    env.reset(seed=1)
+    obs = env.step(assistant("I would rewrite the parser."))
+    assert obs.reward == 0.0 and obs.error_sites[0].kind is ErrorKind.SYNTAX
+    env.reset(seed=1)
+    obs = env.step(assistant(f"```python\n{task.stubbed_source}```"))
+    assert obs.reward == 0.0 and obs.error_sites[0].kind is ErrorKind.TEST_FAILURE
+
+
+def test_build_env_from_the_env_section(task_store):
+    from configs.sections.env import EnvConfig
+    from envs.demo import DemoEnv
+    from envs.factory import build_env
+    from envs.tool_loop import ToolLoopEnv
+
+    assert isinstance(build_env(EnvConfig()), DemoEnv)
+    with pytest.raises(ValueError, match="feature_deletion.repo"):
+        build_env(EnvConfig(task="tool_loop"))
+    fd = FeatureDeletionConfig(repo=str(FIXTURES / "textkit"), max_tasks=1)
+    env = build_env(EnvConfig(task="tool_loop", feature_deletion=fd), store=task_store)
+    assert isinstance(env, ToolLoopEnv) and len(env.tasks) == 1

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from envs.base import assistant
-from envs.sandbox import processes_of
+from envs.sandbox import processes_of, processes_with
 from envs.tool_loop import ToolLoopEnv
 
 MARKER = "cmhostile" + uuid.uuid4().hex[:12]
@@ -119,18 +119,6 @@ CASES = {
 }
 
 
-def _marker_processes() -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if MARKER.encode() in Path(f"/proc/{entry}/cmdline").read_bytes():
-                    found.append(int(entry))
-            except OSError:
-                continue
-    return found
-
-
 def _marker_files() -> list[str]:
     found = []
     for root in ("/tmp", "/var/tmp", "/dev/shm", str(REPO_ROOT)):
@@ -162,7 +150,7 @@ def test_hostile_submission_earns_zero_with_reason(name, env, monkeypatch):
     assert obs.info["reason"] in named  # the reward is 0 because of a violation, not only failing tests
     # Contained: nothing of the sandbox uid is alive, no marker process, no marker file, no leaked secret.
     assert processes_of(env.ws.uid) == []
-    assert _marker_processes() == []
+    assert processes_with(MARKER) == []
     assert _marker_files() == []
     transcript = repr(env.state.messages) + repr(obs.info)
     assert SECRET not in transcript

@@ -12,23 +12,11 @@ from pathlib import Path
 import pytest
 
 from configs.sections.env import SandboxConfig
-from envs.sandbox import Sandbox, SandboxUnavailable, copy_tree, processes_of, redact
+from envs.sandbox import Sandbox, SandboxUnavailable, copy_tree, processes_of, processes_with, redact
 
 
 def _py(sandbox, ws, code: str, **kw):
     return sandbox.run([sandbox.python(), "-c", code], ws, **kw)
-
-
-def _marker_processes(marker: str) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if marker.encode() in Path(f"/proc/{entry}/cmdline").read_bytes():
-                    found.append(int(entry))
-            except OSError:
-                continue
-    return found
 
 
 @pytest.fixture
@@ -99,7 +87,7 @@ def test_wall_clock_timeout_kills_the_tree(sandbox, ws):
     code = f"import subprocess, time; subprocess.Popen(['sleep', '300', '{marker}']); time.sleep(300)"
     r = _py(sandbox, ws, code, timeout_s=2)
     assert r.timed_out and "timeout" in r.violations and r.exit_code < 0
-    assert _marker_processes(marker) == [] and processes_of(ws.uid) == []
+    assert processes_with(marker) == [] and processes_of(ws.uid) == []
 
 
 def test_cpu_time_limit(sandbox, ws):
@@ -125,7 +113,7 @@ def test_fork_bomb_is_contained(sandbox, ws):
     marker = uuid.uuid4().hex
     r = _py(sandbox, ws, f"import os  # {marker}\nwhile True:\n    os.fork()", timeout_s=10)
     assert r.exit_code != 0 and "process_limit" in r.violations
-    assert _marker_processes(marker) == [] and processes_of(ws.uid) == []
+    assert processes_with(marker) == [] and processes_of(ws.uid) == []
 
 
 def test_daemon_dies_with_the_run(sandbox, ws):
@@ -142,7 +130,7 @@ def test_daemon_dies_with_the_run(sandbox, ws):
     )
     r = _py(sandbox, ws, code)
     assert r.ok and "parent exits" in r.stdout
-    assert _marker_processes(marker) == []
+    assert processes_with(marker) == []
     assert processes_of(ws.uid) == []
 
 

@@ -1,0 +1,126 @@
+"""Episodes per second for the demo and feature-deletion tasks, and the sandbox's overhead.
+
+    python benchmarks/sandbox.py --quick
+
+Measures, in one run:
+- demo task: episodes/s (reset + one solver reply + scoring; no sandbox involved);
+- feature deletion (single-turn env, tasks from the two vendored fixture repos):
+  oracle and no-op episodes/s, each episode a full grading run in a fresh
+  sandbox, plus the oracle's and no-op's mean reward;
+- sandbox overhead: the same command bare (`subprocess.run`) and sandboxed,
+  interleaved, for `python -c pass` and for a pytest run of a fixture suite.
+Prints a table and ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from configs.sections.env import DemoTaskConfig, FeatureDeletionConfig
+from envs.base import assistant
+from envs.demo import DemoEnv, solve
+from envs.feature_deletion import FeatureDeletionEnv, TaskStore, generate_tasks
+from envs.sandbox import Sandbox
+
+FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "envs" / "fixtures"
+
+
+def demo_rate(episodes: int) -> float:
+    env = DemoEnv(DemoTaskConfig(ops=("add", "sub", "mul", "reverse")))
+    start = time.perf_counter()
+    for seed in range(episodes):
+        env.reset(seed=seed)
+        obs = env.step(assistant(solve(env.state.messages)))
+        assert obs.reward == 1.0
+    return episodes / (time.perf_counter() - start)
+
+
+def feature_deletion(sandbox: Sandbox, tasks_per_repo: int) -> dict[str, float]:
+    store = TaskStore(sandbox)
+    try:
+        config = FeatureDeletionConfig(max_tasks=tasks_per_repo)
+        start = time.perf_counter()
+        tasks = [t for repo in ("textkit", "minicalc") for t in generate_tasks(FIXTURES / repo, config, sandbox, store)]
+        gen_s = time.perf_counter() - start
+        env = FeatureDeletionEnv(tasks, sandbox)
+        out: dict[str, float] = {"tasks": len(tasks), "generate_s_per_task": gen_s / len(tasks)}
+        for policy in ("oracle", "noop"):
+            rewards, start = [], time.perf_counter()
+            for i, task in enumerate(tasks):
+                env.reset(seed=i)
+                source = task.original_source() if policy == "oracle" else task.stubbed_source
+                rewards.append(env.step(assistant(f"```python\n{source}```")).reward)
+            out[f"{policy}_eps_per_s"] = len(tasks) / (time.perf_counter() - start)
+            out[f"{policy}_mean_reward"] = sum(rewards) / len(rewards)
+        return out
+    finally:
+        store.cleanup()
+
+
+def overhead(sandbox: Sandbox, argv_of, cwd_src: Path | None, reps: int) -> tuple[float, float]:
+    """Median seconds (bare, sandboxed) for the same command, interleaved."""
+    bare, boxed = [], []
+    extra = {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}  # both sides: no entry-point plugins
+    with sandbox.workspace(copy_from=cwd_src) as ws:
+        for _ in range(reps):
+            t = time.perf_counter()
+            subprocess.run(argv_of(sys.executable), cwd=ws.path, capture_output=True, check=True, env=os.environ | extra)
+            bare.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            r = sandbox.run(argv_of(sandbox.python()), ws, env=extra)
+            boxed.append(time.perf_counter() - t)
+            assert r.ok, r.stderr
+    return statistics.median(bare), statistics.median(boxed)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small counts (about a minute on 2 cores)")
+    args = parser.parse_args()
+    reps, tasks_per_repo, demo_eps = (6, 2, 2000) if args.quick else (30, 8, 20000)
+
+    sandbox = Sandbox()
+    demo = demo_rate(demo_eps)
+    fd = feature_deletion(sandbox, tasks_per_repo)
+    py_bare, py_box = overhead(sandbox, lambda py: [py, "-c", "pass"], None, reps)
+    pytest_args = ["-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    pt_bare, pt_box = overhead(sandbox, lambda py: [py, *pytest_args], FIXTURES / "textkit", reps)
+
+    rows = [
+        ("demo episodes/s", f"{demo:,.0f}"),
+        ("feature-deletion tasks (2 repos)", f"{fd['tasks']:.0f}"),
+        ("  generation s/task (verify: stub + suite)", f"{fd['generate_s_per_task']:.2f}"),
+        ("  oracle episodes/s  (mean reward)", f"{fd['oracle_eps_per_s']:.2f}  ({fd['oracle_mean_reward']:.2f})"),
+        ("  no-op episodes/s   (mean reward)", f"{fd['noop_eps_per_s']:.2f}  ({fd['noop_mean_reward']:.2f})"),
+        ("python -c pass: bare / sandboxed ms", f"{py_bare * 1e3:.0f} / {py_box * 1e3:.0f}  (+{(py_box - py_bare) * 1e3:.0f} ms)"),
+        ("pytest suite:   bare / sandboxed ms", f"{pt_bare * 1e3:.0f} / {pt_box * 1e3:.0f}  (+{(pt_box - pt_bare) * 1e3:.0f} ms)"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    print(f"sandbox benchmark ({'quick' if args.quick else 'full'}, medians of {reps} interleaved runs)")
+    for k, v in rows:
+        print(f"  {k:<{width}}  {v}")
+    print(json.dumps({
+        "demo_eps_per_s": round(demo, 1),
+        "feature_deletion_tasks": int(fd["tasks"]),
+        "feature_deletion_oracle_eps_per_s": round(fd["oracle_eps_per_s"], 3),
+        "feature_deletion_noop_eps_per_s": round(fd["noop_eps_per_s"], 3),
+        "oracle_mean_reward": fd["oracle_mean_reward"],
+        "noop_mean_reward": fd["noop_mean_reward"],
+        "python_bare_ms": round(py_bare * 1e3, 1),
+        "python_sandboxed_ms": round(py_box * 1e3, 1),
+        "python_overhead_ratio": round(py_box / py_bare, 3),
+        "pytest_bare_ms": round(pt_bare * 1e3, 1),
+        "pytest_sandboxed_ms": round(pt_box * 1e3, 1),
+        "pytest_overhead_ratio": round(pt_box / pt_bare, 3),
+    }))
+
+
+if __name__ == "__main__":
+    main()
