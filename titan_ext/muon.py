@@ -186,14 +186,21 @@ class ShardedMuon(Optimizer):
     EP); whether a param has a grad must agree across its shard group.
     """
 
-    def __init__(self, param_groups: Iterable[dict[str, Any]], *, bucket_bytes: int = 512 * 2**20) -> None:
+    def __init__(self, param_groups: Iterable[dict[str, Any]] | Iterable[torch.Tensor], *, bucket_bytes: int = 512 * 2**20) -> None:
         """bucket_bytes: most full-matrix bytes an exchange round moves to owners (one matrix may exceed it)."""
         defaults = dict(
             lr=1e-3, weight_decay=0.1, use_muon=True, momentum=0.95, nesterov=True, ns_steps=5,
             ns_coefficients=NS_COEFFICIENTS, eps=1e-7, ns_dtype="bfloat16", lr_adjust="match_rms_adamw",
             betas=(0.9, 0.95),
         )
-        super().__init__(list(param_groups), defaults)
+        param_groups = list(param_groups)
+        if param_groups and isinstance(param_groups[0], torch.Tensor):
+            param_groups = [{"params": param_groups}]
+        param_groups = [dict(g) for g in param_groups]
+        for g in param_groups:
+            if not g.get("use_muon", True):
+                g.setdefault("eps", 1e-8)  # AdamW's epsilon, not the NS norm floor
+        super().__init__(param_groups, defaults)
         for group in self.param_groups:
             if group["use_muon"]:
                 for p in group["params"]:
