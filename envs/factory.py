@@ -1,29 +1,49 @@
-"""Build the environment `[env]` asks for (what the generator actors call)."""
+"""Build the environments `[env]` asks for (what the generator actors call, once per episode)."""
 
 from __future__ import annotations
+
+import hashlib
+from typing import Callable
 
 from configs.sections.env import EnvConfig
 from envs.base import Environment
 from envs.demo import DemoEnv, Split
-from envs.feature_deletion import FeatureDeletionEnv, TaskStore, generate_tasks
+from envs.feature_deletion import FeatureDeletionEnv, RepoTask, TaskStore, generate_tasks
 from envs.sandbox import Sandbox
 from envs.tool_loop import ToolLoopEnv
 
 
-def build_env(config: EnvConfig, split: Split = "train", store: TaskStore | None = None) -> Environment:
-    """The demo env, or a repository env over tasks generated (and verified) from `feature_deletion.repo`.
+def split_tasks(tasks: list[RepoTask], heldout_fraction: float, split: Split) -> list[RepoTask]:
+    """Tasks of one split, by a stable hash of the task name (all tasks when a split would be empty)."""
+    def is_heldout(t: RepoTask) -> bool:
+        return int.from_bytes(hashlib.sha256(t.name.encode()).digest()[:8], "big") / 2**64 < heldout_fraction
 
-    Repository envs need a `TaskStore` for the pristine snapshots; pass one to
-    share it (and clean it up) across envs, else one is made for this env.
+    chosen = [t for t in tasks if is_heldout(t) == (split == "heldout")]
+    return chosen or list(tasks)
+
+
+def env_factory(config: EnvConfig, store: TaskStore | None = None) -> Callable[[Split], Environment]:
+    """`make(split)` returning a fresh environment per call.
+
+    Repository tasks are generated and verified once, here, from
+    `feature_deletion.repo` into `store` (made here when not given; the caller
+    owns its cleanup), then shared by every environment the factory makes.
     """
     if config.task == "demo":
-        return DemoEnv(config.demo, split)
-    if not config.feature_deletion.repo:
+        return lambda split: DemoEnv(config.demo, split)
+    fd = config.feature_deletion
+    if not fd.repo:
         raise ValueError(f"env.task = {config.task!r} needs env.feature_deletion.repo (a local repository path)")
     sandbox = Sandbox(config.sandbox)
-    tasks = generate_tasks(config.feature_deletion.repo, config.feature_deletion, sandbox, store or TaskStore(sandbox))
+    tasks = generate_tasks(fd.repo, fd, sandbox, store or TaskStore(sandbox))
     if not tasks:
-        raise ValueError(f"{config.feature_deletion.repo}: no verifiable feature-deletion task found")
+        raise ValueError(f"{fd.repo}: no verifiable feature-deletion task found")
+    by_split = {s: split_tasks(tasks, fd.heldout_fraction, s) for s in ("train", "heldout")}
     if config.task == "feature_deletion":
-        return FeatureDeletionEnv(tasks, sandbox)
-    return ToolLoopEnv(tasks, sandbox, config.tool_loop)
+        return lambda split: FeatureDeletionEnv(by_split[split], sandbox)
+    return lambda split: ToolLoopEnv(by_split[split], sandbox, config.tool_loop)
+
+
+def build_env(config: EnvConfig, split: Split = "train", store: TaskStore | None = None) -> Environment:
+    """One environment (see `env_factory`; use the factory when making many)."""
+    return env_factory(config, store)(split)

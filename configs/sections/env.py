@@ -60,6 +60,9 @@ class FeatureDeletionConfig:
     functions_per_task: int = option(1, doc="functions deleted per task (>1: a feature of related functions)", ge=1, le=4)
     min_body_statements: int = option(2, doc="only delete functions with at least this many statements", ge=1)
     seed: int = option(0, doc="order in which candidate functions are tried")
+    heldout_fraction: float = option(
+        0.25, doc="share of tasks (by a hash of the task name) kept for evaluation", ge=0.0, lt=1.0
+    )
 
 
 @dataclass(frozen=True)

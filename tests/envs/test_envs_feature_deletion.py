@@ -189,15 +189,20 @@ def test_single_turn_env_grades_the_file_in_the_reply(repo_tasks, sandbox):
     assert obs.reward == 0.0 and obs.error_sites[0].kind is ErrorKind.TEST_FAILURE
 
 
-def test_build_env_from_the_env_section(task_store):
+def test_env_factory_from_the_env_section(task_store, repo_tasks):
     from configs.sections.env import EnvConfig
     from envs.demo import DemoEnv
-    from envs.factory import build_env
+    from envs.factory import build_env, env_factory, split_tasks
     from envs.tool_loop import ToolLoopEnv
 
-    assert isinstance(build_env(EnvConfig()), DemoEnv)
+    demo = build_env(EnvConfig(), "heldout")
+    assert isinstance(demo, DemoEnv) and demo.split == "heldout"
     with pytest.raises(ValueError, match="feature_deletion.repo"):
         build_env(EnvConfig(task="tool_loop"))
-    fd = FeatureDeletionConfig(repo=str(FIXTURES / "textkit"), max_tasks=1)
-    env = build_env(EnvConfig(task="tool_loop", feature_deletion=fd), store=task_store)
-    assert isinstance(env, ToolLoopEnv) and len(env.tasks) == 1
+    fd = FeatureDeletionConfig(repo=str(FIXTURES / "textkit"), max_tasks=2)
+    make = env_factory(EnvConfig(task="tool_loop", feature_deletion=fd), store=task_store)
+    a, b = make("train"), make("train")
+    assert isinstance(a, ToolLoopEnv) and a is not b and a.tasks == b.tasks  # tasks generated once, shared
+    tasks = repo_tasks["textkit"] + repo_tasks["minicalc"]
+    train, held = split_tasks(tasks, 0.5, "train"), split_tasks(tasks, 0.5, "heldout")
+    assert set(train).isdisjoint(held) and len(train) + len(held) == len(tasks)
