@@ -574,11 +574,13 @@ def _build_dist_muon(muon: list[tuple[str, nn.Parameter]], adamw: list[tuple[str
 
 
 class ChainedOptimizer(Optimizer):
-    """Several optimizers on disjoint params behaving as one (step, zero_grad, state_dict, LR schedulers).
+    """Several optimizers on disjoint params behaving as one (step, zero_grad, state_dict, LR schedulers, DCP).
 
     `param_groups` is the children's group dicts in order, so a scheduler that
-    edits `lr` edits the children; it is re-linked after `load_state_dict`
-    because torch replaces group dicts on load.
+    edits `lr` edits the children; `state` is their merged view. `state_dict()`
+    is torch's own flat format over that view (so DCP can name every entry);
+    `load_state_dict` splits it back per child — each child's own load hooks
+    run — and re-links the groups, which torch replaces on load.
     """
 
     def __init__(self, children: list[Optimizer]) -> None:
@@ -609,13 +611,24 @@ class ChainedOptimizer(Optimizer):
         if value:
             raise ValueError("ChainedOptimizer state lives in its children")
 
-    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        return {f"child{i}": child.state_dict() for i, child in enumerate(self.children)}
-
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
-        expected = {f"child{i}" for i in range(len(self.children))}
-        if set(state_dict) != expected:
-            raise ValueError(f"state dict keys {sorted(state_dict)} do not match this optimizer's {sorted(expected)}")
-        for i, child in enumerate(self.children):
-            child.load_state_dict(state_dict[f"child{i}"])
+        """Split torch's flat format (what `state_dict()` and DCP produce) back into the children's."""
+        if set(state_dict) != {"state", "param_groups"}:
+            raise ValueError(f"expected torch's optimizer state dict ('state', 'param_groups'), got keys {sorted(state_dict)}")
+        groups = state_dict["param_groups"]
+        sizes = [len(g["params"]) for g in self.param_groups]
+        if [len(g["params"]) for g in groups] != sizes:
+            raise ValueError(f"state dict has param groups of sizes {[len(g['params']) for g in groups]}, "
+                             f"this optimizer {sizes}")
+        first_group = 0
+        for child in self.children:
+            n_groups = len(child.param_groups)
+            indices = [i for g in groups[first_group:first_group + n_groups] for i in g["params"]]
+            renumber = {old: new for new, old in enumerate(indices)}
+            child.load_state_dict({
+                "state": {renumber[k]: v for k, v in state_dict["state"].items() if k in renumber},
+                "param_groups": [{**g, "params": [renumber[i] for i in g["params"]]}
+                                 for g in groups[first_group:first_group + n_groups]],
+            })
+            first_group += n_groups
         self._link()

@@ -15,6 +15,7 @@ import math
 import pytest
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 from configs.loader import ConfigError, load_config
 from configs.sections.optimizer import OptimizerConfig
@@ -213,7 +214,7 @@ def test_chained_optimizer_acts_as_one():
     """The DistMuon path chains DistMuon + AdamW; the chain itself is checked with torch's Muon as the child."""
     torch.manual_seed(6)
     init = [torch.randn(6, 4), torch.randn(4)]
-    a = [nn.Parameter(t.clone()) for t in init]
+    a = nn.ParameterList([nn.Parameter(t.clone()) for t in init])
     b = [nn.Parameter(t.clone()) for t in init]
 
     def chain(ps):
@@ -237,12 +238,23 @@ def test_chained_optimizer_acts_as_one():
         assert torch.equal(x, y)
     assert set(opt.state) == set(a)
 
+    saved = opt.state_dict()  # torch's flat format: DCP can name every entry
+    assert sorted(saved["state"]) == [0, 1] and set(saved["state"][1]) == {"step", "exp_avg", "exp_avg_sq"}
     fresh = chain(a)
-    fresh.load_state_dict(opt.state_dict())
+    fresh.load_state_dict(saved)
     assert fresh.param_groups[1] is fresh.children[1].param_groups[0]  # re-linked after load
-    assert torch.equal(fresh.state[a[0]]["momentum_buffer"], opt.state[a[0]]["momentum_buffer"])
-    with pytest.raises(ValueError, match="child0"):
-        fresh.load_state_dict({"muon": {}})
+    assert torch.equal(fresh.children[0].state[a[0]]["momentum_buffer"], opt.state[a[0]]["momentum_buffer"])
+    assert torch.equal(fresh.children[1].state[a[1]]["exp_avg_sq"], opt.state[a[1]]["exp_avg_sq"])
+    assert fresh.children[0].param_groups[0]["lr"] == 0.005
+    with pytest.raises(ValueError, match="param_groups"):
+        fresh.load_state_dict({"child0": {}})
+
+    # DCP names the state by FQN and loads it back through the same split.
+    dcp_saved = get_optimizer_state_dict(a, opt)
+    assert set(dcp_saved["state"]) == {"0", "1"}, dcp_saved["state"].keys()
+    again = chain(a)
+    set_optimizer_state_dict(a, again, dcp_saved)
+    assert torch.equal(again.children[1].state[a[1]]["exp_avg"], opt.state[a[1]]["exp_avg"])
 
 
 def test_bad_input_is_refused():
