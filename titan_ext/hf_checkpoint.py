@@ -16,12 +16,7 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    set_model_state_dict,
-)
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 # TorchTitan-only state with no HF counterpart: the aux-loss-free load-balancing
 # bias of MoE routers. Loading an HF checkpoint leaves it at its init (zeros).
@@ -75,11 +70,10 @@ def read_hf_state_dict(hf_dir: str | Path) -> dict[str, torch.Tensor]:
 
 
 def _full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's state dict with DTensors gathered to full CPU tensors."""
-    if any(isinstance(p, DTensor) for p in model.parameters()):
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_model_state_dict(model, options=options)
-    return {k: v.detach() for k, v in model.state_dict().items()}
+    """The model's state dict with DTensors gathered to full tensors (collective, same order on all ranks)."""
+    return {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach() for k, v in model.state_dict().items()
+    }
 
 
 def titan_to_hf_state_dict(model: torch.nn.Module, adapter: Any = None) -> dict[str, torch.Tensor]:
@@ -120,11 +114,13 @@ def load_hf_into_titan(model: torch.nn.Module, hf_dir: str | Path, adapter: Any 
                 f"HF checkpoint {hf_dir}: {key} has shape {tuple(state_dict[key].shape)}, "
                 f"the model expects {tuple(value.shape)}"
             )
-    if any(isinstance(p, DTensor) for p in model.parameters()):
-        options = StateDictOptions(full_state_dict=True, strict=False)
-        set_model_state_dict(model, state_dict, options=options)
-    else:
-        model.load_state_dict(state_dict, strict=False)
+    current = model.state_dict()
+    for key, value in state_dict.items():
+        target = current[key]
+        if isinstance(target, DTensor):  # shard the full tensor like the model's own entry
+            value = distribute_tensor(value.to(target.dtype), target.device_mesh, target.placements)
+        state_dict[key] = value
+    model.load_state_dict(state_dict, strict=False)
 
 
 def save_hf(

@@ -1,4 +1,5 @@
-"""Two gloo processes: process-group setup, the set_timeout shim, FSDP2 with summed gradients."""
+"""Two gloo processes: process-group setup, the set_timeout shim, FSDP2 with summed gradients,
+and HF checkpoints loaded into / saved from an FSDP-sharded model."""
 
 from __future__ import annotations
 
@@ -46,7 +47,39 @@ def _sharded(force_sum: bool, platform):
     return model, configured
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
+def _sharded_checkpoint_round_trip(platform, hf_dir: str, out_dir: str) -> tuple[float, bool]:
+    """Load an HF checkpoint into an FSDP-sharded tiny MoE, compare logits, save it back gathered."""
+    from safetensors.torch import load_file
+    from torch.distributed.fsdp import fully_shard
+
+    from configs.sections.model import ModelConfig
+    from titan_ext.attention import attention_masks
+    from titan_ext.hf_checkpoint import load_hf_into_titan, save_hf
+    from titan_ext.models import build_model, init_model, resolve_model
+
+    cfg = ModelConfig(flavour="tiny_moe", device="cpu", seed=5)
+    resolved = resolve_model(cfg, platform)
+    with torch.device("meta"):
+        sharded = resolved.spec.model.build()
+    for layer in sharded.layers.values():
+        fully_shard(layer)
+    fully_shard(sharded)
+    init_model(sharded, "cpu", cfg.seed)
+    load_hf_into_titan(sharded, hf_dir)
+    whole = build_model(ModelConfig(flavour="tiny_moe", device="cpu", hf_path=hf_dir), platform=platform)
+    tokens = torch.randint(0, 2048, (1, 16), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(16)[None]
+    with torch.no_grad():
+        a = sharded(tokens, positions, attention_masks(sharded, positions))
+        b = whole(tokens, positions, attention_masks(whole, positions))
+    saved = save_hf(sharded, Path(out_dir) / "saved", resolved.hf_config)
+    torch.distributed.barrier()
+    original, written = load_file(Path(hf_dir) / "model.safetensors"), load_file(saved / "model.safetensors")
+    same = original.keys() == written.keys() and all(torch.equal(original[k], written[k]) for k in original)
+    return (a - b).abs().max().item(), same
+
+
+def _worker(rank: int, port: int, out_dir: str, hf_dir: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch.distributed as dist
 
@@ -80,7 +113,10 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         reference = _model()
         sum(reference(_batch(r)).square().sum() for r in range(WORLD)).backward()
         max_err = max((g - p.grad).abs().max().item() for g, p in zip(grads, reference.parameters()))
-        report.write_text(f"configured={configured} premul={premul} max_err={max_err:.3e}\n")
+        logit_err, same = _sharded_checkpoint_round_trip(platform, hf_dir, out_dir)
+        report.write_text(
+            f"configured={configured} premul={premul} logits={logit_err:.3e} saved_same={same} max_err={max_err:.3e}\n"
+        )
         dist.destroy_process_group()
     except BaseException:
         report.write_text("error\n" + traceback.format_exc())
@@ -88,11 +124,12 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_two_gloo_ranks(tmp_path):
-    mp.start_processes(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, start_method="spawn")
+def test_two_gloo_ranks(tmp_path, tiny_assets):
+    args = (_free_port(), str(tmp_path), str(tiny_assets.moe_dir))
+    mp.start_processes(_worker, args=args, nprocs=WORLD, start_method="spawn")
     for rank in range(WORLD):
         text = (tmp_path / f"rank{rank}.txt").read_text()
-        assert text.startswith("configured=3 premul=PREMUL_SUM "), text
+        assert text.startswith("configured=3 premul=PREMUL_SUM logits=0.000e+00 saved_same=True "), text
         assert float(text.split("max_err=")[1]) < 1e-5, text
 
 
