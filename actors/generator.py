@@ -1,0 +1,116 @@
+"""`GeneratorActor`: rollouts of `envs/` episodes with the current policy, weights updated in place.
+
+One actor per generator process. `generate` runs `group_size` episodes per
+request (multi-turn: the environment answers each sampled turn, see
+`actors.episodes`) and returns `RolloutGroup`s carrying token ids, the logprob
+of every sampled token under the distribution it was sampled from
+(temperature, top-k, top-p applied; 0 for greedy), the reward, the error sites
+the environment reported and the policy version of the weights used.
+
+`update_weights` loads a published `WeightManifest` into the running engine
+(no restart) and sets the policy version; it refuses a manifest that does not
+cover every parameter, so a generator never samples from half-updated weights.
+
+Engines: HF transformers (`actors.hf_engine`). `engine = "vllm"` is refused
+with a clear error until the vLLM engine lands (docs/application.md).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+from typing import Literal
+
+from monarch.actor import Actor, current_rank, endpoint
+
+from actors.rollout import EpisodeRequest, RolloutGroup, SamplingParams
+from actors.weights import WeightManifest, read_manifest, weights_digest
+from configs.sections.env import EnvConfig
+from configs.sections.generator import GeneratorConfig
+
+
+@dataclass(frozen=True)
+class GeneratorSpec:
+    """What a generator needs: weights, tokenizer, sampling defaults, the environment."""
+
+    model_dir: str
+    tokenizer_dir: str = ""  # "" = model_dir
+    generator: GeneratorConfig = field(default_factory=GeneratorConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    max_context_tokens: int = 512  # an episode never grows past this (the trainer's row length)
+    device: str = "cpu"
+    seed: int = 0
+
+
+def select_engine(requested: str) -> Literal["hf", "vllm"]:
+    """The engine to build: `auto` is vLLM when importable, else HF."""
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    if requested == "auto":
+        return "vllm" if has_vllm else "hf"
+    if requested == "vllm" and not has_vllm:
+        raise ValueError("generator.engine = 'vllm' but vllm is not installed; use 'hf' or 'auto'")
+    if requested not in ("hf", "vllm"):
+        raise ValueError(f"unknown generator.engine {requested!r}; choose auto, vllm or hf")
+    return requested  # type: ignore[return-value]
+
+
+class GeneratorActor(Actor):
+    """Endpoints: generate, update_weights, weights_digest, policy_version, info."""
+
+    def __init__(self, spec: GeneratorSpec) -> None:
+        from transformers import AutoTokenizer
+
+        from actors.episodes import EpisodeRunner
+        from actors.hf_engine import HFEngine
+        from envs.factory import build_env
+
+        self.spec = spec
+        self.engine_kind = select_engine(spec.generator.engine)
+        if self.engine_kind == "vllm":
+            raise ValueError("the vLLM engine is not part of this build yet; set generator.engine = 'hf'")
+        self.tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_dir or spec.model_dir)
+        self.engine = HFEngine(spec.model_dir, [self.tokenizer.eos_token_id], device=spec.device)
+        self.runner = EpisodeRunner(
+            self.engine, self.tokenizer, lambda split: build_env(spec.env, split),
+            max_turns=spec.generator.max_turns, max_context_tokens=spec.max_context_tokens,
+        )
+        self.version = 0
+        self.rank = current_rank().rank
+
+    @endpoint
+    def info(self) -> dict:
+        params = sum(p.numel() for p in self.engine.model.parameters())
+        return {"rank": self.rank, "engine": self.engine_kind, "version": self.version, "params": params}
+
+    @endpoint
+    def generate(self, requests: list[EpisodeRequest], sampling: SamplingParams | None = None) -> list[RolloutGroup]:
+        """`group_size` rollouts for each request (one batch per turn)."""
+        if sampling is None:
+            sampling = SamplingParams.from_config(self.spec.generator, seed=self.spec.seed)
+        return self.runner.run(list(requests), self.spec.generator.group_size, sampling, self.version)
+
+    @endpoint
+    def update_weights(self, manifest: WeightManifest) -> dict:
+        """Load `manifest` in place; returns {"version", "digest"} of what the engine now holds."""
+        state = self.engine.named_weights()
+        unknown = [n for n in manifest.names if n not in state]
+        covered = {state[n].untyped_storage().data_ptr() for n in manifest.names if n in state}
+        uncovered = sorted(n for n, t in state.items() if t.untyped_storage().data_ptr() not in covered)
+        if unknown or uncovered:  # checked before any copy: the engine keeps its current weights
+            raise ValueError(
+                f"weights v{manifest.version} do not match the generator model: unknown {unknown[:5]}, "
+                f"not covered {uncovered[:5]}"
+            )
+        self.engine.load_weights(read_manifest(manifest))
+        self.version = manifest.version
+        return {"version": self.version, "digest": weights_digest((n, state[n]) for n in manifest.names)}
+
+    @endpoint
+    def weights_digest(self, names: list[str] | None = None) -> str:
+        """Digest of the engine's weights under `names` (all HF names when None)."""
+        state = self.engine.named_weights()
+        return weights_digest((n, state[n]) for n in (names if names is not None else state))
+
+    @endpoint
+    def policy_version(self) -> int:
+        return self.version

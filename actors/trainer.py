@@ -1,0 +1,146 @@
+"""`TrainerActor`: `titan_ext.trainer.Trainer` on the trainer mesh, one actor per rank.
+
+Every endpoint is collective: call it on the whole mesh (`.call(...)`), each
+rank does its part and the ranks agree on the result (rank 0's is the one to
+read). `train_step` takes the *global* `TrainBatch` and trains on this rank's
+share (`TrainBatch.shard`), so the controller never needs to know the data-
+parallel layout. The policy version is the number of optimizer steps taken.
+
+`score` gives per-token logprobs and entropies of given sequences under the
+current policy (no gradient): uncertainty for teacher gating, and reference
+logprobs for DPO when taken before the step that trains on the pairs.
+`publish_weights` exports HF-named buckets (collective gathers) and rank 0
+writes them for generators (`actors.weights`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from monarch.actor import Actor, endpoint
+
+from actors.weights import WeightManifest, publish_buckets, weights_digest
+from titan_ext.batch import IGNORE_INDEX, TrainBatch
+from titan_ext.trainer import Trainer, TrainerSpec
+
+
+@dataclass
+class ScoreBatch:
+    """Sequences to score: `[N, S]` ids, positions, and the next-token label at each position (-100 = skip)."""
+
+    tokens_NS: torch.Tensor
+    positions_NS: torch.Tensor
+    labels_NS: torch.Tensor
+
+    def __post_init__(self) -> None:
+        shape = tuple(self.tokens_NS.shape)
+        if len(shape) != 2 or tuple(self.positions_NS.shape) != shape or tuple(self.labels_NS.shape) != shape:
+            raise ValueError(
+                f"tokens, positions and labels must share one [N, S] shape, got {shape}, "
+                f"{tuple(self.positions_NS.shape)}, {tuple(self.labels_NS.shape)}"
+            )
+
+
+@dataclass
+class ScoreResult:
+    """Per-token log π(label) and entropy H(π) `[N, S]` (0 where the label is -100), and per-row sums `[N]`."""
+
+    logprobs_NS: torch.Tensor
+    entropy_NS: torch.Tensor
+    logprob_sums_N: torch.Tensor
+    tokens_N: torch.Tensor  # scored tokens per row
+    version: int
+
+
+class TrainerActor(Actor):
+    """Endpoints: setup, train_step, score, save_checkpoint, load_checkpoint, publish_weights,
+    weights_digest, policy_version."""
+
+    def __init__(self, spec: TrainerSpec) -> None:
+        self.spec = spec
+        self.trainer: Trainer | None = None
+
+    def _t(self) -> Trainer:
+        if self.trainer is None:
+            raise RuntimeError("call setup() on the trainer mesh first")
+        return self.trainer
+
+    @endpoint
+    def setup(self) -> dict:
+        """Join the process group and build model, optimizer and schedule (resumes from a checkpoint if one exists)."""
+        import torch.distributed as dist
+
+        if self.trainer is None:
+            self.trainer = Trainer(self.spec)
+        return {
+            "rank": dist.get_rank(), "world": dist.get_world_size(), "step": self.trainer.step,
+            "params": sum(p.numel() for p in self.trainer.model.parameters()),
+        }
+
+    @endpoint
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One optimizer step on this rank's share of the global batch; metrics are reduced over ranks."""
+        import torch.distributed as dist
+
+        t = self._t()
+        return t.train_step(batch.shard(dist.get_rank(), dist.get_world_size()))
+
+    @endpoint
+    def score(self, batch: ScoreBatch) -> ScoreResult:
+        """Logprobs and entropies of `batch` under the current weights (every rank runs the whole batch)."""
+        from losses.logprobs import chunked_token_stats
+
+        t = self._t()
+        was_training = t.model.training
+        t.model.eval()
+        try:
+            with torch.no_grad():
+                hidden_NSD = t.hidden_states(batch.tokens_NS, batch.positions_NS)
+                labels_NS = batch.labels_NS.to(t.device)
+                N, S, D = hidden_NSD.shape
+                stats = chunked_token_stats(
+                    hidden_NSD.reshape(N * S, D), t.head_weight(), labels_NS.reshape(-1),
+                    want_entropy=True, chunk_tokens=t.spec.loss.chunk_tokens or None,
+                )
+        finally:
+            t.model.train(was_training)
+        valid_NS = (labels_NS != IGNORE_INDEX).cpu()
+        logprobs_NS = torch.where(valid_NS, stats.logprobs.reshape(N, S).float().cpu(), 0.0)
+        entropy_NS = torch.where(valid_NS, stats.entropy.reshape(N, S).float().cpu(), 0.0)
+        return ScoreResult(logprobs_NS, entropy_NS, logprobs_NS.sum(-1), valid_NS.sum(-1), t.step)
+
+    @endpoint
+    def save_checkpoint(self) -> str:
+        return str(self._t().save_checkpoint())
+
+    @endpoint
+    def load_checkpoint(self, step: int) -> int:
+        t = self._t()
+        t.load_checkpoint(step)
+        return t.step
+
+    @endpoint
+    def publish_weights(self, directory: str, keep: int = 2) -> WeightManifest | None:
+        """Export HF-named weights; rank 0 writes them under `directory` and returns the manifest (others: None)."""
+        import torch.distributed as dist
+
+        t = self._t()
+        buckets = t.export_weights()
+        if dist.get_rank() == 0:
+            manifest = publish_buckets(buckets, directory, t.step, keep=keep)
+        else:
+            for _ in buckets:  # the gathers are collective: every rank walks every bucket
+                pass
+            manifest = None
+        dist.barrier()
+        return manifest
+
+    @endpoint
+    def weights_digest(self) -> str:
+        """Digest of the full HF-named weights as exported (collective), for checks against generators."""
+        return weights_digest(kv for bucket in self._t().export_weights() for kv in bucket)
+
+    @endpoint
+    def policy_version(self) -> int:
+        return self._t().step
