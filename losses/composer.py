@@ -1,0 +1,392 @@
+"""The three-channel loss: policy + α·hint-distillation + β·trace-replay preference.
+
+The trainer passes one input dataclass per channel (hidden states, not logits:
+the LM head is applied here, chunk by chunk, see `losses/logprobs.py`). Each
+channel is a sum over its valid tokens (or pairs) divided by the *global* count
+the caller passes in, so microbatches and data-parallel ranks add up to the
+full-batch loss. A channel is off when its weight is 0 or its inputs are None.
+
+Metrics are 0-d tensors ready for distributed reduction: names ending in `_max`
+reduce with MAX, all others with SUM (losses are already divided by global
+counts; `*_sum` / `tokens` / `pairs` are sums and counts). `summarize_metrics`
+turns reduced sums into means.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from losses.distill import DistillSpec
+from losses.logprobs import (
+    ChunkLossFn,
+    Teacher,
+    TokenStats,
+    chunk_tokens_for,
+    chunked_token_stats,
+    fused_token_loss,
+    token_stats_naive,
+)
+from losses.policy import dapo_token_loss, prime_dppo_token_loss, tis_weights
+from losses.preference import dpo_loss, simpo_loss
+from losses.reduce import global_mean, segment_sum, upcast
+
+CHANNELS = ("policy", "distill", "preference")
+
+
+# --- configuration (mirrors `[loss]` in configs/sections/loss.py field for field) ---
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    kind: Literal["dapo", "prime_dppo"] = "dapo"
+    adv_scale: Literal["group", "batch", "none"] = "group"
+    adv_std: Literal["unbiased", "biased"] = "unbiased"
+    adv_eps: float = 1e-6
+    singleton: Literal["zero", "verl"] = "zero"
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    dual_clip_c: float | None = None
+    tis_cap: float | None = 2.0
+    dppo_delta_low: float = 0.2
+    dppo_delta_high: float = 0.2
+    kl_tau: float = 1e-3
+    overlong_max_len: int = 0
+    overlong_buffer: int = 0
+    dynamic_sampling: bool = True
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    kind: Literal["jsd", "taid", "eopd"] = "jsd"
+    beta: float = 0.5
+    temperature: float = 1.0
+    top_k: int = 0
+    taid_t_start: float = 0.4
+    taid_t_end: float = 1.0
+    taid_alpha: float = 5e-4
+    taid_beta: float = 0.99
+    eopd_h_max: float | None = None
+
+
+@dataclass(frozen=True)
+class PreferenceConfig:
+    kind: Literal["dpo", "simpo"] = "dpo"
+    dpo_beta: float = 0.1
+    simpo_beta: float = 2.0
+    simpo_gamma: float = 0.5
+
+
+@dataclass(frozen=True)
+class ComposerConfig:
+    alpha: float = 1.0
+    beta: float = 1.0
+    chunked: bool = True
+    chunk_tokens: int = 0
+    chunk_budget_mib: float = 64.0
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)
+
+    @classmethod
+    def from_section(cls, section: Any) -> "ComposerConfig":
+        """Build from the `[loss]` section object (`configs.sections.loss.LossConfig`)."""
+        return _from_object(cls, section)
+
+
+def _from_object(cls: type, obj: Any) -> Any:
+    values = {}
+    for f in dataclasses.fields(cls):
+        value = getattr(obj, f.name)
+        values[f.name] = _from_object(f.default_factory, value) if dataclasses.is_dataclass(value) else value
+    return cls(**values)
+
+
+# --- per-channel inputs ---
+
+
+@dataclass
+class PolicyInputs:
+    """Rollout tokens for the policy-gradient channel.
+
+    hidden_BTD: final hidden states; position t predicts labels_BT[:, t].
+    labels_BT: the sampled token ids (long).  mask_BT: completion tokens that carry loss.
+    advantages: [B] per sequence or [B, T] per token.
+    num_tokens: valid tokens in the *global* batch (all microbatches, all DP ranks).
+    old_logprobs_BT: π_old recomputed by the trainer (None: on-policy, ρ = 1 at the current weights).
+    gen_logprobs_BT: the generator's logprobs (TIS for DAPO; the reference of PRIME-DPPO).
+    """
+
+    hidden_BTD: torch.Tensor
+    labels_BT: torch.Tensor
+    mask_BT: torch.Tensor
+    advantages: torch.Tensor
+    num_tokens: torch.Tensor | int
+    old_logprobs_BT: torch.Tensor | None = None
+    gen_logprobs_BT: torch.Tensor | None = None
+
+
+@dataclass
+class DistillInputs:
+    """Student tokens at error turns and the hinted teacher's states aligned to them.
+
+    hidden_BTD: the student's (policy without hint) final hidden states.
+    teacher_hidden_BTD: the policy's hidden states on the hinted context, hint tokens
+        removed so that [:, t] predicts the same response token as the student's [:, t].
+    mask_BT: the student's tokens of the error turn (and after, if chosen).
+    num_tokens: global count of distilled tokens.
+    teacher_weight_VD: the teacher's LM head (None: the policy's own head, detached).
+    """
+
+    hidden_BTD: torch.Tensor
+    teacher_hidden_BTD: torch.Tensor
+    mask_BT: torch.Tensor
+    num_tokens: torch.Tensor | int
+    teacher_weight_VD: torch.Tensor | None = None
+
+
+@dataclass
+class PreferenceInputs:
+    """Chosen / rejected continuations of P replayed trace states.
+
+    *_hidden_BTD: final hidden states ([P, T, D]); *_labels_BT: the continuation ids;
+    *_mask_BT: continuation tokens; num_pairs: global pair count.
+    ref_*_logps_P: Σ reference logprobs of each continuation (DPO only).
+    """
+
+    chosen_hidden_BTD: torch.Tensor
+    chosen_labels_BT: torch.Tensor
+    chosen_mask_BT: torch.Tensor
+    rejected_hidden_BTD: torch.Tensor
+    rejected_labels_BT: torch.Tensor
+    rejected_mask_BT: torch.Tensor
+    num_pairs: torch.Tensor | int
+    ref_chosen_logps_P: torch.Tensor | None = None
+    ref_rejected_logps_P: torch.Tensor | None = None
+
+
+@dataclass
+class ComposerOutput:
+    loss: torch.Tensor  # scalar: policy + α·distill + β·preference
+    active_channels: tuple[str, ...]
+    metrics: dict[str, torch.Tensor]
+
+
+# --- the channels ---
+
+
+def _bool_mask(mask_BT: torch.Tensor, like_BT: torch.Size, what: str) -> torch.Tensor:
+    if mask_BT.shape != like_BT:
+        raise ValueError(f"{what} mask must be {tuple(like_BT)}, got {tuple(mask_BT.shape)}")
+    return mask_BT.bool()
+
+
+def _head_loss(
+    cfg: ComposerConfig,
+    hidden_nD: torch.Tensor,
+    weight_VD: torch.Tensor,
+    labels_n: torch.Tensor | None,
+    loss_fn: ChunkLossFn,
+    teacher: Teacher | None = None,
+    want_entropy: bool = False,
+) -> tuple[torch.Tensor, TokenStats]:
+    """Σ of `loss_fn` over tokens, chunked (fused gradient) or with full logits."""
+    if cfg.chunked:
+        chunk = cfg.chunk_tokens or chunk_tokens_for(weight_VD.shape[0], cfg.chunk_budget_mib)
+        return fused_token_loss(
+            hidden_nD, weight_VD, labels_n, loss_fn, teacher=teacher, want_entropy=want_entropy, chunk_tokens=chunk
+        )
+    stats = token_stats_naive(hidden_nD, weight_VD, labels_n, teacher=teacher, want_entropy=want_entropy)
+    loss = loss_fn(stats, slice(None))
+    detached = TokenStats(*(None if v is None else v.detach() for v in vars(stats).values()))
+    return loss, detached
+
+
+def _policy_terms(cfg: PolicyConfig, logp, old, gen, adv):
+    if cfg.kind == "prime_dppo":
+        return prime_dppo_token_loss(
+            logp, gen, adv, delta_low=cfg.dppo_delta_low, delta_high=cfg.dppo_delta_high, kl_tau=cfg.kl_tau
+        )
+    old = logp.detach() if old is None else old
+    tis = tis_weights(old, gen, cfg.tis_cap) if gen is not None and cfg.tis_cap is not None else None
+    return dapo_token_loss(
+        logp, old, adv, eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip_c=cfg.dual_clip_c, tis_weight=tis
+    )
+
+
+def policy_channel(
+    cfg: ComposerConfig, weight_VD: torch.Tensor, inputs: PolicyInputs
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Σ_valid ℓ_t / num_tokens for DAPO or PRIME-DPPO, plus metrics."""
+    pcfg = cfg.policy
+    mask = _bool_mask(inputs.mask_BT, inputs.labels_BT.shape, "policy")
+    if pcfg.kind == "prime_dppo" and inputs.gen_logprobs_BT is None:
+        raise ValueError("policy kind prime_dppo needs gen_logprobs_BT (the inference engine's logprobs)")
+    adv = inputs.advantages
+    if adv.dim() == 1:
+        adv = adv.unsqueeze(-1).expand_as(mask)
+    adv_n = adv[mask]
+    old_n = None if inputs.old_logprobs_BT is None else inputs.old_logprobs_BT[mask]
+    gen_n = None if inputs.gen_logprobs_BT is None else inputs.gen_logprobs_BT[mask]
+    count = torch.as_tensor(inputs.num_tokens, dtype=torch.float32)
+    part = lambda x, sl: None if x is None else x[sl]  # noqa: E731
+
+    def loss_fn(stats: TokenStats, sl: slice) -> torch.Tensor:
+        terms = _policy_terms(pcfg, stats.logprobs, part(old_n, sl), part(gen_n, sl), adv_n[sl])
+        return global_mean(terms.loss, count)
+
+    loss, stats = _head_loss(
+        cfg, inputs.hidden_BTD[mask], weight_VD, inputs.labels_BT[mask], loss_fn, want_entropy=True
+    )
+    terms = _policy_terms(pcfg, stats.logprobs, old_n, gen_n, adv_n)
+    old = stats.logprobs if old_n is None else upcast(old_n)
+    log_r = stats.logprobs - old  # log π_θ / π_old on samples from π_old
+    metrics = {
+        "policy/loss": loss.detach(),
+        "policy/tokens": torch.tensor(float(adv_n.numel())),
+        "policy/clipped_sum": terms.clipped.float().sum(),
+        "policy/ratio_sum": terms.ratio.sum(),
+        "policy/ratio_max": terms.ratio.max() if adv_n.numel() else torch.tensor(0.0),
+        "policy/entropy_sum": stats.entropy.sum(),
+        "policy/kl_k3_sum": (log_r.exp() - 1 - log_r).sum(),
+    }
+    if gen_n is not None:
+        log_m = old - upcast(gen_n)  # log π_train_old / π_gen on samples from π_gen
+        metrics["policy/mismatch_k3_sum"] = (log_m.exp() - 1 - log_m).sum()
+    return loss, metrics
+
+
+def distill_spec(cfg: DistillConfig, taid_t: float | None = None) -> DistillSpec:
+    """The per-step divergence spec (`taid_t` from a `TAIDSchedule`; default t_start)."""
+    return DistillSpec(
+        kind=cfg.kind,
+        beta=cfg.beta,
+        temperature=cfg.temperature,
+        top_k=cfg.top_k,
+        taid_t=cfg.taid_t_start if taid_t is None else taid_t,
+        h_max=cfg.eopd_h_max,
+    )
+
+
+def distill_channel(
+    cfg: ComposerConfig, weight_VD: torch.Tensor, inputs: DistillInputs, taid_t: float | None = None
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Σ_valid divergence_t / num_tokens, teacher without gradient."""
+    mask = _bool_mask(inputs.mask_BT, inputs.hidden_BTD.shape[:2], "distill")
+    if inputs.teacher_hidden_BTD.shape != inputs.hidden_BTD.shape:
+        raise ValueError(
+            f"teacher hidden states must be aligned to the student's: {tuple(inputs.teacher_hidden_BTD.shape)} "
+            f"vs {tuple(inputs.hidden_BTD.shape)}"
+        )
+    teacher_w = weight_VD if inputs.teacher_weight_VD is None else inputs.teacher_weight_VD
+    teacher = Teacher(inputs.teacher_hidden_BTD[mask].detach(), teacher_w.detach(), distill_spec(cfg.distill, taid_t))
+    count = torch.as_tensor(inputs.num_tokens, dtype=torch.float32)
+    loss, stats = _head_loss(
+        cfg,
+        inputs.hidden_BTD[mask],
+        weight_VD,
+        None,
+        lambda stats, sl: global_mean(stats.divergence, count),
+        teacher=teacher,
+    )
+    metrics = {
+        "distill/loss": loss.detach(),
+        "distill/tokens": torch.tensor(float(mask.sum())),
+        "distill/divergence_sum": stats.divergence.sum(),
+    }
+    return loss, metrics
+
+
+def preference_channel(
+    cfg: ComposerConfig, weight_VD: torch.Tensor, inputs: PreferenceInputs
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Σ_pairs DPO/SimPO loss / num_pairs (sequence-level, so per-token stats are chunked with recompute)."""
+    pref = cfg.preference
+    c_mask = _bool_mask(inputs.chosen_mask_BT, inputs.chosen_labels_BT.shape, "chosen")
+    r_mask = _bool_mask(inputs.rejected_mask_BT, inputs.rejected_labels_BT.shape, "rejected")
+    n_pairs = c_mask.shape[0]
+    if r_mask.shape[0] != n_pairs:
+        raise ValueError(f"chosen and rejected must have the same number of pairs, got {n_pairs} and {r_mask.shape[0]}")
+    if pref.kind == "dpo" and (inputs.ref_chosen_logps_P is None or inputs.ref_rejected_logps_P is None):
+        raise ValueError("preference kind dpo needs ref_chosen_logps_P and ref_rejected_logps_P")
+    hidden_nD = torch.cat([inputs.chosen_hidden_BTD[c_mask], inputs.rejected_hidden_BTD[r_mask]])
+    labels_n = torch.cat([inputs.chosen_labels_BT[c_mask], inputs.rejected_labels_BT[r_mask]])
+    rows = torch.arange(n_pairs).unsqueeze(-1)
+    seq_n = torch.cat([rows.expand_as(c_mask)[c_mask], n_pairs + rows.expand_as(r_mask)[r_mask]])
+    if cfg.chunked:
+        chunk = cfg.chunk_tokens or chunk_tokens_for(weight_VD.shape[0], cfg.chunk_budget_mib)
+        stats = chunked_token_stats(hidden_nD, weight_VD, labels_n, want_entropy=False, chunk_tokens=chunk)
+    else:
+        stats = token_stats_naive(hidden_nD, weight_VD, labels_n, want_entropy=False)
+    seq_logps = segment_sum(stats.logprobs, seq_n, 2 * n_pairs)
+    chosen_P, rejected_P = seq_logps[:n_pairs], seq_logps[n_pairs:]
+    if pref.kind == "dpo":
+        per_pair, margin = dpo_loss(
+            chosen_P, rejected_P, inputs.ref_chosen_logps_P, inputs.ref_rejected_logps_P, pref.dpo_beta
+        )
+    else:
+        per_pair, margin = simpo_loss(
+            chosen_P / c_mask.sum(-1).clamp(min=1),
+            rejected_P / r_mask.sum(-1).clamp(min=1),
+            pref.simpo_beta,
+            pref.simpo_gamma,
+        )
+    loss = global_mean(per_pair, inputs.num_pairs)
+    metrics = {
+        "preference/loss": loss.detach(),
+        "preference/pairs": torch.tensor(float(n_pairs)),
+        "preference/margin_sum": margin.sum(),
+        "preference/accuracy_sum": (margin > 0).float().sum(),
+    }
+    return loss, metrics
+
+
+def compose_loss(
+    cfg: ComposerConfig,
+    head_weight_VD: torch.Tensor,
+    *,
+    policy: PolicyInputs | None = None,
+    distill: DistillInputs | None = None,
+    preference: PreferenceInputs | None = None,
+    taid_t: float | None = None,
+) -> ComposerOutput:
+    """total = policy + α·distill + β·preference over the channels that are on."""
+    active: list[str] = []
+    total = head_weight_VD.new_zeros((), dtype=torch.float32)
+    metrics: dict[str, torch.Tensor] = {}
+    for name, inputs, weight, run in (
+        ("policy", policy, 1.0, lambda x: policy_channel(cfg, head_weight_VD, x)),
+        ("distill", distill, cfg.alpha, lambda x: distill_channel(cfg, head_weight_VD, x, taid_t)),
+        ("preference", preference, cfg.beta, lambda x: preference_channel(cfg, head_weight_VD, x)),
+    ):
+        if inputs is None or weight == 0.0:
+            continue
+        loss, channel_metrics = run(inputs)
+        total = total + weight * loss
+        active.append(name)
+        metrics.update(channel_metrics)
+    if not active:
+        raise ValueError("no loss channel is active: pass at least one of policy / distill / preference inputs")
+    metrics["loss"] = total.detach()
+    return ComposerOutput(total, tuple(active), metrics)
+
+
+def metric_reduce_op(name: str) -> Literal["sum", "max"]:
+    """How a metric combines across ranks / microbatches."""
+    return "max" if name.endswith("_max") else "sum"
+
+
+def summarize_metrics(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Reduced metrics → readable means (`x_sum` / tokens or pairs becomes `x_mean`)."""
+    out: dict[str, float] = {}
+    for name, value in metrics.items():
+        channel = name.split("/")[0]
+        count_key = f"{channel}/pairs" if channel == "preference" else f"{channel}/tokens"
+        if name.endswith("_sum") and count_key in metrics:
+            out[name[: -len("_sum")] + "_mean"] = float(value) / max(float(metrics[count_key]), 1.0)
+        else:
+            out[name] = float(value)
+    return out

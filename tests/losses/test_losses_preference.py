@@ -1,0 +1,83 @@
+"""DPO / SimPO vs the published formulas; gradient signs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from losses.preference import dpo_loss, sequence_logprobs, sequence_mean_logprobs, simpo_loss
+
+SHAPES = [(2, 5), (3, 17), (5, 40)]  # (pairs, tokens)
+
+
+def _seq(shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    logp = -torch.rand(shape, generator=g) * 4
+    mask = torch.rand(shape, generator=g) > 0.3
+    mask[:, 0] = True
+    return logp, mask
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_sequence_helpers(shape):
+    logp, mask = _seq(shape, seed=shape[1])
+    for b in range(shape[0]):
+        vals = [logp[b, t].item() for t in range(shape[1]) if mask[b, t]]
+        assert sequence_logprobs(logp, mask)[b].item() == pytest.approx(sum(vals), abs=1e-5)
+        assert sequence_mean_logprobs(logp, mask)[b].item() == pytest.approx(sum(vals) / len(vals), abs=1e-5)
+    assert sequence_mean_logprobs(logp, torch.zeros_like(mask))[0].item() == 0.0
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("beta", [0.1, 0.5])
+def test_dpo_matches_reference_and_gradient_signs(shape, beta):
+    (lw, mw), (ll, ml) = _seq(shape, 1), _seq(shape, 2)
+    lw.requires_grad_()
+    ll.requires_grad_()
+    pw, pl = sequence_logprobs(lw, mw), sequence_logprobs(ll, ml)
+    g = torch.Generator().manual_seed(3)
+    rw, rl = pw.detach() + torch.randn(shape[0], generator=g), pl.detach() + torch.randn(shape[0], generator=g)
+    loss, margin = dpo_loss(pw, pl, rw, rl, beta)
+    for i in range(shape[0]):
+        delta = (pw[i].item() - rw[i].item()) - (pl[i].item() - rl[i].item())
+        assert loss[i].item() == pytest.approx(-math.log(1 / (1 + math.exp(-beta * delta))), abs=1e-5)
+        assert margin[i].item() == pytest.approx(beta * delta, abs=1e-5)
+    gw, gl = torch.autograd.grad(loss.sum(), [lw, ll])
+    # raising a chosen token's logprob lowers the loss; raising a rejected one raises it
+    assert (gw[mw] < 0).all() and (gl[ml] > 0).all()
+    assert (gw[~mw] == 0).all() and (gl[~ml] == 0).all()
+    # magnitude: dL/dlogp_w = −β σ(−βΔ)
+    sig = torch.sigmoid(-margin)
+    torch.testing.assert_close(gw[mw], (-beta * sig).unsqueeze(-1).expand_as(mw)[mw], atol=1e-6, rtol=1e-5)
+
+
+def test_dpo_reference_logprobs_get_no_gradient():
+    pw, pl = torch.tensor([-3.0], requires_grad=True), torch.tensor([-4.0], requires_grad=True)
+    rw, rl = torch.tensor([-3.5], requires_grad=True), torch.tensor([-3.0], requires_grad=True)
+    dpo_loss(pw, pl, rw, rl, 0.1)[0].sum().backward()
+    assert rw.grad is None and rl.grad is None
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("beta,gamma", [(2.0, 0.5), (2.5, 1.4), (1.0, 0.0)])
+def test_simpo_matches_reference_and_gradient_signs(shape, beta, gamma):
+    (lw, mw), (ll, ml) = _seq(shape, 4), _seq(shape, 5)
+    lw.requires_grad_()
+    ll.requires_grad_()
+    aw, al = sequence_mean_logprobs(lw, mw), sequence_mean_logprobs(ll, ml)
+    loss, _ = simpo_loss(aw, al, beta, gamma)
+    for i in range(shape[0]):
+        avg_w = lw[i][mw[i]].mean().item()
+        avg_l = ll[i][ml[i]].mean().item()
+        z = beta * (avg_w - avg_l) - gamma
+        assert loss[i].item() == pytest.approx(math.log1p(math.exp(-z)), abs=1e-5)
+    gw, gl = torch.autograd.grad(loss.sum(), [lw, ll])
+    assert (gw[mw] < 0).all() and (gl[ml] > 0).all()
+    # length-averaged: each chosen token gets −β σ(−z) / |y_w|
+    z = beta * (aw - al) - gamma
+    want = (-beta * torch.sigmoid(-z) / mw.sum(-1)).unsqueeze(-1).expand_as(mw)
+    torch.testing.assert_close(gw[mw], want[mw], atol=1e-6, rtol=1e-5)
+    # a larger margin γ makes the loss larger
+    assert (simpo_loss(aw, al, beta, gamma + 1.0)[0] > loss).all()
