@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 from typing import Callable
 
@@ -26,8 +27,9 @@ def env_factory(config: EnvConfig, store: TaskStore | None = None) -> Callable[[
     """`make(split)` returning a fresh environment per call.
 
     Repository tasks are generated and verified once, here, from
-    `feature_deletion.repo` into `store` (made here when not given; the caller
-    owns its cleanup), then shared by every environment the factory makes.
+    `feature_deletion.repo` into `store` (the caller cleans up a store it
+    passes; one made here is removed at interpreter exit), then shared by
+    every environment the factory makes.
     """
     if config.task == "demo":
         return lambda split: DemoEnv(config.demo, split)
@@ -35,7 +37,10 @@ def env_factory(config: EnvConfig, store: TaskStore | None = None) -> Callable[[
     if not fd.repo:
         raise ValueError(f"env.task = {config.task!r} needs env.feature_deletion.repo (a local repository path)")
     sandbox = Sandbox(config.sandbox)
-    tasks = generate_tasks(fd.repo, fd, sandbox, store or TaskStore(sandbox))
+    if store is None:
+        store = TaskStore(sandbox)
+        atexit.register(store.cleanup)
+    tasks = generate_tasks(fd.repo, fd, sandbox, store)
     if not tasks:
         raise ValueError(f"{fd.repo}: no verifiable feature-deletion task found")
     by_split = {s: split_tasks(tasks, fd.heldout_fraction, s) for s in ("train", "heldout")}

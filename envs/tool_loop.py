@@ -120,6 +120,7 @@ class ToolLoopEnv(Environment):
             self.sandbox, self.task.pristine, self._start_manifest, self.ws, self.task.expected_tests,
             self._violations,
         )
+        self.ws.cleanup()  # the episode is over: free the disk now, whether or not close() is called
         info = {
             "task": self.task.name, "reason": grade.reason, "violations": list(grade.violations),
             "passed": grade.passed, "total": grade.total,

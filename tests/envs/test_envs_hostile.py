@@ -139,6 +139,7 @@ def env(repo_tasks, sandbox):
 def test_hostile_submission_earns_zero_with_reason(name, env, monkeypatch):
     monkeypatch.setenv("COMPOSER_HOSTILE_API_KEY", SECRET)
     actions, reasons = CASES[name]
+    workspaces_before = set(env.sandbox.root.iterdir())
     env.reset(seed=0)
     for action in actions(env.task, env):
         obs = env.step(action)
@@ -155,6 +156,7 @@ def test_hostile_submission_earns_zero_with_reason(name, env, monkeypatch):
     transcript = repr(env.state.messages) + repr(obs.info)
     assert SECRET not in transcript
     assert LISTENER.connections == 0
+    assert set(env.sandbox.root.iterdir()) == workspaces_before  # agent and grading workspaces are gone
 
 
 def test_oracle_through_the_same_harness_earns_one(env):
