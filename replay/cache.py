@@ -54,7 +54,8 @@ class CachedResponse:
 
 
 class ResponseCache:
-    """Append-only cache + journal. Thread-safe; one writer process at a time."""
+    """Append-only cache + journal. Thread-safe (the async client writes from worker
+    threads so disk flushes never stall its event loop); one writer process at a time."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -107,8 +108,9 @@ class ResponseCache:
         data = (canonical_json(rec) + "\n").encode()
         with self._lock:
             self._file.write(data)
-            self._file.flush()
-            os.fsync(self._file.fileno())
+            self._file.flush()  # from here a SIGKILL cannot lose the line
+            fd = self._file.fileno()
+        os.fsync(fd)  # outside the lock: concurrent writers share the disk flush
 
     def intent(self, key: str, teacher: str, worst_nusd: int, context: str = "") -> str:
         """Journal a request about to be sent (context: hash of its messages); returns its attempt id."""

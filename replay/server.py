@@ -24,6 +24,7 @@ import json
 import math
 import random
 import socket
+import sys
 import threading
 import time
 from collections import deque
@@ -148,7 +149,7 @@ class TeacherServer:
         self._scripted: dict[str, deque] = {}
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
-        self._httpd = ThreadingHTTPServer((host, port), _Handler, bind_and_activate=False)
+        self._httpd = _QuietServer((host, port), _Handler, bind_and_activate=False)
         self._httpd.daemon_threads = True
         self._httpd.request_queue_size = 256
         self._httpd.allow_reuse_address = True
@@ -253,6 +254,13 @@ class TeacherServer:
         ) + (self.count_tokens(json.dumps(params["tools"])) if params.get("tools") else 0)
         usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
         return message, usage, finish
+
+
+class _QuietServer(ThreadingHTTPServer):
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that hangs up (timed out, killed) is normal here; anything else is reported."""
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
 
 
 class _Handler(BaseHTTPRequestHandler):

@@ -231,7 +231,9 @@ class TeacherClient:
         self, spec: TeacherSpec, body: dict, key: str, worst: int, attempt: int
     ) -> tuple[TeacherReply | None, TeacherError | None, float | None]:
         """One HTTP attempt under a held reservation; always settles it and journals the outcome."""
-        journal = self.cache.intent(key, spec.name, worst, context_hash(body["messages"])) if self.cache is not None else None
+        journal = None
+        if self.cache is not None:  # durable before the request leaves
+            journal = await asyncio.to_thread(self.cache.intent, key, spec.name, worst, context_hash(body["messages"]))
         headers = {"Authorization": f"Bearer {self._secrets[spec.name]}"} if self._secrets[spec.name] else {}
         charged, error, delay, reply = 0, None, None, None
         self.stats.requests += 1
@@ -255,11 +257,13 @@ class TeacherClient:
                 )
                 error = TeacherError(kind, f"HTTP {resp.status_code}: {text}", resp.status_code)
                 delay = retry_after_s(resp.headers) if kind != "client_error" else None
-        if journal is not None:
+        if journal is not None:  # durable before the caller sees the response
             if reply is not None:
-                self.cache.result(journal, key, spec.name, spec.model, charged, reply.message, reply.usage)
+                await asyncio.to_thread(self.cache.result, journal, key, spec.name, spec.model, charged, reply.message, reply.usage)
             else:
-                self.cache.result(journal, key, spec.name, spec.model, charged, error=f"{error.kind}: {error.message}")
+                await asyncio.to_thread(
+                    self.cache.result, journal, key, spec.name, spec.model, charged, error=f"{error.kind}: {error.message}"
+                )
         await self.budget.settle(worst, charged)
         return reply, error, delay
 
