@@ -51,8 +51,16 @@ def _entry(rank: int, world: int, port: int, fn_name: str) -> None:
 
 
 def spawn(fn_name: str, world: int) -> None:
-    """Run `fn_name(rank, world)` on `world` gloo ranks; a child's exception fails the test."""
-    mp.spawn(_entry, args=(world, _free_port(), fn_name), nprocs=world, join=True)
+    """Run `fn_name(rank, world)` on `world` gloo ranks; a child's exception fails the test.
+
+    Children come from a forkserver that has torch and the code under test
+    imported once (a plain spawn re-imports torch per child, ~10 s each on a
+    busy 2-core box) and, unlike fork, holds no threads of the test process.
+    """
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed.fsdp", "titan_ext.muon", __name__])
+    mp.start_processes(_entry, args=(world, _free_port(), fn_name), nprocs=world, join=True,
+                       start_method="forkserver")
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
