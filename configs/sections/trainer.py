@@ -9,10 +9,13 @@ from configs.fields import option
 
 @dataclass(frozen=True)
 class TrainerConfig:
-    steps: int = option(100, ge=1, doc="Optimizer steps to run.")
+    steps: int = option(100, ge=1, doc="Optimizer steps to run (also the length of the LR schedule).")
     prompts_per_step: int = option(8, ge=1, doc="Prompts per step (each sampled group_size times by the generator).")
     microbatches: int = option(1, ge=1, doc="Gradient-accumulation microbatches per step (global token counts keep the loss exact).")
     max_seq_len: int = option(512, ge=8, doc="Packed sequence length [B, L] of a training microbatch.")
     grad_clip: float = option(1.0, ge=0.0, doc="Max global grad norm; 0 disables clipping.")
     mode: str = option("sync", choices=("sync", "async"), doc="sync = on-policy; async = generator runs ahead up to max_staleness.")
     max_staleness: int = option(0, ge=0, doc="Async mode: drop samples older than this many policy versions.")
+    export_bucket_mib: float = option(
+        256.0, gt=0.0, doc="Weight export for generators: MiB of full (gathered) tensors materialised per bucket."
+    )

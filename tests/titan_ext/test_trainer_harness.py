@@ -1,0 +1,368 @@
+"""Process harness and worker scenarios for the trainer tests (no tests of its own).
+
+The tests launch real processes: `python test_trainer_harness.py <scenario>
+<out_dir> <json args>` once per rank, with torchrun-style environment variables
+(RANK, WORLD_SIZE, MASTER_ADDR=127.0.0.1, a free MASTER_PORT), so each child
+joins a real gloo process group through `titan_ext.platform`. A child that
+fails makes `run_ranks` raise with its stderr (the traceback).
+
+Batches are fixed and distinct per step (seeded by the step's data cursor), all
+three channels on: packed student rows with two rollouts per row, hint rows
+with the hint inserted before the response, and chosen / rejected pairs.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import json
+import os
+import signal
+import socket
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+HARNESS = Path(__file__).resolve()
+VOCAB = 2048
+SEQ_L = 32  # packed student row length
+HINT_LEN = 4
+
+
+# ---- launching ranks ---------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(scenario: str, world: int, out_dir: Path, args: dict[str, Any]) -> list[subprocess.Popen]:
+    """Start `world` ranks of `scenario`; stdout/stderr go to out_dir/rank{r}.log."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    port = _free_port()
+    procs = []
+    for rank in range(world):
+        env = dict(
+            os.environ,
+            RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+            OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1",
+        )
+        log = open(out_dir / f"rank{rank}.log", "w")
+        procs.append(subprocess.Popen(
+            [sys.executable, str(HARNESS), scenario, str(out_dir), json.dumps(args)],
+            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+        ))
+    return procs
+
+
+def wait_ranks(procs: list[subprocess.Popen], out_dir: Path, timeout: float = 240) -> None:
+    """Wait for every rank; on a failure or timeout kill the rest and raise with the logs."""
+    deadline = time.monotonic() + timeout
+    try:
+        for proc in procs:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    failed = [i for i, p in enumerate(procs) if p.returncode != 0]
+    if failed:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        logs = "\n".join(f"--- rank {i} (rc {procs[i].returncode}) ---\n{_tail(out_dir / f'rank{i}.log')}" for i in failed)
+        raise AssertionError(f"ranks {failed} failed:\n{logs}")
+
+
+def run_ranks(scenario: str, world: int, out_dir: Path, args: dict[str, Any], timeout: float = 240) -> dict:
+    """Launch, wait, and return rank 0's `result.json`."""
+    wait_ranks(launch(scenario, world, out_dir, args), out_dir, timeout)
+    return json.loads((out_dir / "result.json").read_text())
+
+
+def kill_ranks(procs: list[subprocess.Popen]) -> list[int]:
+    """SIGKILL every rank; returns their exit codes (-9 each)."""
+    for p in procs:
+        p.send_signal(signal.SIGKILL)
+    return [p.wait() for p in procs]
+
+
+def _tail(path: Path, chars: int = 6000) -> str:
+    text = path.read_text(errors="replace") if path.exists() else "(no log)"
+    return text[-chars:]
+
+
+# ---- the runs the tests share (one launch each per pytest session) --------------------------------
+
+STEPS = 6
+TWO_RANK_CONFIGS = {
+    "fsdp_adamw": {"optimizer": "adamw"},  # dp_shard = 2: FSDP2, which is also HSDP 1x2 in TorchTitan
+    "hsdp21_adamw": {"optimizer": "adamw",
+                     "parallelism": {"dp_replicate": 2, "dp_shard": 1, "activation_checkpoint": "full"}},
+    "fsdp_muon": {"optimizer": "muon", "save_params": True},
+}
+EXPORT_BUCKET_MIB = 0.25
+
+
+def _scratch(name: str) -> Path:
+    path = Path(tempfile.mkdtemp(prefix=f"trainer_{name}_"))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
+@functools.lru_cache(maxsize=None)
+def single_run(hf_path: str) -> dict:
+    """One process, no sharding: the reference trajectories (AdamW and Muon)."""
+    configs = {"single_adamw": {"optimizer": "adamw"}, "single_muon": {"optimizer": "muon"}}
+    return run_ranks("trajectory", 1, _scratch("single"), {"configs": configs, "steps": STEPS, "hf_path": hf_path})
+
+
+@functools.lru_cache(maxsize=None)
+def two_rank_run(hf_path: str) -> tuple[dict, Path]:
+    """Two gloo ranks: FSDP2 and HSDP 2x1 trajectories, FSDP Muon params, HF export of the last one."""
+    out = _scratch("two_rank")
+    args = {"configs": TWO_RANK_CONFIGS, "steps": STEPS, "hf_path": hf_path, "export": True,
+            "bucket_mib": EXPORT_BUCKET_MIB}
+    return run_ranks("trajectory", 2, out, args, timeout=420), out
+
+
+# ---- worker side -------------------------------------------------------------------------------
+
+
+def make_spec(args: dict[str, Any], out_dir: Path | None = None):
+    """The TrainerSpec of a scenario: tiny flavour, three channels, DPO, Muon."""
+    from configs.sections.checkpoint import CheckpointConfig
+    from configs.sections.loss import LossConfig
+    from configs.sections.model import ModelConfig
+    from configs.sections.optimizer import OptimizerConfig
+    from configs.sections.parallelism import ParallelismConfig
+    from configs.sections.trainer import TrainerConfig
+    from titan_ext.trainer import TrainerSpec
+
+    ckpt = args.get("checkpoint")
+    return TrainerSpec(
+        model=ModelConfig(flavour=args.get("flavour", "tiny"), device="cpu", seed=0, hf_path=args.get("hf_path", "")),
+        parallelism=ParallelismConfig(**args.get("parallelism", {})),
+        trainer=TrainerConfig(steps=args.get("steps", 5), microbatches=args.get("microbatches", 2), grad_clip=1.0,
+                              export_bucket_mib=args.get("bucket_mib", 256.0)),
+        optimizer=OptimizerConfig(name=args.get("optimizer", "muon"), lr=0.02, adamw_lr=3e-3, warmup_steps=1),
+        loss=LossConfig(alpha=1.0, beta=1.0, chunk_tokens=16),
+        checkpoint=CheckpointConfig(**ckpt) if ckpt else CheckpointConfig(enabled=False),
+        checkpoint_dir=str(out_dir / "ckpt") if ckpt else "",
+    )
+
+
+def global_batch(cursor: int, rows: int = 4, pairs: int = 3):
+    """The global batch number `cursor`: fixed, distinct per cursor, all three channels present."""
+    import torch
+
+    from titan_ext.batch import IGNORE_INDEX, TrainBatch
+
+    g = torch.Generator().manual_seed(1000 + cursor)
+    docs = 2  # rollouts packed per student row
+    doc_len = SEQ_L // docs
+    prompt = 6
+    tokens = torch.randint(3, VOCAB, (rows, SEQ_L), generator=g)
+    positions = torch.arange(doc_len).repeat(docs).expand(rows, -1).clone()
+    labels = torch.full((rows, SEQ_L), IGNORE_INDEX)
+    policy_mask = torch.zeros(rows, SEQ_L, dtype=torch.bool)
+    advantages = torch.zeros(rows, SEQ_L)
+    for d in range(docs):
+        lo = d * doc_len
+        # position i predicts token i+1; the response is tokens [lo+prompt, lo+doc_len)
+        labels[:, lo + prompt - 1 : lo + doc_len - 1] = tokens[:, lo + prompt : lo + doc_len]
+        policy_mask[:, lo + prompt - 1 : lo + doc_len - 1] = True
+        advantages[:, lo : lo + doc_len] = torch.randn(rows, 1, generator=g)
+    generator_logprobs = torch.where(policy_mask, -7.6 + 0.1 * torch.randn(rows, SEQ_L, generator=g), 0.0)
+    # Hint rows: each rollout gets HINT_LEN hint tokens before its response.
+    H = SEQ_L + docs * HINT_LEN
+    hint_tokens = torch.zeros(rows, H, dtype=torch.long)
+    hint_positions = torch.zeros(rows, H, dtype=torch.long)
+    hint_index = torch.full((rows, SEQ_L), -1)
+    distill_mask = torch.zeros(rows, SEQ_L, dtype=torch.bool)
+    hint_doc = doc_len + HINT_LEN
+    for d in range(docs):
+        lo, hlo = d * doc_len, d * hint_doc
+        hint = torch.randint(3, VOCAB, (rows, HINT_LEN), generator=g)
+        hint_tokens[:, hlo : hlo + hint_doc] = torch.cat(
+            [tokens[:, lo : lo + prompt], hint, tokens[:, lo + prompt : lo + doc_len]], dim=1)
+        hint_positions[:, hlo : hlo + hint_doc] = torch.arange(hint_doc)
+        # student position lo+i (i >= prompt-1) and teacher position hlo+HINT_LEN+i predict the same token
+        i = torch.arange(prompt - 1, doc_len - 1)
+        hint_index[:, lo + i] = hlo + HINT_LEN + i
+        distill_mask[:, lo + prompt + 1 : lo + doc_len - 1] = True  # the "error turn": most of the response
+    S = 20
+    state = torch.randint(3, VOCAB, (pairs, 12), generator=g)
+    chosen = torch.cat([state, torch.randint(3, VOCAB, (pairs, S - 12), generator=g)], 1)
+    rejected = torch.cat([state, torch.randint(3, VOCAB, (pairs, S - 12), generator=g)], 1)
+
+    def action_labels(seq):
+        lab = torch.full_like(seq, IGNORE_INDEX)
+        lab[:, 11 : S - 1] = seq[:, 12:]
+        return lab
+
+    return TrainBatch(
+        tokens_BL=tokens, positions_BL=positions, labels_BL=labels, policy_mask_BL=policy_mask,
+        advantages_BL=advantages, generator_logprobs_BL=generator_logprobs,
+        policy_tokens=int(policy_mask.sum()),
+        distill_mask_BL=distill_mask, hint_tokens_BH=hint_tokens, hint_positions_BH=hint_positions,
+        hint_index_BL=hint_index, distill_tokens=int(distill_mask.sum()),
+        chosen_tokens_PS=chosen, chosen_positions_PS=torch.arange(S).expand(pairs, -1).clone(),
+        chosen_labels_PS=action_labels(chosen),
+        rejected_tokens_PS=rejected, rejected_positions_PS=torch.arange(S).expand(pairs, -1).clone(),
+        rejected_labels_PS=action_labels(rejected),
+        ref_chosen_logprobs_P=-7.6 * 7 + 0.5 * torch.randn(pairs, generator=g),
+        ref_rejected_logprobs_P=-7.6 * 7 + 0.5 * torch.randn(pairs, generator=g),
+        pairs=pairs,
+    )
+
+
+def train(trainer, steps: int) -> list[dict[str, float]]:
+    """`steps` train steps; the batch comes from the trainer's data cursor (restored on resume)."""
+    import torch.distributed as dist
+
+    history = []
+    for _ in range(steps):
+        cursor = trainer.data_cursors.get("batch", 0)
+        batch = global_batch(cursor).shard(dist.get_rank(), dist.get_world_size())
+        trainer.data_cursors["batch"] = cursor + 1
+        history.append(trainer.train_step(batch))
+    return history
+
+
+def _save_params(trainer, path: Path) -> None:
+    import torch
+
+    params = trainer.named_full_parameters()
+    if os.environ["RANK"] == "0":
+        torch.save(params, path)
+
+
+def scenario_trajectory(out_dir: Path, args: dict[str, Any]) -> dict:
+    """Train each config (parallelism + optimizer) from the same HF weights; losses, meshes, params.
+
+    args["configs"][name] = {"parallelism": {...}, "optimizer": "adamw" | "muon", "save_params": bool};
+    args["export"]: run the HF export parity on the last config's trainer.
+    """
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from titan_ext.trainer import Trainer
+
+    result: dict[str, Any] = {"history": {}, "meshes": {}}
+    for name, config in args["configs"].items():
+        trainer = Trainer(make_spec({**args, **config}))
+        weight = trainer.model.tok_embeddings.weight
+        result["meshes"][name] = list(weight.device_mesh.mesh_dim_names) if isinstance(weight, DTensor) else None
+        result["history"][name] = train(trainer, args["steps"])
+        if config.get("save_params"):
+            _save_params(trainer, out_dir / f"params_{name}.pt")
+        dist.barrier()
+    if args.get("export"):
+        result["export"] = export_parity(trainer, out_dir)
+    return result
+
+
+def scenario_resume_phase1(out_dir: Path, args: dict[str, Any]) -> dict:
+    """Train until the step-3 checkpoint is complete, say so, then wait to be killed."""
+    from titan_ext.trainer import Trainer
+
+    trainer = Trainer(make_spec(args, out_dir))
+    train(trainer, 3)
+    (out_dir / f"ready_{os.environ['RANK']}").write_text("checkpointed step 3\n")
+    time.sleep(600)
+    raise AssertionError("phase 1 was not killed")
+
+
+def scenario_resume_phase2(out_dir: Path, args: dict[str, Any]) -> dict:
+    """A fresh process: resume from the newest checkpoint and train to step 6."""
+    from titan_ext.trainer import Trainer
+
+    trainer = Trainer(make_spec(args, out_dir))
+    resumed_at = trainer.step
+    history = train(trainer, 6 - trainer.step)
+    _save_params(trainer, out_dir / "params_resumed.pt")
+    return {"resumed_at": resumed_at, "cursor": trainer.data_cursors["batch"], "history": history}
+
+
+def scenario_moe_ep(out_dir: Path, args: dict[str, Any]) -> dict:
+    """Tiny MoE with EP: placements, train steps, and HF export parity (rank 0 checks)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from titan_ext.trainer import Trainer
+
+    trainer = Trainer(make_spec(args))
+    placements = {
+        name: {"mesh": list(p.device_mesh.mesh_dim_names), "placements": [repr(x) for x in p.placements]}
+        for name, p in trainer.model.named_parameters() if isinstance(p, DTensor)
+    }
+    before = {k: v.clone() for k, v in trainer.named_full_parameters().items()}
+    history = train(trainer, args["steps"])
+    after = trainer.named_full_parameters()
+    changed = sorted(k for k in after if not torch.equal(after[k], before[k])) if after else []
+    export = export_parity(trainer, out_dir)
+    dist.barrier()
+    return {"placements": placements, "history": history, "changed": changed, "export": export,
+            "all_params": sorted(after)}
+
+
+def export_parity(trainer, out_dir: Path) -> dict:
+    """Export HF buckets (collective), load them into transformers on rank 0, compare logits."""
+    import torch
+    import torch.distributed as dist
+
+    tokens = global_batch(99).tokens_BL[:2, :24]
+    ours = trainer.logits(tokens)  # collective forward
+    buckets, bucket_bytes, hf_sd = 0, [], {}
+    for bucket in trainer.export_weights():
+        buckets += 1
+        bucket_bytes.append(sum(t.numel() * t.element_size() for _, t in bucket))
+        hf_sd.update(bucket)
+    if dist.get_rank() != 0:
+        return {}
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    # What a generator does with the buckets: HF files, loaded by transformers (which maps
+    # per-expert names onto its fused expert tensors).
+    export_dir = out_dir / "hf_export"
+    export_dir.mkdir(exist_ok=True)
+    save_file(hf_sd, export_dir / "model.safetensors", metadata={"format": "pt"})
+    trainer.hf_config.save_pretrained(export_dir)
+    hf_model, info = AutoModelForCausalLM.from_pretrained(export_dir, dtype=torch.float32, output_loading_info=True)
+    with torch.no_grad():
+        theirs = hf_model(tokens).logits
+        start = AutoModelForCausalLM.from_pretrained(trainer.spec.model.hf_path)(tokens).logits if trainer.spec.model.hf_path else None
+    return {
+        "trained_vs_start": None if start is None else float((ours - start).abs().max()),
+        "buckets": buckets, "bucket_bytes": bucket_bytes, "names": sorted(hf_sd),
+        "missing": list(info["missing_keys"]),
+        "unexpected": list(info["unexpected_keys"]),
+        "max_abs_diff": float((ours - theirs).abs().max()),
+        "logit_scale": float(ours.abs().max()),
+    }
+
+
+def main() -> None:
+    scenario, out_dir, args = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])
+    import torch
+
+    torch.set_num_threads(1)
+    result = globals()[f"scenario_{scenario}"](out_dir, args)
+    if os.environ.get("RANK", "0") == "0":
+        tmp = out_dir / "result.json.tmp"
+        tmp.write_text(json.dumps(result))
+        os.replace(tmp, out_dir / "result.json")
+
+
+if __name__ == "__main__":
+    main()
