@@ -25,7 +25,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torchtitan.distributed.flex_shard import Owned
 
 from test_muon_reference import ref_muon_step  # the in-test formula, shared
-from titan_ext.muon import ShardedMuon, _dist_muon_applicable, _dist_muon_layout
+from configs.sections.optimizer import OptimizerConfig
+from titan_ext.muon import ShardedMuon, _dist_muon_applicable, _dist_muon_layout, build_optimizer, split_muon_params
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -93,12 +94,8 @@ class ReferenceRun:
             assert err <= 1e-5, f"{tag}: param {i} {tuple(w.shape)} max abs err {err:.2e}"
 
 
-def _groups(muon_params, adamw_params, **muon_kwargs):
-    groups = [dict(params=list(muon_params), lr=LR, weight_decay=WD, momentum=MU, ns_dtype="float32", **muon_kwargs)]
-    if adamw_params:
-        groups.append(dict(params=list(adamw_params), lr=LR, weight_decay=WD, betas=(0.9, 0.95), eps=1e-8,
-                           use_muon=False))
-    return groups
+def _muon_group(params, **muon_kwargs) -> list[dict]:
+    return [dict(params=list(params), lr=LR, weight_decay=WD, momentum=MU, ns_dtype="float32", **muon_kwargs)]
 
 
 def _gather_stats(opt: ShardedMuon, world: int) -> list[tuple[int, int, int]]:
@@ -151,8 +148,13 @@ def _fsdp_ep_case(rank: int, world: int) -> None:
     assert [type(layouts[0].shardings_by_mesh_axis["fsdp"]), dict(layouts[3].shardings_by_mesh_axis)] == [
         Owned, {"ep": Shard(0)}], layouts
     assert layouts[4] is None and not _dist_muon_applicable(muon_params)  # dim-1 experts; and CPU tensors
+    # The builder picks the same split on the FSDP-wrapped model and configures both groups from [optimizer].
+    cfg = OptimizerConfig(lr=LR, adamw_lr=LR, weight_decay=WD, momentum=MU, ns_dtype="float32")
+    muon_named, adamw_named = split_muon_params(model, cfg.adamw_patterns)
+    assert {id(p) for _, p in muon_named} == {id(p) for p in muon_params}
+    assert {id(p) for _, p in adamw_named} == {id(p) for p in adamw_params}
     ref = ReferenceRun(muon_params, adamw_params)
-    opt = ShardedMuon(_groups(muon_params, adamw_params))
+    opt = build_optimizer(model, cfg)
 
     def one_step(step: int) -> None:
         gen = torch.Generator().manual_seed(100 * step + rank)
@@ -169,7 +171,7 @@ def _fsdp_ep_case(rank: int, world: int) -> None:
     # DCP state-dict round trip into a fresh optimizer mid-run (DTensor momentum / Adam moments).
     saved = get_optimizer_state_dict(model, opt)
     assert "l1.weight" in saved["state"] and "expert_b" in saved["state"], sorted(saved["state"])
-    opt = ShardedMuon(_groups(muon_params, adamw_params))
+    opt = build_optimizer(model, cfg)
     set_optimizer_state_dict(model, opt, saved)
     one_step(2)
     ref.assert_close(f"rank {rank} FSDP+EP")
@@ -207,7 +209,7 @@ def _four_rank_case(rank: int, world: int) -> None:
     # Default buckets (one exchange round per group), then 500-byte buckets (several rounds, pipelined).
     for nesterov, lr_adjust, bucket_bytes in ((True, "match_rms_adamw", 2**29), (False, "original", 500)):
         ref = ReferenceRun(params, [], nesterov=nesterov, lr_adjust=lr_adjust)
-        opt = ShardedMuon(_groups(params, [], nesterov=nesterov, lr_adjust=lr_adjust), bucket_bytes=bucket_bytes)
+        opt = ShardedMuon(_muon_group(params, nesterov=nesterov, lr_adjust=lr_adjust), bucket_bytes=bucket_bytes)
         for step in range(3):
             gen = torch.Generator().manual_seed(step)
             for p in params:
