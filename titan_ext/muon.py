@@ -4,13 +4,14 @@ Muon (Keller Jordan 2024; Moonlight, arXiv:2502.16982) replaces the update of a
 hidden-layer matrix by the orthogonalised momentum NS(B). Under FSDP2 a rank
 holds only a slice of B, and Newton–Schulz needs the whole matrix. Running NS on
 DTensors (what `torch.optim.Muon` does with FSDP2 params) issues collectives in
-every iteration and repeats the work on every rank. Here each sharded matrix
-has one owner rank, chosen greedily by size so ranks get similar work: one
-`all_to_all` moves the shards of every matrix to its owner, the owner runs NS
-(batched over same-shaped matrices), and one `all_to_all` returns the slices —
-two collectives per step per shard group, on gloo and NCCL alike. Stacked
-expert weights `[E, m, n]` sharded on dim 0 (expert parallel) already hold whole
-matrices locally and need no communication.
+every iteration of every matrix. Here each sharded matrix has one owner rank,
+chosen greedily by size so ranks get similar work: one `all_to_all` moves the
+shards of many matrices to their owners, the owners run NS (batched over
+same-shaped matrices), and one `all_to_all` returns the slices — two
+collectives per exchange round (one round per shard group unless `bucket_bytes`
+splits it), on gloo and NCCL alike. Stacked expert weights `[E, m, n]` sharded
+on dim 0 (expert parallel) already hold whole matrices locally and need no
+communication.
 
 AdamW updates the other parameters (embeddings, norms, head, biases) inside the
 same `torch.optim.Optimizer`, so LR schedulers, `state_dict` and DCP see one
