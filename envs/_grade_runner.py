@@ -7,7 +7,8 @@ wrote], "pytest_args": [...]}. Stdlib + pytest only, no project imports.
 It reports on a private duplicate of fd 1 (pytest captures fd 1 during tests),
 one line per event, `@@grade <nonce> <json>`; lines without the nonce are
 ignored by the grader. Events: a violation seen by the audit hook while code
-of the submission is on the stack, and one final summary (per-test outcomes,
+of the submission is on the stack (with the submission file it came from, so
+the grader can allow what the pristine file did too), and one final summary (per-test outcomes,
 integrity of pytest's internals). A run that ends without the summary (an
 `os._exit`, a kill) earns nothing.
 """
@@ -43,6 +44,9 @@ _EVENTS = {
     "ctypes.dlopen": "native_code",
     "ctypes.dlsym": "native_code",
 }
+# Library code calls these on behalf of legitimate callers (logging and warnings
+# walk frames): only a call made by the submission's own code counts.
+_DIRECT_ONLY = frozenset({"sys._getframe"})
 # pytest internals whose identity must not change while the suite runs.
 _GUARDED = (
     ("_pytest.runner", "call_and_report"),
@@ -81,16 +85,19 @@ def main() -> None:
         channel.write(f"\n@@grade {nonce} {json.dumps(event)}\n")  # own line, whatever pytest printed
         channel.flush()
 
-    seen: set[tuple[str, str]] = set()
+    seen: set[tuple[str, str, str]] = set()
 
-    def from_submission() -> str:
-        try:  # a traceback gives the caller's frame without sys._getframe (itself audited)
+    def from_submission(direct: bool) -> str:
+        """The submission file on the stack ('' if none); `direct`: only the audited call's caller counts."""
+        try:  # a traceback gives the frames without sys._getframe (itself audited)
             raise RuntimeError
         except RuntimeError as exc:
-            frame = exc.__traceback__.tb_frame
+            frame = exc.__traceback__.tb_frame.f_back.f_back  # past this function and the hook
         while frame is not None:
             if frame.f_code.co_filename in submission:
-                return frame.f_code.co_filename
+                return os.path.relpath(frame.f_code.co_filename, repo)
+            if direct:
+                return ""
             frame = frame.f_back
         return ""
 
@@ -98,10 +105,10 @@ def main() -> None:
         name = os.path.basename(path)
         return path.startswith(repo + "/") and (name.startswith(_TEST_NAME) or "/tests/" in path[len(repo):])
 
-    def violation(kind: str, detail: str) -> None:
-        if (kind, detail) not in seen:
-            seen.add((kind, detail))
-            emit({"violation": kind, "detail": detail})
+    def violation(kind: str, detail: str, where: str) -> None:
+        if (kind, detail, where) not in seen:
+            seen.add((kind, detail, where))
+            emit({"violation": kind, "detail": detail, "where": where})
 
     def hook(event: str, args: tuple) -> None:
         kind = _EVENTS.get(event)
@@ -120,8 +127,9 @@ def main() -> None:
             return
         else:
             detail = event
-        if from_submission():
-            violation(kind, detail)
+        where = from_submission(direct=event in _DIRECT_ONLY)
+        if where:
+            violation(kind, detail, where)
 
     sys.path.insert(0, repo)
     os.chdir(repo)
@@ -152,7 +160,7 @@ def main() -> None:
     exit_code = pytest.main(list(request["pytest_args"]), plugins=[Recorder()])
     for (module, path), obj in originals.items():
         if _safe_lookup(module, path) is not obj:
-            violation("test_runner_tamper", f"{module}.{path}")
+            violation("test_runner_tamper", f"{module}.{path}", "")
     emit({"done": True, "exit": int(exit_code), "tests": outcomes, "collect_errors": collect_errors})
 
 

@@ -23,7 +23,7 @@ from pathlib import Path, PurePosixPath
 from configs.records import ErrorKind, ErrorSite
 from configs.sections.env import FeatureDeletionConfig
 from envs.base import Environment, Observation
-from envs.grading import grade_workspace, run_suite
+from envs.grading import baseline_runtime, grade_workspace, run_suite, source_files
 from envs.safeguards import is_bytecode, is_test_path, manifest
 from envs.sandbox import Sandbox, Workspace, copy_tree
 
@@ -38,7 +38,9 @@ class RepoTask:
     pristine: the private snapshot of the repository (the sandbox uid cannot read it);
     target: file (relative) whose functions were deleted; symbols: their qualified names;
     stubbed_source: the target file as the agent first sees it; hidden_tests: test
-    files kept out of the workspace; expected_tests: node ids that must pass.
+    files kept out of the workspace; expected_tests: node ids that must pass;
+    runtime_allowed: (file, reason) the pristine code itself does at run time
+    (say, a repository whose code spawns processes), not held against the agent.
     """
 
     name: str
@@ -48,6 +50,7 @@ class RepoTask:
     stubbed_source: str
     hidden_tests: tuple[str, ...]
     expected_tests: tuple[str, ...]
+    runtime_allowed: tuple[tuple[str, str], ...] = ()
 
     def prompt(self, tools: bool = True) -> str:
         """Terse instruction: with tools (the multi-turn loop) or with the file inline (single turn)."""
@@ -154,13 +157,14 @@ def generate_tasks(
     """Verified tasks from the repository at `repo` (a ValueError if its suite does not pass)."""
     pristine = store.snapshot(Path(repo))
     with sandbox.workspace(copy_from=pristine) as ws:
-        baseline = run_suite(sandbox, ws)
+        baseline = run_suite(sandbox, ws, source_files(ws.path))
     if not baseline.complete or not baseline.tests or baseline.failed() or baseline.collect_errors:
         raise ValueError(
             f"{repo}: the pristine test suite must pass; failed: {baseline.failed()[:5]} "
             f"collection errors: {list(baseline.collect_errors)[:5]}\n{baseline.output[-1500:]}"
         )
     expected = tuple(sorted(baseline.tests))
+    allowed = baseline_runtime(baseline)
     tasks: list[RepoTask] = []
     for rel, group in _candidates(pristine, config):
         if len(tasks) >= config.max_tasks:
@@ -174,7 +178,7 @@ def generate_tasks(
         if not run.complete or not failing_files:
             continue  # the suite does not notice this deletion: not a gradable task
         name = f"{pristine.name}:{rel}:{'+'.join(group)}"
-        tasks.append(RepoTask(name, pristine, rel, group, stubbed, tuple(failing_files), expected))
+        tasks.append(RepoTask(name, pristine, rel, group, stubbed, tuple(failing_files), expected, allowed))
     return tasks
 
 
@@ -205,7 +209,10 @@ class FeatureDeletionEnv(Environment):
         with self.task.workspace(self.sandbox) as ws:
             start = manifest(ws.path)
             (ws.path / self.task.target).write_text(blocks[-1])
-            grade = grade_workspace(self.sandbox, self.task.pristine, start, ws, self.task.expected_tests)
+            grade = grade_workspace(
+                self.sandbox, self.task.pristine, start, ws, self.task.expected_tests,
+                runtime_allowed=self.task.runtime_allowed,
+            )
         info |= {"reason": grade.reason, "violations": list(grade.violations), "passed": grade.passed, "total": grade.total}
         sites = []
         if grade.reward < 1.0:

@@ -32,12 +32,13 @@ class SuiteRun:
     """One pytest run under the grade runner.
 
     tests: node id -> "passed" | "failed" | "skipped"; complete: the runner's
-    final summary arrived (nonce-checked); violations: (reason, detail) seen at run time.
+    final summary arrived (nonce-checked); violations: (reason, file, detail)
+    seen at run time, `file` the submission file responsible ("" when none is).
     """
 
     tests: dict[str, str]
     complete: bool
-    violations: tuple[tuple[str, str], ...]
+    violations: tuple[tuple[str, str, str], ...]
     collect_errors: tuple[str, ...]
     result: SandboxResult
 
@@ -62,7 +63,7 @@ def run_suite(
         tail_chars=_REPORT_CHARS,
     )
     tests: dict[str, str] = {}
-    violations: list[tuple[str, str]] = [(v, "sandbox") for v in result.violations]
+    violations: list[tuple[str, str, str]] = [(v, "", "sandbox") for v in result.violations]
     complete, collect_errors = False, ()
     prefix = f"@@grade {nonce} "
     for line in result.stdout.splitlines():
@@ -70,7 +71,7 @@ def run_suite(
             continue
         event = json.loads(line[len(prefix):])
         if "violation" in event:
-            violations.append((event["violation"], event["detail"]))
+            violations.append((event["violation"], event["where"], event["detail"]))
         elif event.get("done"):
             complete, tests, collect_errors = True, event["tests"], tuple(event["collect_errors"])
     return SuiteRun(tests, complete, tuple(dict.fromkeys(violations)), collect_errors, result)
@@ -95,11 +96,14 @@ def grade_workspace(
     agent_ws: Workspace,
     expected_tests: Sequence[str],
     episode_violations: Sequence[tuple[str, str]] = (),
+    runtime_allowed: Sequence[tuple[str, str]] = (),
 ) -> Grade:
     """Grade `agent_ws` against the pristine repo; `start` is the manifest the agent began from.
 
     The grading tree is the agent's source files (everything but tests, test
     configuration and bytecode) plus the pristine tests and test configuration.
+    runtime_allowed: (file, reason) pairs the pristine suite itself showed at
+    run time (`baseline_runtime`), not held against the agent.
     """
     agent = manifest(agent_ws.path)
     violations = list(episode_violations) + change_violations(diff_tree(start, agent))
@@ -117,7 +121,11 @@ def grade_workspace(
             (gws.path / rel).write_bytes((agent_ws.path / rel).read_bytes())
         gws.adopt()
         run = run_suite(sandbox, gws, changed)
-    violations += run.violations
+    allowed = set(runtime_allowed)
+    violations += [
+        (reason, f"{where}: {detail}" if where else detail)
+        for reason, where, detail in run.violations if (where, reason) not in allowed
+    ]
     passed = sum(run.tests.get(t) == "passed" for t in expected_tests)
     total = len(expected_tests)
     if violations:
@@ -140,3 +148,13 @@ def _is_test_side(rel: str) -> bool:
 def _is_source(rel: str) -> bool:
     """Files grading takes from the agent's workspace."""
     return not (is_test_path(rel) or is_test_config(rel) or is_bytecode(rel))
+
+
+def baseline_runtime(run: SuiteRun) -> tuple[tuple[str, str], ...]:
+    """(file, reason) pairs a pristine run showed with every source file watched."""
+    return tuple(sorted({(where, reason) for reason, where, _ in run.violations if where}))
+
+
+def source_files(root: Path) -> list[str]:
+    """Relative paths of the Python source files grading takes from the agent."""
+    return sorted(rel for rel in manifest(root) if rel.endswith(".py") and _is_source(rel))

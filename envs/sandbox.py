@@ -19,6 +19,7 @@ it never runs code with less containment than it reports.
 from __future__ import annotations
 
 import json
+import marshal
 import os
 import re
 import secrets
@@ -184,7 +185,7 @@ class Sandbox:
         stdin_path.write_bytes(stdin)
         cmd = [
             self._unshare, "--net", "--pid", "--fork", "--kill-child", "--mount", "--propagation", "private",
-            "--mount-proc", sys.executable, "-I", "-S", str(_INIT), json.dumps(spec),
+            "--mount-proc", sys.executable, "-I", "-S", str(_INIT), marshal.dumps(spec).hex(),
         ]
         actions = [
             (os.POSIX_SPAWN_OPEN, 0, str(stdin_path), os.O_RDONLY, 0),

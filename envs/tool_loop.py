@@ -118,7 +118,7 @@ class ToolLoopEnv(Environment):
         assert self.task is not None and self.ws is not None
         grade = grade_workspace(
             self.sandbox, self.task.pristine, self._start_manifest, self.ws, self.task.expected_tests,
-            self._violations,
+            self._violations, self.task.runtime_allowed,
         )
         self.ws.cleanup()  # the episode is over: free the disk now, whether or not close() is called
         info = {

@@ -22,7 +22,7 @@ REPOS = ("textkit", "minicalc")
 def sandbox():
     from envs.sandbox import Sandbox
 
-    return Sandbox(SandboxConfig(wall_timeout_s=8.0, cpu_time_s=3, address_space_mb=1024, max_processes=24))
+    return Sandbox(SandboxConfig(wall_timeout_s=8.0, cpu_time_s=3, address_space_mb=1024, max_processes=12))
 
 
 @pytest.fixture(scope="session")

@@ -41,9 +41,9 @@ def test_oracle_gets_one_and_noop_gets_zero_on_every_task(repo, repo_tasks, sand
 
 
 def test_multi_function_features(sandbox, task_store):
-    config = FeatureDeletionConfig(max_tasks=2, functions_per_task=2, seed=1)
+    config = FeatureDeletionConfig(max_tasks=1, functions_per_task=2, seed=1)
     tasks = generate_tasks(FIXTURES / "minicalc", config, sandbox, task_store)
-    assert len(tasks) == 2
+    assert len(tasks) == 1
     for task in tasks:
         assert len(task.symbols) == 2
         tree = ast.parse(task.stubbed_source)
@@ -145,9 +145,10 @@ def test_runtime_integrity_check_catches_patching_the_static_scan_misses(sandbox
         core.write_text(core.read_text() + patch)
         ws.adopt()
         run = run_suite(sandbox, ws, ["textkit/core.py"])
-    reasons = {r for r, _ in run.violations}
+    reasons = {r for r, _, _ in run.violations}
     assert {"test_runner_tamper", "write_outside_workdir"} <= reasons
-    assert ("test_runner_tamper", "_pytest.python.Function.runtest") in run.violations
+    assert ("test_runner_tamper", "", "_pytest.python.Function.runtest") in run.violations
+    assert ("write_outside_workdir", "textkit/core.py", "/var/tmp/cm-should-not-exist") in run.violations
     assert run.complete and all(o == "passed" for o in run.tests.values())  # the tamper did make tests "pass"
     assert not Path("/var/tmp/cm-should-not-exist").exists()
 
@@ -206,3 +207,35 @@ def test_env_factory_from_the_env_section(task_store, repo_tasks):
     tasks = repo_tasks["textkit"] + repo_tasks["minicalc"]
     train, held = split_tasks(tasks, 0.5, "train"), split_tasks(tasks, 0.5, "heldout")
     assert set(train).isdisjoint(held) and len(train) + len(held) == len(tasks)
+
+
+def test_what_the_pristine_code_does_at_run_time_is_not_held_against_the_agent(tmp_path, sandbox, task_store):
+    """A repository whose own code spawns a process and warns: its oracle still earns 1."""
+    repo = tmp_path / "spawner"
+    (repo / "pkg").mkdir(parents=True)
+    (repo / "tests").mkdir()
+    (repo / "pkg" / "__init__.py").write_text("")
+    (repo / "pkg" / "run.py").write_text(textwrap.dedent('''
+        import subprocess
+        import warnings
+
+
+        def echo(text):
+            warnings.warn("spawning echo")
+            out = subprocess.run(["echo", text], capture_output=True, text=True, check=True)
+            return out.stdout.strip()
+    '''))
+    (repo / "tests" / "test_run.py").write_text(
+        "import pytest\nfrom pkg.run import echo\n\ndef test_echo():\n"
+        "    with pytest.warns(UserWarning):\n        assert echo('hi') == 'hi'\n"
+    )
+    (task,) = generate_tasks(repo, FeatureDeletionConfig(), sandbox, task_store)
+    assert task.runtime_allowed == (("pkg/run.py", "process_spawn"),)  # the warning's frame walk is not flagged
+    assert _grade(sandbox, task, write_original=True).reward == 1.0
+    with task.workspace(sandbox) as ws:  # the same spawn from a file that never did it is still refused
+        start = manifest(ws.path)
+        (ws.path / task.target).write_text(task.original_source())
+        (ws.path / "pkg" / "__init__.py").write_text("import os\nos.system('true')\n")
+        grade = grade_workspace(sandbox, task.pristine, start, ws, task.expected_tests, runtime_allowed=task.runtime_allowed)
+    assert grade.reward == 0.0 and grade.reason == "process_spawn"
+    assert ("process_spawn", "pkg/__init__.py: os.system") in grade.violations  # the run-time report, too
