@@ -107,9 +107,15 @@ class GeneratorActor(Actor):
 
     @endpoint
     def weights_digest(self, names: list[str] | None = None) -> str:
-        """Digest of the engine's weights under `names` (all HF names when None)."""
+        """Digest of the engine's weights under `names`; None: one name per tensor (tied weights
+        under their first name in state-dict order, as the trainer's export names them)."""
         state = self.engine.named_weights()
-        return weights_digest((n, state[n]) for n in (names if names is not None else state))
+        if names is None:
+            first: dict[int, str] = {}
+            for name, t in state.items():
+                first.setdefault(t.untyped_storage().data_ptr(), name)
+            names = list(first.values())
+        return weights_digest((n, state[n]) for n in names)
 
     @endpoint
     def policy_version(self) -> int:

@@ -17,7 +17,6 @@ import torch
 
 from actors.rollout import EpisodeRequest, SamplingParams
 from configs.records import ErrorKind
-from configs.sections.generator import GeneratorConfig
 
 SAMPLING = SamplingParams(temperature=0.7, top_p=0.9, top_k=50, max_new_tokens=10, seed=5)
 
@@ -35,16 +34,6 @@ def reference_logprobs(logits_TV: torch.Tensor, s: SamplingParams) -> torch.Tens
         remove[:, -1] = False
         z = z.scatter(-1, idx, torch.where(remove, -math.inf, asc))
     return z.log_softmax(-1)
-
-
-def spec_for(assets, **gen):
-    from actors.generator import GeneratorSpec
-
-    return GeneratorSpec(
-        model_dir=str(assets.dense_dir),
-        generator=GeneratorConfig(engine="hf", group_size=3, max_new_tokens=10, max_turns=2, **gen),
-        max_context_tokens=160,
-    )
 
 
 def hf_model(path):
@@ -72,12 +61,12 @@ def check_logprobs(model, rollouts, sampling: SamplingParams, tol: float = 2e-4)
 
 
 @pytest.fixture(scope="module")
-def local_generator(tiny_assets):
+def local_generator(generator_spec):
     from monarch.actor import this_proc
 
     from actors.generator import GeneratorActor
 
-    return this_proc().spawn("gen_inproc", GeneratorActor, spec_for(tiny_assets))
+    return this_proc().spawn("gen_inproc", GeneratorActor, generator_spec)
 
 
 def test_generate_in_process_logprobs_and_episode_structure(local_generator, tiny_assets):
@@ -125,13 +114,13 @@ def test_generate_is_seeded_and_greedy_logprobs_are_zero(local_generator):
 
 
 @pytest.fixture(scope="module")
-def generator_mesh(tiny_assets):
+def generator_mesh(generator_spec):
     from monarch.actor import this_host
 
     from actors.generator import GeneratorActor
 
     procs = this_host().spawn_procs(per_host={"gpus": 2})
-    gens = procs.spawn("gens", GeneratorActor, spec_for(tiny_assets))
+    gens = procs.spawn("gens", GeneratorActor, generator_spec)
     yield gens
     procs.stop().get()
 
