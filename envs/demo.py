@@ -61,10 +61,14 @@ class Problem:
         return cls(op, int(m.group(1)), int(m.group(3)))
 
 
-def split_of(p: Problem, heldout_fraction: float) -> Split:
-    """Stable split by a hash of the problem text (independent of seeds and config order)."""
-    h = int.from_bytes(hashlib.sha256(p.text.encode()).digest()[:8], "big") / 2**64
+def stable_split(key: str, heldout_fraction: float) -> Split:
+    """Split by a hash of `key` (independent of seeds, config order and process)."""
+    h = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") / 2**64
     return "heldout" if h < heldout_fraction else "train"
+
+
+def split_of(p: Problem, heldout_fraction: float) -> Split:
+    return stable_split(p.text, heldout_fraction)
 
 
 def make_problem(seed: int, config: DemoTaskConfig, split: Split = "train") -> Problem:

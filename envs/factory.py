@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import atexit
-import hashlib
 from typing import Callable
 
 from configs.sections.env import EnvConfig
 from envs.base import Environment
-from envs.demo import DemoEnv, Split
+from envs.demo import DemoEnv, Split, stable_split
 from envs.feature_deletion import FeatureDeletionEnv, RepoTask, TaskStore, generate_tasks
 from envs.sandbox import Sandbox
 from envs.tool_loop import ToolLoopEnv
@@ -16,10 +15,7 @@ from envs.tool_loop import ToolLoopEnv
 
 def split_tasks(tasks: list[RepoTask], heldout_fraction: float, split: Split) -> list[RepoTask]:
     """Tasks of one split, by a stable hash of the task name (all tasks when a split would be empty)."""
-    def is_heldout(t: RepoTask) -> bool:
-        return int.from_bytes(hashlib.sha256(t.name.encode()).digest()[:8], "big") / 2**64 < heldout_fraction
-
-    chosen = [t for t in tasks if is_heldout(t) == (split == "heldout")]
+    chosen = [t for t in tasks if stable_split(t.name, heldout_fraction) == split]
     return chosen or list(tasks)
 
 
