@@ -80,6 +80,7 @@ class Workspace:
     path: Path
     uid: int
     scratch: Path = field(repr=False)
+    uid_lock: Path | None = field(default=None, repr=False)
 
     def adopt(self) -> None:
         """Give every entry under `path` to the sandbox uid (after the host copied files in)."""
@@ -91,6 +92,8 @@ class Workspace:
     def cleanup(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)
         shutil.rmtree(self.scratch, ignore_errors=True)
+        if self.uid_lock is not None:
+            self.uid_lock.unlink(missing_ok=True)
 
     def __enter__(self) -> Workspace:
         return self
@@ -137,14 +140,28 @@ class Sandbox:
         self, copy_from: str | os.PathLike | None = None, skip: Callable[[str], bool] | None = None
     ) -> Workspace:
         """A fresh private workdir, optionally a copy of a tree (see `copy_tree` for `skip`)."""
-        uid = self.config.uid_base + secrets.randbelow(self.config.uid_count)
+        uid, lock = self._reserve_uid()
         path = Path(tempfile.mkdtemp(prefix="ws-", dir=self.root))
         scratch = Path(tempfile.mkdtemp(prefix="host-", dir=self.root))
         if copy_from is not None:
             copy_tree(Path(copy_from), path, skip=skip)
-        ws = Workspace(path=path, uid=uid, scratch=scratch)
+        ws = Workspace(path=path, uid=uid, scratch=scratch, uid_lock=lock)
         ws.adopt()
         return ws
+
+    def _reserve_uid(self) -> tuple[int, Path]:
+        """A uid no other live workspace (of any process) holds: an exclusive lock file per uid."""
+        for _ in range(1000):
+            uid = self.config.uid_base + secrets.randbelow(self.config.uid_count)
+            lock = self.root / f".uid-{uid}"
+            try:
+                os.close(os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+            except FileExistsError:
+                continue
+            if not processes_of(uid):
+                return uid, lock
+            lock.unlink()
+        raise SandboxUnavailable(f"no free sandbox uid in [{self.config.uid_base}, +{self.config.uid_count})")
 
     def python(self) -> str:
         """The interpreter sandboxed Python programs should use (this one)."""

@@ -148,3 +148,17 @@ def test_copy_tree_drops_symlinks_and_special_files(tmp_path):
 def test_refuses_when_namespaces_are_unavailable():
     with pytest.raises(SandboxUnavailable, match="refusing to run untrusted code"):
         Sandbox(SandboxConfig(unshare_binary="/nonexistent/unshare"))
+
+
+def test_workspaces_get_distinct_uids_released_on_cleanup():
+    sb = Sandbox(SandboxConfig(uid_base=3_000_000 + 3 * (os.getpid() % 100_000), uid_count=3))  # a range of our own
+    spaces = [sb.workspace() for _ in range(3)]
+    assert len({w.uid for w in spaces}) == 3
+    with pytest.raises(SandboxUnavailable, match="no free sandbox uid"):
+        sb.workspace()
+    spaces[0].cleanup()
+    again = sb.workspace()
+    assert again.uid == spaces[0].uid
+    for w in spaces[1:] + [again]:
+        w.cleanup()
+    assert not any((sb.root / f".uid-{w.uid}").exists() for w in spaces)
