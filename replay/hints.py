@@ -142,10 +142,8 @@ class LLMHintGenerator:
 
     def prompt(self, site: ErrorSite, messages: Sequence[dict]) -> list[dict]:
         """The request: recent conversation, the failed call and its error."""
-        recent = [
-            {"role": m.get("role"), "content": m.get("content"), **({"tool_calls": m["tool_calls"]} if m.get("tool_calls") else {})}
-            for m in messages[max(0, site.turn - self.context_messages + 1) : site.turn + 1]
-        ]
+        window = messages[max(0, site.turn - self.context_messages + 1) : site.turn + 1]
+        recent = [{k: m[k] for k in ("role", "content", "tool_calls") if m.get(k)} for m in window]
         body = (
             f"Conversation (most recent last):\n{json.dumps(recent, ensure_ascii=False, indent=1)}\n\n"
             f"Failed tool: {site.tool or 'unknown'}\nError kind: {site.kind.value}\n"

@@ -23,7 +23,7 @@ from replay.cache import ResponseCache
 from replay.gating import Scorer, VOIGate, settled, tiers
 from replay.normalize import run_recipe
 from replay.pairs import PreferencePair, Vote, decide
-from replay.server import Responder, TeacherServer
+from replay.server import FaultPlan, Responder, TeacherServer
 from replay.teachers import TeacherClient, tool_specs
 from replay.traces import ParseStats, TraceState, load_traces, trace_states
 
@@ -151,8 +151,6 @@ def run_replay(
     if cfg.local_server.enabled:
         if responder is None:
             raise ValueError("replay.local_server.enabled needs a responder")
-        from replay.server import FaultPlan
-
         server = TeacherServer(
             responder, host=cfg.local_server.host, port=cfg.local_server.port,
             faults=FaultPlan(latency_s=cfg.local_server.latency_s),

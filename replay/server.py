@@ -4,7 +4,7 @@
 one thread per connection (keep-alive), so concurrent clients are served
 concurrently. Answers come from a pluggable `Responder`
 `(model, messages, params) -> str | dict` (a dict is an assistant message with
-`content` and/or `tool_calls`). Usage is counted per request (prompt and
+`content` and/or `tool_calls`, and may carry the responder's own `usage`). Usage is counted per request (prompt and
 completion tokens; completions are cut at `max_tokens`) and every answered
 request is logged (in memory and optionally to a JSONL file) *before* its
 response is written, with whether it was billed: the log is the ground truth the
@@ -19,6 +19,7 @@ Billing model: 429 / 500 / 4xx are free; any request that produced a completion
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -101,7 +102,7 @@ class HFResponder:
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def __call__(self, model: str, messages: list[dict], params: dict) -> str:
+    def __call__(self, model: str, messages: list[dict], params: dict) -> dict:
         import torch
 
         ids = self.tokenizer.apply_chat_template(
@@ -113,7 +114,10 @@ class HFResponder:
                 **ids, max_new_tokens=int(params.get("max_tokens") or 64), do_sample=False,
                 pad_token_id=self.tokenizer.pad_token_id or self.tokenizer.eos_token_id,
             )
-        return self.tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
+        prompt_len = ids["input_ids"].shape[1]
+        new_ids = out[0, prompt_len:]
+        usage = {"prompt_tokens": prompt_len, "completion_tokens": len(new_ids)}
+        return {"content": self.tokenizer.decode(new_ids, skip_special_tokens=True), "usage": usage}
 
 
 class TeacherServer:
@@ -215,12 +219,13 @@ class TeacherServer:
                 return plan, queue.popleft()
             u = self._rng.random()
             jitter = self._rng.uniform(0, plan.latency_jitter_s) if plan.latency_jitter_s else 0.0
+        plan = dataclasses.replace(plan, latency_s=plan.latency_s + jitter)
         edge = 0.0
         for name, p in zip(FAULTS, (plan.p_rate_limit, plan.p_server_error, plan.p_malformed, plan.p_disconnect, plan.p_timeout)):
             edge += p
             if u < edge:
-                return FaultPlan(**{**plan.__dict__, "latency_s": plan.latency_s + jitter}), name
-        return FaultPlan(**{**plan.__dict__, "latency_s": plan.latency_s + jitter}), "ok"
+                return plan, name
+        return plan, "ok"
 
     def _record(self, rec: dict) -> None:
         with self._lock:
@@ -235,6 +240,10 @@ class TeacherServer:
         out = self.responder(model, messages, params)
         message = {"role": "assistant", "content": out} if isinstance(out, str) else {"role": "assistant", **out}
         message.setdefault("content", "")
+        usage = message.pop("usage", None)
+        if usage is not None:  # the responder counted with its own tokenizer (and obeyed max_tokens)
+            finish = "length" if usage["completion_tokens"] >= int(params.get("max_tokens") or 1 << 30) else "stop"
+            return message, {**usage, "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"]}, finish
         text = message["content"] or ""
         calls_text = json.dumps(message.get("tool_calls")) if message.get("tool_calls") else ""
         completion = self.count_tokens(text) + (self.count_tokens(calls_text) if calls_text else 0)

@@ -267,7 +267,9 @@ class TeacherClient:
         await self.budget.settle(worst, charged)
         return reply, error, delay
 
-    def _parse(self, spec: TeacherSpec, resp: httpx.Response, worst: int, attempt: int):
+    def _parse(
+        self, spec: TeacherSpec, resp: httpx.Response, worst: int, attempt: int
+    ) -> tuple[TeacherReply | None, TeacherError | None, int]:
         """(reply, error, cost charged) of a 200 response; malformed bodies are charged the worst case."""
         try:
             data = resp.json()

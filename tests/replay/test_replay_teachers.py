@@ -245,3 +245,18 @@ def test_budget_cap_holds_in_1000_randomized_trials():
           f"{max(r['client'].budget.spent_usd / r['cap'] for r in results if r['cap'] > 0):.4f}")
     assert refused_runs > 200  # the caps bound often enough to test the second claim
     assert sum(r["billed"] for r in log) > 3000 and len({r["outcome"] for r in log}) == 6
+
+
+def test_hf_responder_serves_a_local_model_with_exact_usage(tiny_assets):
+    from replay.server import HFResponder
+
+    responder = HFResponder(tiny_assets.dense_dir)
+    with TeacherServer(responder) as server:
+        cfg = _cfg(server.url, TeacherSpec(name="t", model="tiny", max_tokens=6))
+        first, _ = _run(_complete(cfg, "t"))
+        second, _ = _run(_complete(cfg, "t"))
+    prompt = responder.tokenizer.apply_chat_template(USER, add_generation_prompt=True, tokenize=True, return_dict=True)
+    assert first.usage["prompt_tokens"] == len(prompt["input_ids"])
+    assert 0 < first.usage["completion_tokens"] <= 6
+    assert first.message == second.message  # greedy
+    assert [r["completion_tokens"] for r in server.log] == [first.usage["completion_tokens"]] * 2
