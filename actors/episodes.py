@@ -84,6 +84,34 @@ class Tokenizer(Protocol):
     def decode(self, ids: Sequence[int], **kwargs: Any) -> str: ...
 
 
+class ChatTokens:
+    """Token ids of chat-template pieces: whole renderings, and the text one step of a chat adds.
+
+    `delta(before, after)` is the rendering of `after` minus that of `before` (a
+    prefix when the template renders by concatenation, else ValueError), so
+    pieces can be tokenized on their own and appended to ids already sampled.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tok = tokenizer
+        self.end_text = tokenizer.eos_token
+        self.end_id = self.encode(self.end_text)[-1]
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tok(text, add_special_tokens=False)["input_ids"])
+
+    def render(self, messages: list[dict], tools: list[dict] | None = None, generation: bool = False) -> str:
+        return self.tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=generation)
+
+    def delta(self, before: list[dict], after: list[dict], tools: list[dict] | None = None,
+              generation: bool = False) -> str:
+        old = self.render(before, tools) if before else ""
+        new = self.render(after, tools, generation)
+        if not new.startswith(old):
+            raise ValueError("the chat template does not render messages by concatenation; cannot extend tokens")
+        return new[len(old):]
+
+
 class EpisodeRunner:
     """Runs episodes of `make_env()` environments with an engine and a chat tokenizer.
 
@@ -95,24 +123,10 @@ class EpisodeRunner:
                  max_turns: int, max_context_tokens: int) -> None:
         self.engine = engine
         self.tok = tokenizer
+        self.chat = ChatTokens(tokenizer)
         self.make_env = make_env
         self.max_turns = max_turns
         self.max_context_tokens = max_context_tokens
-        self.end_text = tokenizer.eos_token
-        self.end_id = self._encode(self.end_text)[-1]
-
-    def _encode(self, text: str) -> list[int]:
-        return list(self.tok(text, add_special_tokens=False)["input_ids"])
-
-    def _render(self, messages: list[dict], tools: list[dict] | None, generation: bool = False) -> str:
-        return self.tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=generation)
-
-    def _delta(self, before: list[dict], after: list[dict], tools: list[dict] | None, generation: bool) -> str:
-        old = self._render(before, tools) if before else ""
-        new = self._render(after, tools, generation)
-        if not new.startswith(old):
-            raise ValueError("the chat template does not render messages by concatenation; cannot extend tokens")
-        return new[len(old):]
 
     def _start(self, request: EpisodeRequest, sample: int) -> _Episode:
         env = self.make_env(request.split)
@@ -123,12 +137,12 @@ class EpisodeRunner:
         starts: list[int] = []
         for i in range(len(messages)):  # per-message pieces when the rendering allows it
             try:
-                piece = self._delta(messages[:i], messages[: i + 1], tools, generation=False)
+                piece = self.chat.delta(messages[:i], messages[: i + 1], tools, generation=False)
             except ValueError:
-                starts, ids = [-1] * len(messages), self._encode(self._render(messages, tools))
+                starts, ids = [-1] * len(messages), self.chat.encode(self.chat.render(messages, tools))
                 break
             starts.append(len(ids))
-            ids += self._encode(piece)
+            ids += self.chat.encode(piece)
         ep = _Episode(request, sample, env, tools, ids, [False] * len(ids), [0.0] * len(ids), starts, [], len(ids))
         self._open_turn(ep)
         return ep
@@ -137,8 +151,8 @@ class EpisodeRunner:
         """Append the assistant header; the next message (the reply) starts there."""
         messages = ep.env.state.messages
         ep.starts.append(len(ep.ids))
-        header = self._delta(messages, messages, ep.tools, generation=True)
-        self._append(ep, self._encode(header))
+        header = self.chat.delta(messages, messages, ep.tools, generation=True)
+        self._append(ep, self.chat.encode(header))
 
     @staticmethod
     def _append(ep: _Episode, ids: list[int], logps: list[float] | None = None) -> None:
@@ -152,15 +166,15 @@ class EpisodeRunner:
         self._append(ep, done.token_ids, done.logprobs)
         text_ids = done.token_ids[:-1] if done.finish_reason == "stop" else done.token_ids
         if done.finish_reason == "length":  # close the turn so the context stays well-formed (no loss)
-            self._append(ep, [self.end_id])
+            self._append(ep, [self.chat.end_id])
         message_index = len(ep.env.state.messages)
         ep.spans.append((message_index, start, start + len(done.token_ids)))
         ep.env.step(parse_assistant(self.tok.decode(text_ids, skip_special_tokens=False)))
         ep.turns += 1
         messages = ep.env.state.messages
-        rendered = self._render(messages[: message_index + 1], ep.tools)
-        tail = rendered[rendered.rfind(self.end_text) + len(self.end_text):]  # template text after the reply
-        self._append(ep, self._encode(tail))
+        rendered = self.chat.render(messages[: message_index + 1], ep.tools)
+        tail = rendered[rendered.rfind(self.chat.end_text) + len(self.chat.end_text):]  # template text after the reply
+        self._append(ep, self.chat.encode(tail))
         if ep.env.state.done:
             ep.finish = "done"
             return
@@ -169,7 +183,7 @@ class EpisodeRunner:
             return
         for i in range(message_index + 1, len(messages)):
             ep.starts.append(len(ep.ids))
-            self._append(ep, self._encode(self._delta(messages[:i], messages[: i + 1], ep.tools, generation=False)))
+            self._append(ep, self.chat.encode(self.chat.delta(messages[:i], messages[: i + 1], ep.tools, generation=False)))
         self._open_turn(ep)
 
     def run(self, requests: Sequence[EpisodeRequest], group_size: int, sampling: SamplingParams,
