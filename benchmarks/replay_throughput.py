@@ -69,6 +69,7 @@ async def throughput(url: str, concurrency: int, latency: float, n: int, cache_d
     replies = await asyncio.gather(*(client.complete("t", [{"role": "user", "content": f"{tag} {i}"}]) for i in range(n)))
     elapsed = time.perf_counter() - start
     await client.aclose()
+    client.cache.close()
     assert all(r.error is None for r in replies), [r.error for r in replies if r.error][:3]
     return n / elapsed
 

@@ -15,6 +15,7 @@ billed is unknowable. A restarted run starts its budget from that figure.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -55,7 +56,8 @@ class CachedResponse:
 
 class ResponseCache:
     """Append-only cache + journal. Thread-safe (the async client writes from worker
-    threads so disk flushes never stall its event loop); one writer process at a time."""
+    threads so disk flushes never stall its event loop); one run at a time holds it
+    (an exclusive flock, released by the OS even on SIGKILL)."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -65,17 +67,20 @@ class ResponseCache:
         self.prior_spend_nusd = 0  # spend recorded by earlier runs (see module doc)
         self.unresolved_at_load = 0  # requests in flight when an earlier run died
         self.corrupt_lines = 0
-        self._load()
         self._lock = threading.Lock()
         self._file = open(self.path, "ab")
+        try:  # two live runs sharing one cache could both buy the same response
+            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._file.close()
+            raise RuntimeError(f"response cache {self.path} is in use by another run") from None
+        self._load()
         if self._file.tell() and not self.path.read_bytes().endswith(b"\n"):
             self._file.write(b"\n")  # never glue onto a line a killed run left unterminated
         self._seq = 0
         self._run = os.urandom(6).hex()
 
     def _load(self) -> None:
-        if not self.path.exists():
-            return
         settled = 0
         for line in self.path.read_bytes().split(b"\n"):
             if not line.strip():

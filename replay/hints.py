@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from configs.records import ErrorKind, ErrorSite
 
@@ -234,8 +234,11 @@ def hint_token_spans(
     `tokenize=True` and `template_kwargs`). The hint span is what lies between
     the longest common prefix and the longest common suffix of the two id lists.
     """
-    student = list(apply_chat_template(list(student_messages), tokenize=True, **template_kwargs))
-    with_hint = list(apply_chat_template(hinted.messages, tokenize=True, **template_kwargs))
+    def ids(messages: list[dict]) -> list[int]:
+        out = apply_chat_template(messages, tokenize=True, **template_kwargs)
+        return list(out["input_ids"] if isinstance(out, Mapping) else out)  # HF may return a BatchEncoding
+
+    student, with_hint = ids(list(student_messages)), ids(hinted.messages)
     limit = min(len(student), len(with_hint))
     prefix = 0
     while prefix < limit and student[prefix] == with_hint[prefix]:

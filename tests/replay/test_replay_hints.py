@@ -76,10 +76,8 @@ def test_hint_token_spans_align_with_a_real_chat_template(tiny_assets):
     plain = [{"role": m["role"], "content": m["content"] or "call"} for m in MESSAGES]
     hinted = insert_hint(plain, SITE, "Check the path with ls before reading it.")
 
-    def template(messages, tokenize=True):
-        return tok.apply_chat_template(messages, tokenize=tokenize, return_dict=False)
-
-    student, teacher, spans = hint_token_spans(plain, hinted, template)
+    student, teacher, spans = hint_token_spans(plain, hinted, tok.apply_chat_template)
+    assert student == tok.apply_chat_template(plain, tokenize=True, return_dict=False)
     assert spans.hint_end - spans.hint_start == len(teacher) - len(student) > 0
     assert "Check the path with ls" in tok.decode(teacher[spans.hint_start : spans.hint_end])
     for j, t in enumerate(student):

@@ -45,10 +45,12 @@ def test_cost_from_usage_and_cache_survives_restart(tmp_path):
         assert reply.message["content"].startswith("answer ")
         assert reply.cost_usd == pytest.approx((usage["prompt_tokens"] * 3.0 + usage["completion_tokens"] * 15.0) / 1e6)
         assert client.budget.spent_usd == pytest.approx(reply.cost_usd)
+        client.cache.close()
         # a new process's cache serves it: no request reaches the server
         again, client2 = _run(_complete(cfg, "t", cache=ResponseCache(tmp_path / "c.jsonl")))
         assert again.cached and again.message == reply.message and client2.stats.requests == 0
         assert client2.budget.spent_usd == pytest.approx(reply.cost_usd)  # prior spend carried over
+        client2.cache.close()
         assert len(server.log) == 1
         # different params are a different key
         cfg2 = _cfg(server.url, TeacherSpec(name="t", model="m", max_tokens=9))
@@ -260,3 +262,25 @@ def test_hf_responder_serves_a_local_model_with_exact_usage(tiny_assets):
     assert 0 < first.usage["completion_tokens"] <= 6
     assert first.message == second.message  # greedy
     assert [r["completion_tokens"] for r in server.log] == [first.usage["completion_tokens"]] * 2
+
+
+def test_cache_survives_torn_lines_and_refuses_a_second_live_run(tmp_path):
+    path = tmp_path / "c.jsonl"
+    cache = ResponseCache(path)
+    attempt = cache.intent("k1", "t", 500, "ctx")
+    cache.result(attempt, "k1", "t", "m", 120, {"role": "assistant", "content": "hi"}, {"prompt_tokens": 1})
+    cache.intent("k2", "t", 700, "ctx2")  # in flight when the run "dies"
+    with pytest.raises(RuntimeError, match="in use by another run"):
+        ResponseCache(path)
+    cache.close()
+    with open(path, "ab") as f:
+        f.write(b'{"kind":"result","attempt":"x-9","key":"k3"')  # torn by a kill mid-write
+    again = ResponseCache(path)
+    assert again.get("k1").message == {"role": "assistant", "content": "hi"} and again.get("k2") is None
+    assert again.corrupt_lines == 1 and again.unresolved_at_load == 1
+    assert again.prior_spend_nusd == 120 + 700  # settled cost + worst case of the unresolved intent
+    attempt = again.intent("k4", "t", 1, "ctx4")
+    again.result(attempt, "k4", "t", "m", 1, {"role": "assistant", "content": "x"}, {})
+    again.close()
+    lines = path.read_bytes().split(b"\n")
+    assert json.loads(lines[-2])["key"] == "k4"  # appended on a fresh line, not glued to the torn one
