@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from configs.records import ErrorKind
-from replay.traces import load_traces, parse_claude_code, parse_openai_chat, read_jsonl, trace_states
+from replay.traces import (
+    claude_code_trace, load_traces, parse_claude_code, parse_openai_chat, read_jsonl, trace_states,
+)
 
 FIXTURES = Path(__file__).parent / "fixtures"
 SESSION = FIXTURES / "claude_session.jsonl"
@@ -132,3 +135,33 @@ def test_fuzz_corrupted_jsonl_never_raises_and_counts_add_up(tmp_path_factory, l
         for state in trace_states(trace):
             assert state.action["role"] == "assistant"
             assert all("reasoning" not in m for m in state.context)
+
+
+def test_compaction_starts_the_context_at_the_boundary_and_multi_result_records(tmp_path):
+    """After /compact the model sees the summary, not the old turns; one user record
+    may also carry several tool results (older Claude Code versions)."""
+    base = {"isSidechain": False, "userType": "external", "sessionId": "s", "version": "1.0.80", "cwd": "/w"}
+    recs = [
+        {**base, "type": "user", "uuid": "u1", "parentUuid": None, "message": {"role": "user", "content": "old task"}},
+        {**base, "type": "assistant", "uuid": "a1", "parentUuid": "u1",
+         "message": {"id": "m1", "role": "assistant", "model": "claude-x", "content": [
+             {"type": "tool_use", "id": "toolu_1", "name": "Bash", "input": {"command": "ls"}},
+             {"type": "tool_use", "id": "toolu_2", "name": "Bash", "input": {"command": "pwd"}}]}},
+        {**base, "type": "user", "uuid": "u2", "parentUuid": "a1", "message": {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_1", "content": "a.py"},
+            {"type": "tool_result", "tool_use_id": "toolu_2", "content": "/w"}]}},
+        {**base, "type": "system", "subtype": "compact_boundary", "uuid": "b1", "parentUuid": None,
+         "logicalParentUuid": "u2", "content": "Conversation compacted", "compactMetadata": {"trigger": "manual"}},
+        {**base, "type": "user", "uuid": "u3", "parentUuid": "b1", "isCompactSummary": True,
+         "message": {"role": "user", "content": "This session is being continued. Summary: listed a.py in /w."}},
+        {**base, "type": "assistant", "uuid": "a2", "parentUuid": "u3",
+         "message": {"id": "m2", "role": "assistant", "model": "claude-x", "content": "Continuing."}},
+    ]
+    path = tmp_path / "s.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    trace = parse_claude_code(path)[0][0]
+    assert [m["role"] for m in trace.messages] == ["user", "assistant"]
+    assert trace.messages[0]["content"].startswith("This session is being continued")
+    assert trace.messages[1] == {"role": "assistant", "content": "Continuing."}
+    pre = claude_code_trace(recs[:3], "pre", Counter())
+    assert [m.get("tool_call_id") for m in pre.messages[2:]] == ["toolu_1", "toolu_2"]
