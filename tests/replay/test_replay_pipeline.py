@@ -28,7 +28,7 @@ FAULTY = {  # teacher name -> (model, fault plan that always fails)
     "r500": ("m-500", FaultPlan(p_server_error=1.0)),
     "rbad": ("m-bad", FaultPlan(p_malformed=1.0)),
     "rdrop": ("m-drop", FaultPlan(p_disconnect=1.0)),
-    "rslow": ("m-slow", FaultPlan(p_timeout=1.0, timeout_delay_s=0.5)),
+    "rslow": ("m-slow", FaultPlan(p_timeout=1.0, timeout_delay_s=3.0)),
 }
 
 
@@ -46,7 +46,7 @@ def pipeline_run(tmp_path_factory):
                  TeacherSpec(name="good2", model="g2", price_in_per_mtok=1.0, price_out_per_mtok=2.0)]
         specs += [TeacherSpec(name=n, model=m) for n, (m, _) in FAULTY.items()]
         teachers = TeachersConfig(models=tuple(specs), base_url=server.url, max_retries=1, backoff_base_s=0.001,
-                                  read_timeout_s=0.25, budget_usd=1.0)
+                                  read_timeout_s=1.5, budget_usd=1.0)
         # the session twice: its pairs come out twice, and deduplication must drop the copies
         cfg = ReplayConfig(traces=(str(FIXTURES / "claude_session.jsonl"), str(FIXTURES / "openai_traces.jsonl"),
                                    str(FIXTURES / "claude_session.jsonl")), output_dir=str(out), min_agree=2)

@@ -93,9 +93,10 @@ def test_per_teacher_concurrency_limit():
     ("disconnect", "disconnect"), ("timeout", "timeout"),
 ])
 def test_each_fault_is_retried_then_recorded_as_failed(fault, kind):
-    plan = FaultPlan(**{f"p_{fault}": 1.0, "retry_after_s": 0.002, "timeout_delay_s": 0.6})
+    # read timeout far above normal latency (a loaded box must not turn a 429 into a timeout)
+    plan = FaultPlan(**{f"p_{fault}": 1.0, "retry_after_s": 0.002, "timeout_delay_s": 2.5})
     with TeacherServer(ConsensusResponder(), model_faults={"bad": plan}) as server:
-        cfg = _cfg(server.url, TeacherSpec(name="t", model="bad", max_tokens=4), max_retries=2, read_timeout_s=0.2)
+        cfg = _cfg(server.url, TeacherSpec(name="t", model="bad", max_tokens=4), max_retries=2, read_timeout_s=1.0)
         reply, client = _run(_complete(cfg, "t"))
     assert reply.message is None and reply.error.kind == kind and reply.attempts == 3
     assert [r["outcome"] for r in server.log] == [fault] * 3
@@ -109,9 +110,9 @@ def test_each_fault_is_retried_then_recorded_as_failed(fault, kind):
 
 @pytest.mark.parametrize("fault", ["rate_limit", "server_error", "malformed", "disconnect", "timeout"])
 def test_a_fault_then_success_recovers(fault):
-    with TeacherServer(ConsensusResponder(), faults=FaultPlan(retry_after_s=0.002, timeout_delay_s=0.6)) as server:
+    with TeacherServer(ConsensusResponder(), faults=FaultPlan(retry_after_s=0.002, timeout_delay_s=2.5)) as server:
         server.inject("m", fault, "ok")
-        cfg = _cfg(server.url, TeacherSpec(name="t", model="m"), read_timeout_s=0.2)
+        cfg = _cfg(server.url, TeacherSpec(name="t", model="m"), read_timeout_s=1.0)
         reply, client = _run(_complete(cfg, "t"))
     assert reply.error is None and reply.attempts == 2
     assert [r["outcome"] for r in server.log] == [fault, "ok"]
