@@ -76,7 +76,10 @@ def _lookup(module: str, path: str) -> object:
 
 def main() -> None:
     request = json.loads(sys.stdin.read())
-    nonce = request["nonce"]
+    devnull = os.open(os.devnull, os.O_RDONLY)  # the request (and its nonce) cannot be re-read from fd 0
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    nonce = request.pop("nonce")
     repo = os.path.realpath(request["repo"])
     submission = {os.path.realpath(os.path.join(repo, p)) for p in request["submission"]}
     channel = os.fdopen(os.dup(1), "w", buffering=1)

@@ -73,6 +73,9 @@ def run_suite(
         if "violation" in event:
             violations.append((event["violation"], event["where"], event["detail"]))
         elif event.get("done"):
+            if complete:  # only the runner's own last act writes this; a second one is forged
+                violations.append(("forged_report", "", "two summaries"))
+                continue
             complete, tests, collect_errors = True, event["tests"], tuple(event["collect_errors"])
     return SuiteRun(tests, complete, tuple(dict.fromkeys(violations)), collect_errors, result)
 

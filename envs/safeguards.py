@@ -36,7 +36,8 @@ _CALLS = {
 }
 _ATTRS = {"os.environ": "env_access", "os.environb": "env_access", "sys.modules": "test_runner_tamper",
           "builtins": "test_runner_tamper", "__builtins__": "test_runner_tamper", "f_back": "test_runner_tamper",
-          "__code__": "dynamic_code"}
+          "tb_frame": "test_runner_tamper", "f_locals": "test_runner_tamper", "f_globals": "test_runner_tamper",
+          "gi_frame": "test_runner_tamper", "__closure__": "test_runner_tamper", "__code__": "dynamic_code"}
 _IMPORTS = {
     "pytest": "test_runner_tamper", "_pytest": "test_runner_tamper", "pluggy": "test_runner_tamper",
     "unittest": "test_runner_tamper", "doctest": "test_runner_tamper", "inspect": "test_runner_tamper",

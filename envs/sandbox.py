@@ -199,7 +199,8 @@ class Sandbox:
         stdin_path, out_path, err_path, report_path = (
             ws.scratch / n for n in ("stdin", "stdout", "stderr", "report")
         )
-        stdin_path.write_bytes(stdin)
+        with os.fdopen(os.open(stdin_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
+            f.write(stdin)
         cmd = [
             self._unshare, "--net", "--pid", "--fork", "--kill-child", "--mount", "--propagation", "private",
             "--mount-proc", sys.executable, "-I", "-S", str(_INIT), marshal.dumps(spec).hex(),
