@@ -59,12 +59,13 @@ def iter_hf_buckets(
     adapter = adapter or make_adapter(model)
     pending: dict[str, torch.Tensor] = {}
     pending_bytes = 0
-    seen: set[int] = set()  # tied weights (embedding = head) appear under two names
+    seen: set[int] = set()  # tied parameters (embedding = head) appear under two names
     for prefix, unit in _units(model):
         for key, tensor in unit.state_dict(prefix=f"{prefix}.", keep_vars=True).items():
-            if id(tensor) in seen:
-                continue
-            seen.add(id(tensor))
+            if isinstance(tensor, nn.Parameter):  # live objects: ids are stable (hook outputs are not)
+                if id(tensor) in seen:
+                    continue
+                seen.add(id(tensor))
             size = _full_bytes(tensor, dtype)
             if pending and pending_bytes + size > bucket_bytes:
                 yield _gather_bucket(pending, adapter, dtype)

@@ -1,10 +1,14 @@
 """Process harness and worker scenarios for the trainer tests (no tests of its own).
 
-The tests launch real processes: `python test_trainer_harness.py <scenario>
-<out_dir> <json args>` once per rank, with torchrun-style environment variables
-(RANK, WORLD_SIZE, MASTER_ADDR=127.0.0.1, a free MASTER_PORT), so each child
-joins a real gloo process group through `titan_ext.platform`. A child that
-fails makes `run_ranks` raise with its stderr (the traceback).
+Ranks are real processes forked by a *zygote*: one helper process per pytest
+session (`python test_trainer_harness.py --zygote`) that imports torch,
+TorchTitan, transformers and the trainer once, then on request forks `world`
+children. Each child gets torchrun-style environment variables (RANK,
+WORLD_SIZE, MASTER_ADDR=127.0.0.1, a free MASTER_PORT), joins a real gloo
+process group through `titan_ext.platform`, runs a scenario function below and
+writes its output to `<out_dir>/rank{r}.log`. Forking skips ~25 s of imports per
+rank on a busy 2-core box; the children are still separate processes that
+the tests can SIGKILL. A failing child makes `run_ranks` raise with its log.
 
 Batches are fixed and distinct per step (seeded by the step's data cursor), all
 three channels on: packed student rows with two rollouts per row, hint rows
@@ -24,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +37,7 @@ HARNESS = Path(__file__).resolve()
 VOCAB = 2048
 SEQ_L = 32  # packed student row length
 HINT_LEN = 4
+_PRELOAD = ("torch", "torch.distributed.fsdp", "transformers", "titan_ext.trainer", "safetensors.torch")
 
 
 # ---- launching ranks ---------------------------------------------------------------------------
@@ -43,42 +49,53 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(scenario: str, world: int, out_dir: Path, args: dict[str, Any]) -> list[subprocess.Popen]:
-    """Start `world` ranks of `scenario`; stdout/stderr go to out_dir/rank{r}.log."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
-    procs = []
-    for rank in range(world):
-        env = dict(
-            os.environ,
-            RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-            OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1",
+class Zygote:
+    """The forking helper process; one JSON request / reply per line on its stdin / stdout."""
+
+    def __init__(self) -> None:
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(HARNESS), "--zygote"], cwd=REPO, env=env,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )
-        log = open(out_dir / f"rank{rank}.log", "w")
-        procs.append(subprocess.Popen(
-            [sys.executable, str(HARNESS), scenario, str(out_dir), json.dumps(args)],
-            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-        ))
-    return procs
+        atexit.register(self.close)
+
+    def request(self, **message: Any) -> dict:
+        self.proc.stdin.write(json.dumps(message) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the zygote process died (rc {self.proc.poll()})")
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=30)
 
 
-def wait_ranks(procs: list[subprocess.Popen], out_dir: Path, timeout: float = 240) -> None:
-    """Wait for every rank; on a failure or timeout kill the rest and raise with the logs."""
-    deadline = time.monotonic() + timeout
-    try:
-        for proc in procs:
-            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pass
-    failed = [i for i, p in enumerate(procs) if p.returncode != 0]
+@functools.lru_cache(maxsize=1)
+def zygote() -> Zygote:
+    return Zygote()
+
+
+def launch(scenario: str, world: int, out_dir: Path, args: dict[str, Any]) -> list[int]:
+    """Fork `world` ranks of `scenario`; returns their pids. Output goes to out_dir/rank{r}.log."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    reply = zygote().request(op="launch", scenario=scenario, world=world, out_dir=str(out_dir), args=args)
+    return reply["pids"]
+
+
+def wait_ranks(pids: list[int], out_dir: Path, timeout: float = 240) -> list[int]:
+    """Exit codes of the ranks (negative: killed by that signal); on a failure or timeout
+    kill the rest and raise with the failed ranks' logs."""
+    codes = zygote().request(op="wait", pids=pids, timeout=timeout)["codes"]
+    failed = [i for i, c in enumerate(codes) if c != 0]
     if failed:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        logs = "\n".join(f"--- rank {i} (rc {procs[i].returncode}) ---\n{_tail(out_dir / f'rank{i}.log')}" for i in failed)
+        kill_ranks(pids)
+        logs = "\n".join(f"--- rank {i} (rc {codes[i]}) ---\n{_tail(out_dir / f'rank{i}.log')}" for i in failed)
         raise AssertionError(f"ranks {failed} failed:\n{logs}")
+    return codes
 
 
 def run_ranks(scenario: str, world: int, out_dir: Path, args: dict[str, Any], timeout: float = 240) -> dict:
@@ -87,16 +104,73 @@ def run_ranks(scenario: str, world: int, out_dir: Path, args: dict[str, Any], ti
     return json.loads((out_dir / "result.json").read_text())
 
 
-def kill_ranks(procs: list[subprocess.Popen]) -> list[int]:
-    """SIGKILL every rank; returns their exit codes (-9 each)."""
-    for p in procs:
-        p.send_signal(signal.SIGKILL)
-    return [p.wait() for p in procs]
+def kill_ranks(pids: list[int]) -> list[int]:
+    """SIGKILL every rank still alive; returns the exit codes (-9 for each one killed)."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return zygote().request(op="wait", pids=pids, timeout=30)["codes"]
 
 
 def _tail(path: Path, chars: int = 6000) -> str:
     text = path.read_text(errors="replace") if path.exists() else "(no log)"
     return text[-chars:]
+
+
+def _zygote_main() -> None:
+    """Serve launch / wait requests until stdin closes; children run `_rank_main`."""
+    import importlib
+
+    for module in _PRELOAD:
+        importlib.import_module(module)
+    exited: dict[int, int] = {}
+    for line in sys.stdin:
+        request = json.loads(line)
+        if request["op"] == "launch":
+            port = _free_port()
+            pids = []
+            for rank in range(request["world"]):
+                pid = os.fork()
+                if pid == 0:
+                    _rank_main(rank, request, port)  # never returns
+                pids.append(pid)
+            reply = {"pids": pids}
+        else:
+            deadline = time.monotonic() + request["timeout"]
+            pending = [p for p in request["pids"] if p not in exited]
+            while pending and time.monotonic() < deadline:
+                for pid in list(pending):
+                    done, status = os.waitpid(pid, os.WNOHANG)
+                    if done:
+                        exited[pid] = os.waitstatus_to_exitcode(status)
+                        pending.remove(pid)
+                time.sleep(0.05)
+            reply = {"codes": [exited.get(p, "timeout") for p in request["pids"]]}
+        sys.stdout.write(json.dumps(reply) + "\n")
+        sys.stdout.flush()
+
+
+def _rank_main(rank: int, request: dict, port: int) -> None:
+    """A forked rank: environment, log file, the scenario; exits 0 or 1 (traceback in the log)."""
+    code = 1
+    try:
+        out_dir = Path(request["out_dir"])
+        log = os.open(out_dir / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        sys.stdin.close()
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(request["world"]),
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        run_scenario(request["scenario"], out_dir, request["args"])
+        code = 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 # ---- the runs the tests share (one launch each per pytest session) --------------------------------
@@ -352,17 +426,17 @@ def export_parity(trainer, out_dir: Path) -> dict:
     }
 
 
-def main() -> None:
-    scenario, out_dir, args = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])
+def run_scenario(scenario: str, out_dir: Path, args: dict[str, Any]) -> None:
+    """Run `scenario_<name>` on this rank; rank 0 writes its result to out_dir/result.json."""
     import torch
 
     torch.set_num_threads(1)
     result = globals()[f"scenario_{scenario}"](out_dir, args)
-    if os.environ.get("RANK", "0") == "0":
+    if os.environ["RANK"] == "0":
         tmp = out_dir / "result.json.tmp"
         tmp.write_text(json.dumps(result))
         os.replace(tmp, out_dir / "result.json")
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__" and sys.argv[1:] == ["--zygote"]:
+    _zygote_main()

@@ -1,0 +1,101 @@
+"""The train step's first loss and gradient norm against an independent reference.
+
+The reference is written here from the published formulas (REFERENCES.md) on
+transformers' Qwen3 loaded from the same HF files, one unpacked document at a
+time (so packing, document masks, hint alignment and the global counts of the
+trainer are all checked against plain per-sequence code):
+
+- policy: DAPO at the current weights (ρ = 1, clip inactive) with truncated IS
+  weight min(exp(logπ − logπ_gen), 2): ℓ = −Â·ρ·w, Σ over policy tokens / N;
+- hint distillation: generalized JSD, β = 0.5, teacher = the same model on the
+  hint-injected document without gradient, Σ over distilled tokens / N;
+- trace replay: DPO, β = 0.1, Σ over pairs / P;
+- total = policy + 1·distill + 1·preference; gradient norm over all parameters.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from test_trainer_harness import HINT_LEN, SEQ_L, global_batch, single_run
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _kl(logp, logq):
+    return (logp.exp() * (logp - logq)).sum(-1)
+
+
+def _reference(hf_dir):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    batch = global_batch(0)
+    docs, doc_len, hint_doc = 2, SEQ_L // 2, SEQ_L // 2 + HINT_LEN
+    policy_terms, distill_terms = [], []
+    for b in range(batch.tokens_BL.shape[0]):
+        for d in range(docs):
+            lo, hlo = d * doc_len, d * hint_doc
+            logp_s = F.log_softmax(model(batch.tokens_BL[b : b + 1, lo : lo + doc_len]).logits[0], -1)
+            with torch.no_grad():
+                logp_t = F.log_softmax(model(batch.hint_tokens_BH[b : b + 1, hlo : hlo + hint_doc]).logits[0], -1)
+            for i in range(doc_len):
+                j = lo + i
+                if batch.policy_mask_BL[b, j]:
+                    lp = logp_s[i, batch.labels_BL[b, j]]
+                    ratio = (lp - lp.detach()).exp()
+                    tis = (lp.detach() - batch.generator_logprobs_BL[b, j]).exp().clamp(max=2.0)
+                    policy_terms.append(-batch.advantages_BL[b, j] * ratio * tis)
+                if batch.distill_mask_BL[b, j]:
+                    t = batch.hint_index_BL[b, j] - hlo
+                    m = torch.logsumexp(torch.stack([logp_t[t] + torch.log(torch.tensor(0.5)),
+                                                     logp_s[i] + torch.log(torch.tensor(0.5))]), 0)
+                    distill_terms.append(0.5 * _kl(logp_t[t], m) + 0.5 * _kl(logp_s[i], m))
+
+    def seq_logp(tokens, labels):
+        logp = F.log_softmax(model(tokens.unsqueeze(0)).logits[0], -1)
+        keep = labels >= 0
+        return logp[keep].gather(-1, labels[keep].unsqueeze(-1)).sum()
+
+    pair_losses = []
+    for p in range(batch.pairs):
+        c = seq_logp(batch.chosen_tokens_PS[p], batch.chosen_labels_PS[p])
+        r = seq_logp(batch.rejected_tokens_PS[p], batch.rejected_labels_PS[p])
+        delta = (c - batch.ref_chosen_logprobs_P[p]) - (r - batch.ref_rejected_logprobs_P[p])
+        pair_losses.append(-F.logsigmoid(0.1 * delta))
+    policy = torch.stack(policy_terms).sum() / batch.policy_tokens
+    distill = torch.stack(distill_terms).sum() / batch.distill_tokens
+    preference = torch.stack(pair_losses).sum() / batch.pairs
+    total = policy + distill + preference
+    total.backward()
+    grad_norm = torch.sqrt(sum((p.grad**2).sum() for p in model.parameters() if p.grad is not None))
+    value = lambda t: float(t.detach())  # noqa: E731
+    return {"policy": value(policy), "distill": value(distill), "preference": value(preference),
+            "loss": value(total), "grad_norm": value(grad_norm),
+            "counts": (len(policy_terms), len(distill_terms), len(pair_losses))}
+
+
+def test_first_step_matches_reference(tiny_assets):
+    first = single_run(str(tiny_assets.dense_dir))["history"]["single_adamw"][0]
+    ref = _reference(tiny_assets.dense_dir)
+    batch = global_batch(0)
+    assert ref["counts"] == (batch.policy_tokens, batch.distill_tokens, batch.pairs)
+    assert first["policy/tokens"] == batch.policy_tokens
+    assert first["distill/tokens"] == batch.distill_tokens
+    assert first["preference/pairs"] == batch.pairs
+    for channel in ("policy", "distill", "preference"):
+        assert first[f"{channel}/loss"] != 0.0, channel  # all three channels are on
+        assert first[f"{channel}/loss"] == pytest.approx(ref[channel], abs=1e-5, rel=1e-4), channel
+    assert first["loss"] == pytest.approx(ref["loss"], abs=1e-5)
+    assert first["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
+
+
+def test_every_step_has_three_active_channels(tiny_assets):
+    for step, metrics in enumerate(single_run(str(tiny_assets.dense_dir))["history"]["single_muon"], 1):
+        assert metrics["step"] == step
+        total = metrics["policy/loss"] + metrics["distill/loss"] + metrics["preference/loss"]
+        assert metrics["loss"] == pytest.approx(total, abs=1e-6)  # alpha = beta = 1
+        assert min(abs(metrics[f"{c}/loss"]) for c in ("policy", "distill", "preference")) > 0
