@@ -28,7 +28,7 @@ from titan_ext.attention import use_masked_sdpa
 from titan_ext.hf_checkpoint import hf_config_for, load_hf_into_titan
 from titan_ext.platform import Platform, detect_platform
 
-# Tiny flavours: (dim, n_layers, n_heads, n_kv_heads, head_dim, ffn/expert hidden, experts, top_k).
+# Tiny flavours: shared constants, then one TinyShape per flavour.
 TINY_VOCAB_SIZE = 2048  # the tiny tokenizer's size (titan_ext.assets)
 TINY_MAX_SEQ_LEN = 4096
 TINY_ROPE_THETA = 1_000_000.0
