@@ -23,7 +23,7 @@ from pathlib import Path, PurePosixPath
 from configs.records import ErrorKind, ErrorSite
 from configs.sections.env import FeatureDeletionConfig
 from envs.base import Environment, Observation
-from envs.grading import baseline_runtime, grade_workspace, run_suite, source_files
+from envs.grading import Grade, baseline_runtime, grade_workspace, run_suite, source_files
 from envs.safeguards import is_bytecode, is_test_path, manifest
 from envs.sandbox import Sandbox, Workspace, copy_tree
 
@@ -65,6 +65,15 @@ class RepoTask:
 
     def original_source(self) -> str:
         return (self.pristine / self.target).read_text()
+
+    def grade_source(self, sandbox: Sandbox, source: str) -> Grade:
+        """Grade `source` as the new target file in an otherwise untouched starting workspace."""
+        with self.workspace(sandbox) as ws:
+            start = manifest(ws.path)
+            (ws.path / self.target).write_text(source)
+            return grade_workspace(
+                sandbox, self.pristine, start, ws, self.expected_tests, runtime_allowed=self.runtime_allowed
+            )
 
     def workspace(self, sandbox: Sandbox) -> Workspace:
         """The agent's starting workspace: pristine minus hidden tests and bytecode, target stubbed."""
@@ -206,13 +215,7 @@ class FeatureDeletionEnv(Environment):
         if not blocks:
             site = ErrorSite(turn, ErrorKind.SYNTAX, "no ```python block with the new file in the reply")
             return Observation([], reward=0.0, done=True, error_sites=[site], info=info | {"reason": "no_code"})
-        with self.task.workspace(self.sandbox) as ws:
-            start = manifest(ws.path)
-            (ws.path / self.task.target).write_text(blocks[-1])
-            grade = grade_workspace(
-                self.sandbox, self.task.pristine, start, ws, self.task.expected_tests,
-                runtime_allowed=self.task.runtime_allowed,
-            )
+        grade = self.task.grade_source(self.sandbox, blocks[-1])
         info |= {"reason": grade.reason, "violations": list(grade.violations), "passed": grade.passed, "total": grade.total}
         sites = []
         if grade.reward < 1.0:

@@ -263,3 +263,14 @@ def test_the_report_cannot_be_forged_from_the_request(sandbox):
         run = run_suite(sandbox, ws, ["textkit/core.py"])
     assert run.complete and run.tests["tests/test_core.py::test_slugify"] == "failed"
     assert not any(r == "forged_report" for r, _, _ in run.violations)  # the forged line carried no nonce
+
+
+def test_tasks_command(capsys, tmp_path):
+    from mesh.cli import main
+
+    assert main(["tasks", str(FIXTURES / "minicalc"), "--max-tasks", "1", "--check"]) == 0
+    out = capsys.readouterr().out
+    assert "1 verified task(s)" in out and "oracle 1 no-op 0" in out
+    (tmp_path / "empty").mkdir()
+    assert main(["tasks", str(tmp_path / "empty")]) == 1
+    assert "pristine test suite must pass" in capsys.readouterr().err
