@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import email.utils
 import functools
-import json
 import math
 import os
 import random

@@ -8,7 +8,6 @@ import hashlib
 import json
 import random
 
-import httpx
 import pytest
 
 from configs.sections.teachers import TeachersConfig, TeacherSpec
