@@ -86,7 +86,7 @@ class ComposerConfig:
     beta: float = 1.0
     chunked: bool = True
     chunk_tokens: int = 0
-    chunk_budget_mib: float = 64.0
+    chunk_budget_mib: float = 32.0
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
     preference: PreferenceConfig = field(default_factory=PreferenceConfig)

@@ -71,8 +71,9 @@ def _support(
     student_logits_NV: torch.Tensor, teacher_logits_NV: torch.Tensor, spec: DistillSpec
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Temperature-scaled fp32 logits, restricted to the teacher's top-k when asked."""
-    s_NV = upcast(student_logits_NV) / spec.temperature
-    t_NV = upcast(teacher_logits_NV.detach()) / spec.temperature
+    s_NV, t_NV = upcast(student_logits_NV), upcast(teacher_logits_NV.detach())
+    if spec.temperature != 1.0:
+        s_NV, t_NV = s_NV / spec.temperature, t_NV / spec.temperature
     if spec.top_k and spec.top_k < t_NV.shape[-1]:
         idx_NK = t_NV.topk(spec.top_k, dim=-1).indices
         s_NV, t_NV = s_NV.gather(-1, idx_NK), t_NV.gather(-1, idx_NK)

@@ -32,7 +32,7 @@ import torch
 from losses.distill import DistillSpec, token_divergence
 from losses.reduce import math_dtype, upcast
 
-DEFAULT_CHUNK_BUDGET_MIB = 64.0
+DEFAULT_CHUNK_BUDGET_MIB = 32.0
 
 
 @dataclass
@@ -71,15 +71,15 @@ def _stats_from_logits(
 ) -> TokenStats:
     """Per-token stats of one block of logits (the shared math of all paths)."""
     z_NV = upcast(logits_NV)
-    logz_N = z_NV.logsumexp(-1)
     logprobs = entropy = divergence = None
-    if labels_N is not None:
-        valid_N = (labels_N >= 0) & (labels_N < z_NV.shape[-1])
-        picked_N = z_NV.gather(-1, torch.where(valid_N, labels_N, 0).unsqueeze(-1)).squeeze(-1)
-        logprobs = torch.where(valid_N, picked_N - logz_N, 0.0)
-    if want_entropy:
-        p_NV = (z_NV - logz_N.unsqueeze(-1)).exp()
-        entropy = logz_N - (p_NV * z_NV).sum(-1)
+    if labels_N is not None or want_entropy:
+        logp_NV = z_NV.log_softmax(-1)  # one fused pass (and one fused backward)
+        if labels_N is not None:
+            valid_N = (labels_N >= 0) & (labels_N < z_NV.shape[-1])
+            picked_N = logp_NV.gather(-1, torch.where(valid_N, labels_N, 0).unsqueeze(-1)).squeeze(-1)
+            logprobs = torch.where(valid_N, picked_N, 0.0)
+        if want_entropy:
+            entropy = -(logp_NV.exp() * logp_NV).sum(-1)
     if teacher_logits_NV is not None:
         divergence = token_divergence(z_NV, teacher_logits_NV, spec)
     return TokenStats(logprobs, entropy, divergence)

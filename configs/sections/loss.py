@@ -75,7 +75,7 @@ class LossConfig:
     beta: float = option(1.0, doc="weight of the trace-replay preference channel (0 = off)", ge=0.0)
     chunked: bool = option(True, doc="apply the LM head chunk by chunk (never full [B, T, V] logits)")
     chunk_tokens: int = option(0, doc="tokens per LM-head chunk; 0 = derived from chunk_budget_mib", ge=0)
-    chunk_budget_mib: float = option(64.0, doc="fp32 logits budget of one chunk in MiB", gt=0.0)
+    chunk_budget_mib: float = option(32.0, doc="fp32 logits budget of one chunk in MiB", gt=0.0)
     policy: PolicyLossConfig = option(default_factory=PolicyLossConfig, doc="policy-gradient channel")
     distill: DistillLossConfig = option(default_factory=DistillLossConfig, doc="hint-distillation channel")
     preference: PreferenceLossConfig = option(default_factory=PreferenceLossConfig, doc="trace-replay channel")
