@@ -99,26 +99,26 @@ def load_hf_into_titan(model: torch.nn.Module, hf_dir: str | Path, adapter: Any 
             f"HF checkpoint {hf_dir} cannot be converted for {type(model).__name__} "
             f"({type(e).__name__}: {e}); is it a checkpoint of this flavour?"
         ) from e
-    expected = set(model.state_dict().keys())
-    missing = sorted(k for k in expected - state_dict.keys() if not k.endswith(_TITAN_ONLY_SUFFIXES))
-    unexpected = sorted(state_dict.keys() - expected)
+    current = model.state_dict()  # one call: on sharded models the fused-QKV hook gathers
+    missing = sorted(k for k in current.keys() - state_dict.keys() if not k.endswith(_TITAN_ONLY_SUFFIXES))
+    unexpected = sorted(state_dict.keys() - current.keys())
     if missing or unexpected:
         raise ValueError(
             f"HF checkpoint {hf_dir} does not match {type(model).__name__}: "
             f"missing {missing[:8]}{'…' if len(missing) > 8 else ''}, "
             f"unexpected {unexpected[:8]}{'…' if len(unexpected) > 8 else ''}"
         )
-    for key, value in model.state_dict().items():
+    for key, value in current.items():
         if key in state_dict and tuple(state_dict[key].shape) != tuple(value.shape):
             raise ValueError(
                 f"HF checkpoint {hf_dir}: {key} has shape {tuple(state_dict[key].shape)}, "
                 f"the model expects {tuple(value.shape)}"
             )
-    current = model.state_dict()
     for key, value in state_dict.items():
         target = current[key]
+        value = value.to(device=target.device, dtype=target.dtype)
         if isinstance(target, DTensor):  # shard the full tensor like the model's own entry
-            value = distribute_tensor(value.to(target.dtype), target.device_mesh, target.placements)
+            value = distribute_tensor(value, target.device_mesh, target.placements)
         state_dict[key] = value
     model.load_state_dict(state_dict, strict=False)
 
