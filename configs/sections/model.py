@@ -17,8 +17,8 @@ class ModelConfig:
     )
     hf_path: str = option(
         "",
-        doc="local HF directory (config.json + safetensors) to load weights from; empty: the "
-        "tiny flavours use the built assets, other flavours start from a seeded random init",
+        doc="local HF directory (config.json + safetensors) to load weights from; empty: TorchTitan's "
+        "init under `seed` (for the tiny flavours identical to the built assets of that seed)",
     )
     tokenizer_path: str = option(
         "", doc="local HF tokenizer directory; empty: the one in hf_path (or the built assets)"

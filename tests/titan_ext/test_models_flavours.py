@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from torchtitan.models.common.moe import GroupedExperts
+
 from configs.sections.model import ModelConfig
 from titan_ext.attention import MaskedSDPA, attention_masks
 from titan_ext.models import ExactGroupedExperts, build_model, resolve_model
@@ -84,6 +86,12 @@ def test_exact_experts_match_a_per_token_reference_and_train():
         h = torch.nn.functional.silu(experts.w1_EFD[e] @ x) * (experts.w3_EFD[e] @ x)
         ref[t] = experts.w2_EDF[e] @ h
     torch.testing.assert_close(out_RD, ref, atol=1e-5, rtol=1e-5)
+    # The same function as TorchTitan's GroupedExperts (bf16 grouped GEMM, forward only on CPU).
+    titan = GroupedExperts.Config(dim=D, hidden_dim=F, num_experts=E, param_init={}).build()
+    titan.load_state_dict(experts.state_dict())
+    with torch.no_grad():
+        titan_out = titan(x_RD, counts)
+    torch.testing.assert_close(titan_out[:17], ref[:17].detach(), atol=3e-2, rtol=3e-2)
     out_RD.square().sum().backward()
     assert experts.w1_EFD.grad[1].abs().sum() == 0  # expert 1 got no tokens
     assert experts.w1_EFD.grad[0].abs().sum() > 0 and x_RD.grad[17:].abs().sum() == 0
