@@ -152,7 +152,8 @@ class TaskStore:
         os.chmod(self.root, 0o700)
 
     def snapshot(self, repo: Path) -> Path:
-        dst = self.root / repo.resolve().name
+        """A private copy named like the repository (in its own directory: names may repeat)."""
+        dst = Path(tempfile.mkdtemp(dir=self.root)) / repo.resolve().name
         copy_tree(repo, dst, skip=lambda rel: is_bytecode(rel) or rel.startswith(".git/"))
         return dst
 

@@ -128,9 +128,10 @@ def test_generator_refuses_a_repo_whose_suite_fails(tmp_path, sandbox, task_stor
         generate_tasks(repo, FeatureDeletionConfig(), sandbox, task_store)
 
 
-def test_task_store_is_private(repo_tasks):
+def test_task_store_is_private(repo_tasks, task_store):
     task = repo_tasks["textkit"][0]
-    assert (task.pristine.parent.stat().st_mode & 0o777) == 0o700 and task.pristine.parent.stat().st_uid == 0
+    assert task_store.root in task.pristine.parents and task.pristine.name == "textkit"
+    assert (task_store.root.stat().st_mode & 0o777) == 0o700 and task_store.root.stat().st_uid == 0
 
 
 def _run_with_appended(sandbox, code: str):
