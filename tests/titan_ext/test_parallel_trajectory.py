@@ -5,10 +5,12 @@ channels on), 6 optimizer steps, 2 gradient-accumulation microbatches per rank.
 The single-process run has no FSDP at all (a plain model), so it is an
 independent reference for the sharded gradients.
 
-Tolerances (fp32): AdamW trajectories agree to 1e-5 absolute in the loss (the
+Tolerances: fp32 AdamW trajectories agree to 1e-5 absolute in the loss (the
 only difference is the order of floating-point sums across ranks); Muon to
 2e-3, because Newton–Schulz amplifies rounding differences in the gradient
-(its quintic map has slope ≈3.4 at small singular values, five times over).
+(its quintic map has slope ≈3.4 at small singular values, five times over);
+FSDP mixed precision (bf16 parameters, fp32 reduction) with selective
+activation checkpointing to 3e-2, the bf16 rounding of weights and activations.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ def _losses(history):
         ("fsdp_adamw", "single_adamw", 1e-5),
         ("hsdp21_adamw", "single_adamw", 1e-5),
         ("fsdp_muon", "single_muon", 2e-3),
+        ("fsdp_bf16_adamw", "single_adamw", 3e-2),
     ],
 )
 def test_parallel_matches_single_process(tiny_assets, parallel, reference, tol):
@@ -55,3 +58,4 @@ def test_runs_were_really_sharded(tiny_assets):
     assert two["fsdp_adamw"] == ["fsdp"]
     assert two["fsdp_muon"] == ["fsdp"]
     assert two["hsdp21_adamw"] == ["dp_replicate", "fsdp"]
+    assert two["fsdp_bf16_adamw"] == ["fsdp"]

@@ -180,7 +180,9 @@ TWO_RANK_CONFIGS = {
     "fsdp_adamw": {"optimizer": "adamw"},  # dp_shard = 2: FSDP2, which is also HSDP 1x2 in TorchTitan
     "hsdp21_adamw": {"optimizer": "adamw",
                      "parallelism": {"dp_replicate": 2, "dp_shard": 1, "activation_checkpoint": "full"}},
-    "fsdp_muon": {"optimizer": "muon", "save_params": True},
+    "fsdp_bf16_adamw": {"optimizer": "adamw",
+                        "parallelism": {"param_dtype": "bfloat16", "activation_checkpoint": "selective"}},
+    "fsdp_muon": {"optimizer": "muon", "save_params": True},  # last: its trainer is the one exported
 }
 EXPORT_BUCKET_MIB = 0.25
 
