@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from torchtitan.models.common.moe import GroupedExperts
 
 from configs.sections.model import ModelConfig
