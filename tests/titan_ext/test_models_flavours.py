@@ -40,6 +40,24 @@ def test_qwen3_real_flavours_map_to_published_hf_configs():
     assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.norm_topk_prob) == (128, 8, 768, True)
 
 
+# (hidden, intermediate, layers, q heads, kv heads, tied) from the published Qwen3 config.json files.
+QWEN3_DENSE = {
+    "qwen3_1.7b": (2048, 6144, 28, 16, 8, True),
+    "qwen3_4b": (2560, 9728, 36, 32, 8, True),
+    "qwen3_8b": (4096, 12288, 36, 32, 8, False),
+    "qwen3_14b": (5120, 17408, 40, 40, 8, False),
+    "qwen3_32b": (5120, 25600, 64, 64, 8, False),
+}
+
+
+@pytest.mark.parametrize("flavour", sorted(QWEN3_DENSE))
+def test_qwen3_dense_flavours_hf_configs(flavour):
+    c = resolve_model(ModelConfig(flavour=flavour, device="cpu"), CPU).hf_config
+    got = (c.hidden_size, c.intermediate_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads)
+    assert (*got, c.tie_word_embeddings) == QWEN3_DENSE[flavour]
+    assert (c.model_type, c.head_dim, c.vocab_size, c.max_position_embeddings) == ("qwen3", 128, 151936, 40960)
+
+
 @pytest.mark.parametrize(
     "flavour, family",
     [("deepseek_v3_16b", "deepseek_v3"), ("moonlight_16b_a3b", "kimi_k2_7"), ("qwen3:14B", "qwen3")],
