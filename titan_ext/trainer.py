@@ -173,7 +173,7 @@ class Trainer:
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step on this rank's share of the global batch; returns reduced metrics."""
-        self._check_channels(batch)
+        self._check_batch(batch)
         start = time.perf_counter()
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
@@ -183,6 +183,12 @@ class Trainer:
             if batch.pairs > 0:
                 parts.append(self._preference_pass(mb))
         grad_norm = self._clip_gradients()
+        if not torch.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise FloatingPointError(
+                f"non-finite gradient norm ({float(grad_norm)}) at step {self.step + 1}; the step was skipped, "
+                "weights and optimizer state are unchanged (check the batch's advantages and logprobs)"
+            )
         self.optimizer.step()
         self.lr_scheduler.step()
         self.step += 1
@@ -201,16 +207,35 @@ class Trainer:
             self.save_checkpoint()
         return metrics
 
-    def _check_channels(self, batch: TrainBatch) -> None:
-        """Every rank must run the same passes: channel presence follows the global counts."""
+    def _check_batch(self, batch: TrainBatch) -> None:
+        """Raise the same ValueError on every rank when any rank's batch is unusable.
+
+        Token ids must lie inside the vocabulary, and every rank must run the same
+        passes (channel presence follows the global counts); a rank that failed
+        alone would leave the others waiting in a collective.
+        """
+        problem = self._batch_problem(batch)
+        flag = torch.tensor([0 if problem is None else 1], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if int(flag) or problem is not None:
+            raise ValueError(problem or "another rank's share of the batch is invalid (see that rank's error)")
+
+    def _batch_problem(self, batch: TrainBatch) -> str | None:
+        vocab = self.model_spec.model.vocab_size
+        for name in ("tokens_BL", "labels_BL", "hint_tokens_BH", "chosen_tokens_PS", "chosen_labels_PS",
+                     "rejected_tokens_PS", "rejected_labels_PS"):
+            ids = getattr(batch, name)
+            if ids is not None and ids.numel() and int(ids.max()) >= vocab:
+                return f"{name} holds token id {int(ids.max())} >= the model's vocabulary size {vocab}"
         if batch.distill_tokens > 0 and not batch.has_distill:
-            raise ValueError("batch.distill_tokens > 0 but this rank's batch has no hint-distillation tensors")
+            return "batch.distill_tokens > 0 but this rank's batch has no hint-distillation tensors"
         if batch.pairs > 0 and not batch.has_pairs:
-            raise ValueError("batch.pairs > 0 but this rank's batch has no preference pairs")
+            return "batch.pairs > 0 but this rank's batch has no preference pairs"
         if batch.pairs > 0 and self.loss_cfg.preference.kind == "dpo" and not batch.has_reference:
-            raise ValueError("DPO needs ref_chosen_logprobs_P / ref_rejected_logprobs_P in the batch")
+            return "DPO needs ref_chosen_logprobs_P / ref_rejected_logprobs_P in the batch"
         if batch.policy_tokens == 0 and batch.distill_tokens == 0 and batch.pairs == 0:
-            raise ValueError("empty batch: policy_tokens, distill_tokens and pairs are all 0")
+            return "empty batch: policy_tokens, distill_tokens and pairs are all 0"
+        return None
 
     def _student_pass(self, mb: TrainBatch) -> dict[str, torch.Tensor]:
         """Policy + hint-distillation channels on the packed student rows; runs backward."""

@@ -57,6 +57,10 @@ def test_moe_ep_trains(moe):
     assert any("routed_experts" in k for k in moe["changed"])
 
 
+def test_a_bad_share_on_one_rank_fails_every_rank(moe):
+    assert moe["bad_error_rank0"] == "another rank's share of the batch is invalid (see that rank's error)"
+
+
 def test_moe_export_matches_transformers(moe):
     export = moe["export"]
     assert export["missing"] == [] and export["unexpected"] == []

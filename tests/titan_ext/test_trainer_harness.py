@@ -386,9 +386,51 @@ def scenario_moe_ep(out_dir: Path, args: dict[str, Any]) -> dict:
     after = trainer.named_full_parameters()
     changed = sorted(k for k in after if not torch.equal(after[k], before[k])) if after else []
     export = export_parity(trainer, out_dir)
+    # A bad token in the last row only (rank 1's share): every rank must raise, none may hang.
+    bad = global_batch(7)
+    bad.tokens_BL[-1, 0] = VOCAB
+    try:
+        trainer.train_step(bad.shard(dist.get_rank(), dist.get_world_size()))
+        bad_error = None
+    except ValueError as e:
+        bad_error = str(e)
     dist.barrier()
     return {"placements": placements, "history": history, "changed": changed, "export": export,
-            "all_params": sorted(after)}
+            "all_params": sorted(after), "bad_error_rank0": bad_error}
+
+
+def scenario_bad_input(out_dir: Path, args: dict[str, Any]) -> dict:
+    """Bad batches fail with a clear error and leave weights and optimizer state as they were."""
+    import dataclasses
+
+    import torch
+
+    from titan_ext.trainer import Trainer
+
+    trainer = Trainer(make_spec(args))
+    train(trainer, 1)
+    before = {k: v.clone() for k, v in trainer.named_full_parameters().items()}
+    optim_before = {k: v.clone() for k, v in trainer.optimizer.state[next(iter(trainer.model.parameters()))].items()
+                    if torch.is_tensor(v)}
+    good = global_batch(1)
+    errors = {}
+    bad_batches = {
+        "token_out_of_vocab": dataclasses.replace(good, tokens_BL=good.tokens_BL.clone().fill_(VOCAB)),
+        "nan_advantages": dataclasses.replace(good, advantages_BL=torch.full_like(good.advantages_BL, float("nan"))),
+        "dpo_without_reference": dataclasses.replace(good, ref_chosen_logprobs_P=None, ref_rejected_logprobs_P=None),
+    }
+    for name, batch in bad_batches.items():
+        try:
+            trainer.train_step(batch)
+            errors[name] = None
+        except (ValueError, FloatingPointError) as e:
+            errors[name] = f"{type(e).__name__}: {e}"
+    after = trainer.named_full_parameters()
+    optim_after = trainer.optimizer.state[next(iter(trainer.model.parameters()))]
+    unchanged = all(torch.equal(before[k], after[k]) for k in before) and all(
+        torch.equal(v, optim_after[k]) for k, v in optim_before.items())
+    metrics = trainer.train_step(good)  # and training goes on
+    return {"errors": errors, "unchanged": unchanged, "step": trainer.step, "loss": metrics["loss"]}
 
 
 def export_parity(trainer, out_dir: Path) -> dict:

@@ -1,4 +1,4 @@
-"""`TrainerSpec.from_job`: the trainer takes its sections from a loaded recipe."""
+"""`TrainerSpec.from_job`, and what the trainer does with bad batches."""
 
 from __future__ import annotations
 
@@ -16,3 +16,15 @@ def test_spec_from_recipe_sections_and_checkpoint_folder():
     assert Path(spec.checkpoint_dir) == Path(job.job.output_dir) / job.job.name / "ck"
     off = TrainerSpec.from_job(load_config("debug_cpu.toml", ["--checkpoint.enabled=false"]))
     assert off.checkpoint_dir == ""
+
+
+def test_bad_batches_fail_clearly_and_lose_nothing(tiny_assets, tmp_path):
+    from test_trainer_harness import run_ranks
+
+    result = run_ranks("bad_input", 1, tmp_path, {"hf_path": str(tiny_assets.dense_dir), "optimizer": "adamw"})
+    errors = result["errors"]
+    assert "tokens_BL holds token id 2048 >= the model's vocabulary size 2048" in errors["token_out_of_vocab"]
+    assert errors["nan_advantages"].startswith("FloatingPointError: non-finite gradient norm")
+    assert "DPO needs ref_chosen_logprobs_P" in errors["dpo_without_reference"]
+    assert result["unchanged"]  # weights and optimizer state as before the bad batches
+    assert result["step"] == 2 and result["loss"] == result["loss"]  # a good batch still trains
