@@ -1,5 +1,7 @@
 """FSDP2 and HSDP reproduce the single-process loss trajectory (real gloo ranks, real processes).
 
+FSDP2 and HSDP 2x1 on 2 ranks, HSDP 2x2 on 4 ranks.
+
 Same HF weights, same fixed batches (a distinct batch per step, all three loss
 channels on), 6 optimizer steps, 2 gradient-accumulation microbatches per rank.
 The single-process run has no FSDP at all (a plain model), so it is an
@@ -19,7 +21,7 @@ import math
 
 import pytest
 
-from test_trainer_harness import STEPS, single_run, two_rank_run
+from test_trainer_harness import STEPS, four_rank_run, single_run, two_rank_run
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -33,13 +35,17 @@ def _losses(history):
     [
         ("fsdp_adamw", "single_adamw", 1e-5),
         ("hsdp21_adamw", "single_adamw", 1e-5),
+        ("hsdp22_adamw", "single_adamw", 1e-5),
         ("fsdp_muon", "single_muon", 2e-3),
         ("fsdp_bf16_adamw", "single_adamw", 3e-2),
     ],
 )
 def test_parallel_matches_single_process(tiny_assets, parallel, reference, tol):
     single = single_run(str(tiny_assets.dense_dir))["history"][reference]
-    sharded = two_rank_run(str(tiny_assets.dense_dir))[0]["history"][parallel]
+    if parallel == "hsdp22_adamw":
+        sharded = four_rank_run(str(tiny_assets.dense_dir))["history"][parallel]
+    else:
+        sharded = two_rank_run(str(tiny_assets.dense_dir))[0]["history"][parallel]
     assert len(single) == len(sharded) == STEPS
     ref, got = _losses(single), _losses(sharded)
     assert all(math.isfinite(x) for x in ref + got)
@@ -59,3 +65,4 @@ def test_runs_were_really_sharded(tiny_assets):
     assert two["fsdp_muon"] == ["fsdp"]
     assert two["hsdp21_adamw"] == ["dp_replicate", "fsdp"]
     assert two["fsdp_bf16_adamw"] == ["fsdp"]
+    assert four_rank_run(str(tiny_assets.dense_dir))["meshes"]["hsdp22_adamw"] == ["dp_replicate", "fsdp"]

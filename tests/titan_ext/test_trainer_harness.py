@@ -209,6 +209,14 @@ def two_rank_run(hf_path: str) -> tuple[dict, Path]:
     return run_ranks("trajectory", 2, out, args, timeout=420), out
 
 
+@functools.lru_cache(maxsize=None)
+def four_rank_run(hf_path: str) -> dict:
+    """Four gloo ranks: HSDP 2x2 (two replicas, each sharded over two ranks)."""
+    configs = {"hsdp22_adamw": {"optimizer": "adamw", "parallelism": {"dp_replicate": 2, "dp_shard": 2}}}
+    return run_ranks("trajectory", 4, _scratch("four_rank"), {"configs": configs, "steps": STEPS, "hf_path": hf_path},
+                     timeout=420)
+
+
 # ---- worker side -------------------------------------------------------------------------------
 
 
