@@ -231,7 +231,7 @@ def policy_channel(
     adv_n = adv[mask]
     old_n = None if inputs.old_logprobs_BT is None else inputs.old_logprobs_BT[mask]
     gen_n = None if inputs.gen_logprobs_BT is None else inputs.gen_logprobs_BT[mask]
-    count = torch.as_tensor(inputs.num_tokens, dtype=torch.float32)
+    count = torch.as_tensor(inputs.num_tokens, dtype=torch.float32, device=mask.device)
     part = lambda x, sl: None if x is None else x[sl]  # noqa: E731
 
     def loss_fn(stats: TokenStats, sl: slice) -> torch.Tensor:
@@ -246,10 +246,10 @@ def policy_channel(
     log_r = stats.logprobs - old  # log π_θ / π_old on samples from π_old
     metrics = {
         "policy/loss": loss.detach(),
-        "policy/tokens": torch.tensor(float(adv_n.numel())),
+        "policy/tokens": loss.new_tensor(float(adv_n.numel())),
         "policy/clipped_sum": terms.clipped.float().sum(),
         "policy/ratio_sum": terms.ratio.sum(),
-        "policy/ratio_max": terms.ratio.max() if adv_n.numel() else torch.tensor(0.0),
+        "policy/ratio_max": terms.ratio.max() if adv_n.numel() else loss.new_zeros(()),
         "policy/entropy_sum": stats.entropy.sum(),
         "policy/kl_k3_sum": (log_r.exp() - 1 - log_r).sum(),
     }
@@ -283,7 +283,7 @@ def distill_channel(
         )
     teacher_w = weight_VD if inputs.teacher_weight_VD is None else inputs.teacher_weight_VD
     teacher = Teacher(inputs.teacher_hidden_BTD[mask].detach(), teacher_w.detach(), distill_spec(cfg.distill, taid_t))
-    count = torch.as_tensor(inputs.num_tokens, dtype=torch.float32)
+    count = torch.as_tensor(inputs.num_tokens, dtype=torch.float32, device=mask.device)
     loss, stats = _head_loss(
         cfg,
         inputs.hidden_BTD[mask],
@@ -294,7 +294,7 @@ def distill_channel(
     )
     metrics = {
         "distill/loss": loss.detach(),
-        "distill/tokens": torch.tensor(float(mask.sum())),
+        "distill/tokens": loss.new_tensor(float(mask.sum())),
         "distill/divergence_sum": stats.divergence.sum(),
     }
     return loss, metrics
@@ -314,7 +314,7 @@ def preference_channel(
         raise ValueError("preference kind dpo needs ref_chosen_logps_P and ref_rejected_logps_P")
     hidden_nD = torch.cat([inputs.chosen_hidden_BTD[c_mask], inputs.rejected_hidden_BTD[r_mask]])
     labels_n = torch.cat([inputs.chosen_labels_BT[c_mask], inputs.rejected_labels_BT[r_mask]])
-    rows = torch.arange(n_pairs).unsqueeze(-1)
+    rows = torch.arange(n_pairs, device=c_mask.device).unsqueeze(-1)
     seq_n = torch.cat([rows.expand_as(c_mask)[c_mask], n_pairs + rows.expand_as(r_mask)[r_mask]])
     if cfg.chunked:
         chunk = cfg.chunk_tokens or chunk_tokens_for(weight_VD.shape[0], cfg.chunk_budget_mib)
@@ -337,7 +337,7 @@ def preference_channel(
     loss = global_mean(per_pair, inputs.num_pairs)
     metrics = {
         "preference/loss": loss.detach(),
-        "preference/pairs": torch.tensor(float(n_pairs)),
+        "preference/pairs": loss.new_tensor(float(n_pairs)),
         "preference/margin_sum": margin.sum(),
         "preference/accuracy_sum": (margin > 0).float().sum(),
     }

@@ -236,6 +236,24 @@ class _ChunkedStats(torch.autograd.Function):
         return grad_h, None if grad_w is None else grad_w.to(weight_VD.dtype), None, None, None, None
 
 
+def _prepare(hidden_ND, weight_VD, labels_N, teacher: Teacher | None, chunk_tokens: int | None):
+    """Validate shapes; pick the chunk size; detach the teacher (it never gets gradient)."""
+    _check(hidden_ND, weight_VD, labels_N, teacher)
+    if teacher is not None:
+        teacher = Teacher(teacher.hidden_ND.detach(), teacher.weight_VD.detach(), teacher.spec)
+    return chunk_tokens or chunk_tokens_for(weight_VD.shape[0]), teacher
+
+
+def _present(outputs, labels_N, teacher, want_entropy: bool) -> TokenStats:
+    """Function outputs back to TokenStats, with None for what was not asked for."""
+    logprobs, entropy, divergence = outputs
+    return TokenStats(
+        logprobs if labels_N is not None else None,
+        entropy if want_entropy else None,
+        divergence if teacher is not None else None,
+    )
+
+
 def chunked_token_stats(
     hidden_ND: torch.Tensor,
     weight_VD: torch.Tensor,
@@ -246,16 +264,9 @@ def chunked_token_stats(
     chunk_tokens: int | None = None,
 ) -> TokenStats:
     """Per-token stats without `[N, V]` logits; exact gradients for any downstream use."""
-    _check(hidden_ND, weight_VD, labels_N, teacher)
-    chunk = chunk_tokens or chunk_tokens_for(weight_VD.shape[0])
-    if teacher is not None:
-        teacher = Teacher(teacher.hidden_ND.detach(), teacher.weight_VD.detach(), teacher.spec)
-    logprobs, entropy, divergence = _ChunkedStats.apply(hidden_ND, weight_VD, labels_N, teacher, want_entropy, chunk)
-    return TokenStats(
-        logprobs if labels_N is not None else None,
-        entropy if want_entropy else None,
-        divergence if teacher is not None else None,
-    )
+    chunk, teacher = _prepare(hidden_ND, weight_VD, labels_N, teacher, chunk_tokens)
+    outputs = _ChunkedStats.apply(hidden_ND, weight_VD, labels_N, teacher, want_entropy, chunk)
+    return _present(outputs, labels_N, teacher, want_entropy)
 
 
 class _FusedLoss(torch.autograd.Function):
@@ -310,15 +321,6 @@ def fused_token_loss(
     scalar loss (differentiable w.r.t. hidden and weight) and the detached
     per-token stats for metrics.
     """
-    _check(hidden_ND, weight_VD, labels_N, teacher)
-    chunk = chunk_tokens or chunk_tokens_for(weight_VD.shape[0])
-    if teacher is not None:
-        teacher = Teacher(teacher.hidden_ND.detach(), teacher.weight_VD.detach(), teacher.spec)
-    total, logprobs, entropy, divergence = _FusedLoss.apply(
-        hidden_ND, weight_VD, labels_N, teacher, want_entropy, chunk, loss_fn
-    )
-    return total, TokenStats(
-        logprobs if labels_N is not None else None,
-        entropy if want_entropy else None,
-        divergence if teacher is not None else None,
-    )
+    chunk, teacher = _prepare(hidden_ND, weight_VD, labels_N, teacher, chunk_tokens)
+    total, *outputs = _FusedLoss.apply(hidden_ND, weight_VD, labels_N, teacher, want_entropy, chunk, loss_fn)
+    return total, _present(outputs, labels_N, teacher, want_entropy)

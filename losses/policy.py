@@ -82,8 +82,8 @@ def dynamic_sampling_keep(rewards_N: torch.Tensor, group_ids_N: torch.Tensor) ->
     r_N = upcast(rewards_N)
     g_N, n_groups = _group_index(group_ids_N)
     big = torch.finfo(r_N.dtype).max
-    max_G = torch.full((n_groups,), -big, dtype=r_N.dtype).scatter_reduce(0, g_N, r_N, "amax")
-    min_G = torch.full((n_groups,), big, dtype=r_N.dtype).scatter_reduce(0, g_N, r_N, "amin")
+    max_G = r_N.new_full((n_groups,), -big).scatter_reduce(0, g_N, r_N, "amax")
+    min_G = r_N.new_full((n_groups,), big).scatter_reduce(0, g_N, r_N, "amin")
     return (max_G > min_G)[g_N]
 
 
