@@ -99,3 +99,14 @@ def test_every_step_has_three_active_channels(tiny_assets):
         total = metrics["policy/loss"] + metrics["distill/loss"] + metrics["preference/loss"]
         assert metrics["loss"] == pytest.approx(total, abs=1e-6)  # alpha = beta = 1
         assert min(abs(metrics[f"{c}/loss"]) for c in ("policy", "distill", "preference")) > 0
+
+
+def test_taid_schedule_advances_and_is_saved(tiny_assets, tmp_path):
+    from test_trainer_harness import run_ranks
+
+    result = run_ranks("taid", 1, tmp_path, {"hf_path": str(tiny_assets.dense_dir), "optimizer": "adamw", "steps": 4})
+    t = result["t"]
+    assert t[0] == pytest.approx(0.4)  # t_start; the first update only records the loss
+    assert all(b >= a for a, b in zip(t, t[1:])) and t[-1] > t[0] and t[-1] <= 1.0
+    assert all(d > 0 for d in result["distill"])  # TAID's cross-entropy to the interpolated target
+    assert result["saved"]["t"] == pytest.approx(t[-1])
