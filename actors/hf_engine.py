@@ -14,6 +14,7 @@ no restart), which is how generators receive new policy versions.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Literal
@@ -58,12 +59,17 @@ def sampling_logprobs(logits_NV: torch.Tensor, sampling: SamplingParams) -> torc
 class HFEngine:
     """A transformers causal LM used for rollouts (CPU or one GPU)."""
 
+    # from_pretrained builds on the meta device through process-global patches: one load at a time
+    # (in-process actors share the process).
+    _load_lock = threading.Lock()
+
     def __init__(self, model_dir: str | Path, stop_token_ids: Iterable[int], device: str = "cpu",
                  dtype: torch.dtype = torch.float32) -> None:
         from transformers import AutoModelForCausalLM
 
         self.device = torch.device(device)
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(self.device).eval()
+        with HFEngine._load_lock:
+            self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(self.device).eval()
         self.stop_token_ids = sorted(set(stop_token_ids))
         if not self.stop_token_ids:
             raise ValueError("HFEngine needs at least one stop token id")

@@ -1,0 +1,136 @@
+"""The controller on real meshes: a one-process trainer mesh and in-process generator actors.
+
+Sync mode: every trained group was sampled by the current weights (staleness 0),
+generators hold the trainer's weights after each step (digest), both the policy
+and the hint-distillation channels carry loss. Async mode with a deliberately
+slow generator: groups older than `max_staleness` versions are dropped, never
+trained on.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from actors.generator import GeneratorActor
+from actors.rollout import EpisodeRequest, RolloutGroup, SamplingParams
+from configs.sections.checkpoint import CheckpointConfig
+from configs.sections.loss import LossConfig, PolicyLossConfig
+from configs.sections.model import ModelConfig
+from configs.sections.optimizer import OptimizerConfig
+from configs.sections.trainer import TrainerConfig
+from monarch.actor import endpoint
+
+SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=8, seed=0)
+
+
+# Set by the test once the trainer is two versions ahead; in-process actors share this module.
+RELEASE = threading.Event()
+
+
+class SlowGenerator(GeneratorActor):
+    """A generator whose first call samples, and returns, only after the trainer moved two versions on."""
+
+    @endpoint
+    def generate(self, requests: list[EpisodeRequest], sampling: SamplingParams | None = None) -> list[RolloutGroup]:
+        version = self.version  # the weights it holds when the call starts
+        if not RELEASE.wait(timeout=300):
+            raise TimeoutError("the trainer never got two versions ahead")
+        return self.runner.run(list(requests), self.spec.generator.group_size, sampling or SAMPLING, version)
+
+
+@pytest.fixture(scope="module")
+def trainer_mesh(tiny_assets, tmp_path_factory):
+    from monarch.actor import this_host
+    from monarch.spmd import setup_torch_elastic_env
+
+    from actors.trainer import TrainerActor
+    from titan_ext.trainer import TrainerSpec
+
+    spec = TrainerSpec(
+        model=ModelConfig(flavour="tiny", device="cpu", hf_path=str(tiny_assets.dense_dir)),
+        trainer=TrainerConfig(steps=50, microbatches=1, max_seq_len=160),
+        optimizer=OptimizerConfig(name="adamw", lr=3e-3, weight_decay=0.0),
+        loss=LossConfig(alpha=1.0, beta=0.0, policy=PolicyLossConfig(dynamic_sampling=False)),
+        checkpoint=CheckpointConfig(enabled=False),
+    )
+    procs = this_host().spawn_procs(per_host={"gpus": 1})
+    setup_torch_elastic_env(procs)
+    trainer = procs.spawn("trainer_ctl", TrainerActor, spec)
+    trainer.setup.call().get()
+    yield trainer
+    procs.stop().get()
+
+
+@pytest.fixture(scope="module")
+def gen_spec(tiny_assets):
+    """Groups of 3, two turns of at most 8 tokens, episodes within the trainer's 160-token rows."""
+    from actors.generator import GeneratorSpec
+    from configs.sections.generator import GeneratorConfig
+
+    return GeneratorSpec(
+        model_dir=str(tiny_assets.dense_dir),
+        generator=GeneratorConfig(engine="hf", group_size=3, max_new_tokens=8, max_turns=2),
+        max_context_tokens=160,
+    )
+
+
+@pytest.fixture(scope="module")
+def chat(tiny_assets):
+    from transformers import AutoTokenizer
+
+    from actors.episodes import ChatTokens
+
+    return ChatTokens(AutoTokenizer.from_pretrained(str(tiny_assets.dense_dir)))
+
+
+def controller_config(tmp_path, **kw):
+    from mesh.controller import ControllerConfig
+
+    return ControllerConfig(
+        prompts_per_step=2, max_seq_len=160, policy=PolicyLossConfig(dynamic_sampling=False),
+        weight_dir=str(tmp_path / "weights"), sampling=SAMPLING, **kw,
+    )
+
+
+def test_sync_mode_trains_on_policy_with_hints(trainer_mesh, gen_spec, chat, tmp_path):
+    from monarch.actor import this_proc
+
+    from mesh.controller import Controller
+    from mesh.weight_sync_baseline import rank0
+    from replay.hints import TemplateHintGenerator
+
+    gen = this_proc().spawn("gen_sync", GeneratorActor, gen_spec)
+    digests = []
+    ctl = Controller(controller_config(tmp_path, steps=2, mode="sync"), trainer_mesh, [gen], chat,
+                     hinter=TemplateHintGenerator(),
+                     on_step=lambda rec: digests.append((rank0(trainer_mesh.weights_digest.call().get()),
+                                                         gen.weights_digest.call_one().get())))
+    start = ctl.version
+    history = ctl.run()
+    assert [h.step for h in history] == [start + 1, start + 2]
+    for h in history:
+        assert h.staleness == [0, 0] and h.groups == 2
+        assert h.metrics["policy/tokens"] > 0 and h.metrics["distill/tokens"] > 0
+        assert h.metrics["distill/loss"] > 0 and h.metrics["distill/hinted"] == 6.0
+    assert all(t == g for t, g in digests) and digests[0][0] != digests[1][0]
+    assert gen.policy_version.call_one().get() == start + 2
+
+
+def test_async_mode_never_trains_on_stale_samples(trainer_mesh, gen_spec, chat, tmp_path):
+    from monarch.actor import this_proc
+
+    from mesh.controller import Controller
+
+    fast = this_proc().spawn("gen_fast", GeneratorActor, gen_spec)
+    slow = this_proc().spawn("gen_slow", SlowGenerator, gen_spec)
+    cfg = controller_config(tmp_path, steps=6, mode="async", max_staleness=1)
+    start = trainer_mesh.slice(gpus=0).policy_version.call_one().get()
+    ctl = Controller(cfg, trainer_mesh, [fast, slow], chat,
+                     on_step=lambda rec: RELEASE.set() if rec.step >= start + 2 else None)
+    history = ctl.run()
+    assert [h.step for h in history] == list(range(start + 1, start + 7))
+    trained = [s for h in history for s in h.staleness]
+    assert len(trained) == 12 and max(trained) <= 1
+    assert sum(h.dropped_stale for h in history) >= 1  # the slow generator's groups came back too old
