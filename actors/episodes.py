@@ -111,6 +111,16 @@ class ChatTokens:
             raise ValueError("the chat template does not render messages by concatenation; cannot extend tokens")
         return new[len(old):]
 
+    def prompt_and_action(self, context: list[dict], message: dict) -> tuple[list[int], list[int]]:
+        """Ids of `context` with the assistant header, and of `message`'s content through its end token."""
+        prompt_text = self.render(context, generation=True)
+        head = prompt_text[len(self.render(context)):] if context else prompt_text
+        text = self.delta(context, context + [message])
+        if not text.startswith(head):
+            raise ValueError("the chat template renders the assistant header differently with content")
+        ids = self.encode(text[len(head):])
+        return self.encode(prompt_text), ids[: ids.index(self.end_id) + 1] if self.end_id in ids else ids
+
 
 class EpisodeRunner:
     """Runs episodes of `make_env()` environments with an engine and a chat tokenizer.

@@ -145,6 +145,8 @@ class Controller:
                 hint = make_hint(self.chat, r, self.hinter)
                 if hint is not None:
                     hints[i] = hint
+        if self.replay is not None:  # channel 3 live: the run's own failed turns go to the teachers
+            self.replay.add_rollouts.call_one([r for g in groups for r in g.rollouts]).get()
         pairs, ref = self._pairs()
         rewards = [r.reward for g in groups for r in g.rollouts]
         if not selection.rollouts and not pairs:

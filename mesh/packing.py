@@ -100,18 +100,9 @@ def make_hint(chat: ChatTokens, rollout: Rollout, hinter: Any) -> RolloutHint | 
 
 def pair_tokens(chat: ChatTokens, context: Sequence[dict], chosen: dict, rejected: dict) -> PairTokens:
     """Ids of a pair: the context with the assistant header, then each action through its end token."""
-    context = list(context)
-    prompt_text = chat.render(context, generation=True)
-    head = prompt_text[len(chat.render(context)):] if context else prompt_text
-
-    def action(message: dict) -> tuple[int, ...]:
-        text = chat.delta(context, context + [message])
-        if not text.startswith(head):
-            raise ValueError("the chat template renders the assistant header differently with content")
-        ids = chat.encode(text[len(head):])
-        return tuple(ids[: ids.index(chat.end_id) + 1] if chat.end_id in ids else ids)
-
-    return PairTokens(tuple(chat.encode(prompt_text)), action(chosen), action(rejected))
+    prompt, chosen_ids = chat.prompt_and_action(list(context), chosen)
+    _, rejected_ids = chat.prompt_and_action(list(context), rejected)
+    return PairTokens(tuple(prompt), tuple(chosen_ids), tuple(rejected_ids))
 
 
 def _rows(lengths: Sequence[int], width: int) -> list[list[int]]:

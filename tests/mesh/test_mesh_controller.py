@@ -52,7 +52,7 @@ def trainer_mesh(tiny_assets, tmp_path_factory):
         model=ModelConfig(flavour="tiny", device="cpu", hf_path=str(tiny_assets.dense_dir)),
         trainer=TrainerConfig(steps=50, microbatches=1, max_seq_len=160),
         optimizer=OptimizerConfig(name="adamw", lr=3e-3, weight_decay=0.0),
-        loss=LossConfig(alpha=1.0, beta=0.0, policy=PolicyLossConfig(dynamic_sampling=False)),
+        loss=LossConfig(alpha=1.0, beta=1.0, policy=PolicyLossConfig(dynamic_sampling=False)),
         checkpoint=CheckpointConfig(enabled=False),
     )
     procs = this_host().spawn_procs(per_host={"gpus": 1})
@@ -134,3 +134,77 @@ def test_async_mode_never_trains_on_stale_samples(trainer_mesh, gen_spec, chat, 
     trained = [s for h in history for s in h.staleness]
     assert len(trained) == 12 and max(trained) <= 1
     assert sum(h.dropped_stale for h in history) >= 1  # the slow generator's groups came back too old
+
+
+@pytest.fixture(scope="module")
+def teacher_server():
+    from envs.demo import solve
+    from replay.server import TeacherServer
+
+    with TeacherServer(lambda model, messages, params: solve(messages)) as server:
+        yield server
+
+
+def replay_spec(tmp_path, server, tiny_assets, min_entropy: float):
+    from actors.teacher_replay import ReplaySpec
+    from configs.sections.replay import GatingConfig, ReplayConfig
+    from configs.sections.teachers import TeacherSpec, TeachersConfig
+
+    teachers = TeachersConfig(
+        models=tuple(TeacherSpec(name=n, model=f"local-{n}", price_in_per_mtok=1.0, price_out_per_mtok=4.0, max_tokens=16)
+                     for n in ("a", "b")),
+        base_url=server.url, budget_usd=0.5, max_retries=1, backoff_base_s=0.05,
+    )
+    replay = ReplayConfig(output_dir=str(tmp_path / "replay"), min_agree=2, concurrency=4,
+                          gating=GatingConfig(enabled=True, min_entropy=min_entropy, max_margin=0.0))
+    return ReplaySpec(replay, teachers, tokenizer_dir=str(tiny_assets.dense_dir))
+
+
+def test_teacher_replay_pairs_budget_and_gating(trainer_mesh, gen_spec, teacher_server, tiny_assets, tmp_path):
+    from monarch.actor import this_proc
+
+    from actors.teacher_replay import TeacherReplayActor, rollout_states
+    from envs.demo import solve
+
+    gen = this_proc().spawn("gen_replay", GeneratorActor, gen_spec)
+    rollouts = [r for g in gen.generate.call_one([EpisodeRequest(0, 21)], SAMPLING).get() for r in g.rollouts]
+    states = [s for r in rollouts for s in rollout_states(r)]
+    assert len(states) == sum(len(r.error_sites) for r in rollouts) > 0
+
+    replay = this_proc().spawn("replay_on", TeacherReplayActor, replay_spec(tmp_path / "on", teacher_server, tiny_assets, 0.0),
+                               trainer_mesh)
+    assert replay.add_rollouts.call_one(rollouts).get() == len(states)
+    pairs = replay.next_pairs.call_one(3).get()
+    assert len(pairs) == 3
+    for p in pairs:  # consensus of both teachers (the solver) against the student's failed answer
+        assert p.chosen["content"] == solve(list(p.context)) != p.rejected.get("content")
+        assert p.agree == 2 and set(p.teachers) == {"a", "b"}
+    status = replay.status.call_one().get()
+    assert 0 < status["spend_usd"] <= status["budget_usd"] == 0.5
+    assert status["pairs_made"] >= 3 and status["outcomes"]["pair"] == status["pairs_made"]
+
+    # a policy that is never uncertain enough: everything is gated out, nothing is spent
+    closed = this_proc().spawn("replay_off", TeacherReplayActor,
+                               replay_spec(tmp_path / "off", teacher_server, tiny_assets, 1e9), trainer_mesh)
+    closed.add_rollouts.call_one(rollouts).get()
+    assert closed.next_pairs.call_one(2).get() == []
+    off = closed.status.call_one().get()
+    assert off["spend_usd"] == 0 and off["outcomes"] == {"gated_out": len(states)}
+
+
+def test_sync_mode_all_three_channels(trainer_mesh, gen_spec, teacher_server, tiny_assets, chat, tmp_path):
+    from monarch.actor import this_proc
+
+    from actors.teacher_replay import TeacherReplayActor
+    from mesh.controller import Controller
+    from replay.hints import TemplateHintGenerator
+
+    gen = this_proc().spawn("gen_three", GeneratorActor, gen_spec)
+    replay = this_proc().spawn("replay_three", TeacherReplayActor,
+                               replay_spec(tmp_path, teacher_server, tiny_assets, 0.0), trainer_mesh)
+    cfg = controller_config(tmp_path, steps=2, mode="sync", pairs_per_step=2)
+    history = Controller(cfg, trainer_mesh, [gen], chat, hinter=TemplateHintGenerator(), replay=replay).run()
+    for h in history:
+        m = h.metrics
+        assert m["policy/tokens"] > 0 and m["distill/loss"] > 0
+        assert m["preference/pairs"] == 2 and m["preference/loss"] > 0

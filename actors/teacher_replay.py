@@ -1,0 +1,153 @@
+"""`TeacherReplayActor`: preference pairs from teachers, over `replay/`, streamed to the controller.
+
+States to replay come from frozen trace files (`[replay] traces`) and from the
+run itself: each failed assistant turn of a rollout becomes a state (context =
+the messages before it, action = what the student did). `next_pairs(n)` asks
+the teachers about queued states (tier by tier, cache, budget and retries of
+`replay.teachers`; votes of `replay.pairs`) until it has `n` pairs or runs out
+of states; `status()` reports budget, spend, outcomes and queue sizes.
+
+Gating with the trainer's own policy: when `[replay.gating] enabled`, a state
+is sent to teachers only if the current policy is uncertain about its recorded
+action — mean token entropy from `TrainerActor.score` ≥ `min_entropy`. (The
+trainer's score gives entropies, not top-2 margins, so `max_margin` does not
+apply on this path; the offline `HFScorer` uses both.)
+
+The teacher client, its budget and its HTTP connections live on one event loop
+in a thread owned by the actor, so they persist across endpoint calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import Counter, deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from monarch.actor import Actor, endpoint
+
+from actors.episodes import ChatTokens
+from actors.rollout import Rollout
+from configs.sections.replay import ReplayConfig
+from configs.sections.teachers import TeachersConfig
+from replay.gating import Uncertainty, VOIGate
+from replay.pairs import PreferencePair
+from replay.traces import TraceState
+
+
+@dataclass(frozen=True)
+class ReplaySpec:
+    replay: ReplayConfig
+    teachers: TeachersConfig
+    tokenizer_dir: str = ""  # needed for gating with the trainer's policy
+
+
+def rollout_states(rollout: Rollout) -> list[TraceState]:
+    """One state per failed assistant turn of a rollout (its error sites)."""
+    states = []
+    for k, site in enumerate(rollout.error_sites):
+        if rollout.messages[site.turn].get("role") != "assistant":
+            continue
+        states.append(TraceState(
+            trace_id=f"rollout:{rollout.group_id}:{rollout.sample}:v{rollout.policy_version}",
+            step=k, context=tuple(rollout.messages[: site.turn]), action=dict(rollout.messages[site.turn]),
+        ))
+    return states
+
+
+class TrainerScorer:
+    """Uncertainty of the trainer's current policy on a state's recorded action."""
+
+    def __init__(self, trainer: Any, chat: ChatTokens) -> None:
+        self.trainer, self.chat = trainer, chat
+
+    def __call__(self, state: TraceState) -> Uncertainty:
+        from actors.trainer import ScoreBatch
+
+        prompt, action = self.chat.prompt_and_action(list(state.context), state.action)
+        ids = list(prompt) + list(action)
+        labels = torch.full((1, len(ids)), -100)
+        labels[0, len(prompt) - 1 : len(ids) - 1] = torch.tensor(action)
+        batch = ScoreBatch(torch.tensor([ids]), torch.arange(len(ids)).unsqueeze(0), labels)
+        result = next(iter(self.trainer.score.call(batch).get().values()))
+        entropy = float(result.entropy_NS.sum() / result.tokens_N.sum().clamp(min=1))
+        return Uncertainty(entropy=entropy, margin=1.0)  # margin is not measured on this path
+
+
+class TeacherReplayActor(Actor):
+    """Endpoints: add_states, add_rollouts, next_pairs, status."""
+
+    def __init__(self, spec: ReplaySpec, trainer: Any = None) -> None:
+        from replay.cache import ResponseCache
+        from replay.pipeline import load_states
+        from replay.teachers import TeacherClient
+
+        self.spec = spec
+        out = Path(spec.replay.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self.cache = ResponseCache(spec.teachers.cache_path or out / "cache.jsonl")
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="teacher-replay", daemon=True)
+        self.thread.start()
+        self.client = self._on_loop(self._make_client(TeacherClient))
+        self.gate = None
+        if spec.replay.gating.enabled:
+            if trainer is None or not spec.tokenizer_dir:
+                raise ValueError("replay.gating.enabled in the application needs the trainer mesh and a tokenizer")
+            from transformers import AutoTokenizer
+
+            scorer = TrainerScorer(trainer, ChatTokens(AutoTokenizer.from_pretrained(spec.tokenizer_dir)))
+            self.gate = VOIGate(spec.replay.gating, scorer)
+        self.queue: deque[TraceState] = deque(load_states(spec.replay)[0] if spec.replay.traces else [])
+        self.ready: deque[PreferencePair] = deque()
+        self.outcomes: Counter[str] = Counter()
+        self.states_done = 0
+        self.pairs_made = 0
+
+    async def _make_client(self, cls: Any) -> Any:  # built on the loop that will use it
+        return cls(self.spec.teachers, self.cache)
+
+    def _on_loop(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    @endpoint
+    def add_states(self, states: Sequence[TraceState]) -> int:
+        """Queue states for replay; returns the queue length."""
+        self.queue.extend(states)
+        return len(self.queue)
+
+    @endpoint
+    def add_rollouts(self, rollouts: Sequence[Rollout]) -> int:
+        """Queue the failed turns of rollouts; returns the queue length."""
+        for r in rollouts:
+            self.queue.extend(rollout_states(r))
+        return len(self.queue)
+
+    @endpoint
+    def next_pairs(self, n: int) -> list[PreferencePair]:
+        """Up to `n` pairs: from those ready, then by replaying queued states (a chunk at a time)."""
+        from replay.pipeline import replay_states
+
+        while len(self.ready) < n and self.queue:
+            chunk = [self.queue.popleft() for _ in range(min(self.spec.replay.concurrency, len(self.queue)))]
+            results = self._on_loop(replay_states(chunk, self.client, self.spec.replay, gate=self.gate))
+            for r in results:
+                self.outcomes[r.outcome] += 1
+                if r.pair is not None:
+                    self.ready.append(r.pair)
+                    self.pairs_made += 1
+            self.states_done += len(chunk)
+        return [self.ready.popleft() for _ in range(min(n, len(self.ready)))]
+
+    @endpoint
+    def status(self) -> dict:
+        budget = self.client.budget
+        return {
+            "budget_usd": budget.cap_usd, "spend_usd": budget.spent_usd, "left_usd": budget.cap_usd - budget.spent_usd,
+            "budget_refusals": budget.refusals, "queued_states": len(self.queue), "states_done": self.states_done,
+            "pairs_made": self.pairs_made, "pairs_ready": len(self.ready), "outcomes": dict(self.outcomes),
+            "client": self.client.stats.as_dict(),
+        }
