@@ -1,0 +1,115 @@
+"""Run metrics: one JSON line per step, TensorBoard scalars, a rich progress bar, a final PNG.
+
+`MetricsSink` is the controller's `on_step` callback. Every step's record (the
+trainer's reduced metrics plus reward, staleness and timing) goes to
+`metrics.jsonl` and to TensorBoard event files under the run directory; the
+progress bar shows reward and the three channels' losses. `plot_run` draws
+reward and each loss channel per step from the JSONL file (so it also works on
+a finished or resumed run).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from configs.sections.metrics import MetricsConfig
+
+CHANNEL_LOSSES = ("policy/loss", "distill/loss", "preference/loss")
+
+
+class MetricsSink:
+    """Writes each step record where `[metrics]` asks; use as a context manager."""
+
+    def __init__(self, cfg: MetricsConfig, run_dir: str | Path, total_steps: int, start_step: int = 0) -> None:
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8") if cfg.jsonl else None
+        self.tb = None
+        if cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+        self.progress = None
+        if cfg.progress_bar:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.progress = Progress(
+                TextColumn("train"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("reward {task.fields[reward]:.3f}  policy {task.fields[policy]:.4f}  "
+                           "distill {task.fields[distill]:.4f}  replay {task.fields[preference]:.4f}"),
+                TimeElapsedColumn(),
+            )
+            self.task = self.progress.add_task("train", total=total_steps, completed=start_step, reward=0.0,
+                                               policy=0.0, distill=0.0, preference=0.0)
+            self.progress.start()
+
+    def __call__(self, record: Any) -> None:
+        """Log one `mesh.controller.StepRecord`."""
+        row = {"step": record.step, "seconds": record.seconds, "groups": record.groups,
+               "staleness": record.staleness, **record.metrics}
+        if record.step % self.cfg.log_every == 0:
+            if self.jsonl is not None:
+                self.jsonl.write(json.dumps(row) + "\n")
+                self.jsonl.flush()
+            if self.tb is not None:
+                for name, value in record.metrics.items():
+                    if isinstance(value, (int, float)) and math.isfinite(value):
+                        self.tb.add_scalar(name, value, record.step)
+                self.tb.flush()
+        if self.progress is not None:
+            m = record.metrics
+            self.progress.update(self.task, completed=record.step, reward=m.get("reward/mean", 0.0),
+                                 **{c.split("/")[0]: m.get(c, 0.0) for c in CHANNEL_LOSSES})
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+        if self.jsonl is not None:
+            self.jsonl.close()
+        if self.tb is not None:
+            self.tb.close()
+
+    def __enter__(self) -> "MetricsSink":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of a metrics.jsonl, the last row per step (a resumed run may repeat steps)."""
+    rows: dict[int, dict[str, Any]] = {}
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            row = json.loads(line)
+            rows[int(row["step"])] = row
+    return [rows[s] for s in sorted(rows)]
+
+
+def plot_run(metrics_path: str | Path, out_png: str | Path) -> Path:
+    """Reward and each channel's loss per step, one panel each, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(metrics_path)
+    if not rows:
+        raise ValueError(f"{metrics_path}: no metrics to plot")
+    names = ("reward/mean", *CHANNEL_LOSSES)
+    fig, axes = plt.subplots(1, len(names), figsize=(4 * len(names), 3.2))
+    for ax, name in zip(axes, names):
+        points = [(r["step"], r[name]) for r in rows if name in r]
+        if points:
+            ax.plot(*zip(*points), marker=".")
+        ax.set_title(name)
+        ax.set_xlabel("step")
+    fig.tight_layout()
+    out_png = Path(out_png)
+    fig.savefig(out_png, dpi=100)
+    plt.close(fig)
+    return out_png

@@ -1,0 +1,39 @@
+"""Metrics sink: JSONL rows, TensorBoard event scalars read back, progress bar, and the PNG plot."""
+
+from __future__ import annotations
+
+import json
+
+from configs.sections.metrics import MetricsConfig
+from mesh.controller import StepRecord
+
+
+def record(step: int, reward: float) -> StepRecord:
+    metrics = {"reward/mean": reward, "policy/loss": -0.1 * step, "distill/loss": 0.5 / step,
+               "preference/loss": 0.69, "step": float(step), "async/max_staleness": 0.0}
+    return StepRecord(step, metrics, reward, [0, 0], 0, 2, 1.5)
+
+
+def test_jsonl_tensorboard_progress_and_plot(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from mesh.metrics import MetricsSink, plot_run, read_metrics
+
+    with MetricsSink(MetricsConfig(progress_bar=True), tmp_path, total_steps=3) as sink:
+        for step, reward in ((1, 0.1), (2, 0.3), (3, 0.6)):
+            sink(record(step, reward))
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3] and rows[2]["reward/mean"] == 0.6 and rows[0]["staleness"] == [0, 0]
+
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    events = acc.Scalars("distill/loss")
+    assert [e.step for e in events] == [1, 2, 3] and abs(events[1].value - 0.25) < 1e-6
+
+    # a resumed run appends: the last row of a step wins
+    with MetricsSink(MetricsConfig(tensorboard=False, progress_bar=False), tmp_path, 3, start_step=2) as sink:
+        sink(record(3, 0.9))
+    assert [r["reward/mean"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0.1, 0.3, 0.9]
+
+    png = plot_run(tmp_path / "metrics.jsonl", tmp_path / "run.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
