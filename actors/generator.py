@@ -18,6 +18,7 @@ with a clear error until the vLLM engine lands (docs/application.md).
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -80,7 +81,8 @@ class GeneratorActor(Actor):
     @endpoint
     def info(self) -> dict:
         params = sum(p.numel() for p in self.engine.model.parameters())
-        return {"rank": self.rank, "engine": self.engine_kind, "version": self.version, "params": params}
+        return {"rank": self.rank, "pid": os.getpid(), "engine": self.engine_kind, "version": self.version,
+                "params": params}
 
     @endpoint
     def generate(self, requests: list[EpisodeRequest], sampling: SamplingParams | None = None) -> list[RolloutGroup]:

@@ -15,6 +15,7 @@ writes them for generators (`actors.weights`).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -74,7 +75,7 @@ class TrainerActor(Actor):
         if self.trainer is None:
             self.trainer = Trainer(self.spec)
         return {
-            "rank": dist.get_rank(), "world": dist.get_world_size(), "step": self.trainer.step,
+            "rank": dist.get_rank(), "world": dist.get_world_size(), "step": self.trainer.step, "pid": os.getpid(),
             "params": sum(p.numel() for p in self.trainer.model.parameters()),
         }
 

@@ -1,16 +1,15 @@
-"""GeneratorActor on real Monarch meshes: in-process (`this_proc`) and two local processes.
+"""GeneratorActor on a real in-process Monarch mesh (`this_proc`); the two-process generator mesh
+and in-place weight updates are tested with the trainer mesh in test_actors_trainer.py.
 
 Logprobs are checked against an independent teacher-forced forward of the same
 tokens with the HF model, under a reference implementation (written here) of
 the sampling distribution: temperature, then top-k, then top-p (HF's
-ascending-cumsum formulation). Weight updates go through real shared-memory
-files and are checked by digest and by logprobs under the new weights.
+ascending-cumsum formulation).
 """
 
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
@@ -111,57 +110,3 @@ def test_generate_is_seeded_and_greedy_logprobs_are_zero(local_generator):
     g = local_generator.generate.call_one(requests, greedy).get()[0].rollouts
     assert g[0].token_ids == g[1].token_ids == g[2].token_ids  # greedy: one answer per prompt
     assert all(lp == 0.0 for r in g for lp in r.logprobs)
-
-
-@pytest.fixture(scope="module")
-def generator_mesh(generator_spec):
-    from monarch.actor import this_host
-
-    from actors.generator import GeneratorActor
-
-    procs = this_host().spawn_procs(per_host={"gpus": 2})
-    gens = procs.spawn("gens", GeneratorActor, generator_spec)
-    yield gens
-    procs.stop().get()
-
-
-def test_two_generator_procs_update_weights_in_place(generator_mesh, tiny_assets, tmp_path):
-    from monarch.actor import ActorError
-
-    from actors.weights import publish_buckets, weights_digest
-
-    info = generator_mesh.info.call().get()
-    pids_ranks = sorted(v["rank"] for _, v in info.items())
-    assert pids_ranks == [0, 1]
-    before = {v for _, v in generator_mesh.weights_digest.call().get().items()}
-    assert len(before) == 1
-
-    model = hf_model(tiny_assets.dense_dir)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=g))
-    state = model.state_dict()
-    names = sorted(state)
-    named = [(n, state[n]) for n in names if n != "lm_head.weight"]  # tied to the embedding
-    manifest = publish_buckets([named[: len(named) // 2], named[len(named) // 2 :]], tmp_path / "w", version=3)
-    assert manifest.digest == weights_digest(named)
-
-    # a manifest that misses a parameter is refused before anything is copied
-    partial = publish_buckets([named[1:]], tmp_path / "bad", version=4)
-    with pytest.raises(ActorError, match="not covered"):
-        generator_mesh.update_weights.call(partial).get()
-    assert {v for _, v in generator_mesh.weights_digest.call().get().items()} == before
-
-    results = generator_mesh.update_weights.call(manifest).get()
-    assert {v["digest"] for _, v in results.items()} == {manifest.digest}
-    assert {v for _, v in generator_mesh.policy_version.call().get().items()} == {3}
-    assert {v for _, v in generator_mesh.weights_digest.call(list(manifest.names)).get().items()} == {manifest.digest}
-
-    # the live engine samples from the new weights: logprobs match a forward of the perturbed model
-    requests = [EpisodeRequest(group_id=1, seed=4)]
-    for rank in (0, 1):
-        groups = generator_mesh.slice(gpus=rank).generate.call_one(requests, SAMPLING).get()
-        assert all(r.policy_version == 3 for r in groups[0].rollouts)
-        assert check_logprobs(model, groups[0].rollouts, SAMPLING) > 10
-    assert os.path.isdir(tmp_path / "w" / "v3")

@@ -8,24 +8,27 @@ exact weights of an earlier step.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+from actors.rollout import EpisodeRequest
 
 from configs.sections.checkpoint import CheckpointConfig
 from configs.sections.model import ModelConfig
 from configs.sections.optimizer import OptimizerConfig
 from configs.sections.trainer import TrainerConfig
+from test_actors_generator import SAMPLING, check_logprobs, hf_model
 
 VOCAB = 2048
 
 
 @pytest.fixture(scope="module")
 def meshes(tiny_assets, generator_spec, tmp_path_factory):
-    from monarch.actor import this_host
-    from monarch.spmd import setup_torch_elastic_env
-
-    from actors.generator import GeneratorActor
-    from actors.trainer import TrainerActor
+    """Disaggregated placement: 2 FSDP trainer procs, 2 generator procs of their own."""
+    from configs.sections.mesh import MeshConfig
+    from mesh.placement import place
     from titan_ext.trainer import TrainerSpec
 
     out = tmp_path_factory.mktemp("trainer")
@@ -36,15 +39,9 @@ def meshes(tiny_assets, generator_spec, tmp_path_factory):
         checkpoint=CheckpointConfig(every_steps=1000, keep_last=3),
         checkpoint_dir=str(out / "ckpt"),
     )
-    trainer_procs = this_host().spawn_procs(per_host={"gpus": 2})
-    setup_torch_elastic_env(trainer_procs)
-    trainer = trainer_procs.spawn("trainer", TrainerActor, spec)
-    gen_procs = this_host().spawn_procs(per_host={"gpus": 2})
-    gens = gen_procs.spawn("gens", GeneratorActor, generator_spec)
-    setup = list(trainer.setup.call().get().values())
-    yield trainer, gens, setup, out
-    trainer_procs.stop().get()
-    gen_procs.stop().get()
+    placement = place(MeshConfig(placement="disaggregated", trainer_procs=2, generator_procs=2), spec, generator_spec)
+    yield placement.trainer, placement.generators, placement.trainer_setup, out
+    placement.stop()
 
 
 def score_batch(seed: int = 0, n: int = 3, s: int = 12):
@@ -57,10 +54,14 @@ def score_batch(seed: int = 0, n: int = 3, s: int = 12):
     return ScoreBatch(tokens, torch.arange(s).expand(n, s).clone(), labels)
 
 
-def test_setup_is_fsdp_over_two_ranks(meshes):
-    _, _, setup, _ = meshes
+def test_placement_fsdp_over_two_ranks_and_separate_generators(meshes):
+    _, gens, setup, _ = meshes
     assert sorted(s["rank"] for s in setup) == [0, 1] and {s["world"] for s in setup} == {2}
     assert {s["step"] for s in setup} == {0}
+    gen_info = [g.info.call_one().get() for g in gens]
+    assert sorted(i["rank"] for i in gen_info) == [0, 1]
+    pids = {s["pid"] for s in setup} | {i["pid"] for i in gen_info}
+    assert len(pids) == 4  # disaggregated: four processes
 
 
 def test_score_matches_hf_forward(meshes, tiny_assets):
@@ -101,8 +102,7 @@ def test_train_step_weight_sync_and_checkpoint(meshes, tmp_path):
 
     trainer, gens, _, _ = meshes
     digest0 = rank0(trainer.weights_digest.call().get())
-    gen0 = set(gens.weights_digest.call().get().values())
-    assert gen0 == {digest0}  # both start from the same HF files
+    assert {g.weights_digest.call_one().get() for g in gens} == {digest0}  # both start from the same HF files
 
     metrics = list(trainer.train_step.call(policy_batch(trainer, 1)).get().values())
     untimed = [{k: v for k, v in m.items() if not k.startswith("time/")} for m in metrics]
@@ -111,12 +111,12 @@ def test_train_step_weight_sync_and_checkpoint(meshes, tmp_path):
     assert metrics[0]["grad_norm"] > 0
     assert set(trainer.policy_version.call().get().values()) == {1}
 
-    report = sync_weights(trainer, gens, str(tmp_path / "shm"))
+    reports = [sync_weights(trainer, g, str(tmp_path / "shm")) for g in gens]
     digest1 = rank0(trainer.weights_digest.call().get())
-    assert report.manifest.version == 1 and report.generators == 2
-    assert report.manifest.digest == digest1 != digest0
-    assert set(gens.weights_digest.call(list(report.manifest.names)).get().values()) == {digest1}
-    assert set(gens.policy_version.call().get().values()) == {1}
+    assert {r.manifest.version for r in reports} == {1} and sum(r.generators for r in reports) == 2
+    assert {r.manifest.digest for r in reports} == {digest1} != {digest0}
+    assert {g.weights_digest.call_one(list(reports[0].manifest.names)).get() for g in gens} == {digest1}
+    assert {g.policy_version.call_one().get() for g in gens} == {1}
 
     saved = set(trainer.save_checkpoint.call().get().values())
     assert len(saved) == 1 and saved.pop().endswith("step-00000001")
@@ -125,3 +125,43 @@ def test_train_step_weight_sync_and_checkpoint(meshes, tmp_path):
     assert digest2 != digest1
     assert set(trainer.load_checkpoint.call(1).get().values()) == {1}
     assert rank0(trainer.weights_digest.call().get()) == digest1
+
+
+def test_two_generator_procs_update_weights_in_place(meshes, tiny_assets, tmp_path):
+    from monarch.actor import ActorError
+
+    from actors.weights import publish_buckets, weights_digest
+
+    _, gens, _, _ = meshes
+    before = {g.weights_digest.call_one().get() for g in gens}
+    assert len(before) == 1
+
+    model = hf_model(tiny_assets.dense_dir)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    state = model.state_dict()
+    names = sorted(state)
+    named = [(n, state[n]) for n in names if n != "lm_head.weight"]  # tied to the embedding
+    manifest = publish_buckets([named[: len(named) // 2], named[len(named) // 2 :]], tmp_path / "w", version=3)
+    assert manifest.digest == weights_digest(named)
+
+    # a manifest that misses a parameter is refused before anything is copied
+    partial = publish_buckets([named[1:]], tmp_path / "bad", version=4)
+    with pytest.raises(ActorError, match="not covered"):
+        gens[0].update_weights.call_one(partial).get()
+    assert {g.weights_digest.call_one().get() for g in gens} == before
+
+    results = [g.update_weights.call_one(manifest).get() for g in gens]
+    assert {r["digest"] for r in results} == {manifest.digest}
+    assert {g.policy_version.call_one().get() for g in gens} == {3}
+    assert {g.weights_digest.call_one(list(manifest.names)).get() for g in gens} == {manifest.digest}
+
+    # the live engine samples from the new weights: logprobs match a forward of the perturbed model
+    requests = [EpisodeRequest(group_id=1, seed=4)]
+    for gen in gens:
+        groups = gen.generate.call_one(requests, SAMPLING).get()
+        assert all(r.policy_version == 3 for r in groups[0].rollouts)
+        assert check_logprobs(model, groups[0].rollouts, SAMPLING) > 10
+    assert os.path.isdir(tmp_path / "w" / "v3")

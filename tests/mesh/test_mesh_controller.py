@@ -41,11 +41,10 @@ class SlowGenerator(GeneratorActor):
 
 
 @pytest.fixture(scope="module")
-def trainer_mesh(tiny_assets, tmp_path_factory):
-    from monarch.actor import this_host
-    from monarch.spmd import setup_torch_elastic_env
-
-    from actors.trainer import TrainerActor
+def colocated(tiny_assets, gen_spec):
+    """Colocated placement on one process: the trainer and a generator actor share it."""
+    from configs.sections.mesh import MeshConfig
+    from mesh.placement import place
     from titan_ext.trainer import TrainerSpec
 
     spec = TrainerSpec(
@@ -55,12 +54,14 @@ def trainer_mesh(tiny_assets, tmp_path_factory):
         loss=LossConfig(alpha=1.0, beta=1.0, policy=PolicyLossConfig(dynamic_sampling=False)),
         checkpoint=CheckpointConfig(enabled=False),
     )
-    procs = this_host().spawn_procs(per_host={"gpus": 1})
-    setup_torch_elastic_env(procs)
-    trainer = procs.spawn("trainer_ctl", TrainerActor, spec)
-    trainer.setup.call().get()
-    yield trainer
-    procs.stop().get()
+    placement = place(MeshConfig(placement="colocated", trainer_procs=1), spec, gen_spec)
+    yield placement
+    placement.stop()
+
+
+@pytest.fixture(scope="module")
+def trainer_mesh(colocated):
+    return colocated.trainer
 
 
 @pytest.fixture(scope="module")
@@ -94,14 +95,13 @@ def controller_config(tmp_path, **kw):
     )
 
 
-def test_sync_mode_trains_on_policy_with_hints(trainer_mesh, gen_spec, chat, tmp_path):
-    from monarch.actor import this_proc
-
+def test_sync_mode_trains_on_policy_with_hints(colocated, trainer_mesh, chat, tmp_path):
     from mesh.controller import Controller
     from mesh.weight_sync_baseline import rank0
     from replay.hints import TemplateHintGenerator
 
-    gen = this_proc().spawn("gen_sync", GeneratorActor, gen_spec)
+    [gen] = colocated.generators
+    assert gen.info.call_one().get()["pid"] == colocated.trainer_setup[0]["pid"]  # one process, two roles
     digests = []
     ctl = Controller(controller_config(tmp_path, steps=2, mode="sync"), trainer_mesh, [gen], chat,
                      hinter=TemplateHintGenerator(),
