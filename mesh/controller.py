@@ -149,7 +149,7 @@ class Controller:
             self.replay.add_rollouts.call_one([r for g in groups for r in g.rollouts]).get()
         pairs, ref = self._pairs()
         rewards = [r.reward for g in groups for r in g.rollouts]
-        if not selection.rollouts and not pairs:
+        if not (selection.policy_rollouts or hints or pairs):
             metrics: dict[str, float] = {"skipped": 1.0}  # every group had equal rewards and no pairs came
         else:
             batch = pack_batch(selection, self.cfg.max_seq_len, hints, pairs, ref)
@@ -157,7 +157,7 @@ class Controller:
             self.version = int(metrics["step"])
         metrics.update({
             "reward/mean": sum(rewards) / max(1, len(rewards)),
-            "rollouts/kept": float(len(selection.rollouts)), "rollouts/dropped_groups": float(selection.dropped_groups),
+            "rollouts/policy": float(selection.policy_rollouts), "rollouts/dropped_groups": float(selection.dropped_groups),
             "distill/hinted": float(len(hints)), "preference/pairs_in_batch": float(len(pairs)),
             "async/max_staleness": float(max(staleness, default=0)), "async/dropped_stale": float(dropped),
         })

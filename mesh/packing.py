@@ -54,19 +54,25 @@ class PairTokens:
 
 @dataclass
 class Selection:
-    """The rollouts that train, with advantages, and what was dropped."""
+    """Every rollout with its advantage; `in_policy[i]` is False for dynamic sampling's dropped groups
+    (they still carry hint distillation when a hint is packed for them)."""
 
     rollouts: list[Rollout]
     advantages: list[float]
+    in_policy: list[bool]
     dropped_groups: int
-    rewards: list[float]  # shaped rewards of the kept rollouts
+    rewards: list[float]  # shaped rewards
+
+    @property
+    def policy_rollouts(self) -> int:
+        return sum(self.in_policy)
 
 
 def select_rollouts(groups: Sequence[RolloutGroup], cfg: PolicyLossConfig) -> Selection:
-    """Advantages of every rollout; drops groups with equal rewards when dynamic sampling is on."""
+    """Advantages of every rollout; with dynamic sampling, groups with equal rewards leave the policy channel."""
     rollouts = [r for g in groups for r in g.rollouts]
     if not rollouts:
-        return Selection([], [], 0, [])
+        return Selection([], [], [], 0, [])
     rewards_N = torch.tensor([r.reward for r in rollouts], dtype=torch.float64)
     if cfg.overlong_max_len > 0:
         lengths_N = torch.tensor([r.completion_tokens for r in rollouts])
@@ -76,10 +82,8 @@ def select_rollouts(groups: Sequence[RolloutGroup], cfg: PolicyLossConfig) -> Se
     keep_N = dynamic_sampling_keep(rewards_N, ids_N) if cfg.dynamic_sampling else torch.ones(len(rollouts), dtype=torch.bool)
     kept_groups = {int(g) for g, k in zip(ids_N, keep_N) if k}
     return Selection(
-        [r for r, k in zip(rollouts, keep_N) if k],
-        [float(a) for a, k in zip(adv_N, keep_N) if k],
-        len({int(g) for g in ids_N}) - len(kept_groups),
-        [float(x) for x, k in zip(rewards_N, keep_N) if k],
+        rollouts, [float(a) for a in adv_N], [bool(k) for k in keep_N],
+        len({int(g) for g in ids_N}) - len(kept_groups), [float(x) for x in rewards_N],
     )
 
 
@@ -123,16 +127,20 @@ def _rows(lengths: Sequence[int], width: int) -> list[list[int]]:
 def pack_batch(
     selection: Selection,
     max_seq_len: int,
-    hints: dict[int, RolloutHint] | None = None,
+    hints: dict[int, RolloutHint] | None = None,  # rollout index in `selection` → hint
     pairs: Sequence[PairTokens] = (),
     ref_logprobs: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> TrainBatch:
-    """The global batch. hints: rollout index in `selection` → hint; ref_logprobs: per-pair Σ log π_ref
-    of (chosen, rejected) actions `[P]` each, for DPO."""
-    docs = selection.rollouts
+    """The global batch. ref_logprobs: per-pair Σ log π_ref of (chosen, rejected) actions `[P]` each, for DPO."""
+    hints = hints or {}
+    # documents: the policy channel's rollouts and any hinted one; hints re-keyed to document order
+    order = [i for i, keep in enumerate(selection.in_policy) if keep or i in hints]
+    docs = [selection.rollouts[i] for i in order]
+    advantages = [selection.advantages[i] for i in order]
+    in_policy = [selection.in_policy[i] for i in order]
+    hints = {k: hints[i] for k, i in enumerate(order) if i in hints}
     if not docs and not pairs:
         raise ValueError("nothing to pack: no rollouts and no preference pairs")
-    hints = hints or {}
     rows = _rows([len(r.token_ids) for r in docs], max_seq_len) if docs else [[]]
     L = max([sum(len(docs[i].token_ids) for i in row) for row in rows] + [2])
     B = len(rows)
@@ -152,9 +160,9 @@ def pack_batch(
             tokens[b, at : at + n] = ids_T
             positions[b, at : at + n] = torch.arange(n)
             labels[b, at : at + n - 1] = ids_T[1:]
-            pmask[b, at : at + n - 1] = torch.tensor(r.loss_mask[1:])
+            pmask[b, at : at + n - 1] = torch.tensor(r.loss_mask[1:]) & in_policy[i]
             genlp[b, at : at + n - 1] = torch.tensor(r.logprobs[1:])
-            adv[b, at : at + n] = selection.advantages[i]
+            adv[b, at : at + n] = advantages[i]
             base = len(teacher_rows[b])
             hint = hints.get(i)
             if hint is None:

@@ -41,12 +41,27 @@ def test_advantages_and_dynamic_sampling(rollouts_and_chat):
 
     groups, _, _ = rollouts_and_chat
     sel = select_rollouts(groups, PolicyLossConfig(adv_eps=1e-6, dynamic_sampling=True))
-    assert sel.dropped_groups == 1 and len(sel.rollouts) == 4  # group 1's rewards are all equal
+    assert sel.dropped_groups == 1 and sel.in_policy == [True] * 4 + [False] * 4  # group 1's rewards are all equal
     r = [0.0, 0.2, 0.6, 0.0]
     ref = [(x - statistics.mean(r)) / (statistics.stdev(r) + 1e-6) for x in r]
-    assert sel.advantages == pytest.approx(ref, abs=1e-9)
+    assert sel.advantages[:4] == pytest.approx(ref, abs=1e-9) and sel.advantages[4:] == [0.0] * 4
     keep_all = select_rollouts(groups, PolicyLossConfig(dynamic_sampling=False))
-    assert len(keep_all.rollouts) == 8 and keep_all.advantages[4:] == [0.0] * 4
+    assert keep_all.policy_rollouts == 8
+
+
+def test_dropped_groups_keep_only_their_hint_channel(rollouts_and_chat):
+    from mesh.packing import make_hint, pack_batch, select_rollouts
+    from replay.hints import TemplateHintGenerator
+
+    groups, chat, _ = rollouts_and_chat
+    sel = select_rollouts(groups, PolicyLossConfig(dynamic_sampling=True))
+    no_hints = pack_batch(sel, 200)
+    assert no_hints.policy_tokens == sum(r.completion_tokens for r in sel.rollouts[:4])
+    hinted = {5: make_hint(chat, sel.rollouts[5], TemplateHintGenerator())}  # a rollout of the dropped group
+    batch = pack_batch(sel, 200, hinted)
+    assert batch.policy_tokens == no_hints.policy_tokens  # still out of the policy channel
+    _, t0, t1 = next(sp for sp in sel.rollouts[5].turn_spans if sp[0] == hinted[5].site.turn)
+    assert batch.distill_tokens == t1 - t0 > 0
 
 
 def test_pack_policy_and_hint_channels(rollouts_and_chat):

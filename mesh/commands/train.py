@@ -1,0 +1,140 @@
+"""`composer-mesh train CONFIG.toml`: the main job — meshes, controller loop, metrics, checkpoints.
+
+Builds the specs of each role from the recipe (the tiny flavours' offline
+assets are built on first use), starts the local teacher server when
+`[replay.local_server] enabled`, places the roles (`mesh.placement`), and
+runs the controller for the steps left: a checkpoint in
+`<output_dir>/<name>/<checkpoint.folder>` is resumed unless `--no-resume`,
+and the prompt cursor follows the resumed step. Writes `metrics.jsonl`,
+TensorBoard events, `summary.json` and `plot.png` to `<output_dir>/<name>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+NAME = "train"
+HELP = "Run RL post-training: generators, teacher replay and the trainer on Monarch meshes."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="recipe (e.g. configs/debug_cpu.toml)")
+    parser.add_argument("overrides", nargs=argparse.REMAINDER, help="--section.key=value ...")
+    parser.add_argument("--no-resume", action="store_true", help="start fresh even when a checkpoint exists (put it before CONFIG)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar (put it before CONFIG)")
+
+
+def model_dir(job: Any) -> str:
+    """HF weights both the trainer and the generators start from."""
+    if job.model.hf_path:
+        return job.model.hf_path
+    if job.model.flavour not in ("tiny", "tiny_moe"):
+        raise ValueError(f"model.flavour = {job.model.flavour!r} needs model.hf_path (generators load HF weights)")
+    from pathlib import Path
+
+    from titan_ext.assets import build_assets, default_cache_dir
+
+    cache = Path(job.model.assets_cache_dir) if job.model.assets_cache_dir else default_cache_dir()
+    paths = build_assets(cache, seed=job.model.seed)
+    return str(paths.dense_dir if job.model.flavour == "tiny" else paths.moe_dir)
+
+
+def run(args: argparse.Namespace) -> int:
+    import sys
+
+    from configs.loader import ConfigError, load_config
+
+    try:
+        job = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        summary = train(job, resume=not args.no_resume, progress=not args.no_progress)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    import json
+
+    print(json.dumps(summary))
+    return 0
+
+
+def train(job: Any, *, resume: bool = True, progress: bool = True) -> dict[str, Any]:
+    """The whole run; returns the summary written to `<run dir>/summary.json`."""
+    import dataclasses
+    import json
+    import os
+    import shutil
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from actors.episodes import ChatTokens
+    from actors.generator import GeneratorSpec
+    from actors.teacher_replay import ReplaySpec
+    from mesh.commands.serve_teachers import build_responder
+    from mesh.controller import Controller, ControllerConfig
+    from mesh.metrics import MetricsSink, plot_run
+    from mesh.placement import place
+    from replay.hints import TemplateHintGenerator
+    from replay.server import TeacherServer
+    from titan_ext.trainer import TrainerSpec
+
+    run_dir = Path(job.job.output_dir) / job.job.name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    weights = model_dir(job)
+    job = dataclasses.replace(job, model=dataclasses.replace(job.model, hf_path=weights),
+                              checkpoint=dataclasses.replace(job.checkpoint, resume=job.checkpoint.resume and resume))
+    if not job.checkpoint.resume:
+        shutil.rmtree(run_dir / job.checkpoint.folder, ignore_errors=True)
+    trainer_spec = TrainerSpec.from_job(job)
+    gen_spec = GeneratorSpec(model_dir=weights, tokenizer_dir=job.model.tokenizer_path, generator=job.generator,
+                             env=job.env, max_context_tokens=job.trainer.max_seq_len, seed=job.job.seed)
+    server = None
+    replay_spec = None
+    if job.loss.beta > 0 and job.mesh.replay_procs > 0:
+        teachers, ls = job.teachers, job.replay.local_server
+        if not teachers.models:
+            raise ValueError("loss.beta > 0 needs [[teachers.models]] (or set loss.beta = 0 / mesh.replay_procs = 0)")
+        if ls.enabled:
+            server = TeacherServer(build_responder(ls.responder, ls.model_dir, ls.noise), host=ls.host,
+                                   port=ls.port, request_log=ls.request_log or None).start()
+            teachers = dataclasses.replace(teachers, base_url=server.url)
+        replay = dataclasses.replace(job.replay, output_dir=str(run_dir / "replay"))
+        replay_spec = ReplaySpec(replay, teachers, tokenizer_dir=job.model.tokenizer_path or weights)
+    weight_dir = f"/dev/shm/composer-mesh-{job.job.name}-{os.getpid()}"
+    placement = place(job.mesh, trainer_spec, gen_spec, replay_spec)
+    try:
+        start = placement.trainer_setup[0]["step"]
+        cfg = ControllerConfig(
+            steps=max(0, job.trainer.steps - start), prompts_per_step=job.trainer.prompts_per_step,
+            max_seq_len=job.trainer.max_seq_len, policy=job.loss.policy, mode=job.trainer.mode,
+            max_staleness=job.trainer.max_staleness, seed=job.job.seed, hints=job.loss.alpha > 0,
+            weight_dir=weight_dir,
+            pairs_per_step=job.trainer.prompts_per_step if placement.replay is not None else 0,
+            dpo_reference=job.loss.preference.kind == "dpo",
+        )
+        chat = ChatTokens(AutoTokenizer.from_pretrained(job.model.tokenizer_path or weights))
+        metrics_cfg = dataclasses.replace(job.metrics, progress_bar=job.metrics.progress_bar and progress)
+        with MetricsSink(metrics_cfg, run_dir, job.trainer.steps, start) as sink:
+            controller = Controller(cfg, placement.trainer, placement.generators, chat,
+                                    hinter=TemplateHintGenerator(), replay=placement.replay, on_step=sink,
+                                    prompt_cursor=start * job.trainer.prompts_per_step)
+            history = controller.run()
+        if job.checkpoint.enabled and history and history[-1].step % job.checkpoint.every_steps:
+            placement.trainer.save_checkpoint.call().get()  # the last step, unless the trainer just saved it
+        replay_status = placement.replay.status.call_one().get() if placement.replay is not None else None
+    finally:
+        placement.stop()
+        if server is not None:
+            server.stop()
+        shutil.rmtree(weight_dir, ignore_errors=True)
+    summary: dict[str, Any] = {"run_dir": str(run_dir), "start_step": start, "steps_run": len(history),
+                               "final_step": history[-1].step if history else start, "replay": replay_status}
+    if job.metrics.jsonl and (run_dir / "metrics.jsonl").exists():
+        if job.metrics.plot:
+            summary["plot"] = str(plot_run(run_dir / "metrics.jsonl", run_dir / "plot.png"))
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
