@@ -11,7 +11,7 @@ sequence of T tokens at hidden size D (policy; distill student + hinted teacher;
 preference chosen + rejected), all tokens valid.
 
     python benchmarks/loss_memory.py --quick     # V=32768, T=2048
-    python benchmarks/loss_memory.py             # adds V=151936
+    python benchmarks/loss_memory.py             # adds V=151936 (naive needs ~16 GB at T=2048)
 
 Prints a table, then one JSON line {"peak_mem_ratio": ..., "time_ratio": ...}
 (chunked / naive at V=32768, T=2048).
@@ -45,7 +45,9 @@ def _reset_peak() -> bool:
         return False
 
 
-def worker(variant: str, vocab: int, seq: int, dim: int, repeats: int, threads: int, budget: float) -> dict:
+def worker(
+    variant: str, vocab: int, seq: int, dim: int, repeats: int, threads: int, budget: float, channels: str
+) -> dict:
     import dataclasses
 
     import torch
@@ -70,12 +72,14 @@ def worker(variant: str, vocab: int, seq: int, dim: int, repeats: int, threads: 
     )
     cfg = dataclasses.replace(ComposerConfig(), chunked=variant == "chunked", chunk_budget_mib=budget)
     leaves = [weight, policy.hidden_BTD, distill.hidden_BTD, preference.chosen_hidden_BTD, preference.rejected_hidden_BTD]
+    wanted = ("policy", "distill", "preference") if channels == "all" else tuple(channels.split(","))
+    inputs = {k: v for k, v in (("policy", policy), ("distill", distill), ("preference", preference)) if k in wanted}
 
     def step() -> float:
         for t in leaves:
             t.grad = None
-        out = compose_loss(cfg, weight, policy=policy, distill=distill, preference=preference)
-        assert out.active_channels == ("policy", "distill", "preference")
+        out = compose_loss(cfg, weight, **inputs)
+        assert out.active_channels == wanted
         out.loss.backward()
         return float(out.loss.detach())
 
@@ -104,9 +108,12 @@ def worker(variant: str, vocab: int, seq: int, dim: int, repeats: int, threads: 
     }
 
 
-def run_case(variant: str, vocab: int, seq: int, dim: int, repeats: int, threads: int, budget: float) -> dict:
+def run_case(
+    variant: str, vocab: int, seq: int, dim: int, repeats: int, threads: int, budget: float, channels: str
+) -> dict:
     cmd = [sys.executable, __file__, "--worker", variant, "--vocab", str(vocab), "--seq", str(seq),
-           "--dim", str(dim), "--repeats", str(repeats), "--threads", str(threads), "--budget", str(budget)]
+           "--dim", str(dim), "--repeats", str(repeats), "--threads", str(threads), "--budget", str(budget),
+           "--channels", channels]
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -121,11 +128,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=0, help="subprocesses per variant (0: 1 quick, 2 full)")
     parser.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--budget", type=float, default=32.0, help="chunk_budget_mib of the chunked variant")
+    parser.add_argument("--channels", default="all",
+                        help="comma list of policy,distill,preference to time one channel alone (default all)")
+    parser.add_argument("--large-vocab-seq", type=int, default=0,
+                        help="T for the V=151936 case (0: --seq; the naive variant needs ~16 GB at T=2048)")
     parser.add_argument("--worker", choices=("chunked", "naive"), help=argparse.SUPPRESS)
     parser.add_argument("--vocab", type=int, default=32768, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.worker, args.vocab, args.seq, args.dim, args.repeats, args.threads, args.budget)))
+        print(json.dumps(worker(
+            args.worker, args.vocab, args.seq, args.dim, args.repeats, args.threads, args.budget, args.channels
+        )))
         return
 
     vocabs = [32768] if args.quick else [32768, 151936]
@@ -133,9 +146,12 @@ def main() -> None:
     rows = []
     for vocab in vocabs:
         runs: dict[str, list[dict]] = {"naive": [], "chunked": []}
+        seq = args.seq if vocab == 32768 else (args.large_vocab_seq or args.seq)
         for _ in range(rounds):  # alternate the variants so both see the same background load
             for variant in runs:
-                runs[variant].append(run_case(variant, vocab, args.seq, args.dim, args.repeats, args.threads, args.budget))
+                runs[variant].append(
+                    run_case(variant, vocab, seq, args.dim, args.repeats, args.threads, args.budget, args.channels)
+                )
         for variant, results in runs.items():
             best = dict(results[0])
             for key in ("peak_mib", "time_s", "cpu_s"):
