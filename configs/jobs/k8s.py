@@ -17,6 +17,8 @@ import os
 
 from monarch.job.kubernetes import ImageSpec, KubernetesJob
 
+from configs.jobs import env_int
+
 
 def build_job(
     namespace: str = "default",
@@ -39,8 +41,8 @@ def build_job(
 job = build_job(
     namespace=os.environ.get("COMPOSER_K8S_NAMESPACE", "default"),
     image=os.environ.get("COMPOSER_IMAGE", "ghcr.io/meta-pytorch/monarch:latest"),
-    trainer_pods=int(os.environ.get("COMPOSER_TRAINER_PODS", "2")),
-    generator_pods=int(os.environ.get("COMPOSER_GENERATOR_PODS", "1")),
-    gpus_per_pod=int(os.environ.get("COMPOSER_GPUS_PER_NODE", "8")),
+    trainer_pods=env_int("COMPOSER_TRAINER_PODS", 2),
+    generator_pods=env_int("COMPOSER_GENERATOR_PODS", 1),
+    gpus_per_pod=env_int("COMPOSER_GPUS_PER_NODE", 8),
     shared_memory=os.environ.get("COMPOSER_SHM", "64Gi"),
 )

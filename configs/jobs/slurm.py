@@ -17,6 +17,8 @@ import os
 
 from monarch.job import SlurmJob
 
+from configs.jobs import env_int
+
 
 def build_job(
     trainer_nodes: int = 2,
@@ -46,18 +48,10 @@ def build_job(
     )
 
 
-def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name, "")
-    try:
-        return int(value) if value else default
-    except ValueError:
-        raise ValueError(f"{name} must be an integer, got {value!r}") from None
-
-
 job = build_job(
-    _env_int("COMPOSER_TRAINER_NODES", 2),
-    _env_int("COMPOSER_GENERATOR_NODES", 1),
-    _env_int("COMPOSER_GPUS_PER_NODE", 8),
+    env_int("COMPOSER_TRAINER_NODES", 2),
+    env_int("COMPOSER_GENERATOR_NODES", 1),
+    env_int("COMPOSER_GPUS_PER_NODE", 8),
     partition=os.environ.get("COMPOSER_SLURM_PARTITION") or None,
     account=os.environ.get("COMPOSER_SLURM_ACCOUNT") or None,
     qos=os.environ.get("COMPOSER_SLURM_QOS") or None,

@@ -56,3 +56,5 @@ def test_job_files_build_defaults_and_env_overrides():
 def test_bad_sizes_are_named():
     out = probe(COMPOSER_TRAINER_NODES="two")
     assert out.returncode != 0 and "COMPOSER_TRAINER_NODES must be an integer" in out.stderr
+    out = probe(COMPOSER_TRAINER_PODS="3.5")
+    assert out.returncode != 0 and "COMPOSER_TRAINER_PODS must be an integer" in out.stderr
