@@ -11,11 +11,8 @@ Layout of one checkpoint, `<folder>/step-00000006/`:
 - `COMPLETE`: written by rank 0 after every rank finished. A directory without
   it (a process killed mid-save) is ignored on resume and overwritten on save.
 
-Only the newest `keep_last` complete checkpoints are kept.
-
-`load_hf_sharded` loads HF safetensors into a model that is already FSDP /
-EP-sharded and possibly activation-checkpoint wrapped (TorchTitan's order:
-parallelize on meta, then materialise, then load).
+Only the newest `keep_last` complete checkpoints are kept. HF weights are
+loaded by `titan_ext.hf_checkpoint.load_hf_into_titan`.
 """
 
 from __future__ import annotations
@@ -32,10 +29,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from configs.sections.checkpoint import CheckpointConfig
-from titan_ext.hf_checkpoint import _TITAN_ONLY_SUFFIXES, make_adapter, read_hf_state_dict
 
 COMPLETE = "COMPLETE"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -43,31 +38,6 @@ _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 def step_dir_name(step: int) -> str:
     return f"step-{step:08d}"
-
-
-def load_hf_sharded(model: nn.Module, hf_dir: str | os.PathLike) -> None:
-    """Load an HF checkpoint into a sharded and/or AC-wrapped TorchTitan model (collective).
-
-    Every rank reads the full tensors, renames them with the model's state-dict
-    adapter and keeps only its own shard: each tensor is laid out like the
-    model's own state-dict entry (`distribute_tensor` with that mesh and those
-    placements, `_StridedShard` included), so TorchTitan's load hooks (fused QKV)
-    see DTensors. Missing or unexpected weights raise before anything is copied.
-    """
-    titan_sd = make_adapter(model, hf_dir).from_hf(read_hf_state_dict(hf_dir))
-    local = model.state_dict()  # clean names: TorchTitan's and the AC wrapper's hooks apply
-    missing = sorted(k for k in local.keys() - titan_sd.keys() if not k.endswith(_TITAN_ONLY_SUFFIXES))
-    unexpected = sorted(titan_sd.keys() - local.keys())
-    if missing or unexpected:
-        raise ValueError(f"HF checkpoint {hf_dir} does not fit the model: missing {missing[:8]}, unexpected {unexpected[:8]}")
-    placed = {}
-    for key, full in titan_sd.items():
-        target = local[key]
-        if tuple(full.shape) != tuple(target.shape):
-            raise ValueError(f"HF checkpoint {hf_dir}: {key} is {tuple(full.shape)}, the model has {tuple(target.shape)}")
-        full = full.to(device=target.device, dtype=target.dtype)
-        placed[key] = distribute_tensor(full, target.device_mesh, target.placements) if isinstance(target, DTensor) else full
-    model.load_state_dict(placed, strict=False)
 
 
 def _rank() -> int:

@@ -84,11 +84,16 @@ def titan_to_hf_state_dict(model: torch.nn.Module, adapter: Any = None) -> dict[
 
 
 def load_hf_into_titan(model: torch.nn.Module, hf_dir: str | Path, adapter: Any = None) -> None:
-    """Load an HF safetensors checkpoint into a (possibly FSDP-sharded) TorchTitan model.
+    """Load an HF safetensors checkpoint into a plain or sharded TorchTitan model.
 
-    Every weight of the model must be present except TorchTitan-only buffers;
-    missing or unexpected names raise a `ValueError` that lists them, and the
-    model is left untouched in that case.
+    Sharded means FSDP2 / HSDP / expert-parallel (TorchTitan's order: build on
+    meta, parallelize, materialise, then load), possibly activation-checkpoint
+    wrapped; the call is then collective. Every rank reads the full tensors and
+    lays each one out like the model's own state-dict entry (`distribute_tensor`
+    with that mesh and those placements), so TorchTitan's fused-QKV load hook
+    receives DTensors. Every weight must be present except TorchTitan-only
+    buffers; missing, unexpected or mis-shaped weights raise a `ValueError`
+    that names them, before anything is copied.
     """
     adapter = adapter or make_adapter(model, hf_dir)
     hf_state_dict = read_hf_state_dict(hf_dir)

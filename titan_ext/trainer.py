@@ -56,8 +56,9 @@ from losses.composer import (
 from losses.distill import TAIDSchedule
 from titan_ext.attention import attention_masks
 from titan_ext.batch import TrainBatch
-from titan_ext.checkpoint import Checkpointer, load_hf_sharded
+from titan_ext.checkpoint import Checkpointer
 from titan_ext.export import HFBucket, iter_hf_buckets
+from titan_ext.hf_checkpoint import load_hf_into_titan
 from titan_ext.models import init_model, resolve_model
 from titan_ext.muon import build_lr_scheduler, build_optimizer
 from titan_ext.parallelize import build_parallel_dims, parallelize_model, prepare_model_config
@@ -127,7 +128,7 @@ class Trainer:
         parallelize_model(model, self.model_spec, self.parallel_dims, spec.parallelism, self.platform)
         init_model(model, self.device, spec.model.seed)
         if spec.model.hf_path:
-            load_hf_sharded(model, spec.model.hf_path)
+            load_hf_into_titan(model, spec.model.hf_path)
         model._skip_lm_head = True  # forward returns final hidden states; the loss applies the head
         self.model = model
 

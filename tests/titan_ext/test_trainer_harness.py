@@ -452,6 +452,62 @@ def scenario_taid(out_dir: Path, args: dict[str, Any]) -> dict:
             "saved": trainer.state_dict_extra()["taid"]}
 
 
+def scenario_hf_load(out_dir: Path, args: dict[str, Any]) -> dict:
+    """`load_hf_into_titan` on models parallelized like the trainer's, then a gathered read-back.
+
+    args["configs"][name] = {"flavour": ..., "parallelism": {...}}; args["hf_dirs"][flavour] = dir.
+    Per config: the mesh of the weights, whether the gathered HF tensors equal the checkpoint's
+    bitwise (and differed before loading), and the error a wrong-flavour checkpoint raises.
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from configs.sections.model import ModelConfig
+    from configs.sections.parallelism import ParallelismConfig
+    from titan_ext.hf_checkpoint import load_hf_into_titan, read_hf_state_dict, titan_to_hf_state_dict
+    from titan_ext.models import init_model, resolve_model
+    from titan_ext.parallelize import build_parallel_dims, parallelize_model, prepare_model_config
+    from titan_ext.platform import detect_platform, init_process_group
+
+    platform = detect_platform("cpu")
+    init_process_group(platform)
+    result: dict[str, Any] = {}
+    for name, config in args["configs"].items():
+        flavour, parallelism = config["flavour"], ParallelismConfig(**config["parallelism"])
+        resolved = resolve_model(ModelConfig(flavour=flavour, device="cpu", seed=7), platform)
+        prepare_model_config(resolved.spec.model, parallelism)
+        with torch.device("meta"):
+            model = resolved.spec.model.build()
+        parallelize_model(model, resolved.spec, build_parallel_dims(parallelism, dist.get_world_size(), platform),
+                          parallelism, platform)
+        init_model(model, "cpu", 7)
+        expected = read_hf_state_dict(args["hf_dirs"][flavour])
+        # clones: a gathered Replicate / size-1 shard can alias the parameter that the load overwrites
+        before = {k: v.clone() for k, v in titan_to_hf_state_dict(model).items()}
+        wrong = next(d for f, d in args["hf_dirs"].items() if f != flavour)
+        try:
+            load_hf_into_titan(model, wrong)
+            wrong_error = None
+        except ValueError as e:
+            wrong_error = str(e)
+        untouched = {k: v.clone() for k, v in titan_to_hf_state_dict(model).items()}
+        load_hf_into_titan(model, args["hf_dirs"][flavour])
+        loaded = titan_to_hf_state_dict(model)
+        result[name] = {
+            "meshes": sorted({"/".join(p.device_mesh.mesh_dim_names) for p in model.parameters()
+                              if isinstance(p, DTensor)}),
+            "differed_before": sorted(k for k in expected if not torch.equal(before[k], expected[k])),
+            "untouched_by_wrong": all(torch.equal(before[k], untouched[k]) for k in before),
+            "wrong_error": wrong_error,
+            "names_match": sorted(loaded) == sorted(expected),
+            "mismatched": sorted(k for k in expected if not torch.equal(loaded.get(k, torch.empty(0)), expected[k])),
+            "keys": sorted(expected),
+        }
+        dist.barrier()
+    return result
+
+
 def export_parity(trainer, out_dir: Path) -> dict:
     """Export HF buckets (collective), load them into transformers on rank 0, compare logits."""
     import torch
