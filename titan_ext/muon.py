@@ -496,7 +496,11 @@ def build_lr_scheduler(optimizer: Optimizer, cfg: OptimizerConfig, training_step
 
     Returns a `torchtitan.components.optimizer.lr_scheduler.LRSchedulersContainer`
     (step / state_dict / load_state_dict / get_metrics); every param group
-    (Muon and AdamW) is scaled by the same factor of its own base LR.
+    (Muon and AdamW) is scaled by the same factor of its own base LR. The
+    knobs keep TorchTitan's meaning (the section docs state it): with W warmup
+    and D decay steps out of T, step s runs at factor (s + 1) / W for s < W,
+    1 through step T − D, then decays to min_lr_factor, which it reaches after
+    the last step; decay_ratio = None means D = T − W.
     """
     from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
 

@@ -61,12 +61,18 @@ class OptimizerConfig:
         "owner: gather → Newton–Schulz on one owner rank → scatter (any backend); dist_muon: TorchTitan's (CUDA only)",
         choices=("auto", "owner", "dist_muon"),
     )
-    warmup_steps: int = option(0, doc="linear LR warmup steps: factor (step + 1) / warmup_steps", ge=0)
+    warmup_steps: int = option(
+        0, doc="linear LR warmup: optimizer step s (from 0) runs at lr·(s + 1) / warmup_steps, so the first "
+        "at lr / warmup_steps and step warmup_steps − 1 at lr; 0 = no warmup", ge=0,
+    )
     decay_ratio: float | None = option(
-        None, doc="fraction of the steps spent decaying at the end (warmup-stable-decay); none = decay right after warmup",
+        None, doc="fraction of trainer.steps spent decaying at the end (warmup-stable-decay); 0 = constant after "
+        "warmup; none = decay right after warmup (TorchTitan: one more step at lr, then decay)",
         ge=0.0, le=1.0,
     )
     decay_type: Literal["linear", "sqrt", "cosine"] = option(
         "linear", doc="shape of the LR decay", choices=("linear", "sqrt", "cosine"),
     )
-    min_lr_factor: float = option(0.0, doc="LR at the end of the decay, as a fraction of the peak", ge=0.0, le=1.0)
+    min_lr_factor: float = option(
+        0.0, doc="LR the decay ends at, as a fraction of the peak (reached after the last step)", ge=0.0, le=1.0,
+    )
