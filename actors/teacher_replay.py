@@ -43,6 +43,7 @@ class ReplaySpec:
     replay: ReplayConfig
     teachers: TeachersConfig
     tokenizer_dir: str = ""  # needed for gating with the trainer's policy
+    max_queue: int = 4096  # states waiting for teachers; the oldest are dropped beyond it
 
 
 def rollout_states(rollout: Rollout) -> list[TraceState]:
@@ -101,7 +102,8 @@ class TeacherReplayActor(Actor):
 
             scorer = TrainerScorer(trainer, ChatTokens(AutoTokenizer.from_pretrained(spec.tokenizer_dir)))
             self.gate = VOIGate(spec.replay.gating, scorer)
-        self.queue: deque[TraceState] = deque(load_states(spec.replay)[0] if spec.replay.traces else [])
+        self.queue: deque[TraceState] = deque(load_states(spec.replay)[0] if spec.replay.traces else [],
+                                              maxlen=spec.max_queue)
         self.ready: deque[PreferencePair] = deque()
         self.outcomes: Counter[str] = Counter()
         self.states_done = 0

@@ -191,6 +191,13 @@ def test_teacher_replay_pairs_budget_and_gating(trainer_mesh, gen_spec, teacher_
     off = closed.status.call_one().get()
     assert off["spend_usd"] == 0 and off["outcomes"] == {"gated_out": len(states)}
 
+    # a bounded queue keeps the newest states
+    import dataclasses
+
+    small = dataclasses.replace(replay_spec(tmp_path / "small", teacher_server, tiny_assets, 0.0), max_queue=2)
+    bounded = this_proc().spawn("replay_small", TeacherReplayActor, small, trainer_mesh)
+    assert bounded.add_rollouts.call_one(rollouts).get() == 2
+
 
 def test_sync_mode_all_three_channels(trainer_mesh, gen_spec, teacher_server, tiny_assets, chat, tmp_path):
     from monarch.actor import this_proc
