@@ -27,12 +27,9 @@ VENV = Path(os.environ.get("COMPOSER_MESH_VENV", REPO / ".venv"))
 TORCH_SPEC = os.environ.get("COMPOSER_MESH_TORCH", "torch==2.13.0")
 STAMP = VENV / ".composer-mesh-stamp"
 
-# The main job. Until `composer-mesh train` lands it builds the tiny offline
-# assets and prints the resolved embedded default recipe.
-MAIN_JOB: tuple[tuple[str, ...], ...] = (
-    ("composer-mesh", "assets", "build"),
-    ("composer-mesh", "config", "show", "configs/debug_cpu.toml"),
-)
+# The main job: the embedded default recipe (extra `main` arguments are appended,
+# e.g. `python3 -m mesh.bootstrap main --trainer.steps=5`).
+MAIN_JOB: tuple[str, ...] = ("composer-mesh", "train", "configs/debug_cpu.toml")
 TEST_COMMAND: tuple[str, ...] = ("python", "-m", "pytest")
 
 
@@ -110,11 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.args:
             parser.error("exec needs a command")
         return run_in_venv(bin_dir, args.args)
-    for cmd in MAIN_JOB:
-        rc = run_in_venv(bin_dir, [*cmd, *args.args] if cmd is MAIN_JOB[-1] else cmd)
-        if rc:
-            return rc
-    return 0
+    return run_in_venv(bin_dir, [*MAIN_JOB, *args.args])
 
 
 if __name__ == "__main__":
