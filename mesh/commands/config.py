@@ -20,8 +20,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import sys
 
-    from configs.loader import ConfigError, dump_config, list_recipes, load_config
+    from configs.loader import dump_config, list_recipes
     from configs.reference import render_reference
+    from mesh.commands import load_job
 
     if args.action == "list":
         print("\n".join(list_recipes()))
@@ -29,10 +30,8 @@ def run(args: argparse.Namespace) -> int:
     if args.action == "reference":
         sys.stdout.write(render_reference())
         return 0
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+    cfg = load_job(args)
+    if cfg is None:
         return 2
     sys.stdout.write(dump_config(cfg))
     return 0

@@ -18,14 +18,12 @@ def run(args: argparse.Namespace) -> int:
     import json
     import sys
 
-    from configs.loader import ConfigError, load_config
+    from mesh.commands import load_job
     from mesh.commands.serve_teachers import build_responder
     from replay.pipeline import run_replay
 
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+    cfg = load_job(args)
+    if cfg is None:
         return 2
     rc, tc = cfg.replay, cfg.teachers
     try:

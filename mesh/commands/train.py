@@ -27,28 +27,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def model_dir(job: Any) -> str:
     """HF weights both the trainer and the generators start from."""
-    if job.model.hf_path:
-        return job.model.hf_path
-    if job.model.flavour not in ("tiny", "tiny_moe"):
+    from titan_ext.assets import hf_dir_for
+
+    weights = hf_dir_for(job.model)
+    if weights is None:
         raise ValueError(f"model.flavour = {job.model.flavour!r} needs model.hf_path (generators load HF weights)")
-    from pathlib import Path
-
-    from titan_ext.assets import build_assets, default_cache_dir
-
-    cache = Path(job.model.assets_cache_dir) if job.model.assets_cache_dir else default_cache_dir()
-    paths = build_assets(cache, seed=job.model.seed)
-    return str(paths.dense_dir if job.model.flavour == "tiny" else paths.moe_dir)
+    return str(weights)
 
 
 def run(args: argparse.Namespace) -> int:
     import sys
 
-    from configs.loader import ConfigError, load_config
+    from mesh.commands import load_job
 
-    try:
-        job = load_config(args.config, args.overrides)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+    job = load_job(args)
+    if job is None:
         return 2
     try:
         summary = train(job, resume=not args.no_resume, progress=not args.no_progress)
