@@ -203,12 +203,11 @@ def _convert(tp: Any, value: Any, key: tuple[str, ...], sources: Mapping, enviro
         non_none = [a for a in args if a is not type(None)]
         if value is None or (isinstance(value, str) and value.lower() == "none" and type(None) in args):
             return None
-        errors = []
         for arg in non_none:
             try:
                 return _convert(arg, value, key, sources, environ)
-            except ConfigError as e:
-                errors.append(e)
+            except ConfigError:
+                continue
         fail(" or ".join(_type_name(a) for a in non_none))
     if origin is Literal:
         if value not in args:

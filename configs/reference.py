@@ -16,8 +16,9 @@ def render_reference() -> str:
         "Every key can be set in a recipe's `[section]` or on the command line as `--section.key=value`.",
         "",
     ]
+    hints = typing.get_type_hints(JobConfig)  # annotations are strings (PEP 563)
     for f in dataclasses.fields(JobConfig):
-        _section(f.type if isinstance(f.type, type) else typing.get_type_hints(JobConfig)[f.name], f.name, lines)
+        _section(hints[f.name], f.name, lines)
     return "\n".join(lines) + "\n"
 
 
