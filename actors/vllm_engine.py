@@ -20,7 +20,8 @@
   cache and its process stay.
 - `named_weights` maps HF names onto views of vLLM's fused parameters
   (`qkv_proj` -> q/k/v, `gate_up_proj` -> gate/up, split by each layer's
-  `output_partition_sizes`), so `actors.weights.weights_digest` over them
+  `output_partition_sizes`; MoE `w13_weight` / `w2_weight` -> each expert's
+  gate/up and down), so `actors.weights.weights_digest` over them
   compares equal with the trainer's HF export when the bytes are equal.
 - On CPU vLLM repacks linear weights into oneDNN kernel format and frees the
   HF-layout tensors. The engine turns that off (each linear layer computes with
@@ -66,6 +67,20 @@ def _architecture(model_dir: Path) -> str:
 
     config = AutoConfig.from_pretrained(str(model_dir))
     return AutoModelForCausalLM._model_mapping[type(config)].__name__
+
+
+# vLLM's fused MoE tensors -> per-expert HF projections: w13 [E, 2I, H] = [gate; up], w2 [E, H, I] = down.
+_EXPERT_VIEWS = {"w13_weight": ("gate_proj", "up_proj"), "w2_weight": ("down_proj",)}
+
+
+def _expert_views(hf_prefix: str, leaf: str, weight_EOI: torch.Tensor) -> dict[str, torch.Tensor]:
+    """`{hf_prefix}.{e}.{proj}.weight` views of one fused expert tensor."""
+    projs = _EXPERT_VIEWS[leaf]
+    out = {}
+    for e in range(weight_EOI.shape[0]):
+        for proj, view in zip(projs, weight_EOI[e].chunk(len(projs), dim=0)):
+            out[f"{hf_prefix}.{e}.{proj}.weight"] = view
+    return out
 
 
 class VLLMEngine:
@@ -170,7 +185,9 @@ class VLLMEngine:
             prefix, _, leaf = name.rpartition(".")
             module_prefix, _, module_name = prefix.rpartition(".")
             parts = packed.get(module_name)
-            if parts and len(parts) > 1:
+            if leaf in _EXPERT_VIEWS and ".experts" in prefix:
+                out.update(_expert_views(prefix[: prefix.index(".experts") + len(".experts")], leaf, param.data))
+            elif parts and len(parts) > 1:
                 sizes = list(modules[prefix].output_partition_sizes)
                 if len(sizes) != len(parts) or sum(sizes) != param.shape[0]:
                     raise RuntimeError(f"{name}: cannot split {tuple(param.shape)} into {parts} by {sizes}")

@@ -5,9 +5,10 @@ Needs `vllm` importable. Where the environment is meant to have it (the bootstra
 vllm fails the module instead of skipping it. One engine is started for the module
 (≈45–65 s on 2 loaded cores): every test below talks to that same engine.
 
-Logprobs are checked against a reference implementation written here of the
-sampling transform (temperature, then top-k, then top-p by ascending cumulative
-mass) applied to an independent teacher-forced HF forward, in float64.
+Logprobs are checked against the suite's reference implementation of the
+sampling transform (`test_actors_generator.reference_logprobs`: temperature,
+then top-k, then top-p by ascending cumulative mass, float64) applied to an
+independent teacher-forced HF forward.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import pytest
 import torch
 
 from actors.rollout import SamplingParams
+from test_actors_generator import reference_logprobs  # the sibling module: one reference for both engines
 
 if importlib.util.find_spec("vllm") is None:
     if os.environ.get("COMPOSER_MESH_EXPECT_VLLM") == "1":
@@ -31,19 +33,6 @@ GREEDY = SamplingParams(temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=12, 
 WARPED = SamplingParams(temperature=0.7, top_p=0.9, top_k=50, max_new_tokens=12, seed=5)
 PLAIN = SamplingParams(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=12, seed=6)
 TOL = 1e-4  # fp32 vLLM (F.linear, CPU attention) vs fp32 HF forward, compared in logprob space
-
-
-def reference_logprobs(logits_TV: torch.Tensor, s: SamplingParams) -> torch.Tensor:
-    z = logits_TV.double() / s.temperature
-    if s.top_k:
-        kth = torch.sort(z, dim=-1, descending=True).values[:, s.top_k - 1 : s.top_k]
-        z = torch.where(z < kth, -math.inf, z)
-    if s.top_p < 1:
-        asc, idx = torch.sort(z, dim=-1)
-        remove = asc.softmax(-1).cumsum(-1) <= 1 - s.top_p
-        remove[:, -1] = False
-        z = z.scatter(-1, idx, torch.where(remove, -math.inf, asc))
-    return z.log_softmax(-1)
 
 
 def teacher_forced_check(model, prompt: list[int], ids: list[int], logps: list[float], s: SamplingParams) -> None:
