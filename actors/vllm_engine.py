@@ -13,7 +13,9 @@
   of the completion, as in the HF engine.
 - The engine core runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`,
   one worker): `model` is the live vLLM module, so `named_weights` returns live
-  views and no tensor crosses a process boundary on a weight update.
+  views and no tensor crosses a process boundary on a weight update. That
+  worker takes torch.distributed's default group (world 1), so the engine
+  refuses to start in a trainer rank (colocated placement).
 - `load_weights` goes through vLLM's own in-place reload (the worker's
   `reload_weights`: the model's `load_weights` with vLLM's HF-name mapping and
   fusing, then the post-load kernel processing), so the engine object, its KV
@@ -58,6 +60,18 @@ class VLLMEngineConfig:
     seed: int = 0
 
 
+def _refuse_trainer_process() -> None:
+    """The in-process worker makes torch.distributed's default group its own (world 1): in a trainer
+    rank (colocated placement) the trainer would then join that group instead of its real world."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError(
+            "the vLLM engine cannot share a process with a torch.distributed world (a trainer rank): "
+            "use mesh.placement = 'disaggregated' with generator.engine = 'vllm', or engine = 'hf' when colocated"
+        )
+
+
 def _architecture(model_dir: Path) -> str:
     """The HF causal-LM class name for `model_dir` (config.json may omit `architectures`)."""
     cfg = json.loads((model_dir / "config.json").read_text())
@@ -90,6 +104,7 @@ class VLLMEngine:
 
     def __init__(self, model_dir: str | Path, stop_token_ids: Iterable[int],
                  config: VLLMEngineConfig | None = None) -> None:
+        _refuse_trainer_process()
         # Live views and in-place reloads need the engine core in this process.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM

@@ -45,6 +45,19 @@ def teacher_forced_check(model, prompt: list[int], ids: list[int], logps: list[f
         assert abs(lp - expect) < TOL, (t, lp, expect)
 
 
+def test_refuses_to_start_in_a_trainer_rank(tiny_assets, monkeypatch):
+    """First in the module, before any engine exists: Monarch's torch-elastic env marks a trainer rank."""
+    import torch.distributed as dist
+
+    from actors.vllm_engine import VLLMEngine
+
+    assert not dist.is_initialized()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="disaggregated"):
+        VLLMEngine(tiny_assets.dense_dir, [2])
+    assert not dist.is_initialized()
+
+
 @pytest.fixture(scope="module")
 def setup(tiny_assets):
     """(vLLM engine, HF engine, stop token ids): a stop token the greedy decode of PROMPTS[1] meets."""
