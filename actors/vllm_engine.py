@@ -107,6 +107,8 @@ class VLLMEngine:
         _refuse_trainer_process()
         # Live views and in-place reloads need the engine core in this process.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # vLLM's CPU worker sets torch to 1 thread and replaces torch.set_num_threads: undone by close().
+        self._torch_threads = (torch.get_num_threads(), torch.set_num_threads)
         from vllm import LLM
         from vllm.model_executor.layers.linear import LinearBase
         from vllm.platforms import current_platform
@@ -213,6 +215,20 @@ class VLLMEngine:
         if self.tied and "model.embed_tokens.weight" in out:
             out.setdefault("lm_head.weight", out["model.embed_tokens.weight"])
         return out
+
+    def close(self) -> None:
+        """Stop the engine and give the process back as it was: torch.distributed's default group
+        (the worker's world of 1) destroyed, torch's thread count and `set_num_threads` restored."""
+        if getattr(self, "llm", None) is None:
+            return
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        self.llm.llm_engine.engine_core.shutdown()
+        self.llm = self.model = None
+        cleanup_dist_env_and_memory()
+        threads, set_num_threads = self._torch_threads
+        torch.set_num_threads = set_num_threads
+        torch.set_num_threads(threads)
 
     # --- internals --------------------------------------------------------------------------
 

@@ -68,7 +68,9 @@ def setup(tiny_assets):
     probe = HFEngine(tiny_assets.dense_dir, [eos]).generate([PROMPTS[1]], GREEDY)[0].token_ids
     stop = next(t for i, t in enumerate(probe) if i >= 1 and t not in probe[:i] and t != eos)
     stops = [eos, stop]
-    return VLLMEngine(tiny_assets.dense_dir, stops), HFEngine(tiny_assets.dense_dir, stops), stops
+    engine = VLLMEngine(tiny_assets.dense_dir, stops)
+    yield engine, HFEngine(tiny_assets.dense_dir, stops), stops
+    engine.close()  # idempotent; the last test checks what it releases
 
 
 def test_greedy_equals_hf_token_for_token_with_stop_tokens(setup):
@@ -148,3 +150,15 @@ def test_bad_weights_are_refused_before_loading(setup):
         vllm_engine.load_weights(full[1:])
     assert weights_digest(vllm_engine.named_weights().items()) == digest
     assert [c.token_ids for c in vllm_engine.generate(PROMPTS[:2], GREEDY)] == before
+
+
+def test_close_gives_the_process_back(setup):
+    """Last: the suite goes on in this process without vLLM's process group or thread settings."""
+    import torch.distributed as dist
+
+    vllm_engine, _, _ = setup
+    threads, set_num_threads = vllm_engine._torch_threads
+    assert dist.is_initialized() and torch.set_num_threads is not set_num_threads  # what the engine changed
+    vllm_engine.close()
+    assert not dist.is_initialized()
+    assert torch.set_num_threads is set_num_threads and torch.get_num_threads() == threads
