@@ -56,7 +56,7 @@ class VLLMEngineConfig:
     gpu_memory_utilization: float = 0.5  # GPU: weights + KV cache share of device memory
     cpu_kv_cache_mib: int = 256  # CPU: KV cache size (vLLM's CPU worker otherwise reserves a RAM share)
     max_model_len: int | None = None  # None: the model's max_position_embeddings
-    enforce_eager: bool = True  # no CUDA graphs / torch.compile (fast start; CPU needs it)
+    enforce_eager: bool = False  # GPU: no CUDA graphs / torch.compile; always on for CPU (start-up time)
     seed: int = 0
 
 
@@ -122,7 +122,7 @@ class VLLMEngine:
         c = self.config
         self.llm = LLM(
             model=str(model_dir), skip_tokenizer_init=True, runner="generate", dtype=c.dtype, seed=c.seed,
-            enforce_eager=c.enforce_eager, max_model_len=c.max_model_len, tensor_parallel_size=1,
+            enforce_eager=c.enforce_eager or self.on_cpu, max_model_len=c.max_model_len, tensor_parallel_size=1,
             gpu_memory_utilization=c.gpu_memory_utilization,
             kv_cache_memory_bytes=(c.cpu_kv_cache_mib << 20) if self.on_cpu else None,
             logprobs_mode="processed_logprobs", max_logprobs=1, enable_prefix_caching=True,
