@@ -1,0 +1,269 @@
+"""Replica-side DiLoCo: a trainer's model and inner optimizer under torchft's `DiLoCo`.
+
+One `DiLoCoReplica` per rank of a trainer replica group. It builds the torchft
+pieces from `[diloco]` and the group's `ReplicaAssignment` (handed out by
+`actors.diloco.DiLoCoManagerActor`):
+
+- a reconfigurable `ProcessGroupGloo` across replica groups (rank r of every
+  group talks to rank r of the others, so FSDP shards meet their own shards),
+  wrapped to count the bytes handed to it (`CountingProcessGroupGloo`);
+- a `Manager` (synchronous quorum, as DiLoCo requires) on the group's own
+  TCPStore, registered with the lighthouse under the replica id;
+- `torchft.local_sgd.DiLoCo` over the model split into `[diloco] fragments`
+  (Streaming DiLoCo when > 1: fragment i syncs every H steps, staggered by H/F,
+  its all-reduce overlapping `fragment_delay` inner steps), one outer SGD
+  optimizer per fragment (`build_outer_optimizer`), optional quantized
+  pseudo-gradients and `fragment_update_alpha`.
+
+DiLoCo hooks the inner optimizer: every H / F `optimizer.step()` calls sync one
+fragment (pseudo-gradient θ_global − θ_local, averaged over the quorum, outer
+step from θ_global), so the trainer's step code is unchanged. A replica that
+starts behind the quorum (a restart) heals from a live peer through torchft's
+checkpoint transport: model, inner optimizer, the trainer's extra state and
+each fragment's global weights and outer optimizer (`state_dict` / `load`).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torchft.local_sgd import DiLoCo
+from torchft.manager import Manager
+from torchft.process_group import ProcessGroupGloo
+
+from configs.sections.diloco import DiLoCoConfig
+
+
+@dataclass(frozen=True)
+class ReplicaAssignment:
+    """What a replica group needs to join: its id (trailing digits = index) and the lighthouse."""
+
+    replica_id: str
+    index: int
+    lighthouse_addr: str
+
+
+class CountingProcessGroupGloo(ProcessGroupGloo):
+    """torchft's reconfigurable gloo group, counting the payload bytes of every all-reduce it is handed."""
+
+    def __init__(self, timeout: timedelta = timedelta(seconds=60)) -> None:
+        super().__init__(timeout=timeout)
+        self._lock = threading.Lock()
+        self.bytes_sent = 0
+        self.allreduce_calls = 0
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: object) -> Any:  # type: ignore[override]
+        with self._lock:
+            self.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
+            self.allreduce_calls += 1
+        return super().allreduce(tensors, opts)
+
+
+def build_outer_optimizer(params: Any, cfg: DiLoCoConfig) -> torch.optim.SGD:
+    """The outer optimizer of `[diloco]`: SGD(lr, momentum, Nesterov) stepping on the averaged pseudo-gradient."""
+    return torch.optim.SGD(
+        params, lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=cfg.nesterov and cfg.outer_momentum > 0
+    )
+
+
+def split_fragments(model: nn.Module, n: int) -> list[nn.Module]:
+    """`n` contiguous fragments of the model's blocks, balanced by parameter count.
+
+    Blocks are the top-level children, with `ModuleList` / `ModuleDict` children
+    (a decoder's layers) expanded one level; a fragment is an `nn.ModuleList`
+    view on its blocks (no copies). n = 1 gives the whole model.
+    """
+    if n == 1:
+        return [model]
+    blocks: list[nn.Module] = []
+    for child in model.children():
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            blocks.extend(child.children())
+        elif any(True for _ in child.parameters()):
+            blocks.append(child)
+    direct = [name for name, _ in model.named_parameters(recurse=False)]
+    if direct:
+        raise ValueError(f"cannot fragment a model with parameters outside its blocks: {direct}")
+    if n > len(blocks):
+        raise ValueError(f"diloco.fragments = {n} but the model has only {len(blocks)} blocks to split")
+    sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]
+    total, fragments, current, acc = sum(sizes), [], [], 0
+    for i, (block, size) in enumerate(zip(blocks, sizes)):
+        current.append(block)
+        acc += size
+        left_blocks, left_fragments = len(blocks) - i - 1, n - len(fragments) - 1
+        if left_fragments and (acc >= total * (len(fragments) + 1) / n or left_blocks == left_fragments):
+            fragments.append(nn.ModuleList(current))
+            current = []
+    fragments.append(nn.ModuleList(current))
+    seen: set[int] = set()
+    for frag in fragments:
+        for p in frag.parameters():
+            if id(p) in seen:
+                raise ValueError("a parameter is shared between two fragments (tied weights): use fragments = 1")
+            seen.add(id(p))
+    return fragments
+
+
+def _local(obj: Any) -> Any:
+    """`obj` with every DTensor replaced by a copy of its local shard (what goes over the transport)."""
+    if isinstance(obj, DTensor):
+        return obj.to_local().detach().clone()
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: _local(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_local(v) for v in obj)
+    return obj
+
+
+def _like(template: Any, loaded: Any) -> Any:
+    """`loaded` (local shards) re-wrapped as DTensors wherever `template` holds one."""
+    if isinstance(template, DTensor) and isinstance(loaded, torch.Tensor):
+        return DTensor.from_local(
+            loaded.to(template.device), template.device_mesh, template.placements,
+            shape=template.shape, stride=template.stride(),
+        )
+    if isinstance(template, dict) and isinstance(loaded, dict):
+        return {k: _like(template[k], v) if k in template else v for k, v in loaded.items()}
+    if isinstance(template, (list, tuple)) and isinstance(loaded, (list, tuple)) and len(template) == len(loaded):
+        return type(loaded)(_like(t, v) for t, v in zip(template, loaded))
+    return loaded
+
+
+class DiLoCoReplica:
+    """One rank of a replica group: torchft Manager + DiLoCo hooked on `optimizer`.
+
+    Collective across the group and the quorum: every rank of every replica
+    group builds it, then steps the inner optimizer the same number of times.
+    `extra_state` = (save, load) for trainer state outside model and optimizer
+    (step, LR schedule) that a healing replica takes from its peer.
+    """
+
+    def __init__(
+        self,
+        cfg: DiLoCoConfig,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        assignment: ReplicaAssignment,
+        *,
+        store_addr: str,
+        store_port: int,
+        group_rank: int = 0,
+        group_world_size: int = 1,
+        extra_state: tuple[Callable[[], Any], Callable[[Any], None]] | None = None,
+    ) -> None:
+        if cfg.quantize_pseudograd and not torch.cuda.is_available():
+            raise ValueError("diloco.quantize_pseudograd needs CUDA (torchft's FP8 all-reduce kernels are Triton/CUDA)")
+        self.cfg = cfg
+        self.model = model
+        self.optimizer = optimizer
+        self.assignment = assignment
+        self._extra = extra_state
+        self.pg = CountingProcessGroupGloo(timeout=timedelta(seconds=cfg.timeout_s))
+        self.manager = Manager(
+            pg=self.pg,
+            load_state_dict=self._load_state,
+            state_dict=self._state,
+            min_replica_size=cfg.min_replicas,
+            use_async_quorum=False,
+            timeout=timedelta(seconds=cfg.timeout_s),
+            quorum_timeout=timedelta(seconds=cfg.quorum_timeout_s),
+            connect_timeout=timedelta(seconds=cfg.timeout_s),
+            rank=group_rank,
+            world_size=group_world_size,
+            store_addr=store_addr,
+            store_port=store_port,
+            lighthouse_addr=assignment.lighthouse_addr,
+            replica_id=assignment.replica_id,
+        )
+        self.fragments = split_fragments(model, cfg.fragments)
+        self.outer_optimizers = [build_outer_optimizer(f.parameters(), cfg) for f in self.fragments]
+        self.diloco = DiLoCo(
+            self.manager,
+            self.fragments,
+            optimizer,
+            self.outer_optimizers,
+            sync_every=cfg.inner_steps,
+            should_quantize=cfg.quantize_pseudograd,
+            fragment_sync_delay=cfg.fragment_delay,
+            fragment_update_alpha=cfg.fragment_update_alpha,
+        )
+        self.diloco.__enter__()
+        self.sync_bytes: list[int] = []  # payload bytes of each committed or failed sync, in order
+        self.commits = 0
+        self.failed_syncs = 0
+        self.healed = 0
+        self._last = (0, 0)  # (manager step, bytes) at the previous sync boundary
+        self._hook = optimizer.register_step_post_hook(self._after_step)  # runs after DiLoCo's hook
+
+    # ---- state a healing peer receives ------------------------------------------------------
+
+    def _state(self) -> dict[str, Any]:
+        return {
+            "model": _local(self.model.state_dict()),
+            "optimizer": _local(self.optimizer.state_dict()),
+            "extra": None if self._extra is None else self._extra[0](),
+        }
+
+    def _load_state(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(_like(self.model.state_dict(), state["model"]))
+        self.optimizer.load_state_dict(_like(self.optimizer.state_dict(), state["optimizer"]))
+        if self._extra is not None and state["extra"] is not None:
+            self._extra[1](state["extra"])
+        self.healed += 1
+
+    # ---- bookkeeping -------------------------------------------------------------------------
+
+    def _after_step(self, *_: Any) -> None:
+        """Record bytes per sync: a sync happened when DiLoCo's local step counter wrapped to 0."""
+        if self.diloco._local_step != 0:
+            return
+        step, sent = self.manager.current_step(), self.pg.bytes_sent
+        self.sync_bytes.append(sent - self._last[1])
+        if step > self._last[0]:
+            self.commits += 1
+        else:
+            self.failed_syncs += 1
+        self._last = (step, sent)
+
+    def status(self) -> dict[str, Any]:
+        """Quorum, outer step and bytes, for the manager actor and benchmarks."""
+        m = self.manager
+        return {
+            "replica_id": self.assignment.replica_id,
+            "outer_step": m.current_step(),
+            "quorum_id": m._quorum_id,
+            "participants": m.num_participants() if m._quorum_id >= 0 else 0,
+            "batches_committed": m.batches_committed(),
+            "commits": self.commits,
+            "failed_syncs": self.failed_syncs,
+            "healed": self.healed,
+            "bytes_sent": self.pg.bytes_sent,
+            "allreduce_calls": self.pg.allreduce_calls,
+            "sync_bytes": list(self.sync_bytes),
+        }
+
+    def close(self) -> None:
+        self._hook.remove()
+        self.diloco.__exit__(None, None, None)
+        self.manager.shutdown(wait=False)
+
+
+def parameters_digest(model: nn.Module) -> str:
+    """sha256 of this rank's local parameter shards in order (replicas compare rank by rank)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        t = p.to_local() if isinstance(p, DTensor) else p
+        h.update(name.encode())
+        h.update(t.detach().float().contiguous().cpu().numpy().tobytes())
+    return h.hexdigest()
