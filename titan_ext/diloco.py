@@ -76,38 +76,40 @@ def split_fragments(model: nn.Module, n: int) -> list[nn.Module]:
     """`n` contiguous fragments of the model's blocks, balanced by parameter count.
 
     Blocks are the top-level children, with `ModuleList` / `ModuleDict` children
-    (a decoder's layers) expanded one level; a fragment is an `nn.ModuleList`
+    (a decoder's layers) expanded one level; blocks that share a parameter (tied
+    embedding and LM head) stay in one fragment. A fragment is an `nn.ModuleList`
     view on its blocks (no copies). n = 1 gives the whole model.
     """
     if n == 1:
         return [model]
-    blocks: list[nn.Module] = []
-    for child in model.children():
-        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
-            blocks.extend(child.children())
-        elif any(True for _ in child.parameters()):
-            blocks.append(child)
     direct = [name for name, _ in model.named_parameters(recurse=False)]
     if direct:
         raise ValueError(f"cannot fragment a model with parameters outside its blocks: {direct}")
-    if n > len(blocks):
-        raise ValueError(f"diloco.fragments = {n} but the model has only {len(blocks)} blocks to split")
-    sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]
+    units: list[list[nn.Module]] = []  # blocks grouped by shared parameters, in first-seen order
+    owner: dict[int, int] = {}
+    for child in model.children():
+        for block in child.children() if isinstance(child, (nn.ModuleList, nn.ModuleDict)) else [child]:
+            ids = [id(p) for p in block.parameters()]
+            if not ids:
+                continue
+            shared = {owner[i] for i in ids if i in owner}
+            u = min(shared) if shared else len(units)
+            if not shared:
+                units.append([])
+            units[u].append(block)
+            owner.update(dict.fromkeys(ids, u))
+    if n > len(units):
+        raise ValueError(f"diloco.fragments = {n} but the model has only {len(units)} blocks to split")
+    sizes = [sum(p.numel() for p in nn.ModuleList(u).parameters()) for u in units]
     total, fragments, current, acc = sum(sizes), [], [], 0
-    for i, (block, size) in enumerate(zip(blocks, sizes)):
-        current.append(block)
+    for i, (unit, size) in enumerate(zip(units, sizes)):
+        current.extend(unit)
         acc += size
-        left_blocks, left_fragments = len(blocks) - i - 1, n - len(fragments) - 1
-        if left_fragments and (acc >= total * (len(fragments) + 1) / n or left_blocks == left_fragments):
+        left_units, left_fragments = len(units) - i - 1, n - len(fragments) - 1
+        if left_fragments and (acc >= total * (len(fragments) + 1) / n or left_units == left_fragments):
             fragments.append(nn.ModuleList(current))
             current = []
     fragments.append(nn.ModuleList(current))
-    seen: set[int] = set()
-    for frag in fragments:
-        for p in frag.parameters():
-            if id(p) in seen:
-                raise ValueError("a parameter is shared between two fragments (tied weights): use fragments = 1")
-            seen.add(id(p))
     return fragments
 
 

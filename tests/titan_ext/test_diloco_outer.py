@@ -104,3 +104,8 @@ def test_split_fragments_covers_every_parameter_once():
     assert sorted(ids) == sorted(id(p) for p in model.parameters()) and len(set(ids)) == len(ids)
     with pytest.raises(ValueError, match="only 6 blocks"):
         split_fragments(model, 7)
+    model[2].weight = model[0].weight  # tied embedding / head: one fragment holds both
+    frags = split_fragments(model, 2)
+    assert any(model[0] in list(f) and model[2] in list(f) for f in frags)
+    ids = [id(p) for f in frags for p in f.parameters()]
+    assert len(set(ids)) == len(ids) == len(list(model.parameters()))
