@@ -164,6 +164,16 @@ class Controller:
         return StepRecord(self.version, metrics, metrics["reward/mean"], staleness, dropped, len(groups),
                           time.perf_counter() - start)
 
+    def step(self, *, sync_generators: bool = True) -> StepRecord:
+        """One sync-mode step: generate with the generators' current weights, train, then sync them
+        (`mesh.replicas` drives one Controller per DiLoCo replica group with sync_generators=False)."""
+        start = time.perf_counter()
+        groups = self._generate_sync()
+        record = self._train(groups, [self.version - g.policy_version for g in groups], 0, start)
+        if sync_generators:
+            self._sync_all()
+        return record
+
     # ---- loops -------------------------------------------------------------------------------
 
     def run(self) -> list[StepRecord]:

@@ -101,16 +101,31 @@ def split_fragments(model: nn.Module, n: int) -> list[nn.Module]:
     if n > len(units):
         raise ValueError(f"diloco.fragments = {n} but the model has only {len(units)} blocks to split")
     sizes = [sum(p.numel() for p in nn.ModuleList(u).parameters()) for u in units]
-    total, fragments, current, acc = sum(sizes), [], [], 0
-    for i, (unit, size) in enumerate(zip(units, sizes)):
-        current.extend(unit)
-        acc += size
-        left_units, left_fragments = len(units) - i - 1, n - len(fragments) - 1
-        if left_fragments and (acc >= total * (len(fragments) + 1) / n or left_units == left_fragments):
-            fragments.append(nn.ModuleList(current))
-            current = []
-    fragments.append(nn.ModuleList(current))
-    return fragments
+    cuts = _balanced_cuts(sizes, n)
+    return [nn.ModuleList([b for u in units[lo:hi] for b in u]) for lo, hi in zip([0, *cuts], [*cuts, len(units)])]
+
+
+def _balanced_cuts(sizes: list[int], n: int) -> list[int]:
+    """The n − 1 cut points of `sizes` into n contiguous non-empty parts with the smallest largest part (DP)."""
+    prefix = [0]
+    for size in sizes:
+        prefix.append(prefix[-1] + size)
+    inf = float("inf")
+    # best[k][i]: smallest largest part splitting sizes[:i] into k parts; cut[k][i]: where the last part starts
+    best = [[inf] * (len(sizes) + 1) for _ in range(n + 1)]
+    cut = [[0] * (len(sizes) + 1) for _ in range(n + 1)]
+    best[0][0] = 0
+    for k in range(1, n + 1):
+        for i in range(k, len(sizes) + 1):
+            for j in range(k - 1, i):
+                worst = max(best[k - 1][j], prefix[i] - prefix[j])
+                if worst < best[k][i]:
+                    best[k][i], cut[k][i] = worst, j
+    cuts, i = [], len(sizes)
+    for k in range(n, 1, -1):
+        i = cut[k][i]
+        cuts.append(i)
+    return cuts[::-1]
 
 
 def _local(obj: Any) -> Any:
@@ -138,6 +153,30 @@ def _like(template: Any, loaded: Any) -> Any:
     if isinstance(template, (list, tuple)) and isinstance(loaded, (list, tuple)) and len(template) == len(loaded):
         return type(loaded)(_like(t, v) for t, v in zip(template, loaded))
     return loaded
+
+
+def build_manager(
+    cfg: DiLoCoConfig, pg: ProcessGroupGloo, assignment: ReplicaAssignment,
+    load_state: Callable[[Any], None], state: Callable[[], Any], *,
+    store_addr: str, store_port: int, group_rank: int = 0, group_world_size: int = 1,
+) -> Manager:
+    """A torchft Manager for one rank of a replica group: synchronous quorum, timeouts and quorum floor from `cfg`."""
+    return Manager(
+        pg=pg,
+        load_state_dict=load_state,
+        state_dict=state,
+        min_replica_size=cfg.min_replicas,
+        use_async_quorum=False,
+        timeout=timedelta(seconds=cfg.timeout_s),
+        quorum_timeout=timedelta(seconds=cfg.quorum_timeout_s),
+        connect_timeout=timedelta(seconds=cfg.timeout_s),
+        rank=group_rank,
+        world_size=group_world_size,
+        store_addr=store_addr,
+        store_port=store_port,
+        lighthouse_addr=assignment.lighthouse_addr,
+        replica_id=assignment.replica_id,
+    )
 
 
 class DiLoCoReplica:
@@ -170,22 +209,8 @@ class DiLoCoReplica:
         self.assignment = assignment
         self._extra = extra_state
         self.pg = CountingProcessGroupGloo(timeout=timedelta(seconds=cfg.timeout_s))
-        self.manager = Manager(
-            pg=self.pg,
-            load_state_dict=self._load_state,
-            state_dict=self._state,
-            min_replica_size=cfg.min_replicas,
-            use_async_quorum=False,
-            timeout=timedelta(seconds=cfg.timeout_s),
-            quorum_timeout=timedelta(seconds=cfg.quorum_timeout_s),
-            connect_timeout=timedelta(seconds=cfg.timeout_s),
-            rank=group_rank,
-            world_size=group_world_size,
-            store_addr=store_addr,
-            store_port=store_port,
-            lighthouse_addr=assignment.lighthouse_addr,
-            replica_id=assignment.replica_id,
-        )
+        self.manager = build_manager(cfg, self.pg, assignment, self._load_state, self._state, store_addr=store_addr,
+                                     store_port=store_port, group_rank=group_rank, group_world_size=group_world_size)
         self.fragments = split_fragments(model, cfg.fragments)
         self.outer_optimizers = [build_outer_optimizer(f.parameters(), cfg) for f in self.fragments]
         self.diloco = DiLoCo(

@@ -122,14 +122,18 @@ def run_ddp(cfg: LMTaskConfig, replicas: int, steps: int, seed: int = 0) -> nn.M
     return model
 
 
-def run_diloco_threads(
-    cfg: LMTaskConfig, diloco: Any, replicas: int, syncs: int, on_sync: Callable[[int, int], None] | None = None,
+def run_in_threads(
+    cfg: LMTaskConfig, diloco: Any, replicas: int,
+    attach: Callable[[nn.Module, torch.optim.Optimizer, Any, int], Any],
+    body: Callable[[int, Any, nn.Module, torch.optim.Optimizer], dict],
 ) -> tuple[list[nn.Module], list[dict]]:
     """`replicas` replica groups as threads of this process under an in-process lighthouse.
 
-    Each thread: its own model (same seeded init), AdamW, TCPStore, torchft
-    Manager and DiLoCo. Returns the final models and each replica's status.
-    `on_sync(replica, manager_step)` runs in the replica's thread after a sync.
+    Each replica: its own model (same seeded init), AdamW, TCPStore and
+    `attach(model, optimizer, assignment, store_port)` (a `DiLoCoReplica`, or
+    any object with `close()`), built here in turn (TorchTitan's model build is
+    not thread-safe); then `body(index, member, model, optimizer)` runs in one
+    thread per replica. Returns the final models and the bodies' results.
     """
     from concurrent.futures import ThreadPoolExecutor
     from datetime import timedelta
@@ -137,33 +141,44 @@ def run_diloco_threads(
     from torch.distributed import TCPStore
     from torchft._torchft import LighthouseServer
 
-    from titan_ext.diloco import DiLoCoReplica, ReplicaAssignment
+    from titan_ext.diloco import ReplicaAssignment
 
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=diloco.min_replicas,
                                   join_timeout_ms=diloco.join_timeout_ms,
                                   heartbeat_timeout_ms=diloco.heartbeat_timeout_ms)
-
     corpus_ids()
     stores, models, optimizers, members = [], [], [], []
     try:
-        for index in range(replicas):  # built here: TorchTitan's model build is not thread-safe
+        for index in range(replicas):
             stores.append(TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                    timeout=timedelta(seconds=60)))
             models.append(build_lm(cfg.seed))
             optimizers.append(inner_optimizer(models[-1], cfg))
-            members.append(DiLoCoReplica(diloco, models[-1], optimizers[-1],
-                                         ReplicaAssignment(f"replica_{index}", index, lighthouse.address()),
-                                         store_addr="127.0.0.1", store_port=stores[-1].port))
-
-        def one(index: int) -> dict:
-            run_replica(members[index], models[index], optimizers[index], cfg, index, syncs,
-                        None if on_sync is None else functools.partial(on_sync, index))
-            return members[index].status()
-
+            members.append(attach(models[-1], optimizers[-1],
+                                  ReplicaAssignment(f"replica_{index}", index, lighthouse.address()), stores[-1].port))
         with ThreadPoolExecutor(replicas) as pool:
-            statuses = list(pool.map(one, range(replicas)))
+            results = list(pool.map(lambda i: body(i, members[i], models[i], optimizers[i]), range(replicas)))
     finally:
         for member in members:
             member.close()
         lighthouse.shutdown()
-    return models, statuses
+    return models, results
+
+
+def run_diloco_threads(
+    cfg: LMTaskConfig, diloco: Any, replicas: int, syncs: int,
+    on_sync: Callable[[int, int, nn.Module], None] | None = None,
+) -> tuple[list[nn.Module], list[dict]]:
+    """DiLoCo on `replicas` thread replicas until `syncs` syncs; returns the models and each replica's status.
+    `on_sync(replica, manager_step, model)` runs in the replica's thread after a committed sync."""
+    from titan_ext.diloco import DiLoCoReplica
+
+    def attach(model: nn.Module, optimizer: torch.optim.Optimizer, assignment: Any, port: int) -> DiLoCoReplica:
+        return DiLoCoReplica(diloco, model, optimizer, assignment, store_addr="127.0.0.1", store_port=port)
+
+    def body(index: int, replica: DiLoCoReplica, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        hook = None if on_sync is None else (lambda step: on_sync(index, step, model))
+        run_replica(replica, model, optimizer, cfg, index, syncs, hook)
+        return replica.status()
+
+    return run_in_threads(cfg, diloco, replicas, attach, body)

@@ -98,7 +98,13 @@ def train(job: Any, *, resume: bool = True, progress: bool = True) -> dict[str, 
         replay = dataclasses.replace(job.replay, output_dir=str(run_dir / "replay"))
         replay_spec = ReplaySpec(replay, teachers, tokenizer_dir=job.model.tokenizer_path or weights)
     weight_dir = f"/dev/shm/composer-mesh-{job.job.name}-{os.getpid()}"
-    placement = place(job.mesh, trainer_spec, gen_spec, replay_spec)
+    if job.diloco.enabled:  # R trainer replica groups under torchft DiLoCo (mesh.replicas)
+        from mesh.replicas import check_supported, place_replicas
+
+        check_supported(job)
+        placement = place_replicas(job.mesh, job.diloco, trainer_spec, gen_spec)
+    else:
+        placement = place(job.mesh, trainer_spec, gen_spec, replay_spec)
     try:
         start = placement.trainer_setup[0]["step"]
         cfg = ControllerConfig(
@@ -112,13 +118,20 @@ def train(job: Any, *, resume: bool = True, progress: bool = True) -> dict[str, 
         chat = ChatTokens(AutoTokenizer.from_pretrained(job.model.tokenizer_path or weights))
         metrics_cfg = dataclasses.replace(job.metrics, progress_bar=job.metrics.progress_bar and progress)
         with MetricsSink(metrics_cfg, run_dir, job.trainer.steps, start) as sink:
-            controller = Controller(cfg, placement.trainer, placement.generators, chat,
-                                    hinter=TemplateHintGenerator(), replay=placement.replay, on_step=sink,
-                                    prompt_cursor=start * job.trainer.prompts_per_step)
+            if job.diloco.enabled:
+                from mesh.replicas import ReplicaController
+
+                controller = ReplicaController(cfg, placement, job.diloco, chat, hinter=TemplateHintGenerator(),
+                                               on_step=sink, prompt_cursor=start * job.trainer.prompts_per_step)
+            else:
+                controller = Controller(cfg, placement.trainer, placement.generators, chat,
+                                        hinter=TemplateHintGenerator(), replay=placement.replay, on_step=sink,
+                                        prompt_cursor=start * job.trainer.prompts_per_step)
             history = controller.run()
         if job.checkpoint.enabled and history and history[-1].step % job.checkpoint.every_steps:
             placement.trainer.save_checkpoint.call().get()  # the last step, unless the trainer just saved it
         replay_status = placement.replay.status.call_one().get() if placement.replay is not None else None
+        diloco_status = placement.manager.status.call_one().get() if job.diloco.enabled else None
     finally:
         placement.stop()
         if server is not None:
@@ -126,6 +139,8 @@ def train(job: Any, *, resume: bool = True, progress: bool = True) -> dict[str, 
         shutil.rmtree(weight_dir, ignore_errors=True)
     summary: dict[str, Any] = {"run_dir": str(run_dir), "start_step": start, "steps_run": len(history),
                                "final_step": history[-1].step if history else start, "replay": replay_status}
+    if diloco_status is not None:
+        summary["diloco"] = diloco_status
     if job.metrics.jsonl and (run_dir / "metrics.jsonl").exists():
         if job.metrics.plot:
             summary["plot"] = str(plot_run(run_dir / "metrics.jsonl", run_dir / "plot.png"))

@@ -1,0 +1,199 @@
+"""DiLoCo in the RL loop: R trainer replica groups under one `DiLoCoManagerActor`.
+
+Placement (`place_replicas`): the manager actor (torchft lighthouse) in the
+controller's process; per replica group its own process mesh of
+`[diloco] procs_per_group` trainer procs (its own torch-elastic env, so its
+own FSDP mesh and TCPStore) running `DiLoCoTrainerActor`, set up and joined
+to the quorum; generators as in `mesh.placement` (disaggregated: their own
+procs; colocated: one in every trainer proc of every group).
+
+Loop (`ReplicaController`): one `mesh.controller.Controller` per replica
+group, all drawing prompts from one shared cursor, so the step's rollouts are
+split across the groups (`prompts_per_step / R` each) and each group's
+generators (`generators[g::R]`, or all when there are fewer than R) feed it.
+Every group generates and trains in its own thread (the DiLoCo sync inside
+`train_step` waits for the whole quorum, which keeps them in step); after a
+step that ended an outer round the generators load group 0's weights, i.e.
+the post-outer-step weights. Between syncs they stay on those weights; the generator logprobs
+travel with every sample, so the loss's IS correction sees what sampled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from configs.sections.diloco import DiLoCoConfig
+from configs.sections.mesh import MeshConfig
+from mesh.controller import Controller, ControllerConfig, StepRecord
+from mesh.placement import Placement, host_meshes
+from mesh.weight_sync_baseline import rank0, sync_weights
+
+MAX_TIED_RETRIES = 20  # batches in a row with nothing to train before a group gives up
+
+
+@dataclass
+class ReplicaPlacement(Placement):
+    """`trainer` is group 0; `groups` every group's trainer mesh; `manager` the DiLoCo manager actor."""
+
+    manager: Any = None
+    groups: list[Any] = field(default_factory=list)
+
+    def stop(self) -> None:
+        if self.manager is not None:
+            self.manager.shutdown.call_one().get()
+        super().stop()
+
+
+def check_supported(job: Any) -> None:
+    """Clear errors for recipe combinations the DiLoCo loop does not run."""
+    if job.trainer.mode != "sync":
+        raise ValueError("diloco.enabled needs trainer.mode = \"sync\" (the replica groups step together)")
+    if job.loss.beta > 0 and job.mesh.replay_procs > 0:
+        raise ValueError("diloco.enabled does not run teacher replay yet: set loss.beta = 0 or mesh.replay_procs = 0")
+    if job.checkpoint.enabled:
+        raise ValueError(
+            "diloco.enabled keeps outer state (global weights, outer momentum) in the live replicas, which heal "
+            "each other through torchft; trainer checkpoints would not hold it: set checkpoint.enabled = false"
+        )
+    if job.trainer.prompts_per_step < job.diloco.replica_groups:
+        raise ValueError(f"trainer.prompts_per_step ({job.trainer.prompts_per_step}) < diloco.replica_groups "
+                         f"({job.diloco.replica_groups}): every group needs rollouts each step")
+
+
+def place_replicas(cfg: MeshConfig, diloco: DiLoCoConfig, trainer_spec: Any, generator_spec: Any) -> ReplicaPlacement:
+    """Spawn the manager, R trainer replica groups (set up, joined) and the generators."""
+    from monarch.actor import this_proc
+    from monarch.spmd import setup_torch_elastic_env
+
+    from actors.diloco import DiLoCoManagerActor, DiLoCoTrainerActor
+    from actors.generator import GeneratorActor
+
+    trainer_hosts, generator_hosts = host_meshes(cfg)
+    manager = this_proc().spawn("diloco_manager", DiLoCoManagerActor, diloco)
+    meshes, groups = [], []
+    for g in range(diloco.replica_groups):
+        procs = trainer_hosts.spawn_procs(per_host={"gpus": diloco.procs_per_group})
+        setup_torch_elastic_env(procs)
+        meshes.append(procs)
+        groups.append(procs.spawn(f"trainer_{g}", DiLoCoTrainerActor, trainer_spec, diloco))
+    if cfg.placement == "colocated":
+        generators = [view for procs in meshes for view in _views(procs.spawn("generator", GeneratorActor, generator_spec))]
+    else:
+        gen_procs = generator_hosts.spawn_procs(per_host={"gpus": cfg.generator_procs})
+        meshes.append(gen_procs)
+        generators = _views(gen_procs.spawn("generator", GeneratorActor, generator_spec))
+    setup = [s for group in groups for s in group.setup.call().get().values()]
+    for g, group in enumerate(groups):
+        group.join.call(manager.assign.call_one(g).get()).get()
+    return ReplicaPlacement(groups[0], generators, None, setup, meshes, manager=manager, groups=groups)
+
+
+def _views(generators: Any) -> list[Any]:
+    return [generators.slice(**point) for point, _ in generators.info.call().get().items()]
+
+
+class ReplicaController:
+    """Drives R replica groups in lockstep; same `run() -> list[StepRecord]` as `Controller`."""
+
+    def __init__(
+        self,
+        cfg: ControllerConfig,
+        placement: ReplicaPlacement,
+        diloco: DiLoCoConfig,
+        chat: Any,
+        *,
+        hinter: Any = None,
+        on_step: Callable[[StepRecord], None] | None = None,
+        prompt_cursor: int = 0,
+    ) -> None:
+        R = len(placement.groups)
+        if cfg.mode != "sync":
+            raise ValueError("the DiLoCo loop runs in sync mode")
+        self.cfg, self.placement, self.on_step = cfg, placement, on_step
+        self.per_sync = diloco.inner_steps // diloco.fragments
+        gens = placement.generators
+        shares = [gens[g::R] if len(gens) >= R else list(gens) for g in range(R)]
+        counts = [cfg.prompts_per_step // R + (1 if g < cfg.prompts_per_step % R else 0) for g in range(R)]
+        self.groups = [
+            Controller(dataclasses.replace(cfg, prompts_per_step=n), trainer, share, chat,
+                       hinter=hinter, prompt_cursor=prompt_cursor)
+            for trainer, share, n in zip(placement.groups, shares, counts)
+        ]
+        for c in self.groups[1:]:
+            c.prompts = self.groups[0].prompts  # one thread-safe cursor: the step's prompts split across groups
+
+    def sync_generators(self) -> None:
+        """Load group 0's (post-outer-step) weights into every generator."""
+        for g in self.placement.generators:
+            sync_weights(self.placement.groups[0], g, self.cfg.weight_dir)
+
+    def run(self) -> list[StepRecord]:
+        """`cfg.steps` optimizer steps on every group, each group in its own thread.
+
+        A group whose rollouts all tie (nothing to train) generates again rather
+        than skip: DiLoCo syncs after the same number of inner steps on every
+        group, so each group must take every step. The quorum keeps the groups
+        in step; records are merged per step and emitted in order.
+        """
+        self.sync_generators()
+        history: list[StepRecord] = []
+        pending: dict[int, list[StepRecord]] = {}
+        lock = threading.Lock()
+        first = self.groups[0].version
+
+        def drive(g: int) -> None:
+            c, ties = self.groups[g], 0
+            while c.version < first + self.cfg.steps:
+                record = c.step(sync_generators=False)
+                if "skipped" in record.metrics:
+                    ties += 1
+                    if ties > MAX_TIED_RETRIES:
+                        raise RuntimeError(f"replica group {g}: {ties} batches in a row had nothing to train")
+                    continue
+                ties = 0
+                if record.step % self.per_sync == 0:  # a sync ended: report; generators follow group 0
+                    self.placement.manager.report.call_one(g, rank0(c.trainer.diloco_status.call().get())).get()
+                    if g == 0:
+                        self.sync_generators()
+                with lock:
+                    pending.setdefault(record.step, []).append(record)
+                    self._emit_ready(pending, history)
+
+        with ThreadPoolExecutor(len(self.groups)) as pool:
+            for f in [pool.submit(drive, g) for g in range(len(self.groups))]:
+                f.result()
+        return history
+
+    def _emit_ready(self, pending: dict[int, list[StepRecord]], history: list[StepRecord]) -> None:
+        """Emit every step all groups have finished, in order (each group reported its sync before)."""
+        while pending and len(pending[min(pending)]) == len(self.groups):
+            step = min(pending)
+            record = self._merge(pending.pop(step))
+            if step % self.per_sync == 0:
+                record.metrics.update(self._status_metrics())
+            history.append(record)
+            if self.on_step is not None:
+                self.on_step(record)
+
+    def _status_metrics(self) -> dict[str, float]:
+        s = self.placement.manager.status.call_one().get()
+        return {"diloco/outer_step": float(s["outer_step"]), "diloco/quorum": float(s["quorum_size"]),
+                "diloco/bytes_sent": float(s["bytes_sent"])}
+
+    def _merge(self, records: Sequence[StepRecord]) -> StepRecord:
+        """One record for the step: metrics averaged over groups (counts summed), rollouts pooled."""
+        keys = set().union(*(r.metrics for r in records))
+        metrics = {k: sum(r.metrics.get(k, 0.0) for r in records) / len(records) for k in keys}
+        for k in ("rollouts/policy", "rollouts/dropped_groups", "distill/hinted"):
+            if k in keys:
+                metrics[k] *= len(records)
+        groups = sum(r.groups for r in records)
+        reward = sum(r.reward_mean * r.groups for r in records) / max(1, groups)
+        metrics["reward/mean"] = reward
+        return StepRecord(records[0].step, metrics, reward, [s for r in records for s in r.staleness],
+                          0, groups, max(r.seconds for r in records))
