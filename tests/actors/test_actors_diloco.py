@@ -1,6 +1,6 @@
 """DiLoCo on Monarch: a manager actor (torchft lighthouse) and 2 trainer replica groups (own proc meshes).
 
-2 groups × H = 2 inner `train_step`s × R = 3 outer rounds on the tiny model,
+2 groups × H = 2 inner `train_step`s × R = 2 outer rounds on the tiny model,
 each group fed different batches: after every outer sync both groups hold the
 same parameters (digest per rank), the parameters changed, and between syncs
 (local steps) they differ. The manager's status counts the syncs and bytes.
@@ -16,7 +16,7 @@ from configs.sections.model import ModelConfig
 from configs.sections.optimizer import OptimizerConfig
 from configs.sections.trainer import TrainerConfig
 
-H, ROUNDS, VOCAB, L = 2, 3, 2048, 16
+H, ROUNDS, VOCAB, L = 2, 2, 2048, 16
 
 
 def policy_batch(seed: int, rows: int = 2):
