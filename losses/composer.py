@@ -23,10 +23,12 @@ import torch
 from losses.distill import DistillSpec
 from losses.logprobs import (
     ChunkLossFn,
+    FusedHead,
     Teacher,
     TokenStats,
     chunk_tokens_for,
     chunked_token_stats,
+    fused_pair_logprobs,
     fused_token_loss,
     token_stats_naive,
 )
@@ -184,8 +186,14 @@ def _bool_mask(mask_BT: torch.Tensor, like_BT: torch.Size, what: str) -> torch.T
     return mask_BT.bool()
 
 
+def _chunk_tokens(cfg: ComposerConfig, weight_VD: torch.Tensor) -> int:
+    return cfg.chunk_tokens or chunk_tokens_for(weight_VD.shape[0], cfg.chunk_budget_mib)
+
+
 def _head_loss(
     cfg: ComposerConfig,
+    head: FusedHead | None,
+    scale: float,
     hidden_nD: torch.Tensor,
     weight_VD: torch.Tensor,
     labels_n: torch.Tensor | None,
@@ -193,11 +201,12 @@ def _head_loss(
     teacher: Teacher | None = None,
     want_entropy: bool = False,
 ) -> tuple[torch.Tensor, TokenStats]:
-    """Σ of `loss_fn` over tokens, chunked (fused gradient) or with full logits."""
-    if cfg.chunked:
-        chunk = cfg.chunk_tokens or chunk_tokens_for(weight_VD.shape[0], cfg.chunk_budget_mib)
+    """Σ of `loss_fn` over tokens: chunked with the gradient of scale·loss into `head`
+    (the returned value is detached), or with full logits and plain autograd (head None)."""
+    if head is not None:
         return fused_token_loss(
-            hidden_nD, weight_VD, labels_n, loss_fn, teacher=teacher, want_entropy=want_entropy, chunk_tokens=chunk
+            hidden_nD, weight_VD, labels_n, loss_fn, teacher=teacher, want_entropy=want_entropy,
+            chunk_tokens=_chunk_tokens(cfg, weight_VD), head=head, scale=scale,
         )
     stats = token_stats_naive(hidden_nD, weight_VD, labels_n, teacher=teacher, want_entropy=want_entropy)
     loss = loss_fn(stats, slice(None))
@@ -218,9 +227,10 @@ def _policy_terms(cfg: PolicyConfig, logp, old, gen, adv):
 
 
 def policy_channel(
-    cfg: ComposerConfig, weight_VD: torch.Tensor, inputs: PolicyInputs
+    cfg: ComposerConfig, weight_VD: torch.Tensor, inputs: PolicyInputs, head: FusedHead | None = None, scale: float = 1.0
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Σ_valid ℓ_t / num_tokens for DAPO or PRIME-DPPO, plus metrics."""
+    """Σ_valid ℓ_t / num_tokens for DAPO or PRIME-DPPO, plus metrics (chunked: gradient of
+    scale·loss into `head`, loss returned detached)."""
     pcfg = cfg.policy
     mask = _bool_mask(inputs.mask_BT, inputs.labels_BT.shape, "policy")
     if pcfg.kind == "prime_dppo" and inputs.gen_logprobs_BT is None:
@@ -239,7 +249,7 @@ def policy_channel(
         return global_mean(terms.loss, count)
 
     loss, stats = _head_loss(
-        cfg, inputs.hidden_BTD[mask], weight_VD, inputs.labels_BT[mask], loss_fn, want_entropy=True
+        cfg, head, scale, inputs.hidden_BTD[mask], weight_VD, inputs.labels_BT[mask], loss_fn, want_entropy=True
     )
     terms = _policy_terms(pcfg, stats.logprobs, old_n, gen_n, adv_n)
     old = stats.logprobs if old_n is None else upcast(old_n)
@@ -272,7 +282,12 @@ def distill_spec(cfg: DistillConfig, taid_t: float | None = None) -> DistillSpec
 
 
 def distill_channel(
-    cfg: ComposerConfig, weight_VD: torch.Tensor, inputs: DistillInputs, taid_t: float | None = None
+    cfg: ComposerConfig,
+    weight_VD: torch.Tensor,
+    inputs: DistillInputs,
+    taid_t: float | None = None,
+    head: FusedHead | None = None,
+    scale: float = 1.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Σ_valid divergence_t / num_tokens, teacher without gradient."""
     mask = _bool_mask(inputs.mask_BT, inputs.hidden_BTD.shape[:2], "distill")
@@ -286,6 +301,8 @@ def distill_channel(
     count = torch.as_tensor(inputs.num_tokens, dtype=torch.float32, device=mask.device)
     loss, stats = _head_loss(
         cfg,
+        head,
+        scale,
         inputs.hidden_BTD[mask],
         weight_VD,
         None,
@@ -300,10 +317,73 @@ def distill_channel(
     return loss, metrics
 
 
+# Sequence-level losses over pairs shorter than this (mean tokens) recompute logits in
+# backward instead: the fused path adds and zeroes one [V, D] buffer per pair.
+MIN_FUSED_PAIR_TOKENS = 64
+
+
+def _pair_losses(pref: PreferenceConfig, inputs: PreferenceInputs, chosen_P, rejected_P, c_len_P, r_len_P):
+    """(per-pair loss, margin) from sequence logprob sums."""
+    if pref.kind == "dpo":
+        return dpo_loss(chosen_P, rejected_P, inputs.ref_chosen_logps_P, inputs.ref_rejected_logps_P, pref.dpo_beta)
+    return simpo_loss(chosen_P / c_len_P, rejected_P / r_len_P, pref.simpo_beta, pref.simpo_gamma)
+
+
+def _fused_pair_seq_logps(cfg, head, scale, weight_VD, inputs, c_mask, r_mask, c_len_P, r_len_P):
+    """Σ logprobs of each chosen / rejected sequence, gradient into `head` pair by pair.
+
+    Tokens are laid out pair by pair (chosen then rejected). Both losses depend on a
+    pair only through a·Σ_chosen − b·Σ_rejected, so a token's upstream gradient is
+    k_p·w_t with w = +1 / −1 (DPO) or +1/|c| / −1/|r| (SimPO, the length average) and
+    k_p = ∂loss/∂(Σ_chosen)/w_chosen, known once the pair's tokens are done.
+    """
+    pref = cfg.preference
+    n_pairs = c_mask.shape[0]
+    mean = pref.kind == "simpo"
+    pieces, weights, segments, start = [], [], [], 0
+    for p in range(n_pairs):
+        c_h, r_h = inputs.chosen_hidden_BTD[p][c_mask[p]], inputs.rejected_hidden_BTD[p][r_mask[p]]
+        c_w = 1.0 / c_len_P[p] if mean else c_len_P.new_ones(())
+        r_w = 1.0 / r_len_P[p] if mean else r_len_P.new_ones(())
+        pieces += [(c_h, inputs.chosen_labels_BT[p][c_mask[p]]), (r_h, inputs.rejected_labels_BT[p][r_mask[p]])]
+        weights += [c_w.expand(c_h.shape[0]), -r_w.expand(r_h.shape[0])]
+        segments.append(slice(start, start + c_h.shape[0] + r_h.shape[0]))
+        start = segments[-1].stop
+    hidden_nD = torch.cat([h for h, _ in pieces])
+    labels_n = torch.cat([y for _, y in pieces])
+    sums = torch.zeros(2, n_pairs)  # [chosen | rejected, P]
+
+    def segment_scale(p: int, logprobs: torch.Tensor) -> torch.Tensor:
+        n_chosen = int(c_mask[p].sum())
+        c = logprobs[:n_chosen].sum().requires_grad_()
+        r = logprobs[n_chosen:].sum()
+        sums[0, p], sums[1, p] = c.detach(), r
+        one = slice(p, p + 1)
+        sub = dataclasses.replace(
+            inputs,
+            ref_chosen_logps_P=None if inputs.ref_chosen_logps_P is None else inputs.ref_chosen_logps_P[one],
+            ref_rejected_logps_P=None if inputs.ref_rejected_logps_P is None else inputs.ref_rejected_logps_P[one],
+        )
+        with torch.enable_grad():
+            per_pair, _ = _pair_losses(pref, sub, c[None], r[None], c_len_P[one], r_len_P[one])
+            (g_c,) = torch.autograd.grad(global_mean(per_pair, inputs.num_pairs) * scale, c)
+        return g_c * c_len_P[p] if mean else g_c
+
+    token_weight_n = torch.cat(weights) if weights else hidden_nD.new_zeros(0)
+    fused_pair_logprobs(head, hidden_nD, labels_n, token_weight_n, segments, segment_scale, _chunk_tokens(cfg, weight_VD))
+    return sums[0], sums[1]
+
+
 def preference_channel(
-    cfg: ComposerConfig, weight_VD: torch.Tensor, inputs: PreferenceInputs
+    cfg: ComposerConfig,
+    weight_VD: torch.Tensor,
+    inputs: PreferenceInputs,
+    head: FusedHead | None = None,
+    scale: float = 1.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Σ_pairs DPO/SimPO loss / num_pairs (sequence-level, so per-token stats are chunked with recompute)."""
+    """Σ_pairs DPO/SimPO loss / num_pairs (sequence-level). Chunked: fused pair by pair
+    (gradient of scale·loss into `head`, loss returned detached), or — for short pairs —
+    per-token stats with recomputation in backward (loss differentiable)."""
     pref = cfg.preference
     c_mask = _bool_mask(inputs.chosen_mask_BT, inputs.chosen_labels_BT.shape, "chosen")
     r_mask = _bool_mask(inputs.rejected_mask_BT, inputs.rejected_labels_BT.shape, "rejected")
@@ -312,28 +392,26 @@ def preference_channel(
         raise ValueError(f"chosen and rejected must have the same number of pairs, got {n_pairs} and {r_mask.shape[0]}")
     if pref.kind == "dpo" and (inputs.ref_chosen_logps_P is None or inputs.ref_rejected_logps_P is None):
         raise ValueError("preference kind dpo needs ref_chosen_logps_P and ref_rejected_logps_P")
-    hidden_nD = torch.cat([inputs.chosen_hidden_BTD[c_mask], inputs.rejected_hidden_BTD[r_mask]])
-    labels_n = torch.cat([inputs.chosen_labels_BT[c_mask], inputs.rejected_labels_BT[r_mask]])
-    rows = torch.arange(n_pairs, device=c_mask.device).unsqueeze(-1)
-    seq_n = torch.cat([rows.expand_as(c_mask)[c_mask], n_pairs + rows.expand_as(r_mask)[r_mask]])
-    if cfg.chunked:
-        chunk = cfg.chunk_tokens or chunk_tokens_for(weight_VD.shape[0], cfg.chunk_budget_mib)
-        stats = chunked_token_stats(hidden_nD, weight_VD, labels_n, want_entropy=False, chunk_tokens=chunk)
-    else:
-        stats = token_stats_naive(hidden_nD, weight_VD, labels_n, want_entropy=False)
-    seq_logps = segment_sum(stats.logprobs, seq_n, 2 * n_pairs)
-    chosen_P, rejected_P = seq_logps[:n_pairs], seq_logps[n_pairs:]
-    if pref.kind == "dpo":
-        per_pair, margin = dpo_loss(
-            chosen_P, rejected_P, inputs.ref_chosen_logps_P, inputs.ref_rejected_logps_P, pref.dpo_beta
+    c_len_P, r_len_P = c_mask.sum(-1).clamp(min=1).float(), r_mask.sum(-1).clamp(min=1).float()
+    n_tokens = int(c_mask.sum() + r_mask.sum())
+    if head is not None and n_tokens >= n_pairs * min(_chunk_tokens(cfg, weight_VD), MIN_FUSED_PAIR_TOKENS):
+        chosen_P, rejected_P = _fused_pair_seq_logps(
+            cfg, head, scale, weight_VD, inputs, c_mask, r_mask, c_len_P, r_len_P
         )
     else:
-        per_pair, margin = simpo_loss(
-            chosen_P / c_mask.sum(-1).clamp(min=1),
-            rejected_P / r_mask.sum(-1).clamp(min=1),
-            pref.simpo_beta,
-            pref.simpo_gamma,
-        )
+        hidden_nD = torch.cat([inputs.chosen_hidden_BTD[c_mask], inputs.rejected_hidden_BTD[r_mask]])
+        labels_n = torch.cat([inputs.chosen_labels_BT[c_mask], inputs.rejected_labels_BT[r_mask]])
+        rows = torch.arange(n_pairs, device=c_mask.device).unsqueeze(-1)
+        seq_n = torch.cat([rows.expand_as(c_mask)[c_mask], n_pairs + rows.expand_as(r_mask)[r_mask]])
+        if head is not None:
+            stats = chunked_token_stats(
+                hidden_nD, weight_VD, labels_n, want_entropy=False, chunk_tokens=_chunk_tokens(cfg, weight_VD)
+            )
+        else:
+            stats = token_stats_naive(hidden_nD, weight_VD, labels_n, want_entropy=False)
+        seq_logps = segment_sum(stats.logprobs, seq_n, 2 * n_pairs)
+        chosen_P, rejected_P = seq_logps[:n_pairs], seq_logps[n_pairs:]
+    per_pair, margin = _pair_losses(pref, inputs, chosen_P, rejected_P, c_len_P, r_len_P)
     loss = global_mean(per_pair, inputs.num_pairs)
     metrics = {
         "preference/loss": loss.detach(),
@@ -353,25 +431,37 @@ def compose_loss(
     preference: PreferenceInputs | None = None,
     taid_t: float | None = None,
 ) -> ComposerOutput:
-    """total = policy + α·distill + β·preference over the channels that are on."""
-    active: list[str] = []
-    total = head_weight_VD.new_zeros((), dtype=torch.float32)
+    """total = policy + α·distill + β·preference over the channels that are on.
+
+    Chunked, the channels share one `FusedHead` (one `[V, D]` head-gradient buffer);
+    preference runs first so that a single pair needs no scratch buffer.
+    """
+    head = FusedHead(head_weight_VD) if cfg.chunked else None
+    runs = {
+        "policy": (policy, 1.0, lambda x, w: policy_channel(cfg, head_weight_VD, x, head, w)),
+        "distill": (distill, cfg.alpha, lambda x, w: distill_channel(cfg, head_weight_VD, x, taid_t, head, w)),
+        "preference": (preference, cfg.beta, lambda x, w: preference_channel(cfg, head_weight_VD, x, head, w)),
+    }
+    order = ("preference", "policy", "distill") if cfg.chunked else CHANNELS
+    losses: dict[str, torch.Tensor] = {}
     metrics: dict[str, torch.Tensor] = {}
-    for name, inputs, weight, run in (
-        ("policy", policy, 1.0, lambda x: policy_channel(cfg, head_weight_VD, x)),
-        ("distill", distill, cfg.alpha, lambda x: distill_channel(cfg, head_weight_VD, x, taid_t)),
-        ("preference", preference, cfg.beta, lambda x: preference_channel(cfg, head_weight_VD, x)),
-    ):
+    for name in order:
+        inputs, weight, run = runs[name]
         if inputs is None or weight == 0.0:
             continue
-        loss, channel_metrics = run(inputs)
-        total = total + weight * loss
-        active.append(name)
+        losses[name], channel_metrics = run(inputs, weight)
         metrics.update(channel_metrics)
-    if not active:
+    if not losses:
         raise ValueError("no loss channel is active: pass at least one of policy / distill / preference inputs")
+    active = tuple(name for name in CHANNELS if name in losses)
+    # channels whose loss carries a graph add it; the others' gradients are in `head`
+    in_head = sum((runs[n][1] * losses[n] for n in active if not losses[n].requires_grad), head_weight_VD.new_zeros(()))
+    total = head.attach(in_head.float()) if head is not None else in_head.float()
+    for name in active:
+        if losses[name].requires_grad:
+            total = total + runs[name][1] * losses[name]
     metrics["loss"] = total.detach()
-    return ComposerOutput(total, tuple(active), metrics)
+    return ComposerOutput(total, active, metrics)
 
 
 def metric_reduce_op(name: str) -> Literal["sum", "max"]:

@@ -152,38 +152,9 @@ def _store(out: TokenStats, stats: TokenStats, sl: slice) -> None:
 
 def _logits_leaf(hidden_nD: torch.Tensor, weight_VD: torch.Tensor) -> torch.Tensor:
     """One chunk's logits as an autograd leaf: the graph starts at the logits, and the
-    two matmul gradients are formed by hand (`_backprop_chunk`) into preallocated buffers."""
+    two matmul gradients are formed by hand (`FusedHead.backprop`) into preallocated buffers."""
     with torch.no_grad():
         return (hidden_nD @ weight_VD.T).requires_grad_()
-
-
-def _backprop_chunk(
-    value: torch.Tensor,
-    logits_nV: torch.Tensor,
-    hidden_nD: torch.Tensor,
-    weight_VD: torch.Tensor,
-    grad_h_ND: torch.Tensor | None,
-    grad_w_VD: torch.Tensor | None,
-    sl: slice,
-) -> None:
-    """d value / d logits, then grad_h[sl] = g·W and grad_W += gᵀ·h (in place)."""
-    if not value.requires_grad:
-        return
-    (g_nV,) = torch.autograd.grad(value, logits_nV)
-    with torch.no_grad():
-        if grad_h_ND is not None:
-            grad_h_ND[sl] = g_nV @ weight_VD
-        if grad_w_VD is not None:
-            if grad_w_VD.dtype == g_nV.dtype:
-                grad_w_VD.addmm_(g_nV.T, hidden_nD)
-            else:  # low-precision head: accumulate the chunk products in fp32
-                grad_w_VD += (g_nV.T @ hidden_nD).to(grad_w_VD.dtype)
-
-
-def _grad_buffers(hidden_ND, weight_VD, need_h: bool, need_w: bool):
-    grad_h = torch.zeros_like(hidden_ND) if need_h else None
-    grad_w = torch.zeros_like(weight_VD, dtype=math_dtype(weight_VD)) if need_w else None
-    return grad_h, grad_w
 
 
 class _ChunkedStats(torch.autograd.Function):
@@ -193,13 +164,12 @@ class _ChunkedStats(torch.autograd.Function):
     def forward(ctx, hidden_ND, weight_VD, labels_N, teacher, want_entropy, chunk):
         out = _zeros_like_stats(hidden_ND.shape[0], hidden_ND, labels_N, teacher, want_entropy)
         for sl in _slices(hidden_ND.shape[0], chunk):
-            stats = _stats_from_logits(
-                hidden_ND[sl] @ weight_VD.T,
-                None if labels_N is None else labels_N[sl],
-                _teacher_chunk(teacher, sl),
-                teacher and teacher.spec,
-                want_entropy,
-            )
+            labels_n = None if labels_N is None else labels_N[sl]
+            if teacher is None:
+                stats = _label_stats(hidden_ND[sl], weight_VD, labels_n, want_entropy)[0]
+            else:
+                logits_nV = hidden_ND[sl] @ weight_VD.T
+                stats = _stats_from_logits(logits_nV, labels_n, _teacher_chunk(teacher, sl), teacher.spec, want_entropy)
             _store(out, stats, sl)
         ctx.save_for_backward(hidden_ND, weight_VD)
         ctx.labels, ctx.teacher, ctx.want_entropy, ctx.chunk = labels_N, teacher, want_entropy, chunk
@@ -208,7 +178,8 @@ class _ChunkedStats(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_logprobs, g_entropy, g_divergence):
         hidden_ND, weight_VD = ctx.saved_tensors
-        grad_h, grad_w = _grad_buffers(hidden_ND, weight_VD, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+        head = FusedHead(weight_VD, track_weight=ctx.needs_input_grad[1])
+        grad_h = head.input_grad(hidden_ND, needed=ctx.needs_input_grad[0])
         upstream = {
             name: g
             for name, g, present in (
@@ -220,19 +191,14 @@ class _ChunkedStats(torch.autograd.Function):
         }
         teacher = ctx.teacher if "divergence" in upstream else None
         labels = ctx.labels if "logprobs" in upstream else None
+        weighted = lambda stats, sl: sum((getattr(stats, k) * g[sl]).sum() for k, g in upstream.items())  # noqa: E731
         if upstream:
             for sl in _slices(hidden_ND.shape[0], ctx.chunk):
-                logits = _logits_leaf(hidden_ND[sl], weight_VD)
-                with torch.enable_grad():
-                    stats = _stats_from_logits(
-                        logits,
-                        None if labels is None else labels[sl],
-                        _teacher_chunk(teacher, sl),
-                        teacher and teacher.spec,
-                        "entropy" in upstream,
-                    )
-                    value = sum((getattr(stats, name) * g[sl]).sum() for name, g in upstream.items())
-                _backprop_chunk(value, logits, hidden_ND[sl], weight_VD, grad_h, grad_w, sl)
+                _token_chunk(
+                    head, hidden_ND[sl], None if labels is None else labels[sl], teacher, "entropy" in upstream,
+                    weighted, sl, 1.0, None if grad_h is None else grad_h[sl],
+                )
+        grad_w = head.grad_w_VD
         return grad_h, None if grad_w is None else grad_w.to(weight_VD.dtype), None, None, None, None
 
 
@@ -269,41 +235,179 @@ def chunked_token_stats(
     return _present(outputs, labels_N, teacher, want_entropy)
 
 
-class _FusedLoss(torch.autograd.Function):
-    """Sum of per-token chunk losses; gradients are formed in forward, chunk by chunk."""
+def _label_stats(
+    hidden_nD: torch.Tensor, weight_VD: torch.Tensor, labels_n: torch.Tensor | None, want_entropy: bool
+) -> tuple[TokenStats, torch.Tensor, torch.Tensor]:
+    """One chunk's label logprobs / entropy without autograd, keeping what the gradient needs.
+
+    Returns (stats, p_nV, logp_nV): the softmax is written over the logits buffer
+    (no third `[n, V]` block), entropy is a batched dot product.
+    """
+    z_nV = upcast(hidden_nD @ weight_VD.T)
+    logp_nV = z_nV.log_softmax(-1)
+    p_nV = torch.exp(logp_nV, out=z_nV)  # z is a fresh fp32 block (upcast or matmul output)
+    logprobs = entropy = None
+    if labels_n is not None:
+        valid_n = (labels_n >= 0) & (labels_n < logp_nV.shape[-1])
+        picked_n = logp_nV.gather(-1, torch.where(valid_n, labels_n, 0).unsqueeze(-1)).squeeze(-1)
+        logprobs = torch.where(valid_n, picked_n, 0.0)
+    if want_entropy:
+        entropy = -(p_nV.unsqueeze(1) @ logp_nV.unsqueeze(2)).view(-1)  # [n]
+    return TokenStats(logprobs, entropy, None), p_nV, logp_nV
+
+
+def _label_logits_grad(
+    p_nV: torch.Tensor,
+    logp_nV: torch.Tensor,
+    labels_n: torch.Tensor | None,
+    g_logprobs_n: torch.Tensor | None,
+    g_entropy_n: torch.Tensor | None,
+    entropy_n: torch.Tensor | None,
+) -> torch.Tensor:
+    """d(Σ g_lp·log p(label) + Σ g_H·H) / d logits, in place over p (and logp).
+
+    d log p_y / dz = onehot(y) − p;  dH / dz = −p ⊙ (log p + H).
+    """
+    if g_entropy_n is not None:
+        g_nV = logp_nV.add_(entropy_n.unsqueeze(-1)).mul_(p_nV).mul_(-g_entropy_n.unsqueeze(-1))
+        if g_logprobs_n is not None:
+            g_nV.addcmul_(p_nV, g_logprobs_n.unsqueeze(-1), value=-1.0)
+    else:
+        g_nV = p_nV.mul_(-g_logprobs_n.unsqueeze(-1))
+    if g_logprobs_n is not None:
+        valid_n = (labels_n >= 0) & (labels_n < g_nV.shape[-1])
+        g_nV.scatter_add_(
+            -1, torch.where(valid_n, labels_n, 0).unsqueeze(-1), torch.where(valid_n, g_logprobs_n, 0.0).unsqueeze(-1)
+        )
+    return g_nV
+
+
+class FusedHead:
+    """Gradients of one scalar loss w.r.t. the LM-head weight and the hidden states it is
+    applied to, accumulated in forward chunk by chunk (as Liger's fused linear
+    cross-entropy does), so logits are built once per chunk and backward is a scale.
+
+    All channels of a step share one head-gradient buffer `[V, D]` (one more,
+    `scratch`, only for sequence-level losses over several pairs). `attach` turns
+    the loss value into a differentiable scalar whose backward scales the buffers,
+    in place, by the incoming gradient.
+    """
+
+    def __init__(self, weight_VD: torch.Tensor, track_weight: bool | None = None) -> None:
+        self.weight_VD = weight_VD
+        self.tracks_weight = weight_VD.requires_grad and torch.is_grad_enabled() if track_weight is None else track_weight
+        self.grad_w_VD: torch.Tensor | None = None
+        self._scratch_VD: torch.Tensor | None = None
+        self._inputs: list[torch.Tensor] = []
+        self._input_grads: list[torch.Tensor] = []
+
+    def input_grad(self, hidden_ND: torch.Tensor, needed: bool | None = None) -> torch.Tensor | None:
+        """A zeroed gradient buffer for `hidden_ND` (None when it needs no gradient)."""
+        if not (hidden_ND.requires_grad and torch.is_grad_enabled() if needed is None else needed):
+            return None
+        self._inputs.append(hidden_ND)
+        self._input_grads.append(torch.zeros_like(hidden_ND))
+        return self._input_grads[-1]
+
+    def weight_grad(self) -> torch.Tensor | None:
+        """The shared `[V, D]` accumulator (math dtype), allocated on first use."""
+        if self.tracks_weight and self.grad_w_VD is None:
+            self.grad_w_VD = torch.zeros_like(self.weight_VD, dtype=math_dtype(self.weight_VD))
+        return self.grad_w_VD
+
+    def segment_grad(self) -> torch.Tensor | None:
+        """A zeroed accumulator for one sequence-level term whose scale is known only at its end:
+        the shared buffer itself while nothing else is in it, else `scratch`."""
+        if not self.tracks_weight:
+            return None
+        if self.grad_w_VD is None:
+            return self.weight_grad()
+        if self._scratch_VD is None:
+            self._scratch_VD = torch.zeros_like(self.grad_w_VD)
+        return self._scratch_VD.zero_()
+
+    def fold_segment(self, segment_VD: torch.Tensor | None, scale: torch.Tensor) -> None:
+        """grad_W += scale · segment (in place when the segment is the shared buffer)."""
+        if segment_VD is None:
+            return
+        if segment_VD is self.grad_w_VD:
+            segment_VD.mul_(scale)
+        else:
+            self.grad_w_VD.add_(segment_VD * scale)
+
+    def backprop(
+        self, g_nV: torch.Tensor, hidden_nD: torch.Tensor, grad_h_nD: torch.Tensor | None, grad_w_VD: torch.Tensor | None
+    ) -> None:
+        """grad_h = g·W (written) and grad_W += gᵀ·h for one chunk of logits gradient g."""
+        g_nV = g_nV.to(self.weight_VD.dtype)
+        if grad_h_nD is not None:
+            torch.mm(g_nV, self.weight_VD, out=grad_h_nD)
+        if grad_w_VD is not None:
+            if grad_w_VD.dtype == g_nV.dtype:
+                grad_w_VD.addmm_(g_nV.T, hidden_nD)
+            else:  # low-precision head: accumulate the chunk products in fp32
+                grad_w_VD += (g_nV.T @ hidden_nD).to(grad_w_VD.dtype)
+
+    def attach(self, value: torch.Tensor) -> torch.Tensor:
+        """`value` (detached) as a scalar whose gradient is what this head accumulated."""
+        if not (self.tracks_weight or self._inputs):
+            return value
+        self.weight_grad()  # zeros when no token reached the head: the graph still includes it
+        return _Attach.apply(value, self, self.weight_VD, *self._inputs)
+
+
+class _Attach(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, value, head: FusedHead, weight_VD, *hiddens):
+        ctx.head = head
+        return value.detach().clone()
 
     @staticmethod
-    def forward(ctx, hidden_ND, weight_VD, labels_N, teacher, want_entropy, chunk, loss_fn):
-        grad_h, grad_w = _grad_buffers(hidden_ND, weight_VD, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
-        out = _zeros_like_stats(hidden_ND.shape[0], hidden_ND, labels_N, teacher, want_entropy)
-        total = hidden_ND.new_zeros((), dtype=math_dtype(hidden_ND))
-        for sl in _slices(hidden_ND.shape[0], chunk):
-            logits = _logits_leaf(hidden_ND[sl], weight_VD)
-            with torch.enable_grad():
-                stats = _stats_from_logits(
-                    logits,
-                    None if labels_N is None else labels_N[sl],
-                    _teacher_chunk(teacher, sl),
-                    teacher and teacher.spec,
-                    want_entropy,
-                )
-                loss = loss_fn(stats, sl)
-            if grad_h is not None or grad_w is not None:
-                _backprop_chunk(loss, logits, hidden_ND[sl], weight_VD, grad_h, grad_w, sl)
-            total += loss.detach()
-            _store(out, stats, sl)
-        ctx.save_for_backward(grad_h, None if grad_w is None else grad_w.to(weight_VD.dtype))
-        outputs = _outputs(out, hidden_ND)
-        ctx.mark_non_differentiable(*outputs)
-        return (total, *outputs)
-
-    @staticmethod
-    def backward(ctx, g_total, *_unused):
-        grad_h, grad_w = ctx.saved_tensors
-        # in place: a second [V, D] buffer per channel would cost 0.6 GB at V = 151,936, D = 1024
-        # (a retain_graph second backward then fails autograd's version check, loudly)
+    def backward(ctx, g_total):
+        head = ctx.head
+        # in place: a second [V, D] buffer would cost 0.6 GB at V = 151,936, D = 1024
+        # (a retain_graph second backward then returns scaled-twice gradients: not supported)
         scale = lambda g: None if g is None else g.mul_(g_total.to(g.dtype))  # noqa: E731
-        return scale(grad_h), scale(grad_w), None, None, None, None, None
+        grad_w = scale(head.grad_w_VD)
+        grad_w = None if grad_w is None else grad_w.to(head.weight_VD.dtype)
+        return None, None, grad_w, *(scale(g) for g in head._input_grads)
+
+
+def _token_chunk(
+    head: FusedHead,
+    hidden_nD: torch.Tensor,
+    labels_n: torch.Tensor | None,
+    teacher: Teacher | None,
+    want_entropy: bool,
+    loss_fn: ChunkLossFn,
+    sl: slice,
+    scale: float,
+    grad_h_nD: torch.Tensor | None,
+) -> tuple[torch.Tensor, TokenStats]:
+    """One chunk of a token-separable loss: value, stats, and its gradients into `head`."""
+    grads_needed = grad_h_nD is not None or head.tracks_weight
+    if teacher is not None:  # divergences: autograd from a logits leaf (the per-kind math is in distill.py)
+        logits = _logits_leaf(hidden_nD, head.weight_VD)
+        with torch.enable_grad():
+            stats = _stats_from_logits(logits, labels_n, _teacher_chunk(teacher, sl), teacher.spec, want_entropy)
+            loss = loss_fn(stats, sl)
+            g_nV = torch.autograd.grad(loss * scale, logits)[0] if grads_needed and loss.requires_grad else None
+        if g_nV is not None:
+            head.backprop(g_nV, hidden_nD, grad_h_nD, head.weight_grad())
+        return loss.detach(), stats
+    stats, p_nV, logp_nV = _label_stats(hidden_nD, head.weight_VD, labels_n, want_entropy)
+    leaves = TokenStats(*(None if v is None else v.requires_grad_() for v in vars(stats).values()))
+    with torch.enable_grad():
+        loss = loss_fn(leaves, sl)
+        wrt = [v for v in (leaves.logprobs, leaves.entropy) if v is not None]
+        grads = iter(torch.autograd.grad(loss * scale, wrt, allow_unused=True)) if grads_needed and loss.requires_grad else None
+    if grads is not None:
+        g_lp = next(grads) if leaves.logprobs is not None else None
+        g_h = next(grads) if leaves.entropy is not None else None
+        if g_lp is not None or g_h is not None:
+            g_nV = _label_logits_grad(p_nV, logp_nV, labels_n, g_lp, g_h, stats.entropy)
+            head.backprop(g_nV, hidden_nD, grad_h_nD, head.weight_grad())
+    return loss.detach(), stats
 
 
 def fused_token_loss(
@@ -315,14 +419,68 @@ def fused_token_loss(
     teacher: Teacher | None = None,
     want_entropy: bool = False,
     chunk_tokens: int | None = None,
+    head: FusedHead | None = None,
+    scale: float = 1.0,
 ) -> tuple[torch.Tensor, TokenStats]:
     """Σ over chunks of `loss_fn(chunk stats, chunk slice)` with exact gradients.
 
     `loss_fn` must return a scalar that depends on the chunk's stats only through
     per-token terms (the chunk's share of a token-separable loss). Returns the
-    scalar loss (differentiable w.r.t. hidden and weight) and the detached
-    per-token stats for metrics.
+    scalar loss and the detached per-token stats for metrics. Without `head` the
+    loss is differentiable w.r.t. hidden and weight; with a shared `head` the
+    gradient of `scale`·loss goes into it and the returned loss is a detached value
+    (the caller attaches the total once).
     """
     chunk, teacher = _prepare(hidden_ND, weight_VD, labels_N, teacher, chunk_tokens)
-    total, *outputs = _FusedLoss.apply(hidden_ND, weight_VD, labels_N, teacher, want_entropy, chunk, loss_fn)
-    return total, _present(outputs, labels_N, teacher, want_entropy)
+    own = head is None
+    head = FusedHead(weight_VD) if own else head
+    grad_h = head.input_grad(hidden_ND)
+    out = _zeros_like_stats(hidden_ND.shape[0], hidden_ND, labels_N, teacher, want_entropy)
+    total = hidden_ND.new_zeros((), dtype=math_dtype(hidden_ND))
+    with torch.no_grad():
+        for sl in _slices(hidden_ND.shape[0], chunk):
+            loss, stats = _token_chunk(
+                head, hidden_ND[sl], None if labels_N is None else labels_N[sl], teacher, want_entropy,
+                loss_fn, sl, scale, None if grad_h is None else grad_h[sl],
+            )
+            total += loss
+            _store(out, stats, sl)
+    return (head.attach(total) if own else total), out
+
+
+def fused_pair_logprobs(
+    head: FusedHead,
+    hidden_ND: torch.Tensor,
+    labels_N: torch.Tensor | None,
+    token_weight_N: torch.Tensor,
+    segments: list[slice],
+    segment_scale: Callable[[int, torch.Tensor], torch.Tensor],
+    chunk_tokens: int,
+) -> torch.Tensor:
+    """Per-token label logprobs for a loss Σ_s f_s(u_s), u_s = Σ_{t∈s} w_t·log p(y_t), in one pass.
+
+    `segments` are contiguous token ranges (one preference pair each); after a
+    segment's tokens `segment_scale(s, logprobs of s)` returns f_s'(u_s). Its
+    gradient then scales that segment's accumulated gradient (`head.segment_grad`),
+    so sequence-level losses need no recomputation in backward. Returns the
+    detached logprobs `[N]`.
+    """
+    _check(hidden_ND, weight_VD := head.weight_VD, labels_N, None)
+    grad_h = head.input_grad(hidden_ND)
+    logprobs_N = hidden_ND.new_zeros(hidden_ND.shape[0], dtype=math_dtype(hidden_ND))
+    with torch.no_grad():
+        for s, seg in enumerate(segments):
+            acc_VD = head.segment_grad()
+            for i in range(seg.start, seg.stop, chunk_tokens):
+                sl = slice(i, min(i + chunk_tokens, seg.stop))
+                labels_n = None if labels_N is None else labels_N[sl]
+                stats, p_nV, logp_nV = _label_stats(hidden_ND[sl], weight_VD, labels_n, False)
+                logprobs_N[sl] = stats.logprobs
+                if grad_h is not None or acc_VD is not None:
+                    g_nV = _label_logits_grad(p_nV, logp_nV, labels_n, upcast(token_weight_N[sl]), None, None)
+                    head.backprop(g_nV, hidden_ND[sl], None if grad_h is None else grad_h[sl], acc_VD)
+            k = segment_scale(s, logprobs_N[seg])
+            if grad_h is not None:
+                grad_h[seg] *= k.to(grad_h.dtype)
+            head.fold_segment(acc_VD, k)
+    return logprobs_N
