@@ -186,8 +186,8 @@ def _bool_mask(mask_BT: torch.Tensor, like_BT: torch.Size, what: str) -> torch.T
     return mask_BT.bool()
 
 
-def _chunk_tokens(cfg: ComposerConfig, weight_VD: torch.Tensor) -> int:
-    return cfg.chunk_tokens or chunk_tokens_for(weight_VD.shape[0], cfg.chunk_budget_mib)
+def _chunk_tokens(cfg: ComposerConfig, weight_VD: torch.Tensor, label_only: bool) -> int:
+    return cfg.chunk_tokens or chunk_tokens_for(weight_VD.shape[0], cfg.chunk_budget_mib, label_only=label_only)
 
 
 def _head_loss(
@@ -206,7 +206,7 @@ def _head_loss(
     if head is not None:
         return fused_token_loss(
             hidden_nD, weight_VD, labels_n, loss_fn, teacher=teacher, want_entropy=want_entropy,
-            chunk_tokens=_chunk_tokens(cfg, weight_VD), head=head, scale=scale,
+            chunk_tokens=_chunk_tokens(cfg, weight_VD, teacher is None), head=head, scale=scale,
         )
     stats = token_stats_naive(hidden_nD, weight_VD, labels_n, teacher=teacher, want_entropy=want_entropy)
     loss = loss_fn(stats, slice(None))
@@ -370,7 +370,7 @@ def _fused_pair_seq_logps(cfg, head, scale, weight_VD, inputs, c_mask, r_mask, c
         return g_c * c_len_P[p] if mean else g_c
 
     token_weight_n = torch.cat(weights) if weights else hidden_nD.new_zeros(0)
-    fused_pair_logprobs(head, hidden_nD, labels_n, token_weight_n, segments, segment_scale, _chunk_tokens(cfg, weight_VD))
+    fused_pair_logprobs(head, hidden_nD, labels_n, token_weight_n, segments, segment_scale, _chunk_tokens(cfg, weight_VD, True))
     return sums[0], sums[1]
 
 
@@ -394,7 +394,7 @@ def preference_channel(
         raise ValueError("preference kind dpo needs ref_chosen_logps_P and ref_rejected_logps_P")
     c_len_P, r_len_P = c_mask.sum(-1).clamp(min=1).float(), r_mask.sum(-1).clamp(min=1).float()
     n_tokens = int(c_mask.sum() + r_mask.sum())
-    if head is not None and n_tokens >= n_pairs * min(_chunk_tokens(cfg, weight_VD), MIN_FUSED_PAIR_TOKENS):
+    if head is not None and n_tokens >= n_pairs * min(_chunk_tokens(cfg, weight_VD, True), MIN_FUSED_PAIR_TOKENS):
         chosen_P, rejected_P = _fused_pair_seq_logps(
             cfg, head, scale, weight_VD, inputs, c_mask, r_mask, c_len_P, r_len_P
         )
@@ -405,7 +405,7 @@ def preference_channel(
         seq_n = torch.cat([rows.expand_as(c_mask)[c_mask], n_pairs + rows.expand_as(r_mask)[r_mask]])
         if head is not None:
             stats = chunked_token_stats(
-                hidden_nD, weight_VD, labels_n, want_entropy=False, chunk_tokens=_chunk_tokens(cfg, weight_VD)
+                hidden_nD, weight_VD, labels_n, want_entropy=False, chunk_tokens=_chunk_tokens(cfg, weight_VD, True)
             )
         else:
             stats = token_stats_naive(hidden_nD, weight_VD, labels_n, want_entropy=False)

@@ -57,9 +57,18 @@ class Teacher:
 ChunkLossFn = Callable[[TokenStats, slice], torch.Tensor]
 
 
-def chunk_tokens_for(vocab_size: int, budget_mib: float = DEFAULT_CHUNK_BUDGET_MIB) -> int:
-    """Tokens per chunk so that one fp32 `[chunk, V]` logits block fits `budget_mib`."""
-    return max(1, int(budget_mib * 2**20) // (4 * vocab_size))
+# Live fp32 `[chunk, V]` blocks per chunk: the label path (policy, preference: no autograd
+# inside the chunk) keeps logits-then-probabilities and log-probabilities, 2 blocks; autograd
+# through a distillation divergence keeps about 9 (measured, docs/losses.md). At one budget
+# the label path takes this many times the tokens and both reach about the same peak, with
+# fewer, larger head matmuls.
+LABEL_CHUNK_FACTOR = 4
+
+
+def chunk_tokens_for(vocab_size: int, budget_mib: float = DEFAULT_CHUNK_BUDGET_MIB, *, label_only: bool = False) -> int:
+    """Tokens per chunk so that one fp32 `[chunk, V]` logits block fits `budget_mib`
+    (`LABEL_CHUNK_FACTOR` times that for the label path)."""
+    return max(1, int(budget_mib * 2**20) // (4 * vocab_size)) * (LABEL_CHUNK_FACTOR if label_only else 1)
 
 
 def _stats_from_logits(
@@ -473,14 +482,29 @@ def fused_pair_logprobs(
             acc_VD = head.segment_grad()
             for i in range(seg.start, seg.stop, chunk_tokens):
                 sl = slice(i, min(i + chunk_tokens, seg.stop))
-                labels_n = None if labels_N is None else labels_N[sl]
-                stats, p_nV, logp_nV = _label_stats(hidden_ND[sl], weight_VD, labels_n, False)
-                logprobs_N[sl] = stats.logprobs
-                if grad_h is not None or acc_VD is not None:
-                    g_nV = _label_logits_grad(p_nV, logp_nV, labels_n, upcast(token_weight_N[sl]), None, None)
-                    head.backprop(g_nV, hidden_ND[sl], None if grad_h is None else grad_h[sl], acc_VD)
+                logprobs_N[sl] = _weighted_label_chunk(
+                    head, hidden_ND[sl], None if labels_N is None else labels_N[sl], token_weight_N[sl],
+                    None if grad_h is None else grad_h[sl], acc_VD,
+                )
             k = segment_scale(s, logprobs_N[seg])
             if grad_h is not None:
                 grad_h[seg] *= k.to(grad_h.dtype)
             head.fold_segment(acc_VD, k)
     return logprobs_N
+
+
+def _weighted_label_chunk(
+    head: FusedHead,
+    hidden_nD: torch.Tensor,
+    labels_n: torch.Tensor | None,
+    weight_n: torch.Tensor,
+    grad_h_nD: torch.Tensor | None,
+    acc_VD: torch.Tensor | None,
+) -> torch.Tensor:
+    """Label logprobs of one chunk; gradients of Σ w_t·log p(y_t) into grad_h and acc.  # [n]
+    (A function, so that the chunk's `[n, V]` blocks are freed before the next chunk's.)"""
+    stats, p_nV, logp_nV = _label_stats(hidden_nD, head.weight_VD, labels_n, False)
+    if grad_h_nD is not None or acc_VD is not None:
+        g_nV = _label_logits_grad(p_nV, logp_nV, labels_n, upcast(weight_n), None, None)
+        head.backprop(g_nV, hidden_nD, grad_h_nD, acc_VD)
+    return stats.logprobs
