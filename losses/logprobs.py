@@ -275,8 +275,12 @@ def _label_logits_grad(
 ) -> torch.Tensor:
     """d(Σ g_lp·log p(label) + Σ g_H·H) / d logits, in place over p (and logp).
 
-    d log p_y / dz = onehot(y) − p;  dH / dz = −p ⊙ (log p + H).
+    d log p_y / dz = onehot(y) − p;  dH / dz = −p ⊙ (log p + H).  Labels outside `[0, V)`
+    have the constant logprob 0: no gradient.
     """
+    if g_logprobs_n is not None:
+        valid_n = (labels_n >= 0) & (labels_n < p_nV.shape[-1])
+        g_logprobs_n = torch.where(valid_n, g_logprobs_n, 0.0)
     if g_entropy_n is not None:
         g_nV = logp_nV.add_(entropy_n.unsqueeze(-1)).mul_(p_nV).mul_(-g_entropy_n.unsqueeze(-1))
         if g_logprobs_n is not None:
@@ -284,10 +288,7 @@ def _label_logits_grad(
     else:
         g_nV = p_nV.mul_(-g_logprobs_n.unsqueeze(-1))
     if g_logprobs_n is not None:
-        valid_n = (labels_n >= 0) & (labels_n < g_nV.shape[-1])
-        g_nV.scatter_add_(
-            -1, torch.where(valid_n, labels_n, 0).unsqueeze(-1), torch.where(valid_n, g_logprobs_n, 0.0).unsqueeze(-1)
-        )
+        g_nV.scatter_add_(-1, torch.where(valid_n, labels_n, 0).unsqueeze(-1), g_logprobs_n.unsqueeze(-1))
     return g_nV
 
 
