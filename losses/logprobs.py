@@ -5,21 +5,22 @@ logits tensor for a long agentic context does not fit next to the model. Here
 the LM head is applied chunk by chunk over tokens: only `[chunk, V]` logits
 exist at a time, sized from a memory budget (`chunk_tokens_for`).
 
-Two gradient-exact autograd paths, both checked against `token_stats_naive`:
+Gradient-exact paths, all checked against `token_stats_naive`:
 
-- `chunked_token_stats`: returns per-token logprobs / entropy / divergence with
-  a custom `autograd.Function` that recomputes each chunk's logits in backward,
-  so any downstream function of the per-token values gets exact gradients
-  (used for sequence-level losses such as DPO).
-- `fused_token_loss`: for a loss that is a *sum of per-token terms* (DAPO,
-  PRIME-DPPO and the distillation divergences, each divided by a global count),
-  the gradient with respect to hidden states and the head weight is computed in
-  the forward pass chunk by chunk (as Liger's fused linear cross-entropy does),
-  so logits are built once per chunk and backward is a scale by the incoming
-  scalar gradient.
+- `fused_token_loss`: a loss that is a *sum of per-token terms* (DAPO,
+  PRIME-DPPO, the distillation divergences, each divided by a global count).
+  The gradient w.r.t. hidden states and the head weight is formed in forward,
+  chunk by chunk, into a `FusedHead` (one `[V, D]` buffer that several losses
+  can share), so logits are built once and backward is a scale.
+- `fused_pair_logprobs`: a sequence-level loss Σ_s f_s(Σ_{t∈s} w_t·log p(y_t))
+  (DPO, SimPO), in the same single pass, segment by segment.
+- `chunked_token_stats`: per-token values with a custom `autograd.Function`
+  that recomputes each chunk's logits in backward, for any downstream use.
 
-Labels outside `[0, V)` (padding, -100) give logprob 0; mask them downstream.
-Matmuls run in the input dtype; softmax math runs in fp32.
+Chunks that need only label logprobs (and entropy) skip autograd: the logits
+gradient is written by hand, in place. Labels outside `[0, V)` (padding, -100)
+give logprob 0; mask them downstream. Matmuls run in the input dtype; softmax
+math runs in fp32.
 """
 
 from __future__ import annotations
