@@ -34,7 +34,7 @@ from losses.logprobs import (
 )
 from losses.policy import dapo_token_loss, prime_dppo_token_loss, tis_weights
 from losses.preference import dpo_loss, simpo_loss
-from losses.reduce import global_mean, segment_sum, upcast
+from losses.reduce import global_mean, math_dtype, segment_sum, upcast
 
 CHANNELS = ("policy", "distill", "preference")
 
@@ -206,7 +206,7 @@ def _head_loss(
     if head is not None:
         return fused_token_loss(
             hidden_nD, weight_VD, labels_n, loss_fn, teacher=teacher, want_entropy=want_entropy,
-            chunk_tokens=_chunk_tokens(cfg, weight_VD, teacher is None), head=head, scale=scale,
+            chunk_tokens=_chunk_tokens(cfg, weight_VD, label_only=teacher is None), head=head, scale=scale,
         )
     stats = token_stats_naive(hidden_nD, weight_VD, labels_n, teacher=teacher, want_entropy=want_entropy)
     loss = loss_fn(stats, slice(None))
@@ -227,7 +227,11 @@ def _policy_terms(cfg: PolicyConfig, logp, old, gen, adv):
 
 
 def policy_channel(
-    cfg: ComposerConfig, weight_VD: torch.Tensor, inputs: PolicyInputs, head: FusedHead | None = None, scale: float = 1.0
+    cfg: ComposerConfig,
+    weight_VD: torch.Tensor,
+    inputs: PolicyInputs,
+    head: FusedHead | None = None,
+    scale: float = 1.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Σ_valid ℓ_t / num_tokens for DAPO or PRIME-DPPO, plus metrics (chunked: gradient of
     scale·loss into `head`, loss returned detached)."""
@@ -351,7 +355,7 @@ def _fused_pair_seq_logps(cfg, head, scale, weight_VD, inputs, c_mask, r_mask, c
         start = segments[-1].stop
     hidden_nD = torch.cat([h for h, _ in pieces])
     labels_n = torch.cat([y for _, y in pieces])
-    sums = torch.zeros(2, n_pairs)  # [chosen | rejected, P]
+    sums = hidden_nD.new_zeros((2, n_pairs), dtype=math_dtype(hidden_nD))  # [chosen | rejected, P]
 
     def segment_scale(p: int, logprobs: torch.Tensor) -> torch.Tensor:
         n_chosen = int(c_mask[p].sum())
@@ -370,7 +374,8 @@ def _fused_pair_seq_logps(cfg, head, scale, weight_VD, inputs, c_mask, r_mask, c
         return g_c * c_len_P[p] if mean else g_c
 
     token_weight_n = torch.cat(weights) if weights else hidden_nD.new_zeros(0)
-    fused_pair_logprobs(head, hidden_nD, labels_n, token_weight_n, segments, segment_scale, _chunk_tokens(cfg, weight_VD, True))
+    chunk = _chunk_tokens(cfg, weight_VD, label_only=True)
+    fused_pair_logprobs(head, hidden_nD, labels_n, token_weight_n, segments, segment_scale, chunk)
     return sums[0], sums[1]
 
 
@@ -394,7 +399,8 @@ def preference_channel(
         raise ValueError("preference kind dpo needs ref_chosen_logps_P and ref_rejected_logps_P")
     c_len_P, r_len_P = c_mask.sum(-1).clamp(min=1).float(), r_mask.sum(-1).clamp(min=1).float()
     n_tokens = int(c_mask.sum() + r_mask.sum())
-    if head is not None and n_tokens >= n_pairs * min(_chunk_tokens(cfg, weight_VD, True), MIN_FUSED_PAIR_TOKENS):
+    chunk = _chunk_tokens(cfg, weight_VD, label_only=True)
+    if head is not None and n_pairs > 0 and n_tokens >= n_pairs * min(chunk, MIN_FUSED_PAIR_TOKENS):
         chosen_P, rejected_P = _fused_pair_seq_logps(
             cfg, head, scale, weight_VD, inputs, c_mask, r_mask, c_len_P, r_len_P
         )
@@ -405,7 +411,7 @@ def preference_channel(
         seq_n = torch.cat([rows.expand_as(c_mask)[c_mask], n_pairs + rows.expand_as(r_mask)[r_mask]])
         if head is not None:
             stats = chunked_token_stats(
-                hidden_nD, weight_VD, labels_n, want_entropy=False, chunk_tokens=_chunk_tokens(cfg, weight_VD, True)
+                hidden_nD, weight_VD, labels_n, want_entropy=False, chunk_tokens=chunk
             )
         else:
             stats = token_stats_naive(hidden_nD, weight_VD, labels_n, want_entropy=False)

@@ -306,7 +306,9 @@ class FusedHead:
 
     def __init__(self, weight_VD: torch.Tensor, track_weight: bool | None = None) -> None:
         self.weight_VD = weight_VD
-        self.tracks_weight = weight_VD.requires_grad and torch.is_grad_enabled() if track_weight is None else track_weight
+        if track_weight is None:
+            track_weight = weight_VD.requires_grad and torch.is_grad_enabled()
+        self.tracks_weight = track_weight
         self.grad_w_VD: torch.Tensor | None = None
         self._scratch_VD: torch.Tensor | None = None
         self._inputs: list[torch.Tensor] = []
@@ -347,7 +349,11 @@ class FusedHead:
             self.grad_w_VD.add_(segment_VD * scale)
 
     def backprop(
-        self, g_nV: torch.Tensor, hidden_nD: torch.Tensor, grad_h_nD: torch.Tensor | None, grad_w_VD: torch.Tensor | None
+        self,
+        g_nV: torch.Tensor,
+        hidden_nD: torch.Tensor,
+        grad_h_nD: torch.Tensor | None,
+        grad_w_VD: torch.Tensor | None,
     ) -> None:
         """grad_h = g·W (written) and grad_W += gᵀ·h for one chunk of logits gradient g."""
         g_nV = g_nV.to(self.weight_VD.dtype)
@@ -411,7 +417,9 @@ def _token_chunk(
     with torch.enable_grad():
         loss = loss_fn(leaves, sl)
         wrt = [v for v in (leaves.logprobs, leaves.entropy) if v is not None]
-        grads = iter(torch.autograd.grad(loss * scale, wrt, allow_unused=True)) if grads_needed and loss.requires_grad else None
+        grads = None
+        if grads_needed and loss.requires_grad:
+            grads = iter(torch.autograd.grad(loss * scale, wrt, allow_unused=True))
     if grads is not None:
         g_lp = next(grads) if leaves.logprobs is not None else None
         g_h = next(grads) if leaves.entropy is not None else None
