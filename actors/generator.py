@@ -95,8 +95,9 @@ class GeneratorActor(Actor):
     @endpoint
     def generate(self, requests: list[EpisodeRequest], sampling: SamplingParams | None = None) -> list[RolloutGroup]:
         """`group_size` rollouts for each request (one batch per turn)."""
-        if sampling is None:
-            sampling = SamplingParams.from_config(self.spec.generator, seed=self.spec.seed)
+        if sampling is None:  # a fresh, reproducible stream per call (request seeds are unique within a run)
+            sampling = SamplingParams.from_config(
+                self.spec.generator, seed=self.spec.seed * 1_000_003 + (requests[0].seed if requests else 0))
         return self.runner.run(list(requests), self.spec.generator.group_size, sampling, self.version)
 
     @endpoint

@@ -7,8 +7,9 @@ share (`TrainBatch.shard`), so the controller never needs to know the data-
 parallel layout. The policy version is the number of optimizer steps taken.
 
 `score` gives per-token logprobs and entropies of given sequences under the
-current policy (no gradient): uncertainty for teacher gating, and reference
-logprobs for DPO when taken before the step that trains on the pairs.
+current policy (no gradient), for teacher gating; with `reference=True` under
+DPO's reference π_ref, the frozen initial weights the trainer keeps
+(`Trainer.reference`, sharded like the policy).
 `publish_weights` exports HF-named buckets (collective gathers) and rank 0
 writes them for generators (`actors.weights`).
 """
@@ -88,24 +89,27 @@ class TrainerActor(Actor):
         return t.train_step(batch.shard(dist.get_rank(), dist.get_world_size()))
 
     @endpoint
-    def score(self, batch: ScoreBatch) -> ScoreResult:
-        """Logprobs and entropies of `batch` under the current weights (every rank runs the whole batch)."""
+    def score(self, batch: ScoreBatch, reference: bool = False) -> ScoreResult:
+        """Logprobs and entropies of `batch` (every rank runs the whole batch) under the current weights,
+        or with `reference=True` under DPO's π_ref: the trainer's frozen initial weights when it keeps
+        them (`trainer.dpo_reference = "frozen"`), else the current weights."""
         from losses.logprobs import chunked_token_stats
 
         t = self._t()
-        was_training = t.model.training
-        t.model.eval()
+        model = t.reference if reference and t.reference is not None else t.model
+        was_training = model.training
+        model.eval()
         try:
             with torch.no_grad():
-                hidden_NSD = t.hidden_states(batch.tokens_NS, batch.positions_NS)
+                hidden_NSD = t.hidden_states(batch.tokens_NS, batch.positions_NS, model)
                 labels_NS = batch.labels_NS.to(t.device)
                 N, S, D = hidden_NSD.shape
                 stats = chunked_token_stats(
-                    hidden_NSD.reshape(N * S, D), t.head_weight(), labels_NS.reshape(-1),
+                    hidden_NSD.reshape(N * S, D), t.head_weight(model), labels_NS.reshape(-1),
                     want_entropy=True, chunk_tokens=t.spec.loss.chunk_tokens or None,
                 )
         finally:
-            t.model.train(was_training)
+            model.train(was_training)
         valid_NS = (labels_NS != IGNORE_INDEX).cpu()
         logprobs_NS = torch.where(valid_NS, stats.logprobs.reshape(N, S).float().cpu(), 0.0)
         entropy_NS = torch.where(valid_NS, stats.entropy.reshape(N, S).float().cpu(), 0.0)

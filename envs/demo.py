@@ -118,6 +118,40 @@ def score(reply: str, p: Problem, config: DemoTaskConfig) -> Score:
     return Score(reward, ErrorKind.TEST_FAILURE, f"Wrong answer: {got} is not the result of {p.text}. Try again.")
 
 
+def answer_range(p: Problem, config: DemoTaskConfig) -> tuple[int, int]:
+    """Smallest and largest numeric answer of `p`'s op over operands 0..max_operand."""
+    m = config.max_operand
+    return {"add": (0, 2 * m), "sub": (-m, m), "mul": (0, m * m)}[p.op]
+
+
+def format_examples(config: DemoTaskConfig, n: int, seed: int) -> list[list[dict[str, Any]]]:
+    """`n` format-only conversations for warm-starting a base model: train-split problems answered
+    in the `ANSWER: <x>` format with an answer drawn *independently of the problem* (uniform over
+    the op's answer range, or random letters), and half of them a second, equally random attempt
+    after the environment's feedback. A model trained on them knows the format, not the task.
+    """
+    rng = random.Random(f"demo-format:{seed}")
+
+    def guess(p: Problem) -> str:
+        if p.op == "reverse":
+            return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in p.word)
+        return str(rng.randint(*answer_range(p, config)))
+
+    out = []
+    for i in range(n):
+        p = make_problem(seed * 1_000_003 + 10_000_019 + i, config, "train")
+        messages = prompt_messages(p)
+        for attempt in range(1 + i % 2):
+            reply = f"ANSWER: {guess(p)}"
+            messages.append({"role": "assistant", "content": reply})
+            feedback = score(reply, p, config)
+            if feedback.kind is None or attempt == i % 2:
+                break
+            messages.append({"role": "user", "content": feedback.feedback})
+        out.append(messages)
+    return out
+
+
 def solve(messages: list[dict[str, Any]]) -> str:
     """The correct next assistant message for a demo episode (the local teacher serves it)."""
     for msg in messages:

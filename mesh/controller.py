@@ -46,7 +46,7 @@ class ControllerConfig:
     seed: int = 0
     hints: bool = True  # channel 2: hint the first error site of each failed rollout
     pairs_per_step: int = 0  # channel 3: preference pairs drawn from the replay actor per step
-    dpo_reference: bool = True  # score pairs with the current policy as π_ref (DPO)
+    dpo_reference: bool = True  # score pairs with the trainer's π_ref (DPO; TrainerActor.score(reference=True))
     sampling: SamplingParams | None = None  # None: each generator's configured sampling
 
 
@@ -133,7 +133,7 @@ class Controller:
         for side in ("chosen", "rejected"):
             scored = rank0(self.trainer.score.call(ScoreBatch(
                 rows[f"{side}_tokens_PS"], rows[f"{side}_positions_PS"], rows[f"{side}_labels_PS"],
-            )).get())
+            ), reference=True).get())
             refs.append(scored.logprob_sums_N)
         return pairs, (refs[0], refs[1])
 

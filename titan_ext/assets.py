@@ -33,7 +33,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from configs.sections.model import ModelConfig
 
@@ -211,40 +211,48 @@ def _write_assets(paths: AssetPaths, seed: int) -> None:
     _write_model(paths.moe_dir, "tiny_moe", seed, paths.tokenizer_dir)
 
 
-def build_assets(cache_dir: Path, seed: int = 0) -> AssetPaths:
-    """Build (or reuse) the tokenizer and the tiny dense and MoE checkpoints under cache_dir/seed<N>."""
-    cache_dir = Path(cache_dir)
-    paths = asset_paths(cache_dir, seed)
-    stamp = _input_stamp(seed)
-    if _stamp_matches(paths.root, stamp):
-        return paths
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    with _file_lock(cache_dir / f".seed{seed}.lock"):
-        if _stamp_matches(paths.root, stamp):
-            return paths
-        tmp = Path(tempfile.mkdtemp(dir=cache_dir, prefix=f".seed{seed}-build-"))
+def build_once(target: Path, stamp: str, write: Callable[[Path], None]) -> Path:
+    """Make `target` by `write(tmp_dir)` unless its stamp.json already records `stamp`.
+
+    Idempotent and safe for concurrent callers: a file lock next to `target`,
+    then an atomic rename of the finished directory over any stale one.
+    """
+    if _stamp_matches(target, stamp):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(target.parent / f".{target.name}.lock"):
+        if _stamp_matches(target, stamp):
+            return target
+        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-build-"))
         try:
             tmp.chmod(0o755)
-            _write_assets(_paths_under(tmp), seed)
-            (tmp / "stamp.json").write_text(json.dumps({"inputs": stamp, "seed": seed}, indent=2) + "\n")
+            write(tmp)
+            (tmp / "stamp.json").write_text(json.dumps({"inputs": stamp}, indent=2) + "\n")
             stale = None
-            if paths.root.exists():
-                stale = Path(tempfile.mkdtemp(dir=cache_dir, prefix=f".seed{seed}-stale-"))
-                os.replace(paths.root, stale / "old")
-            os.replace(tmp, paths.root)
+            if target.exists():
+                stale = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-stale-"))
+                os.replace(target, stale / "old")
+            os.replace(tmp, target)
             if stale is not None:
                 shutil.rmtree(stale, ignore_errors=True)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-    return paths
+    return target
 
+
+def build_assets(cache_dir: Path, seed: int = 0) -> AssetPaths:
+    """Build (or reuse) the tokenizer and the tiny dense and MoE checkpoints under cache_dir/seed<N>."""
+    paths = asset_paths(Path(cache_dir), seed)
+    build_once(paths.root, _input_stamp(seed), lambda tmp: _write_assets(_paths_under(tmp), seed))
+    return paths
 
 
 TINY_FLAVOUR_DIRS = {"tiny": "dense_dir", "tiny_moe": "moe_dir"}
 
 
-def _cache_dir_for(model_cfg: ModelConfig) -> Path:
+def cache_dir_for(model_cfg: ModelConfig) -> Path:
+    """The assets cache a `[model]` section uses."""
     return Path(model_cfg.assets_cache_dir) if model_cfg.assets_cache_dir else default_cache_dir()
 
 
@@ -258,7 +266,7 @@ def hf_dir_for(model_cfg: ModelConfig) -> Path | None:
     if model_cfg.hf_path:
         return Path(model_cfg.hf_path)
     if model_cfg.flavour in TINY_FLAVOUR_DIRS:
-        paths = build_assets(_cache_dir_for(model_cfg), seed=model_cfg.seed)
+        paths = build_assets(cache_dir_for(model_cfg), seed=model_cfg.seed)
         return getattr(paths, TINY_FLAVOUR_DIRS[model_cfg.flavour])
     return None
 
@@ -270,5 +278,5 @@ def tokenizer_dir_for(model_cfg: ModelConfig) -> Path:
     if model_cfg.hf_path:
         return Path(model_cfg.hf_path)
     if model_cfg.flavour in TINY_FLAVOUR_DIRS:
-        return build_assets(_cache_dir_for(model_cfg), seed=model_cfg.seed).tokenizer_dir
+        return build_assets(cache_dir_for(model_cfg), seed=model_cfg.seed).tokenizer_dir
     raise ValueError(f"model flavour {model_cfg.flavour!r} needs model.tokenizer_path or model.hf_path")

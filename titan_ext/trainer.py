@@ -122,15 +122,12 @@ class Trainer:
         self.model_spec = resolved.spec
         self.hf_config = resolved.hf_config
         prepare_model_config(self.model_spec.model, spec.parallelism)
-        with torch.device("meta"):
-            model = self.model_spec.model.build()
         self.parallel_dims = build_parallel_dims(spec.parallelism, dist.get_world_size(), self.platform)
-        parallelize_model(model, self.model_spec, self.parallel_dims, spec.parallelism, self.platform)
-        init_model(model, self.device, spec.model.seed)
-        if spec.model.hf_path:
-            load_hf_into_titan(model, spec.model.hf_path)
-        model._skip_lm_head = True  # forward returns final hidden states; the loss applies the head
-        self.model = model
+        self.model = model = self._build_model()
+        # DPO's π_ref: the initial weights, frozen (built before any checkpoint is loaded into the policy).
+        self.reference: torch.nn.Module | None = None
+        if spec.trainer.dpo_reference == "frozen" and spec.loss.beta > 0 and spec.loss.preference.kind == "dpo":
+            self.reference = self._build_model().requires_grad_(False).eval()
 
         self.optimizer = build_optimizer(model, spec.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, spec.optimizer, spec.trainer.steps)
@@ -147,16 +144,30 @@ class Trainer:
             if resume is not None:
                 self.load_checkpoint(resume)
 
+    def _build_model(self) -> torch.nn.Module:
+        """Meta build → parallelize (FSDP2 / HSDP / EP) → seeded init → `hf_path` weights."""
+        with torch.device("meta"):
+            model = self.model_spec.model.build()
+        parallelize_model(model, self.model_spec, self.parallel_dims, self.spec.parallelism, self.platform)
+        init_model(model, self.device, self.spec.model.seed)
+        if self.spec.model.hf_path:
+            load_hf_into_titan(model, self.spec.model.hf_path)
+        model._skip_lm_head = True  # forward returns final hidden states; the loss applies the head
+        return model
+
     # ---- forward pieces ----------------------------------------------------------------------
 
-    def hidden_states(self, tokens_BL: torch.Tensor, positions_BL: torch.Tensor) -> torch.Tensor:
-        """Final (normed) hidden states `[B, L, D]` of packed rows."""
+    def hidden_states(
+        self, tokens_BL: torch.Tensor, positions_BL: torch.Tensor, model: torch.nn.Module | None = None
+    ) -> torch.Tensor:
+        """Final (normed) hidden states `[B, L, D]` of packed rows (of the policy unless `model` is given)."""
+        model = self.model if model is None else model
         tokens_BL, positions_BL = tokens_BL.to(self.device), positions_BL.to(self.device)
-        return self.model(tokens_BL, positions_BL, attention_masks(self.model, positions_BL))
+        return model(tokens_BL, positions_BL, attention_masks(model, positions_BL))
 
-    def head_weight(self) -> torch.Tensor:
+    def head_weight(self, model: torch.nn.Module | None = None) -> torch.Tensor:
         """The LM-head weight `[V, D]` as the forward uses it (gathered when FSDP-sharded)."""
-        head = self.model.lm_head
+        head = (self.model if model is None else model).lm_head
         if isinstance(head, FSDPModule):
             head.unshard()  # no-op right after a forward: the head group does not reshard
         return head.weight

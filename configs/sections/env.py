@@ -49,6 +49,14 @@ class DemoTaskConfig:
     closeness_scale: float = option(
         5.0, doc="numeric answers: credit falls linearly to the format reward at this distance", gt=0.0
     )
+    warm_start_steps: int = option(
+        0,
+        doc="train: start RL from a base model made by this many SFT steps on format-only examples "
+        "(answers independent of the problem, envs.demo.format_examples); 0 = the raw weights",
+        ge=0,
+    )
+    warm_start_examples: int = option(512, doc="format-only conversations the warm start draws from", ge=1)
+    warm_start_lr: float = option(3e-3, doc="AdamW learning rate of the warm start", gt=0.0)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,12 @@ class TrainerConfig:
     grad_clip: float = option(1.0, ge=0.0, doc="Max global grad norm; 0 disables clipping.")
     mode: str = option("sync", choices=("sync", "async"), doc="sync = on-policy; async = generator runs ahead up to max_staleness.")
     max_staleness: int = option(0, ge=0, doc="Async mode: drop samples older than this many policy versions.")
+    dpo_reference: str = option(
+        "frozen", choices=("frozen", "policy"),
+        doc="DPO's reference π_ref: frozen = the initial weights, kept by the trainer (one more parameter copy, "
+        "sharded like the policy, no grads or optimizer state); policy = the current policy just before the step "
+        "(no memory; the DPO loss then reads log 2).",
+    )
     export_bucket_mib: float = option(
         256.0, gt=0.0, doc="Weight export for generators: MiB of full (gathered) tensors materialised per bucket."
     )

@@ -26,12 +26,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def model_dir(job: Any) -> str:
-    """HF weights both the trainer and the generators start from."""
-    from titan_ext.assets import hf_dir_for
+    """HF weights both the trainer and the generators start from (the demo's warm-started base when asked)."""
+    import dataclasses
+
+    from titan_ext.assets import cache_dir_for, hf_dir_for
 
     weights = hf_dir_for(job.model)
     if weights is None:
         raise ValueError(f"model.flavour = {job.model.flavour!r} needs model.hf_path (generators load HF weights)")
+    demo = job.env.demo
+    if job.env.task == "demo" and demo.warm_start_steps > 0:
+        from envs.demo import format_examples
+        from titan_ext.warmstart import WarmStartConfig, warm_start_dir
+
+        ws = WarmStartConfig(steps=demo.warm_start_steps, lr=demo.warm_start_lr, seed=job.job.seed)
+        weights = warm_start_dir(dataclasses.replace(job.model, hf_path=str(weights)),
+                                 format_examples(demo, demo.warm_start_examples, job.job.seed), ws,
+                                 cache_dir_for(job.model))
     return str(weights)
 
 

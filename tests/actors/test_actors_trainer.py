@@ -1,7 +1,8 @@
 """TrainerActor on two local processes (FSDP2 over gloo) and the baseline weight sync to two generator procs.
 
 `score` is checked against an independent HF transformers forward of the same
-weights; weight sync by digest (trainer export == every generator) and by a
+weights, and DPO's frozen reference (`score(reference=True)`) against the
+initial weights after training; weight sync by digest (trainer export == every generator) and by a
 changed digest after a real optimizer step; checkpoints by restoring the
 exact weights of an earlier step.
 """
@@ -64,18 +65,25 @@ def test_placement_fsdp_over_two_ranks_and_separate_generators(meshes):
     assert len(pids) == 4  # disaggregated: four processes
 
 
-def test_score_matches_hf_forward(meshes, tiny_assets):
+def hf_scores(model_dir, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token logprob of the label and entropy `[N, S]` from an independent HF forward of `model_dir`."""
     from transformers import AutoModelForCausalLM
 
-    trainer, _, _, _ = meshes
-    batch = score_batch()
-    results = list(trainer.score.call(batch).get().values())
-    model = AutoModelForCausalLM.from_pretrained(str(tiny_assets.dense_dir)).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
     with torch.no_grad():
         logp_NSV = model(batch.tokens_NS).logits.double().log_softmax(-1)
     valid = batch.labels_NS >= 0
     ref_lp = torch.where(valid, logp_NSV.gather(-1, batch.labels_NS.clamp(min=0)[..., None])[..., 0], 0.0)
     ref_h = torch.where(valid, -(logp_NSV.exp() * logp_NSV).sum(-1), 0.0)
+    return ref_lp, ref_h
+
+
+def test_score_matches_hf_forward(meshes, tiny_assets):
+    trainer, _, _, _ = meshes
+    batch = score_batch()
+    results = list(trainer.score.call(batch).get().values())
+    ref_lp, ref_h = hf_scores(tiny_assets.dense_dir, batch)
+    valid = batch.labels_NS >= 0
     for r in results:  # both ranks agree with the reference
         assert torch.allclose(r.logprobs_NS.double(), ref_lp, atol=2e-4)
         assert torch.allclose(r.entropy_NS.double(), ref_h, atol=2e-4)
@@ -125,6 +133,22 @@ def test_train_step_weight_sync_and_checkpoint(meshes, tmp_path):
     assert digest2 != digest1
     assert set(trainer.load_checkpoint.call(1).get().values()) == {1}
     assert rank0(trainer.weights_digest.call().get()) == digest1
+
+
+def test_dpo_reference_stays_the_initial_weights(meshes, tiny_assets):
+    """`score(reference=True)` is the frozen initial model (FSDP-sharded on both ranks) after optimizer
+    steps and a checkpoint load, while `score()` follows the trained policy."""
+    trainer, _, _, _ = meshes
+    trainer.train_step.call(policy_batch(trainer, 3)).get()
+    batch = score_batch(seed=5)
+    init_lp, _ = hf_scores(tiny_assets.dense_dir, batch)
+    saved = int(next(iter(trainer.save_checkpoint.call().get().values())).rsplit("-", 1)[1])
+    trainer.load_checkpoint.call(saved).get()
+    for ref, cur in zip(trainer.score.call(batch, reference=True).get().values(),
+                        trainer.score.call(batch).get().values()):
+        assert torch.allclose(ref.logprobs_NS.double(), init_lp, atol=2e-4)
+        assert ref.version == cur.version >= 1
+        assert (cur.logprobs_NS - ref.logprobs_NS).abs().max() > 1e-2  # the policy moved, π_ref did not
 
 
 def test_two_generator_procs_update_weights_in_place(meshes, tiny_assets, tmp_path):

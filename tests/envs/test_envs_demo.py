@@ -138,3 +138,33 @@ def test_env_section_loads_and_validates():
         loads_config("[env.demo]\nmax_turns = 0\n")
     with pytest.raises(ValueError, match="unknown demo op"):
         make_problem(0, DemoTaskConfig(ops=("div",)))
+
+
+def test_format_examples_teach_the_format_not_the_answers():
+    """Warm-start data: well-formed replies, replayed through `DemoEnv` turn by turn (feedback text
+    included), on train problems only, with answers that carry no information about the problem."""
+    from envs.demo import answer_range, format_examples
+
+    cfg = DemoTaskConfig(ops=("add", "sub", "reverse"), max_operand=9, heldout_fraction=0.25)
+    examples = format_examples(cfg, 600, seed=3)
+    assert examples == format_examples(cfg, 600, seed=3) and examples != format_examples(cfg, 600, seed=4)
+    exact = 0
+    for messages in examples:
+        p = Problem.parse(messages[1]["content"])
+        assert messages[:2] == prompt_messages(p) and split_of(p, cfg.heldout_fraction) == "train"
+        env = DemoEnv(cfg)
+        env.problem = p
+        replies = [m for m in messages[2:] if m["role"] == "assistant"]
+        assert 1 <= len(replies) <= 2
+        for k, reply in enumerate(replies):
+            obs = env._answer(reply, turn=2 + 2 * k)
+            assert obs.reward > 0  # well-formed
+            if p.op != "reverse":
+                assert answer_range(p, cfg)[0] <= int(reply["content"].split()[-1]) <= answer_range(p, cfg)[1]
+            exact += obs.reward == 1.0
+            if k + 1 < len(replies):  # a retry follows the env's own feedback
+                assert messages[3 + 2 * k:4 + 2 * k] == obs.messages != []
+    # answers drawn independently of the problem: exact about as often as chance (add 1/19, sub 1/19,
+    # reverse 26^-3), far below a solver
+    replies = sum(1 for m in examples for x in m if x["role"] == "assistant")
+    assert exact / replies < 0.08

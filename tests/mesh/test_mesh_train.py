@@ -57,10 +57,10 @@ max_tokens = 16
 """
 
 
-def train(recipe: Path, steps: int, cache: Path) -> dict:
+def train(recipe: Path, steps: int, cache: Path, timeout: float = 500) -> dict:
     env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", COMPOSER_MESH_CACHE=str(cache))
     cmd = [sys.executable, "-m", "mesh.cli", "train", "--no-progress", str(recipe), f"--trainer.steps={steps}"]
-    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=500)
+    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, out.stderr[-4000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
