@@ -1,4 +1,4 @@
-"""Topology-aware weight sync on real meshes: FSDP trainer (2 gloo ranks) → 2 generator processes.
+"""Topology-aware weight sync on real meshes: FSDP trainer (2 gloo ranks) → 4 generators on 3 fake hosts.
 
 Digests are checked against the trainer's own collective export
 (`TrainerActor.weights_digest`, the baseline's independent path): after every
@@ -23,6 +23,7 @@ from configs.sections.optimizer import OptimizerConfig
 from configs.sections.trainer import TrainerConfig
 
 VOCAB = 2048
+VERSIONS = 12
 
 
 # ---- version barrier: real writer and reader processes ---------------------------------------------
@@ -56,11 +57,13 @@ def _reader_proc(root: str, seen: "mp.Queue") -> None:
     while time.monotonic() < deadline:
         published = sorted(segment_path(root, "h", 0).parent.glob("v*.seg"))
         if not published:
+            time.sleep(0.01)
             continue
         version = int(published[-1].stem[1:])
         try:
             seg = PinnedSegment(published[-1], version)
         except FileNotFoundError:  # pruned between glob and open: not a torn read, just late
+            time.sleep(0.01)
             continue
         values = []
         for i, (_, t) in enumerate(seg.tensors()):
@@ -69,7 +72,7 @@ def _reader_proc(root: str, seen: "mp.Queue") -> None:
                 time.sleep(0.05)  # the writer publishes newer versions meanwhile
         seg.verify()
         seen.put((version, values))
-        if version >= 30:
+        if version >= VERSIONS:
             return
 
 
@@ -80,10 +83,11 @@ def test_version_barrier_delayed_readers_never_see_torn_versions(tmp_path):
     pinned = PinnedSegment.open(root, "h", 1)
     first = [t.clone() for _, t in list(pinned.tensors())[:3]]
 
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")  # real processes; torch imported once by the server, not per child
+    ctx.set_forkserver_preload(["torch", "actors.shm_weights"])
     seen: "mp.Queue" = ctx.Queue()
     readers = [ctx.Process(target=_reader_proc, args=(root, seen)) for _ in range(2)]
-    writer = ctx.Process(target=_writer_proc, args=(root, 30))
+    writer = ctx.Process(target=_writer_proc, args=(root, VERSIONS))
     for p in readers + [writer]:
         p.start()
     writer.join(60)
@@ -98,14 +102,14 @@ def test_version_barrier_delayed_readers_never_see_torn_versions(tmp_path):
         assert values == [[float(version)]] * len(layout.slots)  # whole and single-version
     assert len({v for v, _ in reads}) >= 2  # the readers overlapped several publishes
 
-    # the reader pinned v1 before the writer published v2..v30 and unlinked v1: it still reads v1 whole
+    # the reader pinned v1 before the writer published v2..v{VERSIONS} and unlinked v1: it still reads v1 whole
     assert not segment_path(root, "h", 1).exists()
     rest = [t.clone() for _, t in list(pinned.tensors())[3:]]
     pinned.verify()
     assert all(torch.equal(t, torch.full_like(t, 1.0)) for t in first + rest)
     with pytest.raises(FileNotFoundError, match="not published"):
         PinnedSegment.open(root, "h", 1)
-    assert sorted(p.name for p in segment_path(root, "h", 0).parent.iterdir()) == ["v0000000030.seg"]
+    assert sorted(p.name for p in segment_path(root, "h", 0).parent.iterdir()) == [f"v{VERSIONS:010d}.seg"]
 
 
 def test_unsealed_segment_is_invisible_and_bad_input_is_refused(tmp_path):
@@ -124,7 +128,7 @@ def test_unsealed_segment_is_invisible_and_bad_input_is_refused(tmp_path):
         PinnedSegment(segment_path(tmp_path, "h", 5), 6)  # a file under another version's name
 
 
-# ---- one host: FSDP trainer on 2 procs → 2 generator procs --------------------------------------------
+# ---- fake hosts: FSDP trainer (2 procs) + 2 generators on host A, one generator on each of hosts B, C ----
 
 @pytest.fixture(scope="module")
 def generator_spec(tiny_assets):
@@ -136,8 +140,13 @@ def generator_spec(tiny_assets):
 
 @pytest.fixture(scope="module")
 def meshes(tiny_assets, generator_spec, tmp_path_factory):
-    from configs.sections.mesh import MeshConfig
-    from mesh.placement import place
+    """Monarch `ProcessJob` fake hosts: "trainer_0" runs the trainer mesh and two generator processes
+    (same-host fan-out); "generator_0" and "generator_1" run one generator each (cross-host reads)."""
+    from monarch.job import ProcessJob
+    from monarch.spmd import setup_torch_elastic_env
+
+    from actors.generator import GeneratorActor
+    from actors.trainer import TrainerActor
     from titan_ext.trainer import TrainerSpec
 
     out = tmp_path_factory.mktemp("wsync")
@@ -148,9 +157,19 @@ def meshes(tiny_assets, generator_spec, tmp_path_factory):
         checkpoint=CheckpointConfig(every_steps=1000, keep_last=3),
         checkpoint_dir=str(out / "ckpt"),
     )
-    placement = place(MeshConfig(placement="disaggregated", trainer_procs=2, generator_procs=2), spec, generator_spec)
-    yield placement.trainer, placement.generators
-    placement.stop()
+    job = ProcessJob({"trainer": 1, "generator": 2})
+    try:
+        state = job.state(cached_path=None)
+        trainer_procs = state.trainer.spawn_procs(per_host={"gpus": 2})
+        setup_torch_elastic_env(trainer_procs)
+        trainer = trainer_procs.spawn("trainer", TrainerActor, spec)
+        local = state.trainer.spawn_procs(per_host={"gpus": 2}).spawn("generator", GeneratorActor, generator_spec)
+        remote = state.generator.spawn_procs(per_host={"gpus": 1}).spawn("generator", GeneratorActor, generator_spec)
+        trainer.setup.call().get()
+        gens = [m.slice(**point) for m in (local, remote) for point, _ in m.info.call().get().items()]
+        yield trainer, gens
+    finally:
+        job.kill()
 
 
 def _batch(seed: int):
@@ -175,8 +194,13 @@ def test_sync_matches_trainer_digest_while_next_step_runs(meshes, tmp_path):
 
     trainer, gens = meshes
     sync = TopologySync(trainer, gens, str(tmp_path), keep=2)
-    assert len(sync.plan.routes) == 1 and sync.plan.routes[0].reader is None  # one host: no remote reads
-    assert sync.plan.routes[0].local_sources == (0, 1) and sync.plan.routes[0].generators == (0, 1)
+    assert sync.topology.trainer.shape == {"trainer_0": 2}
+    assert sync.topology.generators.shape == {"trainer_0": 2, "generator_0": 1, "generator_1": 1}
+    routes = {r.host: r for r in sync.plan.routes}
+    assert (routes["trainer_0"].local_sources, routes["trainer_0"].reader) == ((0, 1), None)
+    assert routes["trainer_0"].generators == (0, 1)  # fan-out: two generators read one segment
+    for host, g in (("generator_0", 2), ("generator_1", 3)):
+        assert (routes[host].local_sources, routes[host].remote_sources, routes[host].reader) == ((), (0, 1), g)
 
     trainer.train_step.call(_batch(1)).get()
     digest1 = rank0(trainer.weights_digest.call().get())
@@ -185,18 +209,21 @@ def test_sync_matches_trainer_digest_while_next_step_runs(meshes, tmp_path):
     report = pending.wait()
     metrics = rank0(step.get())
     assert report.version == 1 and metrics["step"] == 2.0
-    assert report.digest == digest1 and report.generators == 2 and report.cross_host_bytes == 0
+    assert report.digest == digest1 and report.generators == 4
     assert {g.policy_version.call_one().get() for g in gens} == {1}
     assert {g.weights_digest.call_one().get() for g in gens} == {digest1}
+    # counted by the readers' transfer layer: one full copy into each of the two generator-only hosts
+    assert report.cross_host_bytes == report.model_bytes * 2 > 0
+    assert set(report.pull_s) == {"generator_0", "generator_1"}
 
     digest2 = rank0(trainer.weights_digest.call().get())
     assert digest2 != digest1
     report2 = sync.sync()
-    assert (report2.version, report2.digest) == (2, digest2)
+    assert (report2.version, report2.digest, report2.cross_host_bytes) == (2, digest2, report.cross_host_bytes)
     assert {g.weights_digest.call_one().get() for g in gens} == {digest2}
-    host = sync.plan.routes[0].host
-    assert sorted(p.name for p in segment_path(tmp_path, host, 0).parent.glob("v*.seg")) == [
-        "v0000000001.seg", "v0000000002.seg"]
+    for host in routes:  # every host keeps the newest `keep` versions
+        assert sorted(p.name for p in segment_path(tmp_path, host, 0).parent.glob("v*.seg")) == [
+            "v0000000001.seg", "v0000000002.seg"]
 
 
 def test_rollout_exchange_sends_each_rank_only_its_shard(meshes):
