@@ -218,10 +218,16 @@ class SegmentWriter:
 
 
 def prune(root: str | os.PathLike, host: str, keep: int) -> None:
-    """Unlink all but the newest `keep` published versions (open readers keep theirs)."""
-    published = sorted((Path(root) / _safe(host)).glob("v*.seg"))
+    """Unlink all but the newest `keep` published versions (open readers keep theirs), and the leftovers of
+    syncs that never sealed (temporary files of versions up to the newest published one)."""
+    folder = Path(root) / _safe(host)
+    published = sorted(folder.glob("v*.seg"))
     for old in published[:-keep]:
         old.unlink(missing_ok=True)
+    newest = int(published[-1].name[1:11]) if published else -1
+    for stale in [*folder.glob(".v*.tmp"), *folder.glob(".v*.lock")]:
+        if int(stale.name[2:12]) <= newest:
+            stale.unlink(missing_ok=True)
 
 
 def local_shard(param: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]] | None:

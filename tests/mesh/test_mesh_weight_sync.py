@@ -121,7 +121,11 @@ def test_unsealed_segment_is_invisible_and_bad_input_is_refused(tmp_path):
     assert not segment_path(tmp_path, "h", 5).exists()
     with pytest.raises(ValueError, match="parties"):
         w.done(0, keep=2)
+    stale = SegmentWriter(tmp_path, "h", 4, "crashed", layout)  # a sync of v4 that never sealed
+    assert stale.path.exists()
     assert w.done(2, keep=2) is True
+    assert not stale.path.exists()  # cleaned up once a newer version is published
+    assert sorted(p.name for p in segment_path(tmp_path, "h", 0).parent.iterdir()) == ["v0000000005.seg"]
     seg = PinnedSegment.open(tmp_path, "h", 5)
     assert [n for n, _ in seg.tensors()] == ["w0", "w1"] and seg.layout == layout
     with pytest.raises(RuntimeError, match="expected v6"):
