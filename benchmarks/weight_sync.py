@@ -214,15 +214,23 @@ def main() -> None:
         print(f"setup {time.perf_counter() - t0:.1f}s", flush=True)
 
         sync = TopologySync(trainer, gens, str(work / "seg0"), keep=1, verify=False)
-        topo, model_bytes = [], 0
-        for i in range(reps + 1):  # the first one warms up (shadow model, page tables)
+        raw_shm.wait_ready()
+        topo, raw, raw_reused, model_bytes = [], [], [], 0
+        for i in range(reps + 1):  # the first one warms up (shadow model, page tables); paths interleave
             sync.root = str(work / f"seg{i}")
             report = sync.sync()
             shutil.rmtree(work / f"seg{i - 1}", ignore_errors=True)
-            print(f"  topology sync {i}: {report.total_s:.3f}s (publish {report.publish_s:.3f}s)", flush=True)
             model_bytes = report.model_bytes
+            if model_bytes != raw_shm.nbytes:  # the trainer tied or split weights unlike the meta build
+                raw_shm.close()
+                raw_shm = RawShm(model_bytes)
+                raw_shm.wait_ready()
             if i:
                 topo.append(report.total_s)
+                raw.append(raw_shm.run(reuse=False))
+                raw_reused.append(raw_shm.run(reuse=True))
+                print(f"  rep {i}: topology {topo[-1]:.3f}s (publish {report.publish_s:.3f}s), "
+                      f"raw {raw[-1]:.3f}s, raw reused {raw_reused[-1]:.3f}s", flush=True)
         publish_s = report.publish_s
         digest = rank0(trainer.weights_digest.call().get())
         held = {g.weights_digest.call_one().get() for g in gens}
@@ -245,9 +253,6 @@ def main() -> None:
             baseline_s.append(time.perf_counter() - start)
         trainer_procs.stop().get()
         print(f"timed sync paths {time.perf_counter() - t0:.1f}s", flush=True)
-        raw_shm.wait_ready()
-        raw = [raw_shm.run(reuse=False) for _ in range(reps)]
-        raw_reused = [raw_shm.run(reuse=True) for _ in range(reps)]
     finally:
         if raw_shm is not None:
             raw_shm.close()
