@@ -16,19 +16,19 @@ header and atomically renames the file to `v<version>.seg`. Published files
 are never written again; pruning only unlinks them, and a reader that opened
 a version keeps its pages until it closes them (POSIX unlink semantics). So a
 reader either cannot open a version or sees all of it: never half of one, and
-never a mix of two. The header (magic, version, sealed flag, layout hash) is
+never a mix of two. The header (magic, version, sealed flag, sizes) is
 checked before and after every read as a second line of defence.
 
 GPU (not run on this CPU box): `write_shards` copies CUDA shards into the
-shared pages with `copy_` (device-to-host); for same-GPU-host generators that
-want to skip host memory, `cuda_ipc_handles` exports CUDA IPC handles of the
-snapshot instead (guarded: requires CUDA).
+shared pages with `copy_` (device-to-host). `cuda_ipc_export` /
+`cuda_ipc_import` share a device tensor between processes of one GPU host
+(CUDA IPC) for generators that want to skip host memory; they refuse CPU
+tensors and are not wired into `mesh.weight_sync` yet.
 """
 
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 import mmap
 import os
@@ -86,10 +86,6 @@ class SegmentLayout:
         slots = tuple(Slot(n, d, tuple(sh), o, b) for n, d, sh, o, b in json.loads(raw))
         end = max((s.offset + -(-s.nbytes // ALIGN) * ALIGN for s in slots), default=0)
         return SegmentLayout(slots, end)
-
-    @property
-    def digest(self) -> str:
-        return hashlib.blake2b(self.to_json(), digest_size=16).hexdigest()
 
     @property
     def model_bytes(self) -> int:
@@ -292,13 +288,21 @@ def coalesce(pieces: list[Piece]) -> list[Piece]:
     return out
 
 
-def cuda_ipc_handles(snapshot: torch.Tensor) -> Any:
-    """CUDA IPC handle of a device snapshot for same-host GPU generators (requires CUDA; not run on CPU)."""
+def cuda_ipc_export(snapshot: torch.Tensor) -> tuple:
+    """A picklable CUDA IPC handle of a device tensor (send it to a process on the same GPU host)."""
     if not snapshot.is_cuda:
         raise RuntimeError("CUDA IPC needs a CUDA tensor; on CPU the shared-memory segment is the path")
     from torch.multiprocessing.reductions import reduce_tensor
 
     return reduce_tensor(snapshot)
+
+
+def cuda_ipc_import(handle: tuple) -> torch.Tensor:
+    """The device tensor behind `cuda_ipc_export`'s handle, mapped into this process (no copy)."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("CUDA IPC handles can only be opened where CUDA is available")
+    rebuild, args = handle
+    return rebuild(*args)
 
 
 # ---- reading (generators) -----------------------------------------------------------------------
