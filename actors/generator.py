@@ -27,7 +27,7 @@ from monarch.actor import Actor, current_rank, endpoint
 
 from actors.rollout import EpisodeRequest, RolloutGroup, SamplingParams
 from actors.shm_weights import SegmentLoader, host_label, pull_pieces
-from actors.weights import WeightManifest, read_manifest, weights_digest
+from actors.weights import WeightManifest, check_coverage, read_manifest, weights_digest
 from configs.sections.env import EnvConfig
 from configs.sections.generator import GeneratorConfig
 
@@ -106,14 +106,7 @@ class GeneratorActor(Actor):
     def update_weights(self, manifest: WeightManifest) -> dict:
         """Load `manifest` in place; returns {"version", "digest"} of what the engine now holds."""
         state = self.engine.named_weights()
-        unknown = [n for n in manifest.names if n not in state]
-        covered = {state[n].data_ptr() for n in manifest.names if n in state}
-        uncovered = sorted(n for n, t in state.items() if t.data_ptr() not in covered)
-        if unknown or uncovered:  # checked before any copy: the engine keeps its current weights
-            raise ValueError(
-                f"weights v{manifest.version} do not match the generator model: unknown {unknown[:5]}, "
-                f"not covered {uncovered[:5]}"
-            )
+        check_coverage(state, manifest.names, manifest.version)
         self.engine.load_weights(read_manifest(manifest))
         self.version = manifest.version
         return {"version": self.version, "digest": weights_digest((n, state[n]) for n in manifest.names)}

@@ -42,6 +42,8 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from actors.weights import check_coverage
+
 MAGIC = b"CMWSEG01"
 ALIGN = 64  # every tensor starts on a cache line
 PAGE = 4096
@@ -378,13 +380,7 @@ def load_segment(engine: Any, shadow: nn.Module, segment: PinnedSegment, hf_name
     """
     from titan_ext.export import iter_hf_buckets
 
-    state = engine.named_weights()
-    unknown = [n for n in hf_names if n not in state]
-    covered = {state[n].untyped_storage().data_ptr() for n in hf_names if n in state}
-    uncovered = sorted(n for n, t in state.items() if t.untyped_storage().data_ptr() not in covered)
-    if unknown or uncovered:
-        raise ValueError(f"weights v{segment.version} do not match the generator model: unknown {unknown[:5]}, "
-                         f"not covered {uncovered[:5]}")
+    check_coverage(engine.named_weights(), hf_names, segment.version)
     segment.verify()
     loaded = 0
     for bucket in iter_hf_buckets(bind_shadow(shadow, segment), bucket_bytes):
