@@ -21,12 +21,13 @@ from __future__ import annotations
 import importlib.util
 import os
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from monarch.actor import Actor, current_rank, endpoint
 
 from actors.rollout import EpisodeRequest, RolloutGroup, SamplingParams
-from actors.weights import WeightManifest, read_manifest, weights_digest
+from actors.shm_weights import SegmentLoader, host_label, pull_pieces
+from actors.weights import WeightManifest, check_coverage, read_manifest, weights_digest
 from configs.sections.env import EnvConfig
 from configs.sections.generator import GeneratorConfig
 
@@ -57,7 +58,8 @@ def select_engine(requested: str) -> Literal["hf", "vllm"]:
 
 
 class GeneratorActor(Actor):
-    """Endpoints: generate, update_weights, weights_digest, policy_version, info."""
+    """Endpoints: generate, update_weights, weights_digest, policy_version, info; topology-aware sync:
+    host_info, load_segment, pull_weights."""
 
     def __init__(self, spec: GeneratorSpec) -> None:
         from transformers import AutoTokenizer
@@ -85,6 +87,7 @@ class GeneratorActor(Actor):
         )
         self.version = 0
         self.rank = current_rank().rank
+        self.segments = SegmentLoader()
 
     @endpoint
     def info(self) -> dict:
@@ -104,14 +107,7 @@ class GeneratorActor(Actor):
     def update_weights(self, manifest: WeightManifest) -> dict:
         """Load `manifest` in place; returns {"version", "digest"} of what the engine now holds."""
         state = self.engine.named_weights()
-        unknown = [n for n in manifest.names if n not in state]
-        covered = {state[n].data_ptr() for n in manifest.names if n in state}
-        uncovered = sorted(n for n, t in state.items() if t.data_ptr() not in covered)
-        if unknown or uncovered:  # checked before any copy: the engine keeps its current weights
-            raise ValueError(
-                f"weights v{manifest.version} do not match the generator model: unknown {unknown[:5]}, "
-                f"not covered {uncovered[:5]}"
-            )
+        check_coverage(state, manifest.names, manifest.version)
         self.engine.load_weights(read_manifest(manifest))
         self.version = manifest.version
         return {"version": self.version, "digest": weights_digest((n, state[n]) for n in manifest.names)}
@@ -131,3 +127,34 @@ class GeneratorActor(Actor):
     @endpoint
     def policy_version(self) -> int:
         return self.version
+
+    # ---- topology-aware weight sync (mesh.weight_sync) ----------------------------------------
+
+    @endpoint
+    def host_info(self) -> dict:
+        return {"rank": self.rank, "host": host_label(), "pid": os.getpid()}
+
+    @endpoint
+    def load_segment(self, root: str, version: int, shadow: tuple, bucket_bytes: int, timeout_s: float = 60.0,
+                     digest: bool = True) -> dict:
+        """Wait for `version` on this host's segment, copy it into the engine in place and set the policy
+        version; returns {"version", "digest" (None unless asked), "bytes", "load_s"}.
+
+        shadow: (ModelConfig, ParallelismConfig) of the trainer, to name and lay out the tensors as its export does.
+        """
+        result = self.segments.load(self.engine, root, host_label(), version, shadow, bucket_bytes, timeout_s)
+        self.version = version
+        if digest:
+            state = self.engine.named_weights()
+            result["digest"] = weights_digest((n, state[n]) for n in result.pop("names"))
+        else:
+            result.pop("names")
+            result["digest"] = None
+        return result
+
+    @endpoint
+    def pull_weights(self, root: str, version: int, token: str, layout: Any, sources: list, parties: int,
+                     keep: int = 2, bucket_bytes: int = 64 << 20) -> dict:
+        """This host's reader: RDMA-read every remote trainer rank's runs into this host's segment (which the
+        local generators then read); returns {"bytes_remote", "published", "pull_s"}."""
+        return pull_pieces(root, host_label(), version, token, layout, sources, parties, keep, bucket_bytes)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from monarch.actor import Actor, endpoint
 
+from actors.shm_weights import Piece, SegmentLayout, SegmentWriter, host_label, write_shards
 from actors.weights import WeightManifest, publish_buckets, weights_digest
 from titan_ext.batch import IGNORE_INDEX, TrainBatch
 from titan_ext.trainer import Trainer, TrainerSpec
@@ -55,13 +56,29 @@ class ScoreResult:
     version: int
 
 
+@dataclass
+class ShardReport:
+    """What one trainer rank wrote for a weight version: its byte runs of the host segment, and RDMA
+    buffers over them when other hosts pull them (`expose`)."""
+
+    rank: int
+    host: str
+    version: int
+    layout: SegmentLayout
+    pieces: list[Piece]
+    buffers: list  # monarch.rdma.RDMABuffer per piece, or [] when not exposed
+    published: bool  # this rank sealed the host's segment
+    write_s: float
+
+
 class TrainerActor(Actor):
     """Endpoints: setup, train_step, score, save_checkpoint, load_checkpoint, publish_weights,
-    weights_digest, policy_version."""
+    weights_digest, policy_version; topology-aware sync: host_info, publish_shards, train_step_shard."""
 
     def __init__(self, spec: TrainerSpec) -> None:
         self.spec = spec
         self.trainer: Trainer | None = None
+        self._exposed: dict[int, tuple[SegmentWriter, list]] = {}  # version -> mapping + RDMA buffers kept alive
 
     def _t(self) -> Trainer:
         if self.trainer is None:
@@ -149,3 +166,47 @@ class TrainerActor(Actor):
     @endpoint
     def policy_version(self) -> int:
         return self._t().step
+
+    # ---- topology-aware weight sync and rollout exchange (mesh.weight_sync, mesh.rollout_exchange) ----
+
+    @endpoint
+    def host_info(self) -> dict:
+        import torch.distributed as dist
+
+        self._t()
+        return {"rank": dist.get_rank(), "world": dist.get_world_size(), "host": host_label(), "pid": os.getpid(),
+                "shadow": (self.spec.model, self.spec.parallelism)}  # what generators need to name the tensors
+
+    @endpoint
+    def publish_shards(self, root: str, token: str, parties: dict[str, int], keep: int = 2,
+                       expose: tuple[int, ...] = ()) -> ShardReport:
+        """Copy this rank's shards of the current weights into this host's segment for version `step`
+        (no collective); the last of `parties[host]` writers seals it. Ranks in `expose` keep RDMA
+        buffers over their runs for readers on other hosts (until `keep` newer versions exist)."""
+        import time
+
+        import torch.distributed as dist
+
+        t = self._t()
+        start = time.perf_counter()
+        writer = SegmentWriter(root, host_label(), t.step, token, SegmentLayout.from_model(t.model))
+        pieces = write_shards(t.model, writer)
+        if torch.device(t.device).type == "cuda":  # the device-to-host copies are done before the seal
+            torch.cuda.synchronize()
+        published = writer.done(parties[host_label()], keep)
+        buffers: list = []
+        if dist.get_rank() in expose:
+            from monarch.rdma import RDMABuffer
+
+            buffers = [RDMABuffer(writer.payload[p.offset : p.offset + p.nbytes]) for p in pieces]
+            self._exposed[t.step] = (writer, buffers)
+            for old in sorted(self._exposed)[:-keep]:
+                for buf in self._exposed.pop(old)[1]:
+                    buf.drop().get()
+        return ShardReport(dist.get_rank(), host_label(), t.step, writer.layout, pieces, buffers, published,
+                           time.perf_counter() - start)
+
+    @endpoint
+    def train_step_shard(self, shard: TrainBatch) -> dict[str, float]:
+        """`train_step` on a batch that is already this rank's data-parallel shard (`mesh.rollout_exchange`)."""
+        return self._t().train_step(shard)

@@ -52,6 +52,23 @@ def weights_digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
     return h.hexdigest()
 
 
+def check_coverage(state: dict[str, torch.Tensor], names: Iterable[str], version: int) -> None:
+    """Refuse weights whose `names` are not exactly the engine's tensors (`state`: name -> live tensor).
+
+    Coverage is by tensor address, so tied weights (one tensor, two names) are covered by either name
+    and fused-weight views count separately. Checked before any copy: a refused version changes nothing.
+    """
+    names = list(names)
+    unknown = [n for n in names if n not in state]
+    covered = {state[n].data_ptr() for n in names if n in state}
+    uncovered = sorted(n for n, t in state.items() if t.data_ptr() not in covered)
+    if unknown or uncovered:
+        raise ValueError(
+            f"weights v{version} do not match the generator model: unknown {unknown[:5]}, "
+            f"not covered {uncovered[:5]}"
+        )
+
+
 def publish_buckets(buckets: Iterable[list[tuple[str, torch.Tensor]]], directory: str | Path, version: int,
                     keep: int = 2) -> WeightManifest:
     """Write every bucket under `directory/v<version>` (atomically renamed) and prune old versions."""

@@ -31,6 +31,7 @@ from actors.rollout import EpisodeRequest, RolloutGroup, SamplingParams
 from actors.weights import WeightManifest
 from configs.sections.loss import PolicyLossConfig
 from mesh.packing import PairTokens, make_hint, pack_batch, pair_tokens, select_rollouts
+from mesh.rollout_exchange import train_step_sharded
 from mesh.weight_sync_baseline import rank0, sync_weights
 
 
@@ -153,7 +154,7 @@ class Controller:
             metrics: dict[str, float] = {"skipped": 1.0}  # every group had equal rewards and no pairs came
         else:
             batch = pack_batch(selection, self.cfg.max_seq_len, hints, pairs, ref)
-            metrics = rank0(self.trainer.train_step.call(batch).get())
+            metrics = train_step_sharded(self.trainer, batch)  # each rank receives only its shard
             self.version = int(metrics["step"])
         metrics.update({
             "reward/mean": sum(rewards) / max(1, len(rewards)),
