@@ -119,7 +119,11 @@ class _Requests:
 
 
 class Controller:
-    """Drives one trainer mesh, a list of generator actors (one per process) and an optional replay actor."""
+    """Drives one trainer mesh, a list of generator actors (one per process) and an optional replay actor.
+
+    `prompt_cursor`: first fresh prompt index (`mesh.replicas` gives each replica group its own);
+    `supervisor`: replaces dead actors (None: any actor failure ends the run); `state`: continue from a
+    saved `ControllerState` (its version must be the trainer's; it sets the cursor too)."""
 
     def __init__(
         self,

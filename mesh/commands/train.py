@@ -183,7 +183,8 @@ def train(job: Any, *, resume: bool = True, progress: bool = True) -> dict[str, 
         shutil.rmtree(weight_dir, ignore_errors=True)
     summary: dict[str, Any] = {"run_dir": str(run_dir), "start_step": start, "steps_run": len(history),
                                "final_step": history[-1].step if history else start, "replay": replay_status,
-                               "restarts": [dataclasses.asdict(r) for r in (supervisor.restarts if supervisor else [])]}
+                               "restarts": [dataclasses.asdict(r) for r in (supervisor.restarts if supervisor else [])],
+                               "mesh_failures": len(fault_events)}  # Monarch supervision events seen
     if diloco_status is not None:
         summary["diloco"] = diloco_status
     if job.metrics.jsonl and (run_dir / "metrics.jsonl").exists():

@@ -122,7 +122,8 @@ def test_controller_sigkill_then_resume_loses_no_step_and_repeats_no_teacher_cal
     recipe.write_text(RECIPE.format(repo=REPO, out=tmp_path / "runs"))  # the train command test's short demo run
     run = tmp_path / "runs" / "debug_cpu"
     cmd = [sys.executable, "-m", "mesh.cli", "train", "--no-progress", str(recipe), f"--trainer.steps={steps}",
-           "--checkpoint.every_steps=1", f"--replay.local_server.request_log={log}"]
+           "--checkpoint.every_steps=1", f"--replay.local_server.request_log={log}",
+           "--replay.concurrency=1"]  # one state at a time: each step asks the teachers, no pairs pile up
     env = child_env(tiny_assets.root.parents[1])
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
