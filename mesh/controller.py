@@ -330,7 +330,10 @@ class Controller:
     def _run_sync(self) -> list[StepRecord]:
         history: list[StepRecord] = []
         end = self.iteration + self.cfg.steps
-        self._sync_all()  # generators may hold older weights than a resumed trainer
+        try:
+            self._sync_all()  # generators may hold older weights than a resumed trainer
+        except Exception as exc:
+            self._recover(exc, self._sync_all)
         while self.iteration < end:
             start = time.perf_counter()
             record = None
@@ -414,7 +417,10 @@ class Controller:
     def _run_async(self) -> list[StepRecord]:
         history: list[StepRecord] = []
         end = self.iteration + self.cfg.steps
-        self._publish()  # the workers load the trainer's current weights before their first call
+        try:
+            self._publish()  # the workers load the trainer's current weights before their first call
+        except Exception as exc:
+            self._recover(exc, self._publish)
         workers, out, stop = self._start_workers()
         failed = True
         try:
