@@ -149,7 +149,7 @@ class Controller:
         self.replay = replay
         self.on_step = on_step
         self.supervisor = supervisor
-        self.requests = _Requests(cfg.seed, prompt_cursor)
+        self.prompts = _Requests(cfg.seed, prompt_cursor)
         self.version = rank0(trainer.policy_version.call().get())
         self.iteration = 0
         self.buffer: list[RolloutGroup] = []  # async: generated, not yet trained
@@ -165,7 +165,7 @@ class Controller:
 
     def _snapshot(self, version: int, iteration: int) -> ControllerState:
         replay = self.replay.snapshot.call_one().get() if self.replay is not None else None
-        return ControllerState(version, iteration, self.requests.next, self.requests.pending(), list(self.buffer),
+        return ControllerState(version, iteration, self.prompts.next, self.prompts.pending(), list(self.buffer),
                                replay)
 
     def _save_state(self, version: int, iteration: int) -> None:
@@ -176,7 +176,7 @@ class Controller:
             save_state(self.cfg.state_dir, self._last_state, keep_from=keep_from)
 
     def _restore(self, state: ControllerState) -> None:
-        self.requests.restore(state.prompt_cursor, state.pending)
+        self.prompts.restore(state.prompt_cursor, state.pending)
         self.buffer = list(state.buffer)
         self.iteration = state.iteration
         if self.replay is not None and state.replay is not None:
@@ -231,7 +231,7 @@ class Controller:
     def _generate_sync(self) -> list[RolloutGroup]:
         """This step's groups. A dead generator's share is re-issued, unchanged, to its replacement:
         the same batch with the same weights and seed samples the same rollouts."""
-        requests = self.requests.take(self.cfg.prompts_per_step)
+        requests = self.prompts.take(self.cfg.prompts_per_step)
         shares, at = [], 0
         for i, n in enumerate(self._per_generator(len(requests))):
             if n:
@@ -243,13 +243,13 @@ class Controller:
             lost = []
             for i, share, future in calls:
                 try:
-                    groups += self.requests.accept(future.get())
+                    groups += self.prompts.accept(future.get())
                 except Exception as exc:
                     self._replace_generator(i, exc)
-                    self.requests.lose(share)
+                    self.prompts.lose(share)
                     lost.append((i, len(share)))
                     sync_weights(self.trainer, self.generators[i], self.cfg.weight_dir)
-            shares = [(i, self.requests.take(n)) for i, n in lost]  # re-queued requests come out first, in order
+            shares = [(i, self.prompts.take(n)) for i, n in lost]  # re-queued requests come out first, in order
         return sorted(groups, key=lambda g: g.group_id)
 
     def _pairs(self) -> tuple[list[PairTokens], tuple[torch.Tensor, torch.Tensor] | None]:
@@ -373,10 +373,10 @@ class Controller:
                         if result["digest"] != manifest.digest:
                             raise RuntimeError(f"generator holds different weights than published v{manifest.version}")
                         loaded = manifest.version
-                    requests = self.requests.take(n)
-                    out.put(self.requests.accept(gen.generate.call_one(requests, self.cfg.sampling).get()))
+                    requests = self.prompts.take(n)
+                    out.put(self.prompts.accept(gen.generate.call_one(requests, self.cfg.sampling).get()))
                 except Exception as exc:
-                    self.requests.lose(requests)
+                    self.prompts.lose(requests)
                     self._replace_generator(index, exc)
                     loaded = -1
         except BaseException as exc:  # surfaces in the controller thread
