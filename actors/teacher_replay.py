@@ -6,6 +6,10 @@ the messages before it, action = what the student did). `next_pairs(n)` asks
 the teachers about queued states (tier by tier, cache, budget and retries of
 `replay.teachers`; votes of `replay.pairs`) until it has `n` pairs or runs out
 of states; `status()` reports budget, spend, outcomes and queue sizes.
+`snapshot()` / `restore()` carry the in-memory part (queued states, ready
+pairs, counters) through the controller's state checkpoint, so a respawned
+actor or a resumed run continues where the saved step left; the response cache
+and budget ledger persist on disk themselves (`replay.cache`).
 
 Gating with the trainer's own policy: when `[replay.gating] enabled`, a state
 is sent to teachers only if the current policy is uncertain about its recorded
@@ -20,6 +24,7 @@ in a thread owned by the actor, so they persist across endpoint calls.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections import Counter, deque
 from dataclasses import dataclass
@@ -78,8 +83,19 @@ class TrainerScorer:
         return Uncertainty(entropy=entropy, margin=1.0)  # margin is not measured on this path
 
 
+@dataclass
+class ReplaySnapshot:
+    """The replay actor's in-memory state between calls."""
+
+    queue: list[TraceState]
+    ready: list[PreferencePair]
+    outcomes: dict[str, int]
+    states_done: int
+    pairs_made: int
+
+
 class TeacherReplayActor(Actor):
-    """Endpoints: add_states, add_rollouts, next_pairs, status."""
+    """Endpoints: add_states, add_rollouts, next_pairs, status, info, snapshot, restore, set_trainer."""
 
     def __init__(self, spec: ReplaySpec, trainer: Any = None) -> None:
         from replay.cache import ResponseCache
@@ -100,8 +116,8 @@ class TeacherReplayActor(Actor):
                 raise ValueError("replay.gating.enabled in the application needs the trainer mesh and a tokenizer")
             from transformers import AutoTokenizer
 
-            scorer = TrainerScorer(trainer, ChatTokens(AutoTokenizer.from_pretrained(spec.tokenizer_dir)))
-            self.gate = VOIGate(spec.replay.gating, scorer)
+            self.scorer = TrainerScorer(trainer, ChatTokens(AutoTokenizer.from_pretrained(spec.tokenizer_dir)))
+            self.gate = VOIGate(spec.replay.gating, self.scorer)
         self.queue: deque[TraceState] = deque(load_states(spec.replay)[0] if spec.replay.traces else [],
                                               maxlen=spec.max_queue)
         self.ready: deque[PreferencePair] = deque()
@@ -143,6 +159,30 @@ class TeacherReplayActor(Actor):
                     self.pairs_made += 1
             self.states_done += len(chunk)
         return [self.ready.popleft() for _ in range(min(n, len(self.ready)))]
+
+    @endpoint
+    def info(self) -> dict:
+        return {"pid": os.getpid()}
+
+    @endpoint
+    def snapshot(self) -> ReplaySnapshot:
+        return ReplaySnapshot(list(self.queue), list(self.ready), dict(self.outcomes), self.states_done,
+                              self.pairs_made)
+
+    @endpoint
+    def restore(self, snap: ReplaySnapshot) -> int:
+        """Replace the in-memory state with `snap`; returns the queue length."""
+        self.queue = deque(snap.queue, maxlen=self.spec.max_queue)
+        self.ready = deque(snap.ready)
+        self.outcomes = Counter(snap.outcomes)
+        self.states_done, self.pairs_made = snap.states_done, snap.pairs_made
+        return len(self.queue)
+
+    @endpoint
+    def set_trainer(self, trainer: Any) -> None:
+        """Score with a restarted trainer mesh (gating)."""
+        if self.gate is not None:
+            self.scorer.trainer = trainer
 
     @endpoint
     def status(self) -> dict:

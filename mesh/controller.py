@@ -14,6 +14,14 @@ Plain Python in the launching process, holding actor meshes. One step:
    version v is trained at trainer version t only if t − v ≤ `max_staleness`,
    older groups are dropped. The generator logprobs travel with every sample,
    so the loss's TIS / mismatch correction sees what the generator used.
+
+Supervision (`mesh.supervision`, docs/supervision.md): with a `Supervisor`, a
+generator that dies is replaced and its in-flight requests are re-issued
+(same group id and seed; a group whose id is no longer outstanding is dropped,
+so none is trained twice); a dead replay actor is replaced and restored; a dead
+trainer mesh is restarted from its newest checkpoint and the controller rolls
+back to the `ControllerState` saved for that version, then re-syncs the
+generators. The state is saved once per step, before `train_step`.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Literal, Sequence
 
 import torch
@@ -32,6 +41,9 @@ from actors.weights import WeightManifest
 from configs.sections.loss import PolicyLossConfig
 from mesh.packing import PairTokens, make_hint, pack_batch, pair_tokens, select_rollouts
 from mesh.rollout_exchange import train_step_sharded
+from mesh.supervision import (
+    ControllerState, Supervisor, is_actor_failure, is_alive, load_state, oldest_checkpoint, save_state,
+)
 from mesh.weight_sync_baseline import rank0, sync_weights
 
 
@@ -49,6 +61,7 @@ class ControllerConfig:
     pairs_per_step: int = 0  # channel 3: preference pairs drawn from the replay actor per step
     dpo_reference: bool = True  # score pairs with the trainer's π_ref (DPO; TrainerActor.score(reference=True))
     sampling: SamplingParams | None = None  # None: each generator's configured sampling
+    state_dir: str = ""  # where a ControllerState is saved each step (beside the trainer checkpoints); "" = memory only
 
 
 @dataclass
@@ -62,23 +75,56 @@ class StepRecord:
     dropped_stale: int
     groups: int
     seconds: float
+    seeds: list[int] = field(default_factory=list)  # prompt seeds of the groups this step consumed
+    iteration: int = 0  # controller steps done after this one
 
 
-class _Prompts:
-    """Thread-safe cursor over environment seeds: request i is problem seed `seed * 1_000_003 + i`."""
+class _Requests:
+    """Thread-safe source of episode requests: re-queued ones first, then fresh prompts from the cursor.
+
+    Fresh request i is group id i with problem seed `seed * 1_000_003 + i`. An issued request stays
+    outstanding until its group is accepted; a lost one (its generator died) is re-queued with the same
+    group id and seed, and a group whose id is not outstanding (a late or repeated answer) is dropped.
+    """
 
     def __init__(self, seed: int, start: int = 0) -> None:
         self.seed, self.next, self.lock = seed, start, threading.Lock()
+        self.requeued: list[EpisodeRequest] = []
+        self.outstanding: dict[int, EpisodeRequest] = {}
 
     def take(self, n: int) -> list[EpisodeRequest]:
         with self.lock:
-            ids = range(self.next, self.next + n)
-            self.next += n
-        return [EpisodeRequest(group_id=i, seed=self.seed * 1_000_003 + i) for i in ids]
+            out, self.requeued = self.requeued[:n], self.requeued[n:]
+            fresh = range(self.next, self.next + n - len(out))
+            self.next += len(fresh)
+            out += [EpisodeRequest(group_id=i, seed=self.seed * 1_000_003 + i) for i in fresh]
+            self.outstanding.update((r.group_id, r) for r in out)
+        return out
+
+    def accept(self, groups: list[RolloutGroup]) -> list[RolloutGroup]:
+        with self.lock:
+            return [g for g in groups if self.outstanding.pop(g.group_id, None) is not None]
+
+    def lose(self, requests: list[EpisodeRequest]) -> None:
+        with self.lock:
+            back = [r for r in requests if self.outstanding.pop(r.group_id, None) is not None]
+            self.requeued = sorted(self.requeued + back, key=lambda r: r.group_id)
+
+    def pending(self) -> list[EpisodeRequest]:
+        with self.lock:
+            return sorted(self.requeued + list(self.outstanding.values()), key=lambda r: r.group_id)
+
+    def restore(self, cursor: int, pending: list[EpisodeRequest]) -> None:
+        with self.lock:
+            self.next, self.requeued, self.outstanding = cursor, sorted(pending, key=lambda r: r.group_id), {}
 
 
 class Controller:
-    """Drives one trainer mesh, a list of generator actors (one per process) and an optional replay actor."""
+    """Drives one trainer mesh, a list of generator actors (one per process) and an optional replay actor.
+
+    `prompt_cursor`: first fresh prompt index (`mesh.replicas` gives each replica group its own);
+    `supervisor`: replaces dead actors (None: any actor failure ends the run); `state`: continue from a
+    saved `ControllerState` (its version must be the trainer's; it sets the cursor too)."""
 
     def __init__(
         self,
@@ -91,6 +137,8 @@ class Controller:
         replay: Any = None,
         on_step: Callable[[StepRecord], None] | None = None,
         prompt_cursor: int = 0,
+        supervisor: Supervisor | None = None,
+        state: ControllerState | None = None,
     ) -> None:
         if cfg.mode == "async" and cfg.max_staleness < 0:
             raise ValueError("max_staleness must be >= 0")
@@ -101,10 +149,79 @@ class Controller:
         self.hinter = hinter
         self.replay = replay
         self.on_step = on_step
-        self.prompts = _Prompts(cfg.seed, prompt_cursor)
+        self.supervisor = supervisor
+        self.prompts = _Requests(cfg.seed, prompt_cursor)
         self.version = rank0(trainer.policy_version.call().get())
+        self.iteration = 0
+        self.buffer: list[RolloutGroup] = []  # async: generated, not yet trained
         self._manifest: WeightManifest | None = None
         self._manifest_lock = threading.Lock()
+        self._last_state: ControllerState | None = None
+        if state is not None:
+            if state.version != self.version:
+                raise ValueError(f"controller state is for version {state.version}, the trainer is at {self.version}")
+            self._restore(state)
+
+    # ---- state and recovery --------------------------------------------------------------------
+
+    def _snapshot(self, version: int, iteration: int) -> ControllerState:
+        replay = self.replay.snapshot.call_one().get() if self.replay is not None else None
+        return ControllerState(version, iteration, self.prompts.next, self.prompts.pending(), list(self.buffer),
+                               replay)
+
+    def _save_state(self, version: int, iteration: int) -> None:
+        """Remember (and, with `state_dir`, write atomically) the state a checkpoint at `version` resumes with."""
+        self._last_state = self._snapshot(version, iteration)
+        if self.cfg.state_dir:
+            keep_from = oldest_checkpoint(Path(self.cfg.state_dir).parent)  # older states can never be resumed
+            save_state(self.cfg.state_dir, self._last_state, keep_from=keep_from)
+
+    def _restore(self, state: ControllerState) -> None:
+        self.prompts.restore(state.prompt_cursor, state.pending)
+        self.buffer = list(state.buffer)
+        self.iteration = state.iteration
+        if self.replay is not None and state.replay is not None:
+            self.replay.restore.call_one(state.replay).get()
+        self._last_state = state
+
+    def _replace_generator(self, index: int, exc: BaseException) -> None:
+        """Swap a dead generator for a new one (weights not loaded); re-raises what no restart can fix."""
+        if self.supervisor is None or not is_actor_failure(exc):
+            raise exc
+        self.generators[index] = self.supervisor.replace("generator", index, exc)
+
+    def _recover(self, exc: BaseException, resync: Callable[[], None]) -> None:
+        """After a failed step: replace dead actors, roll back to the last state that matches the trainer,
+        and `resync` the generators' weights (again, if a failure interrupts that)."""
+        while True:
+            self._replace_dead(exc)
+            try:
+                resync()
+                return
+            except Exception as again:
+                exc = again
+
+    def _replace_dead(self, exc: BaseException) -> None:
+        if self.supervisor is None or not is_actor_failure(exc):
+            raise exc
+        if self.replay is not None and not is_alive(self.replay.info.call_one):
+            self.replay = self.supervisor.replace("replay", 0, exc)
+        for i, g in enumerate(self.generators):
+            if not is_alive(g.policy_version.call_one):
+                self._replace_generator(i, exc)
+        state = self._last_state
+        if not is_alive(self.trainer.policy_version.call):
+            self.trainer = self.supervisor.replace("trainer", 0, exc)
+            self.version = rank0(self.trainer.policy_version.call().get())
+            state = load_state(self.cfg.state_dir, self.version) if self.cfg.state_dir else None
+            if state is None:
+                raise RuntimeError(f"the trainer restarted at version {self.version} but no controller state "
+                                   f"was saved for it in {self.cfg.state_dir or '(no state_dir)'}") from exc
+            if self.replay is not None:
+                self.replay.set_trainer.call_one(self.trainer).get()
+        if state is None or state.version != self.version:
+            raise RuntimeError(f"no controller state for trainer version {self.version}") from exc
+        self._restore(state)
 
     # ---- one step's data ---------------------------------------------------------------------
 
@@ -113,11 +230,28 @@ class Controller:
         return [n // k + (1 if i < n % k else 0) for i in range(k)]
 
     def _generate_sync(self) -> list[RolloutGroup]:
-        futures = [
-            g.generate.call_one(self.prompts.take(n), self.cfg.sampling)
-            for g, n in zip(self.generators, self._per_generator(self.cfg.prompts_per_step)) if n
-        ]
-        return [group for f in futures for group in f.get()]
+        """This step's groups. A dead generator's share is re-issued, unchanged, to its replacement:
+        the same batch with the same weights and seed samples the same rollouts."""
+        requests = self.prompts.take(self.cfg.prompts_per_step)
+        shares, at = [], 0
+        for i, n in enumerate(self._per_generator(len(requests))):
+            if n:
+                shares.append((i, requests[at : at + n]))
+                at += n
+        groups: list[RolloutGroup] = []
+        while shares:
+            calls = [(i, share, self.generators[i].generate.call_one(share, self.cfg.sampling)) for i, share in shares]
+            lost = []
+            for i, share, future in calls:
+                try:
+                    groups += self.prompts.accept(future.get())
+                except Exception as exc:
+                    self._replace_generator(i, exc)
+                    self.prompts.lose(share)
+                    lost.append((i, len(share)))
+                    sync_weights(self.trainer, self.generators[i], self.cfg.weight_dir)
+            shares = [(i, self.prompts.take(n)) for i, n in lost]  # re-queued requests come out first, in order
+        return sorted(groups, key=lambda g: g.group_id)
 
     def _pairs(self) -> tuple[list[PairTokens], tuple[torch.Tensor, torch.Tensor] | None]:
         if self.replay is None or self.cfg.pairs_per_step == 0:
@@ -150,12 +284,15 @@ class Controller:
             self.replay.add_rollouts.call_one([r for g in groups for r in g.rollouts]).get()
         pairs, ref = self._pairs()
         rewards = [r.reward for g in groups for r in g.rollouts]
-        if not (selection.policy_rollouts or hints or pairs):
+        trains = bool(selection.policy_rollouts or hints or pairs)
+        self._save_state(self.version + int(trains), self.iteration + 1)  # a checkpoint of this step resumes with it
+        if not trains:
             metrics: dict[str, float] = {"skipped": 1.0}  # every group had equal rewards and no pairs came
         else:
             batch = pack_batch(selection, self.cfg.max_seq_len, hints, pairs, ref)
             metrics = train_step_sharded(self.trainer, batch)  # each rank receives only its shard
             self.version = int(metrics["step"])
+        self.iteration += 1
         metrics.update({
             "reward/mean": sum(rewards) / max(1, len(rewards)),
             "rollouts/policy": float(selection.policy_rollouts), "rollouts/dropped_groups": float(selection.dropped_groups),
@@ -163,7 +300,7 @@ class Controller:
             "async/max_staleness": float(max(staleness, default=0)), "async/dropped_stale": float(dropped),
         })
         return StepRecord(self.version, metrics, metrics["reward/mean"], staleness, dropped, len(groups),
-                          time.perf_counter() - start)
+                          time.perf_counter() - start, [g.seed for g in groups], self.iteration)
 
     def step(self, *, sync_generators: bool = True) -> StepRecord:
         """One sync-mode step: generate with the generators' current weights, train, then sync them
@@ -178,6 +315,8 @@ class Controller:
     # ---- loops -------------------------------------------------------------------------------
 
     def run(self) -> list[StepRecord]:
+        """Run `cfg.steps` controller steps from the current iteration; returns their records."""
+        self._save_state(self.version, self.iteration)  # a trainer restart before the first checkpoint rolls back here
         return self._run_sync() if self.cfg.mode == "sync" else self._run_async()
 
     def _emit(self, record: StepRecord, history: list[StepRecord]) -> None:
@@ -185,14 +324,28 @@ class Controller:
         if self.on_step is not None:
             self.on_step(record)
 
+    def _kept(self, record: StepRecord | None) -> bool:
+        """After a recovery: did the failed step's training survive (the rollback landed after it)?"""
+        return record is not None and record.iteration == self.iteration and record.step == self.version
+
     def _run_sync(self) -> list[StepRecord]:
         history: list[StepRecord] = []
-        self._sync_all()  # generators may hold older weights than a resumed trainer
-        for _ in range(self.cfg.steps):
+        end = self.iteration + self.cfg.steps
+        try:
+            self._sync_all()  # generators may hold older weights than a resumed trainer
+        except Exception as exc:
+            self._recover(exc, self._sync_all)
+        while self.iteration < end:
             start = time.perf_counter()
-            groups = self._generate_sync()
-            record = self._train(groups, [self.version - g.policy_version for g in groups], 0, start)
-            self._sync_all()
+            record = None
+            try:
+                groups = self._generate_sync()
+                record = self._train(groups, [self.version - g.policy_version for g in groups], 0, start)
+                self._sync_all()
+            except Exception as exc:
+                self._recover(exc, self._sync_all)
+                if not self._kept(record):
+                    continue
             self._emit(record, history)
         return history
 
@@ -205,54 +358,88 @@ class Controller:
         with self._manifest_lock:
             self._manifest = manifest
 
-    def _worker(self, gen: Any, n: int, out: "queue.Queue[Any]", stop: threading.Event) -> None:
-        """Async generation: load the newest published weights, generate, hand the groups over, repeat."""
+    def _worker(self, index: int, n: int, out: "queue.Queue[Any]", stop: threading.Event) -> None:
+        """Async generation: load the newest published weights, generate, hand the groups over, repeat.
+
+        A generator that dies is replaced (under the supervisor's budget) and its requests re-queued."""
         loaded = -1
         try:
             while not stop.is_set():
-                with self._manifest_lock:
-                    manifest = self._manifest
-                if manifest is not None and manifest.version != loaded:
-                    result = gen.update_weights.call_one(manifest).get()
-                    if result["digest"] != manifest.digest:
-                        raise RuntimeError(f"generator holds different weights than published v{manifest.version}")
-                    loaded = manifest.version
-                out.put(gen.generate.call_one(self.prompts.take(n), self.cfg.sampling).get())
+                gen, requests = self.generators[index], []
+                try:
+                    with self._manifest_lock:
+                        manifest = self._manifest
+                    if manifest is not None and manifest.version != loaded:
+                        result = gen.update_weights.call_one(manifest).get()
+                        if result["digest"] != manifest.digest:
+                            raise RuntimeError(f"generator holds different weights than published v{manifest.version}")
+                        loaded = manifest.version
+                    requests = self.prompts.take(n)
+                    out.put(self.prompts.accept(gen.generate.call_one(requests, self.cfg.sampling).get()))
+                except Exception as exc:
+                    self.prompts.lose(requests)
+                    self._replace_generator(index, exc)
+                    loaded = -1
         except BaseException as exc:  # surfaces in the controller thread
             out.put(exc)
 
-    def _run_async(self) -> list[StepRecord]:
-        history: list[StepRecord] = []
+    def _start_workers(self) -> tuple[list[threading.Thread], "queue.Queue[Any]", threading.Event]:
         out: "queue.Queue[Any]" = queue.Queue()
         stop = threading.Event()
         per = max(1, self.cfg.prompts_per_step // len(self.generators))
-        self._publish()  # the workers load the trainer's current weights before their first call
-        workers = [threading.Thread(target=self._worker, args=(g, per, out, stop), daemon=True) for g in self.generators]
+        workers = [threading.Thread(target=self._worker, args=(i, per, out, stop), daemon=True)
+                   for i in range(len(self.generators))]
         for w in workers:
             w.start()
-        buffer: list[RolloutGroup] = []
+        return workers, out, stop
+
+    @staticmethod
+    def _stop_workers(workers: list[threading.Thread], stop: threading.Event, wait_s: float) -> None:
+        stop.set()
+        for w in workers:  # after a failure, leave the daemon workers rather than wait on a stuck call
+            w.join(timeout=wait_s)
+
+    def _collect(self, out: "queue.Queue[Any]") -> tuple[list[RolloutGroup], int]:
+        """This step's groups from the buffer (refilled from the workers); and how many stale ones were dropped."""
+        dropped = 0
+        while True:
+            fresh = [g for g in self.buffer if self.version - g.policy_version <= self.cfg.max_staleness]
+            dropped += len(self.buffer) - len(fresh)
+            self.buffer = fresh
+            if len(self.buffer) >= self.cfg.prompts_per_step:
+                break
+            item = out.get()
+            if isinstance(item, BaseException):
+                raise RuntimeError("a generator worker failed") from item
+            self.buffer.extend(item)
+        groups, self.buffer = self.buffer[: self.cfg.prompts_per_step], self.buffer[self.cfg.prompts_per_step :]
+        return groups, dropped
+
+    def _run_async(self) -> list[StepRecord]:
+        history: list[StepRecord] = []
+        end = self.iteration + self.cfg.steps
+        try:
+            self._publish()  # the workers load the trainer's current weights before their first call
+        except Exception as exc:
+            self._recover(exc, self._publish)
+        workers, out, stop = self._start_workers()
         failed = True
         try:
-            for _ in range(self.cfg.steps):
+            while self.iteration < end:
                 start = time.perf_counter()
-                dropped = 0
-                while True:
-                    fresh = [g for g in buffer if self.version - g.policy_version <= self.cfg.max_staleness]
-                    dropped += len(buffer) - len(fresh)
-                    buffer = fresh
-                    if len(buffer) >= self.cfg.prompts_per_step:
-                        break
-                    item = out.get()
-                    if isinstance(item, BaseException):
-                        raise RuntimeError("a generator worker failed") from item
-                    buffer.extend(item)
-                groups, buffer = buffer[: self.cfg.prompts_per_step], buffer[self.cfg.prompts_per_step :]
-                record = self._train(groups, [self.version - g.policy_version for g in groups], dropped, start)
-                self._publish()
+                record = None
+                try:
+                    groups, dropped = self._collect(out)
+                    record = self._train(groups, [self.version - g.policy_version for g in groups], dropped, start)
+                    self._publish()
+                except Exception as exc:
+                    self._stop_workers(workers, stop, 0)
+                    self._recover(exc, self._publish)
+                    workers, out, stop = self._start_workers()
+                    if not self._kept(record):
+                        continue
                 self._emit(record, history)
             failed = False
         finally:
-            stop.set()
-            for w in workers:  # after a failure, leave the daemon workers rather than wait on a stuck call
-                w.join(timeout=0 if failed else 600)
+            self._stop_workers(workers, stop, 0 if failed else 600)
         return history

@@ -10,13 +10,22 @@ Roles:
 - trainer: `trainer_procs` processes per host (one per GPU on clusters), the
   torch-elastic environment set so they form one process group;
 - generators: `disaggregated` — `generator_procs` processes per host of their
-  own; `colocated` — one generator actor in each trainer process;
-- teacher replay: one actor in the controller's process (it only talks HTTP
-  and asks the trainer for scores); `replay_procs = 0` disables it.
+  own; `colocated` — one generator actor in each trainer process. Each
+  generator is an actor mesh of its own on one process: Monarch 0.7 stops the
+  surviving ranks of an actor mesh that lost a rank ("orphaned", ≈2 min
+  later), so one mesh per generator keeps a failure to the one that died;
+- teacher replay: one actor on a process of its own on the controller's host
+  (it only talks HTTP and asks the trainer for scores), so its failure is
+  isolated and respawnable; `replay_procs = 0` disables it.
+
+Replacements for dead actors (`respawn_generator`, `restart_trainer`,
+`respawn_replay`) are built here too, from the same specs.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,17 +34,81 @@ from configs.sections.mesh import MeshConfig
 
 @dataclass
 class Placement:
-    """The spawned meshes; `generators` holds one single-process actor view per generator process."""
+    """The spawned meshes; `generators` holds one single-process actor mesh per generator process.
+
+    The respawn methods are what `mesh.supervision.Supervisor` calls to replace a dead actor.
+    """
 
     trainer: Any
     generators: list[Any]
     replay: Any | None
     trainer_setup: list[dict] = field(default_factory=list)  # per rank: rank, world, step, pid, params
     proc_meshes: list[Any] = field(default_factory=list)
+    cfg: MeshConfig = field(default_factory=MeshConfig)
+    specs: dict[str, Any] = field(default_factory=dict)  # role → spec its actors are built from
+    generator_procs: list[Any] = field(default_factory=list)  # per generator: its single-process proc mesh view
+    trainer_procs: Any = None
+    _names: Any = field(default_factory=itertools.count)
 
     def stop(self) -> None:
         for procs in self.proc_meshes:
             procs.stop().get()
+        self.proc_meshes.clear()
+
+    def pids(self) -> dict[str, list[int]]:
+        """OS process ids of every live role (what a fault drill kills)."""
+        out = {"trainer": [s["pid"] for s in self.trainer_setup],
+               "generator": [g.info.call_one().get()["pid"] for g in self.generators]}
+        if self.replay is not None:
+            out["replay"] = [self.replay.info.call_one().get()["pid"]]
+        return out
+
+    def _fresh_proc(self, hosts: Any) -> Any:
+        procs = hosts.spawn_procs(per_host={"gpus": 1})
+        self.proc_meshes.append(procs)
+        return procs
+
+    def respawn_generator(self, index: int) -> Any:
+        """A new generator actor for dead generator `index`: on a live generator process (`respawn = "live"`)
+        or on a fresh process; its weights are loaded by the caller."""
+        from actors.generator import GeneratorActor
+        from mesh.supervision import is_alive
+
+        procs = None
+        if self.cfg.respawn == "live":
+            live = [j for j, g in enumerate(self.generators)
+                    if j != index and is_alive(g.policy_version.call_one, timeout_s=5.0)]
+            procs = self.generator_procs[live[0]] if live else None
+        if procs is None:
+            procs = self._fresh_proc(host_meshes(self.cfg)[1])
+        actor = procs.spawn(f"generator-r{next(self._names)}", GeneratorActor, self.specs["generator"])
+        self.generators[index], self.generator_procs[index] = actor, procs
+        return actor
+
+    def restart_trainer(self) -> Any:
+        """Stop the trainer mesh and start a new one resumed from the newest complete checkpoint."""
+        spec = self.specs["trainer"]
+        spec = dataclasses.replace(spec, checkpoint=dataclasses.replace(spec.checkpoint, resume=True, load_step=-1))
+        old = self.trainer_procs
+        if old in self.proc_meshes:
+            self.proc_meshes.remove(old)
+        try:
+            old.stop().get(timeout=60)
+        except Exception:  # a mesh with a dead rank may not stop cleanly; its processes are gone or going
+            pass
+        self.trainer, self.trainer_procs, self.trainer_setup = _spawn_trainer(self.cfg, spec, self.proc_meshes)
+        return self.trainer
+
+    def respawn_replay(self) -> Any:
+        """A new teacher-replay actor on a fresh process (its in-memory state is restored by the caller)."""
+        from monarch.actor import this_host
+
+        from actors.teacher_replay import TeacherReplayActor
+
+        procs = self._fresh_proc(this_host())
+        self.replay = procs.spawn(f"teacher_replay-r{next(self._names)}", TeacherReplayActor, self.specs["replay"],
+                                  self.trainer)
+        return self.replay
 
 
 def host_meshes(cfg: MeshConfig) -> tuple[Any, Any]:
@@ -50,29 +123,45 @@ def host_meshes(cfg: MeshConfig) -> tuple[Any, Any]:
     return state.trainer, state.generator
 
 
-def place(cfg: MeshConfig, trainer_spec: Any, generator_spec: Any, replay_spec: Any | None = None) -> Placement:
-    """Spawn the trainer mesh (set up), the generators and the replay actor."""
-    from monarch.actor import this_proc
+def _points(procs: Any) -> list[dict[str, int]]:
+    """Every process of a proc mesh as a slice point, e.g. [{"gpus": 0}, {"gpus": 1}]."""
+    sizes = procs.sizes
+    return [dict(zip(sizes, idx)) for idx in itertools.product(*(range(n) for n in sizes.values()))]
+
+
+def _spawn_trainer(cfg: MeshConfig, spec: Any, meshes: list[Any]) -> tuple[Any, Any, list[dict]]:
+    """(trainer actor mesh, its proc mesh, per-rank setup): set up, so resumed from a checkpoint if one exists."""
     from monarch.spmd import setup_torch_elastic_env
+
+    from actors.trainer import TrainerActor
+
+    procs = host_meshes(cfg)[0].spawn_procs(per_host={"gpus": cfg.trainer_procs})
+    setup_torch_elastic_env(procs)
+    meshes.append(procs)
+    trainer = procs.spawn("trainer", TrainerActor, spec)
+    return trainer, procs, list(trainer.setup.call().get().values())
+
+
+def place(cfg: MeshConfig, trainer_spec: Any, generator_spec: Any, replay_spec: Any | None = None) -> Placement:
+    """Spawn the trainer mesh (set up), the generators and the replay actor (on a process of its own)."""
+    from monarch.actor import this_host
 
     from actors.generator import GeneratorActor
     from actors.teacher_replay import TeacherReplayActor
-    from actors.trainer import TrainerActor
 
-    trainer_hosts, generator_hosts = host_meshes(cfg)
-    trainer_procs = trainer_hosts.spawn_procs(per_host={"gpus": cfg.trainer_procs})
-    setup_torch_elastic_env(trainer_procs)
-    meshes = [trainer_procs]
-    trainer = trainer_procs.spawn("trainer", TrainerActor, trainer_spec)
+    meshes: list[Any] = []
+    trainer, trainer_procs, setup = _spawn_trainer(cfg, trainer_spec, meshes)
     if cfg.placement == "colocated":
         gen_procs = trainer_procs
     else:
-        gen_procs = generator_hosts.spawn_procs(per_host={"gpus": cfg.generator_procs})
+        gen_procs = host_meshes(cfg)[1].spawn_procs(per_host={"gpus": cfg.generator_procs})
         meshes.append(gen_procs)
-    generators = gen_procs.spawn("generator", GeneratorActor, generator_spec)
-    setup = list(trainer.setup.call().get().values())
-    views = [generators.slice(**point) for point, _ in generators.info.call().get().items()]
+    procs = [gen_procs.slice(**p) for p in _points(gen_procs)]
+    generators = [p.spawn("generator", GeneratorActor, generator_spec) for p in procs]
     replay = None
     if replay_spec is not None and cfg.replay_procs > 0:
-        replay = this_proc().spawn("teacher_replay", TeacherReplayActor, replay_spec, trainer)
-    return Placement(trainer, views, replay, setup, meshes)
+        replay_procs = this_host().spawn_procs(per_host={"gpus": 1})
+        meshes.append(replay_procs)
+        replay = replay_procs.spawn("teacher_replay", TeacherReplayActor, replay_spec, trainer)
+    specs = {"trainer": trainer_spec, "generator": generator_spec, "replay": replay_spec}
+    return Placement(trainer, generators, replay, setup, meshes, cfg, specs, procs, trainer_procs)

@@ -17,3 +17,10 @@ class MeshConfig:
     generator_procs: int = option(1, ge=1, doc="Generator processes per host.")
     replay_procs: int = option(1, ge=0, doc="Teacher-replay processes (0 disables the replay actor).")
     hosts: int = option(1, ge=1, doc="Hosts per mesh on a cluster backend.")
+    max_restarts: int = option(
+        3, ge=0, doc="Actor failures survived per role (generator, trainer, replay) before the run fails; 0 = off."
+    )
+    respawn: str = option(
+        "fresh", choices=("fresh", "live"),
+        doc="Where a dead generator restarts: a fresh process or a live generator process (replay: always fresh).",
+    )

@@ -5,8 +5,12 @@ assets are built on first use), starts the local teacher server when
 `[replay.local_server] enabled`, places the roles (`mesh.placement`), and
 runs the controller for the steps left: a checkpoint in
 `<output_dir>/<name>/<checkpoint.folder>` is resumed unless `--no-resume`,
-and the prompt cursor follows the resumed step. Writes `metrics.jsonl`,
-TensorBoard events, `summary.json` and `plot.png` to `<output_dir>/<name>`.
+with the controller state saved for that step (`<checkpoint.folder>/controller/`:
+step, prompt cursor, pending requests, async buffer, replay queue), so a
+killed controller loses no step. Dead actors are replaced under
+`[mesh] max_restarts` (`mesh.supervision`). Writes `metrics.jsonl`,
+TensorBoard events, `processes.json` (pid per role), `summary.json` and
+`plot.png` to `<output_dir>/<name>`.
 """
 
 from __future__ import annotations
@@ -46,6 +50,31 @@ def model_dir(job: Any) -> str:
     return str(weights)
 
 
+def resume_at_logged_step(trainer: Any, start: int, run_dir: Any, job: Any, state_dir: str) -> int:
+    """The step to resume from so that the metrics log stays contiguous.
+
+    A controller killed after the trainer checkpointed step s but before the row of step s
+    reached metrics.jsonl would leave a hole in the log; load the newest checkpoint whose steps
+    are all logged instead (its controller state must exist). Returns the trainer's step.
+    """
+    from mesh.metrics import read_metrics
+    from mesh.supervision import state_path
+    from mesh.weight_sync_baseline import rank0
+    from titan_ext.checkpoint import Checkpointer
+
+    path = run_dir / "metrics.jsonl"
+    logged = max((int(r["step"]) for r in read_metrics(path)), default=0) if path.exists() else 0
+    every = job.metrics.log_every
+    if not any(s % every == 0 for s in range(logged + 1, start + 1)):
+        return start
+    folder = run_dir / job.checkpoint.folder
+    older = [s for s in Checkpointer(job.checkpoint, folder).complete_steps()
+             if s <= logged and state_path(state_dir, s).is_file()]
+    if not older:
+        return start  # nothing older kept: resume where the trainer is (the log misses those rows)
+    return int(rank0(trainer.load_checkpoint.call(older[-1]).get()))
+
+
 def run(args: argparse.Namespace) -> int:
     import sys
 
@@ -82,6 +111,7 @@ def train(job: Any, *, resume: bool = True, progress: bool = True) -> dict[str, 
     from mesh.controller import Controller, ControllerConfig
     from mesh.metrics import MetricsSink, plot_run
     from mesh.placement import place
+    from mesh.supervision import ControllerState, Supervisor, install_fault_hook, load_state
     from replay.hints import TemplateHintGenerator
     from replay.server import TeacherServer
     from titan_ext.trainer import TrainerSpec
@@ -109,6 +139,10 @@ def train(job: Any, *, resume: bool = True, progress: bool = True) -> dict[str, 
         replay = dataclasses.replace(job.replay, output_dir=str(run_dir / "replay"))
         replay_spec = ReplaySpec(replay, teachers, tokenizer_dir=job.model.tokenizer_path or weights)
     weight_dir = f"/dev/shm/composer-mesh-{job.job.name}-{os.getpid()}"
+    supervised = not job.diloco.enabled  # DiLoCo replica groups (mesh.replicas) run without supervision
+    state_dir = str(run_dir / job.checkpoint.folder / "controller") if job.checkpoint.enabled and supervised else ""
+    fault_events: list[str] = []
+    install_fault_hook(fault_events)  # dead actors are handled where their calls fail, not by exiting
     if job.diloco.enabled:  # R trainer replica groups under torchft DiLoCo (mesh.replicas)
         from mesh.replicas import check_supported, place_replicas
 
@@ -118,14 +152,24 @@ def train(job: Any, *, resume: bool = True, progress: bool = True) -> dict[str, 
         placement = place(job.mesh, trainer_spec, gen_spec, replay_spec)
     try:
         start = placement.trainer_setup[0]["step"]
+        if state_dir and job.metrics.jsonl:
+            start = resume_at_logged_step(placement.trainer, start, run_dir, job, state_dir)
+        (run_dir / "processes.json").write_text(json.dumps({"controller": [os.getpid()], **placement.pids()}))
+        state = (load_state(state_dir, start) if state_dir else None) or ControllerState(
+            start, start, start * job.trainer.prompts_per_step)  # a checkpoint from before controller states
         cfg = ControllerConfig(
-            steps=max(0, job.trainer.steps - start), prompts_per_step=job.trainer.prompts_per_step,
+            steps=max(0, job.trainer.steps - state.iteration), prompts_per_step=job.trainer.prompts_per_step,
             max_seq_len=job.trainer.max_seq_len, policy=job.loss.policy, mode=job.trainer.mode,
             max_staleness=job.trainer.max_staleness, seed=job.job.seed, hints=job.loss.alpha > 0,
             weight_dir=weight_dir,
             pairs_per_step=job.trainer.prompts_per_step if placement.replay is not None else 0,
-            dpo_reference=job.loss.preference.kind == "dpo",
+            dpo_reference=job.loss.preference.kind == "dpo", state_dir=state_dir,
         )
+        supervisor = None
+        if job.mesh.max_restarts > 0 and supervised:
+            supervisor = Supervisor(job.mesh.max_restarts, placement.respawn_generator,
+                                    placement.restart_trainer if state_dir else None,
+                                    placement.respawn_replay if placement.replay is not None else None)
         chat = ChatTokens(AutoTokenizer.from_pretrained(job.model.tokenizer_path or weights))
         metrics_cfg = dataclasses.replace(job.metrics, progress_bar=job.metrics.progress_bar and progress)
         with MetricsSink(metrics_cfg, run_dir, job.trainer.steps, start) as sink:
@@ -133,11 +177,11 @@ def train(job: Any, *, resume: bool = True, progress: bool = True) -> dict[str, 
                 from mesh.replicas import ReplicaController
 
                 controller = ReplicaController(cfg, placement, job.diloco, chat, hinter=TemplateHintGenerator(),
-                                               on_step=sink, prompt_cursor=start * job.trainer.prompts_per_step)
+                                               on_step=sink, prompt_cursor=state.prompt_cursor)
             else:
                 controller = Controller(cfg, placement.trainer, placement.generators, chat,
                                         hinter=TemplateHintGenerator(), replay=placement.replay, on_step=sink,
-                                        prompt_cursor=start * job.trainer.prompts_per_step)
+                                        supervisor=supervisor, state=state)
             history = controller.run()
         if job.checkpoint.enabled and history and history[-1].step % job.checkpoint.every_steps:
             placement.trainer.save_checkpoint.call().get()  # the last step, unless the trainer just saved it
@@ -149,7 +193,9 @@ def train(job: Any, *, resume: bool = True, progress: bool = True) -> dict[str, 
             server.stop()
         shutil.rmtree(weight_dir, ignore_errors=True)
     summary: dict[str, Any] = {"run_dir": str(run_dir), "start_step": start, "steps_run": len(history),
-                               "final_step": history[-1].step if history else start, "replay": replay_status}
+                               "final_step": history[-1].step if history else start, "replay": replay_status,
+                               "restarts": [dataclasses.asdict(r) for r in (supervisor.restarts if supervisor else [])],
+                               "mesh_failures": len(fault_events)}  # Monarch supervision events seen
     if diloco_status is not None:
         summary["diloco"] = diloco_status
     if job.metrics.jsonl and (run_dir / "metrics.jsonl").exists():

@@ -1,0 +1,196 @@
+"""Supervision and recovery: notice dead actors, replace them, and checkpoint the controller's own state.
+
+How Monarch 0.7 reports a dead actor process to the controller (measured, see
+docs/supervision.md): a pending or later endpoint call on the dead actor
+raises `SupervisionError` (a `RuntimeError`) from `.get()` once the mesh
+controller's poll sees the process gone (`HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY`,
+≈10 s by default); the other ranks of the mesh keep serving through their
+slices. The same failure also reaches the client's root actor as a `MeshFailure`,
+whose default `monarch.actor.unhandled_fault_hook` exits the controller:
+`install_fault_hook` replaces it with one that records the event, so the
+controller decides at the call site what to restart.
+
+`Supervisor` holds the restart budget (`[mesh] max_restarts` per role) and the
+functions that make replacements (`mesh.placement.Placement`).
+`ControllerState` is what the controller needs to continue from a trainer
+checkpoint: written atomically beside the checkpoints once per step, before
+the step's `train_step`, under the policy version that step produces.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import pickle
+import re
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from actors.rollout import EpisodeRequest, RolloutGroup
+
+ROLES = ("generator", "trainer", "replay")
+
+
+def is_actor_failure(exc: BaseException) -> bool:
+    """True when `exc` (or what it wraps) says an actor or its process died, not that its code raised."""
+    from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
+
+    while exc is not None:
+        if isinstance(exc, SupervisionError):
+            return True
+        exc = exc.__cause__  # type: ignore[assignment]
+    return False
+
+
+def install_fault_hook(events: list[str]) -> None:
+    """Record unhandled mesh failures in `events` instead of exiting the controller (Monarch's default)."""
+    import monarch.actor
+
+    def record(failure: Any) -> None:
+        events.append(str(failure))
+
+    monarch.actor.unhandled_fault_hook = record
+
+
+def is_alive(call: Any, timeout_s: float = 30.0) -> bool:
+    """Probe one actor with a cheap endpoint call (a `.call_one`/`.call` of an endpoint).
+
+    A dead actor's call fails at once with `SupervisionError`; a busy one answers late, and one
+    that does not answer within `timeout_s` is taken as alive (busy), not dead."""
+    try:
+        call().get(timeout=timeout_s)
+    except TimeoutError:
+        return True
+    except Exception as exc:
+        if is_actor_failure(exc):
+            return False
+        raise
+    return True
+
+
+@dataclass
+class Restart:
+    """One replacement the supervisor made."""
+
+    role: str
+    index: int
+    error: str
+    seconds: float
+
+
+@dataclass
+class Supervisor:
+    """Restart budget per role and the functions that build replacements.
+
+    respawn_generator(i) → a new generator actor (weights not yet loaded);
+    restart_trainer() → a new, set-up trainer mesh resumed from its newest checkpoint
+    (None: the run has no checkpoints, a trainer failure ends it);
+    respawn_replay() → a new teacher-replay actor (state not yet restored).
+    """
+
+    max_restarts: int
+    respawn_generator: Callable[[int], Any]
+    restart_trainer: Callable[[], Any] | None = None
+    respawn_replay: Callable[[], Any] | None = None
+    restarts: list[Restart] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def _charge(self, role: str, exc: BaseException) -> None:
+        used = Counter(r.role for r in self.restarts)[role]
+        if used >= self.max_restarts:
+            raise RuntimeError(f"{role} failed after {used} restarts (mesh.max_restarts = {self.max_restarts})") \
+                from exc
+
+    def replace(self, role: str, index: int, exc: BaseException) -> Any:
+        """A replacement for dead `role` actor `index`; raises when the budget is spent or the role has no restart."""
+        if role not in ROLES:
+            raise ValueError(f"unknown role {role!r}")
+        make = {"generator": functools.partial(self.respawn_generator, index), "trainer": self.restart_trainer,
+                "replay": self.respawn_replay}[role]
+        if make is None:
+            raise RuntimeError(f"the {role} died and cannot be restarted in this run") from exc
+        with self.lock:
+            self._charge(role, exc)
+            start = time.perf_counter()
+            actor = make()
+            error = f"{type(exc).__name__}: {exc}"[:300]
+            self.restarts.append(Restart(role, index, error, time.perf_counter() - start))
+        return actor
+
+
+# ---- the controller's own state ------------------------------------------------------------------
+
+_STATE = re.compile(r"^controller-(\d{8})\.pkl$")
+
+
+@dataclass
+class ControllerState:
+    """Everything the controller holds between steps, as of trainer policy version `version`.
+
+    iteration: controller steps done (a step whose groups all had equal rewards trains nothing
+    and leaves the version unchanged); prompt_cursor: the next fresh prompt index;
+    pending: requests taken from the cursor whose groups were not yet returned (re-issued on
+    resume, by group id and seed); buffer: groups generated but not yet trained (async);
+    replay: the teacher-replay actor's `snapshot()` (queued states, ready pairs, counters) —
+    its response cache and budget ledger are on disk already (replay/cache.py).
+    """
+
+    version: int
+    iteration: int
+    prompt_cursor: int
+    pending: list[EpisodeRequest] = field(default_factory=list)
+    buffer: list[RolloutGroup] = field(default_factory=list)
+    replay: Any = None
+
+
+def state_path(directory: str | Path, version: int) -> Path:
+    return Path(directory) / f"controller-{version:08d}.pkl"
+
+
+def save_state(directory: str | Path, state: ControllerState, keep_from: int | None = None) -> Path:
+    """Write `state` atomically (temp file, fsync, rename); drop states older than version `keep_from`."""
+    folder = Path(directory)
+    folder.mkdir(parents=True, exist_ok=True)
+    final = state_path(folder, state.version)
+    tmp = final.with_suffix(f".tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        pickle.dump(state, f, protocol=pickle.HIGHEST_PROTOCOL)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+    dir_fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    if keep_from is not None:
+        for p in folder.iterdir():
+            m = _STATE.match(p.name)
+            if m and int(m.group(1)) < keep_from:
+                p.unlink(missing_ok=True)
+    return final
+
+
+def load_state(directory: str | Path, version: int) -> ControllerState | None:
+    """The state saved for `version`, or None when there is none."""
+    path = state_path(directory, version)
+    if not path.is_file():
+        return None
+    with open(path, "rb") as f:
+        state = pickle.load(f)
+    if not isinstance(state, ControllerState) or state.version != version:
+        raise ValueError(f"{path} is not a controller state for version {version}")
+    return state
+
+
+def oldest_checkpoint(folder: str | Path) -> int | None:
+    """The oldest complete trainer checkpoint step in `folder`, None when there is none."""
+    from configs.sections.checkpoint import CheckpointConfig
+    from titan_ext.checkpoint import Checkpointer
+
+    steps = Checkpointer(CheckpointConfig(), folder).complete_steps()
+    return steps[0] if steps else None

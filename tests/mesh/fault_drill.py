@@ -1,0 +1,107 @@
+"""One supervised controller run for the fault drills (tests/mesh/test_mesh_faults.py), in a process of its own.
+
+    python tests/mesh/fault_drill.py RESULT.json --assets DIR --run DIR --steps N \
+        [--kill-generator-at STEP] [--kill-trainer-at STEP] [--respawn fresh|live]
+
+Places a one-process trainer (checkpoints every 2 steps) and two generator
+processes, runs the sync controller with a `Supervisor`, and — when asked —
+SIGKILLs the OS process of generator 1 (pid from its `info` endpoint, 0.3 s
+after its step is recorded, so the kill lands in the next step's work) and of
+the trainer (pid from `setup`, as its step is recorded). Writes
+per-step records (step, iteration, seeds, metrics), restarts, pids and final
+weight digests as JSON. Its own process so the supervision poll interval
+(HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY) applies from the first mesh.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import threading
+from pathlib import Path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("result")
+    ap.add_argument("--assets", required=True, help="the tiny dense HF model directory")
+    ap.add_argument("--run", required=True, help="run directory (checkpoints, weights)")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--kill-generator-at", type=int, default=0, help="kill generator 1 after this step (0: never)")
+    ap.add_argument("--kill-trainer-at", type=int, default=0, help="kill the trainer after this step (0: never)")
+    ap.add_argument("--respawn", choices=("fresh", "live"), default="fresh")
+    args = ap.parse_args()
+
+    from transformers import AutoTokenizer
+
+    from actors.episodes import ChatTokens
+    from actors.generator import GeneratorSpec
+    from actors.rollout import SamplingParams
+    from configs.sections.checkpoint import CheckpointConfig
+    from configs.sections.generator import GeneratorConfig
+    from configs.sections.loss import LossConfig, PolicyLossConfig
+    from configs.sections.mesh import MeshConfig
+    from configs.sections.model import ModelConfig
+    from configs.sections.optimizer import OptimizerConfig
+    from configs.sections.trainer import TrainerConfig
+    from mesh.controller import Controller, ControllerConfig
+    from mesh.placement import place
+    from mesh.supervision import Supervisor, install_fault_hook
+    from mesh.weight_sync_baseline import rank0
+    from replay.hints import TemplateHintGenerator
+    from titan_ext.trainer import TrainerSpec
+
+    run = Path(args.run)
+    events: list[str] = []
+    install_fault_hook(events)
+    policy = PolicyLossConfig(dynamic_sampling=False)
+    spec = TrainerSpec(
+        model=ModelConfig(flavour="tiny", device="cpu", hf_path=args.assets),
+        trainer=TrainerConfig(steps=50, microbatches=1, max_seq_len=160),
+        optimizer=OptimizerConfig(name="adamw", lr=3e-3, weight_decay=0.0),
+        loss=LossConfig(alpha=1.0, beta=0.0, policy=policy),
+        checkpoint=CheckpointConfig(every_steps=2, keep_last=2), checkpoint_dir=str(run / "checkpoints"),
+    )
+    gen_spec = GeneratorSpec(model_dir=args.assets, max_context_tokens=160,
+                             generator=GeneratorConfig(engine="hf", group_size=3, max_new_tokens=8, max_turns=2))
+    mesh = MeshConfig(trainer_procs=1, generator_procs=2, replay_procs=0, respawn=args.respawn)
+    placement = place(mesh, spec, gen_spec)
+    try:
+        supervisor = Supervisor(2, placement.respawn_generator, placement.restart_trainer)
+        cfg = ControllerConfig(steps=args.steps, prompts_per_step=4, max_seq_len=160, policy=policy,
+                               weight_dir=str(run / "weights"), sampling=SamplingParams(1.0, max_new_tokens=8, seed=0),
+                               state_dir=str(run / "checkpoints" / "controller"))
+        pids = placement.pids()
+        killed: dict[str, int] = {}
+
+        def on_step(record) -> None:
+            if record.step == args.kill_trainer_at and "trainer" not in killed:
+                killed["trainer"] = placement.trainer_setup[0]["pid"]
+                os.kill(killed["trainer"], signal.SIGKILL)
+            if record.step == args.kill_generator_at and "generator" not in killed:
+                killed["generator"] = placement.generators[1].info.call_one().get()["pid"]
+                threading.Timer(0.3, os.kill, (killed["generator"], signal.SIGKILL)).start()
+
+        chat = ChatTokens(AutoTokenizer.from_pretrained(args.assets))
+        ctl = Controller(cfg, placement.trainer, placement.generators, chat, hinter=TemplateHintGenerator(),
+                         on_step=on_step, supervisor=supervisor)
+        history = ctl.run()
+        result = {
+            "records": [{"step": h.step, "iteration": h.iteration, "seeds": h.seeds,
+                         "metrics": {k: v for k, v in h.metrics.items() if not k.startswith("time/")}}
+                        for h in history],
+            "restarts": [r.role for r in supervisor.restarts], "pids_before": pids, "killed": killed,
+            "pids_after": placement.pids(),
+            "trainer_digest": rank0(ctl.trainer.weights_digest.call().get()),
+            "generator_digests": [g.weights_digest.call_one().get() for g in ctl.generators],
+            "fault_events": len(events),
+        }
+    finally:
+        placement.stop()
+    Path(args.result).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

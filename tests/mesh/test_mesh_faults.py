@@ -1,0 +1,199 @@
+"""Fault drills: real processes, real SIGKILLs, recovery checked against an uninterrupted run.
+
+- Generator + trainer (`fault_drill.py`, its own process): generator 1's OS
+  process is SIGKILLed during step 2's work, then the trainer's after step 3
+  (checkpoints every 2 steps, so the trainer restarts from step 2 and step 3
+  is trained again). The run ends at the configured step, every requested
+  prompt seed is trained exactly once, and per-step metrics and the final
+  weights equal an uninterrupted run's bitwise.
+- Controller: `composer-mesh train` with the local teacher server, SIGKILLed
+  between steps (no teacher call in flight), then run again: the step log is
+  contiguous up to the configured count and the server's request log shows
+  no request twice.
+- The request ledger and the state file without meshes: re-queued requests
+  keep their group id and seed, late duplicates are dropped, the state file is
+  replaced atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from actors.rollout import EpisodeRequest, RolloutGroup
+from test_mesh_train import RECIPE  # tests/mesh is on sys.path (pytest's rootdir-less "prepend" import)
+
+REPO = Path(__file__).resolve().parents[2]
+DRILL = Path(__file__).with_name("fault_drill.py")
+FAST_SUPERVISION = {"HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY": "1s"}  # Monarch's default poll is ≈10 s
+
+
+def child_env(cache: Path) -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", COMPOSER_MESH_CACHE=str(cache),
+                **FAST_SUPERVISION)
+
+
+def drill(tmp_path: Path, tiny_assets, name: str, *flags: str) -> dict:
+    out = tmp_path / f"{name}.json"
+    cmd = [sys.executable, str(DRILL), str(out), "--assets", str(tiny_assets.dense_dir), "--run", str(tmp_path / name),
+           "--steps", "4", *flags]
+    proc = subprocess.run(cmd, cwd=REPO, env=child_env(tiny_assets.root.parents[1]), capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def last_per_step(result: dict) -> dict[int, dict]:
+    return {r["step"]: r for r in result["records"]}  # a step trained again after a rollback: its last record
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_assets):
+    tmp = tmp_path_factory.mktemp("drills")
+    base = drill(tmp, tiny_assets, "uninterrupted")
+    hit = drill(tmp, tiny_assets, "faulted", "--kill-generator-at", "1", "--kill-trainer-at", "3", "--respawn", "live")
+    return base, hit
+
+
+SLOW = pytest.mark.timeout(1500)  # two child runs in the fixture; a loaded 2-core box stretches them
+
+
+@SLOW
+def test_generator_sigkill_loses_no_rollout_group(runs):
+    base, hit = runs
+    assert hit["restarts"].count("generator") == 1
+    killed = hit["killed"]["generator"]
+    assert killed in hit["pids_before"]["generator"] and killed not in hit["pids_after"]["generator"]
+    survivor = next(p for p in hit["pids_before"]["generator"] if p != killed)
+    assert hit["pids_after"]["generator"] == [survivor, survivor]  # respawn = "live": on the surviving process
+    steps = last_per_step(hit)
+    assert sorted(steps) == [1, 2, 3, 4]
+    trained = [s for r in steps.values() for s in r["seeds"]]
+    requested = [i for i in range(4 * 4)]  # job seed 0: prompt i is problem seed i
+    assert sorted(trained) == requested and len(set(trained)) == len(trained)
+    assert set(hit["generator_digests"]) == {hit["trainer_digest"]}
+
+
+@SLOW
+def test_trainer_sigkill_resumes_bitwise(runs):
+    base, hit = runs
+    assert base["restarts"] == [] and hit["restarts"].count("trainer") == 1
+    assert hit["killed"]["trainer"] == hit["pids_before"]["trainer"][0] != hit["pids_after"]["trainer"][0]
+    # checkpoints every 2 steps: killed after step 3, the trainer restarted from step 2 and trained step 3 again
+    assert [r["step"] for r in hit["records"]] == [1, 2, 3, 3, 4]
+    assert [r["iteration"] for r in hit["records"]] == [1, 2, 3, 3, 4]
+    ref, got = last_per_step(base), last_per_step(hit)
+    assert sorted(ref) == sorted(got) == [1, 2, 3, 4]
+    for step in ref:
+        assert got[step]["seeds"] == ref[step]["seeds"]
+        assert got[step]["metrics"] == ref[step]["metrics"], f"step {step} differs after the restart"
+    assert hit["records"][2]["metrics"] == hit["records"][3]["metrics"]  # step 3 before the kill and after it
+    assert hit["trainer_digest"] == base["trainer_digest"]
+    assert set(hit["generator_digests"]) == {base["trainer_digest"]}
+
+
+def unresolved_intents(journal: Path) -> int:
+    """Teacher calls in flight: intents in the replay cache journal with no result yet."""
+    if not journal.exists():
+        return 0
+    intents, results = set(), set()
+    for line in journal.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue  # a line being written
+        (intents if rec.get("kind") == "intent" else results).add(rec.get("attempt"))
+    return len(intents - results)
+
+
+@SLOW
+def test_controller_sigkill_then_resume_loses_no_step_and_repeats_no_teacher_call(tmp_path, tiny_assets):
+    steps, kill_after = 4, 2
+    log = tmp_path / "teacher_requests.jsonl"
+    recipe = tmp_path / "demo.toml"
+    recipe.write_text(RECIPE.format(repo=REPO, out=tmp_path / "runs"))  # the train command test's short demo run
+    run = tmp_path / "runs" / "debug_cpu"
+    cmd = [sys.executable, "-m", "mesh.cli", "train", "--no-progress", str(recipe), f"--trainer.steps={steps}",
+           "--checkpoint.every_steps=1", f"--replay.local_server.request_log={log}",
+           "--replay.concurrency=1"]  # one state at a time: each step asks the teachers, no pairs pile up
+    env = child_env(tiny_assets.root.parents[1])
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 600
+        killed_at = None
+        while killed_at is None and time.monotonic() < deadline and proc.poll() is None:
+            rows = (run / "metrics.jsonl").read_text().splitlines() if (run / "metrics.jsonl").exists() else []
+            if len(rows) >= kill_after:
+                # freeze the replay process (the only teacher client), and kill only while no call is in flight
+                replay_pid = json.loads((run / "processes.json").read_text())["replay"][0]
+                os.kill(replay_pid, signal.SIGSTOP)
+                if unresolved_intents(run / "replay" / "cache.jsonl") == 0:
+                    killed_at = len(rows)
+                    os.kill(proc.pid, signal.SIGKILL)
+                else:
+                    os.kill(replay_pid, signal.SIGCONT)
+            time.sleep(0.05)
+        assert proc.wait(timeout=60) == -signal.SIGKILL, proc.stderr.read().decode()[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert killed_at is not None and killed_at < steps
+    before = [json.loads(line) for line in log.read_text().splitlines()]
+    assert before, "no teacher call before the kill"
+
+    again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-4000:]
+    summary = json.loads(again.stdout.strip().splitlines()[-1])
+    assert summary["start_step"] == killed_at and summary["final_step"] == steps  # resumed at the last logged step
+    logged = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(set(logged)) == list(range(1, steps + 1))  # contiguous, ends at the configured count
+    requests = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(requests) > len(before), "the resumed run asked the teachers nothing"
+    repeated = {k: n for k, n in Counter(r["key"] for r in requests).items() if n > 1}
+    assert repeated == {}, f"teacher requests sent twice: {repeated}"
+
+
+def test_request_ledger_requeues_and_dedupes():
+    from mesh.controller import _Requests
+
+    ledger = _Requests(seed=2)
+    first = ledger.take(3)
+    assert [(r.group_id, r.seed) for r in first] == [(0, 2_000_006), (1, 2_000_007), (2, 2_000_008)]
+    ledger.lose(first[1:])  # their generator died
+    again = ledger.take(3)
+    assert [r.group_id for r in again] == [1, 2, 3] and again[:2] == first[1:]  # same ids, same seeds, first
+    group = lambda r: RolloutGroup(r.group_id, r.seed, [])  # noqa: E731
+    assert [g.group_id for g in ledger.accept([group(first[0]), group(again[0]), group(first[0])])] == [0, 1]
+    assert ledger.accept([group(again[0])]) == []  # a late answer for a group already accepted
+    assert [r.group_id for r in ledger.pending()] == [2, 3]
+    ledger.restore(10, [EpisodeRequest(7, 70)])
+    assert [r.group_id for r in ledger.take(2)] == [7, 10]
+
+
+def test_controller_state_file_is_replaced_atomically(tmp_path):
+    from mesh.supervision import ControllerState, load_state, save_state, state_path
+
+    state = ControllerState(3, 4, 9, [EpisodeRequest(8, 8)], [RolloutGroup(7, 7, [])], {"queue": [1]})
+    save_state(tmp_path, state)
+    assert load_state(tmp_path, 3) == state and load_state(tmp_path, 2) is None
+    save_state(tmp_path, ControllerState(3, 5, 11))
+    assert load_state(tmp_path, 3).iteration == 5
+    assert sorted(p.name for p in tmp_path.iterdir()) == [state_path(tmp_path, 3).name]  # no temp file left
+    (tmp_path / "step-00000004").mkdir()
+    (tmp_path / "step-00000004" / "COMPLETE").touch()
+    save_state(tmp_path / "controller", ControllerState(5, 6, 13), keep_from=4)
+    save_state(tmp_path / "controller", ControllerState(2, 2, 4))
+    save_state(tmp_path / "controller", ControllerState(6, 7, 14), keep_from=4)
+    kept = sorted(p.name for p in (tmp_path / "controller").iterdir())
+    assert kept == ["controller-00000005.pkl", "controller-00000006.pkl"]  # older than the oldest checkpoint: gone
+    state_path(tmp_path, 1).write_bytes(b"not a pickle of a state")
+    with pytest.raises(Exception):
+        load_state(tmp_path, 1)
