@@ -16,30 +16,19 @@ import torch
 
 from actors.rollout import EpisodeRequest
 
-from configs.sections.checkpoint import CheckpointConfig
-from configs.sections.model import ModelConfig
-from configs.sections.optimizer import OptimizerConfig
-from configs.sections.trainer import TrainerConfig
 from test_actors_generator import SAMPLING, check_logprobs, hf_model
 
 VOCAB = 2048
 
 
 @pytest.fixture(scope="module")
-def meshes(tiny_assets, generator_spec, tmp_path_factory):
+def meshes(tiny_trainer_spec, generator_spec, tmp_path_factory):
     """Disaggregated placement: 2 FSDP trainer procs, 2 generator procs of their own."""
     from configs.sections.mesh import MeshConfig
     from mesh.placement import place
-    from titan_ext.trainer import TrainerSpec
 
     out = tmp_path_factory.mktemp("trainer")
-    spec = TrainerSpec(
-        model=ModelConfig(flavour="tiny", device="cpu", hf_path=str(tiny_assets.dense_dir)),
-        trainer=TrainerConfig(steps=10, microbatches=1),
-        optimizer=OptimizerConfig(name="adamw", lr=1e-2, weight_decay=0.0),
-        checkpoint=CheckpointConfig(every_steps=1000, keep_last=3),
-        checkpoint_dir=str(out / "ckpt"),
-    )
+    spec = tiny_trainer_spec(out / "ckpt")
     placement = place(MeshConfig(placement="disaggregated", trainer_procs=2, generator_procs=2), spec, generator_spec)
     yield placement.trainer, placement.generators, placement.trainer_setup, out
     placement.stop()

@@ -17,10 +17,6 @@ import pytest
 import torch
 
 from actors.shm_weights import PinnedSegment, SegmentLayout, SegmentWriter, segment_path
-from configs.sections.checkpoint import CheckpointConfig
-from configs.sections.model import ModelConfig
-from configs.sections.optimizer import OptimizerConfig
-from configs.sections.trainer import TrainerConfig
 
 VOCAB = 2048
 VERSIONS = 12
@@ -143,7 +139,7 @@ def generator_spec(tiny_assets):
 
 
 @pytest.fixture(scope="module")
-def meshes(tiny_assets, generator_spec, tmp_path_factory):
+def meshes(tiny_trainer_spec, generator_spec, tmp_path_factory):
     """Monarch `ProcessJob` fake hosts: "trainer_0" runs the trainer mesh and two generator processes
     (same-host fan-out); "generator_0" and "generator_1" run one generator each (cross-host reads)."""
     from monarch.job import ProcessJob
@@ -151,16 +147,9 @@ def meshes(tiny_assets, generator_spec, tmp_path_factory):
 
     from actors.generator import GeneratorActor
     from actors.trainer import TrainerActor
-    from titan_ext.trainer import TrainerSpec
 
     out = tmp_path_factory.mktemp("wsync")
-    spec = TrainerSpec(
-        model=ModelConfig(flavour="tiny", device="cpu", hf_path=str(tiny_assets.dense_dir)),
-        trainer=TrainerConfig(steps=10, microbatches=1),
-        optimizer=OptimizerConfig(name="adamw", lr=1e-2, weight_decay=0.0),
-        checkpoint=CheckpointConfig(every_steps=1000, keep_last=3),
-        checkpoint_dir=str(out / "ckpt"),
-    )
+    spec = tiny_trainer_spec(out / "ckpt")
     job = ProcessJob({"trainer": 1, "generator": 2})
     try:
         state = job.state(cached_path=None)
