@@ -198,6 +198,22 @@ def test_teacher_replay_pairs_budget_and_gating(trainer_mesh, gen_spec, teacher_
     bounded = this_proc().spawn("replay_small", TeacherReplayActor, small, trainer_mesh)
     assert bounded.add_rollouts.call_one(rollouts).get() == 2
 
+    # add_states; snapshot → restore into a fresh actor (what supervision does after a respawn)
+    assert bounded.add_states.call_one(states[:1]).get() == 2
+    snap = bounded.snapshot.call_one().get()
+    assert repr(snap.queue) == repr([*states[-1:], states[0]])
+    fresh = this_proc().spawn("replay_restored", TeacherReplayActor,
+                              dataclasses.replace(small, replay=dataclasses.replace(
+                                  small.replay, output_dir=str(tmp_path / "restored"))), trainer_mesh)
+    assert fresh.restore.call_one(snap).get() == 2
+    assert repr(fresh.snapshot.call_one().get()) == repr(snap)
+    # set_trainer: gating scores through the mesh handed over (a restarted trainer) and still makes pairs
+    replay.set_trainer.call_one(trainer_mesh).get()
+    replay.add_rollouts.call_one(rollouts).get()
+    before = replay.status.call_one().get()
+    assert len(replay.next_pairs.call_one(before["pairs_ready"] + 1).get()) == before["pairs_ready"] + 1
+    assert replay.status.call_one().get()["states_done"] > before["states_done"]  # new states were scored and replayed
+
 
 def test_sync_mode_all_three_channels(trainer_mesh, gen_spec, teacher_server, tiny_assets, chat, tmp_path):
     from monarch.actor import this_proc
