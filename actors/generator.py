@@ -136,13 +136,13 @@ class GeneratorActor(Actor):
 
     @endpoint
     def load_segment(self, root: str, version: int, shadow: tuple, bucket_bytes: int, timeout_s: float = 60.0,
-                     digest: bool = True) -> dict:
-        """Wait for `version` on this host's segment, copy it into the engine in place and set the policy
-        version; returns {"version", "digest" (None unless asked), "bytes", "load_s"}.
+                     digest: bool = True, token: str | None = None) -> dict:
+        """Wait for `version` (of sync `token`, when given) on this host's segment, copy it into the engine in
+        place and set the policy version; returns {"version", "digest" (None unless asked), "bytes", "load_s"}.
 
         shadow: (ModelConfig, ParallelismConfig) of the trainer, to name and lay out the tensors as its export does.
         """
-        result = self.segments.load(self.engine, root, host_label(), version, shadow, bucket_bytes, timeout_s)
+        result = self.segments.load(self.engine, root, host_label(), version, shadow, bucket_bytes, timeout_s, token)
         self.version = version
         if digest:
             state = self.engine.named_weights()

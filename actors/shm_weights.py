@@ -1,7 +1,8 @@
 """Versioned shared-memory weight segments: trainer shards in, generator parameters out.
 
-One segment per (host, version): a file under `<root>/<host>/` (tmpfs, i.e.
-memory) holding every TorchTitan parameter as a *full* tensor at a fixed
+Each host keeps a ring of `keep + 1` segment files ("slots") under
+`<root>/<host>/` (tmpfs, i.e. memory); version v goes into slot v mod (keep + 1).
+A segment holds every TorchTitan parameter as a *full* tensor at a fixed
 offset (`SegmentLayout`). Each trainer rank copies only its own FSDP/EP shard
 into the rows it owns (`write_shards`), so no rank gathers anything; a
 generator maps the segment and sees full TorchTitan tensors as zero-copy views,
@@ -9,15 +10,20 @@ renames them to HF with the export's own code (`titan_ext.export
 .iter_hf_buckets` over a meta-built "shadow" model whose parameters are those
 views) and copies them into its engine through `load_weights(named)`.
 
-Version barrier: a segment is written under a private temporary name; every
-party that writes into it (the host's trainer ranks, or the host's remote
-reader) reports done under a file lock, and the last one writes the sealed
-header and atomically renames the file to `v<version>.seg`. Published files
-are never written again; pruning only unlinks them, and a reader that opened
-a version keeps its pages until it closes them (POSIX unlink semantics). So a
-reader either cannot open a version or sees all of it: never half of one, and
-never a mix of two. The header (magic, version, sealed flag, sizes) is
-checked before and after every read as a second line of defence.
+Slots are reused and every process keeps its mapping of a slot (and a
+generator its shadow bound to it): after the first syncs no page is faulted,
+zeroed or re-bound again, so a sync is two memory copies at memory speed.
+
+Version barrier: readers and writers hold a shared `flock` on a slot file
+while they touch it. The first writer of a sync (known by the sync's token)
+claims the slot with the exclusive lock, so it waits until every reader and
+writer of the version that lived there has let go, and marks the header
+unsealed (version, token). The writers (the host's trainer ranks, or its
+remote reader) count themselves in under the slot's lock file; the last one
+writes the sealed header. A reader waits for a sealed header with its
+(version, token), takes the shared lock, checks the header again, reads, and
+checks it once more (`PinnedSegment.verify`). So a reader never sees half a
+version or a mix of two, and a writer never overwrites a version being read.
 
 GPU (not run on this CPU box): `write_shards` copies CUDA shards into the
 shared pages with `copy_` (device-to-host). `cuda_ipc_export` /
@@ -35,21 +41,23 @@ import os
 import socket
 import struct
 import time
+import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import IO, Any, Iterator
 
 import torch
 from torch import nn
 
 from actors.weights import check_coverage
 
-MAGIC = b"CMWSEG01"
+MAGIC = b"CMWSEG02"
 ALIGN = 64  # every tensor starts on a cache line
 PAGE = 4096
 DEFAULT_BUCKET_BYTES = 64 << 20
-# magic, version, sealed, payload offset, payload bytes, layout json bytes
-_HEADER = struct.Struct("<8sqqqqq")
+# magic, version, sealed, payload offset, payload bytes, layout json bytes, sync token
+_HEADER = struct.Struct("<8sqqqqq16s")
 
 
 @dataclass(frozen=True)
@@ -128,17 +136,13 @@ def shadow_model(model_cfg: Any, parallelism: Any) -> nn.Module:
         return spec.model.build()
 
 
-def segment_path(root: str | os.PathLike, host: str, version: int) -> Path:
-    """The published file of `version` on `host` (host labels are path-safe: see `mesh.topology.host_label`)."""
-    return Path(root) / _safe(host) / f"v{version:010d}.seg"
+def host_dir(root: str | os.PathLike, host: str) -> Path:
+    """The folder of `host`'s slots (host labels are made path-safe: one folder, no traversal)."""
+    return Path(root) / "".join(c if c.isalnum() or c in "-_." else "_" for c in host)
 
 
-def _safe(host: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in host)
-
-
-def _tmp_path(root: str | os.PathLike, host: str, version: int, token: str) -> Path:
-    return Path(root) / _safe(host) / f".v{version:010d}-{token}.tmp"
+def slot_path(root: str | os.PathLike, host: str, slot: int) -> Path:
+    return host_dir(root, host) / f"slot{slot:03d}.seg"
 
 
 def _payload_offset(layout_json: bytes) -> int:
@@ -152,20 +156,101 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
-class _Mapping:
-    """An mmap of a segment file and a uint8 tensor over its payload."""
+def _token(token: str) -> bytes:
+    raw = token.encode()
+    if not raw or len(raw) > 16:
+        raise ValueError(f"sync token must be 1..16 bytes, got {token!r}")
+    return raw.ljust(16, b"\0")
 
-    def __init__(self, path: Path, writable: bool, size: int | None = None) -> None:
-        flags = os.O_RDWR | os.O_CREAT if writable else os.O_RDONLY
-        fd = os.open(path, flags, 0o600)
+
+@dataclass(frozen=True)
+class Header:
+    """A slot's header: which version (of which sync) it holds and whether that version is complete."""
+
+    magic: bytes
+    version: int
+    sealed: int
+    payload_at: int
+    nbytes: int
+    layout_len: int
+    token: bytes
+
+    @staticmethod
+    def read(fd: int) -> "Header | None":
+        raw = os.pread(fd, _HEADER.size, 0)
+        return Header(*_HEADER.unpack(raw)) if len(raw) == _HEADER.size else None
+
+    def holds(self, version: int, token: str | None) -> bool:
+        """Sealed `version` (of the sync `token`, when given)."""
+        return (self.magic == MAGIC and self.sealed == 1 and self.version == version
+                and (token is None or self.token == _token(token)))
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[IO[str]]:
+    """`path` opened for update under an exclusive flock (a slot's claim and party count)."""
+    with open(path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        yield f
+
+
+class _Mapping:
+    """A whole segment file mapped once (shared; read-only for readers) and a uint8 tensor over it.
+
+    Mapped through its own open of the file: Python's mmap keeps a dup of the descriptor it was given, and a
+    dup of a descriptor that holds the slot's flock would keep that lock alive as long as the mapping.
+    """
+
+    def __init__(self, path: Path, writable: bool) -> None:
+        fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
         try:
-            if size is not None and os.fstat(fd).st_size < size:
-                os.ftruncate(fd, size)  # every party truncates to the same size: idempotent
-            length = os.fstat(fd).st_size
-            self.mm = mmap.mmap(fd, length, access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_COPY)
+            st = os.fstat(fd)
+            self.key = (st.st_dev, st.st_ino, st.st_size)
+            self.mm = mmap.mmap(fd, st.st_size, access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ)
         finally:
-            os.close(fd)  # the mapping keeps the pages (and an unlinked file) alive
-        self.bytes = torch.frombuffer(self.mm, dtype=torch.uint8)  # [file bytes]
+            os.close(fd)
+        with warnings.catch_warnings():  # read-only pages: a stray write faults loudly instead of going stale
+            warnings.simplefilter("ignore", UserWarning)
+            self.bytes = torch.frombuffer(self.mm, dtype=torch.uint8)  # [file bytes]
+
+
+_MAPPINGS: dict[tuple[str, bool], _Mapping] = {}
+
+
+def _mapping(path: Path, fd: int, writable: bool) -> _Mapping:
+    """This process's mapping of the slot file open (and locked) at `fd`, reused while the file and its size
+    are unchanged, so its pages are faulted once per process, not once per version. Mappings of files that
+    were removed (a deleted root) are dropped, freeing their memory once no tensor views them."""
+    st = os.fstat(fd)
+    key = (st.st_dev, st.st_ino, st.st_size)
+    cached = _MAPPINGS.get((str(path), writable))
+    if cached is not None and cached.key == key:
+        return cached
+    for (other, w), m in list(_MAPPINGS.items()):
+        try:
+            gone = os.stat(other).st_ino != m.key[1]
+        except FileNotFoundError:
+            gone = True
+        if gone:
+            del _MAPPINGS[(other, w)]
+    mapping = _Mapping(path, writable)
+    if mapping.key != key:
+        raise RuntimeError(f"{path} was replaced while being mapped")
+    _MAPPINGS[(str(path), writable)] = mapping
+    return mapping
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """Run torch ops in one thread: the copies here are memory-bound and several processes of a host copy at
+    once; with a thread team per op, every one of the many small copies waits for a core another process holds."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _views(payload: torch.Tensor, layout: SegmentLayout) -> Iterator[tuple[Slot, torch.Tensor]]:
@@ -173,59 +258,112 @@ def _views(payload: torch.Tensor, layout: SegmentLayout) -> Iterator[tuple[Slot,
         yield s, payload[s.offset : s.offset + s.nbytes].view(_dtype(s.dtype)).view(s.shape)
 
 
+class _SlotHold:
+    """An open slot file whose flock this object holds: `release()` (or leaving a `with` block) closes the
+    descriptor, which lets go of the lock; a writer released before `done()` never seals its version."""
+
+    fd = -1
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> "_SlotHold":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __del__(self) -> None:
+        self.release()
+
+
 # ---- writing (trainer ranks, or a host's remote reader) -----------------------------------------
 
 
-class SegmentWriter:
-    """A party writing into the temporary segment of one (host, version, token); `done()` maybe seals it."""
+class SegmentWriter(_SlotHold):
+    """A party writing version `version` of sync `token` into its slot on `host`; `done()` maybe seals it.
 
-    def __init__(self, root: str | os.PathLike, host: str, version: int, token: str, layout: SegmentLayout) -> None:
-        self.root, self.host, self.version, self.token, self.layout = root, host, version, token, layout
-        self.path = _tmp_path(root, host, version, token)
+    keep: sealed versions a host keeps readable (its ring has keep + 1 slots);
+    timeout_s: how long to wait for readers of the slot's previous version to let go.
+    """
+
+    def __init__(self, root: str | os.PathLike, host: str, version: int, token: str, layout: SegmentLayout,
+                 keep: int, timeout_s: float = 300.0) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        self.version, self.token, self.layout = version, _token(token), layout
+        self.path = slot_path(root, host, version % (keep + 1))
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.lock_path = self.path.with_suffix(".lock")
         self.layout_json = layout.to_json()
         self.payload_at = _payload_offset(self.layout_json)
-        self.mapping = _Mapping(self.path, writable=True, size=self.payload_at + layout.nbytes)
-        self.payload = self.mapping.bytes[self.payload_at :]  # [layout.nbytes] uint8
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            self._claim(time.monotonic() + timeout_s)
+            self.mapping = _mapping(self.path, self.fd, writable=True)
+        except BaseException:
+            self.release()
+            raise
+        self.payload = self.mapping.bytes[self.payload_at : self.payload_at + layout.nbytes]  # [layout.nbytes]
+
+    def _claim(self, deadline: float) -> None:
+        """Hold the slot (shared lock) for this sync; the first party empties it of the previous version."""
+        while True:
+            with _locked(self.lock_path):
+                claimed = (h := Header.read(self.fd)) is not None and h.token == self.token
+            if claimed:
+                fcntl.flock(self.fd, fcntl.LOCK_SH)
+                break
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # no reader or writer of the old version left
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"{self.path}: still read or written for an older version; cannot write "
+                                       f"v{self.version} (raise keep, or look for a stuck generator)") from None
+                time.sleep(0.001)
+                continue
+            with _locked(self.lock_path) as count:
+                if (h := Header.read(self.fd)) is None or h.token != self.token:
+                    size = self.payload_at + self.layout.nbytes
+                    if os.fstat(self.fd).st_size < size:
+                        os.ftruncate(self.fd, size)  # grow only: other processes may map the old length
+                    os.pwrite(self.fd, self._header(sealed=0), 0)
+                    count.truncate(0)
+            fcntl.flock(self.fd, fcntl.LOCK_SH)
+            break
+        header = Header.read(self.fd)
+        if header is None or header.token != self.token:  # a newer sync took the slot between our locks
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            raise RuntimeError(f"{self.path}: taken by a newer sync before v{self.version} was written")
+
+    def _header(self, sealed: int) -> bytes:
+        return _HEADER.pack(MAGIC, self.version, sealed, self.payload_at, self.layout.nbytes, len(self.layout_json),
+                            self.token)
 
     def views(self) -> Iterator[tuple[Slot, torch.Tensor]]:
         return _views(self.payload, self.layout)
 
-    def done(self, parties: int, keep: int) -> bool:
-        """Count this party in; the last of `parties` seals and publishes. True when this call published."""
-        if parties < 1 or keep < 1:
-            raise ValueError(f"parties and keep must be >= 1, got {parties}, {keep}")
-        lock = self.path.with_suffix(".lock")
-        with open(lock, "a+") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)
-            f.seek(0)
-            count = len(f.read()) + 1
-            f.write("x")
-            f.flush()
-            if count < parties:
-                return False
-            header = _HEADER.pack(MAGIC, self.version, 1, self.payload_at, self.layout.nbytes, len(self.layout_json))
-            self.mapping.bytes[: len(header)].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
-            self.mapping.bytes[_HEADER.size : _HEADER.size + len(self.layout_json)].copy_(
-                torch.frombuffer(bytearray(self.layout_json), dtype=torch.uint8))
-            self.mapping.mm.flush()
-            os.replace(self.path, segment_path(self.root, self.host, self.version))  # the publish
-        lock.unlink(missing_ok=True)
-        prune(self.root, self.host, keep)
-        return True
-
-
-def prune(root: str | os.PathLike, host: str, keep: int) -> None:
-    """Unlink all but the newest `keep` published versions (open readers keep theirs), and the leftovers of
-    syncs that never sealed (temporary files of versions up to the newest published one)."""
-    folder = Path(root) / _safe(host)
-    published = sorted(folder.glob("v*.seg"))
-    for old in published[:-keep]:
-        old.unlink(missing_ok=True)
-    newest = int(published[-1].name[1:11]) if published else -1
-    for stale in [*folder.glob(".v*.tmp"), *folder.glob(".v*.lock")]:
-        if int(stale.name[2:12]) <= newest:
-            stale.unlink(missing_ok=True)
+    def done(self, parties: int) -> bool:
+        """Count this party in and let go of the slot; the last of `parties` seals. True when this call sealed."""
+        if parties < 1:
+            raise ValueError(f"parties must be >= 1, got {parties}")
+        try:
+            with _locked(self.lock_path) as f:
+                header = Header.read(self.fd)
+                if header is None or header.token != self.token:
+                    raise RuntimeError(f"{self.path}: taken by a newer sync while v{self.version} was written")
+                count = len(f.read()) + 1
+                f.write("x")
+                f.flush()
+                if count < parties:
+                    return False
+                os.pwrite(self.fd, self.layout_json, _HEADER.size)
+                os.pwrite(self.fd, self._header(sealed=1), 0)  # the publish
+                return True
+        finally:
+            self.release()
 
 
 def local_shard(param: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]] | None:
@@ -256,16 +394,16 @@ def write_shards(model: nn.Module, writer: SegmentWriter) -> list[Piece]:
     """Copy this rank's shard of every parameter into the segment; returns the byte runs written (coalesced)."""
     params = {clean_name(n): p for n, p in model.named_parameters()}
     pieces: list[Piece] = []
-    for slot, full in writer.views():
-        part = local_shard(params[slot.name])
-        if part is None:
-            continue
-        local, index = part
-        if local.numel() == 0:
-            continue
-        dst = full[index]
-        dst.copy_(local)  # device-to-host on GPU
-        pieces += _runs(slot, full, index)
+    with one_thread():
+        for slot, full in writer.views():
+            part = local_shard(params[slot.name])
+            if part is None:
+                continue
+            local, index = part
+            if local.numel() == 0:
+                continue
+            full[index].copy_(local)  # device-to-host on GPU
+            pieces += _runs(slot, full, index)
     return coalesce(pieces)
 
 
@@ -310,35 +448,52 @@ def cuda_ipc_import(handle: tuple) -> torch.Tensor:
 # ---- reading (generators) -----------------------------------------------------------------------
 
 
-class PinnedSegment:
-    """A published version, opened (pinned) for reading: its views stay valid until this object is dropped."""
+class PinnedSegment(_SlotHold):
+    """A sealed version held for reading (a shared lock on its slot, so no writer can reuse the slot): its
+    views stay valid and unchanged until `release()` or the end of a `with` block."""
 
-    def __init__(self, path: Path, version: int) -> None:
-        if not path.is_file():
-            raise FileNotFoundError(f"weights v{version} are not published at {path} (not sealed yet, or pruned)")
-        self.path, self.version = path, version
-        self.mapping = _Mapping(path, writable=False)
-        raw = self.mapping.mm[: _HEADER.size]
-        _, _, _, payload_at, nbytes, layout_len = self._check(raw)
-        self.layout = SegmentLayout.from_json(self.mapping.mm[_HEADER.size : _HEADER.size + layout_len])
-        self.payload = self.mapping.bytes[payload_at : payload_at + nbytes]
-        self._header = bytes(raw)
-
-    def _check(self, raw: bytes) -> tuple:
-        fields = _HEADER.unpack(raw)
-        magic, version, sealed = fields[:3]
-        if magic != MAGIC or version != self.version or sealed != 1:
-            raise RuntimeError(f"{self.path}: header {magic!r} v{version} sealed={sealed}, expected v{self.version}")
-        return fields
+    def __init__(self, path: Path, fd: int, header: Header) -> None:
+        self.fd = -1  # owned only once fully built (the caller closes it if this raises)
+        self.path, self.version, self._header = path, header.version, header
+        self.mapping = _mapping(path, fd, writable=False)
+        raw = self.mapping.mm[_HEADER.size : _HEADER.size + header.layout_len]
+        self.layout = SegmentLayout.from_json(raw)
+        self.payload = self.mapping.bytes[header.payload_at : header.payload_at + header.nbytes]
+        self.fd = fd
 
     @staticmethod
-    def open(root: str | os.PathLike, host: str, version: int, timeout_s: float = 0.0) -> "PinnedSegment":
-        """Open `version` on `host`, waiting up to `timeout_s` for it to be sealed."""
-        path = segment_path(root, host, version)
+    def open(root: str | os.PathLike, host: str, version: int, token: str | None = None,
+             timeout_s: float = 0.0) -> "PinnedSegment":
+        """Pin sealed `version` (of sync `token`, when given) on `host`, waiting up to `timeout_s` for it."""
         deadline = time.monotonic() + timeout_s
-        while not path.is_file() and time.monotonic() < deadline:
+        while True:
+            for path in sorted(host_dir(root, host).glob("slot*.seg")):
+                pinned = PinnedSegment._try(path, version, token)
+                if pinned is not None:
+                    return pinned
+            if time.monotonic() >= deadline:
+                raise FileNotFoundError(f"weights v{version} are not published on {host} under {root} "
+                                        "(not sealed yet, or its slot was reused by a newer version)")
             time.sleep(0.002)
-        return PinnedSegment(path, version)
+
+    @staticmethod
+    def _try(path: Path, version: int, token: str | None) -> "PinnedSegment | None":
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            header = Header.read(fd)
+            if header is not None and header.holds(version, token):
+                fcntl.flock(fd, fcntl.LOCK_SH)  # a claiming writer holds the exclusive lock only for an instant
+                header = Header.read(fd)  # checked again under the lock: the slot may have been claimed meanwhile
+                if header is not None and header.holds(version, token):
+                    return PinnedSegment(path, fd, header)
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+        return None
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(TorchTitan name, full tensor view) for every parameter."""
@@ -347,10 +502,22 @@ class PinnedSegment:
 
     def verify(self) -> None:
         """The header is unchanged since open (the second check of the version barrier)."""
-        raw = bytes(self.mapping.mm[: _HEADER.size])
-        self._check(raw)
-        if raw != self._header:
+        if self.fd < 0:
+            raise RuntimeError(f"{self.path}: v{self.version} was released")
+        if Header.read(self.fd) != self._header:
             raise RuntimeError(f"{self.path}: header changed while reading v{self.version}")
+
+
+
+def newest_version(root: str | os.PathLike, host: str) -> int | None:
+    """The newest sealed version on `host` (None when none is)."""
+    versions = []
+    for path in host_dir(root, host).glob("slot*.seg"):
+        with open(path, "rb") as f:
+            header = Header.read(f.fileno())
+        if header is not None and header.magic == MAGIC and header.sealed == 1:
+            versions.append(header.version)
+    return max(versions, default=None)
 
 
 def bind_shadow(shadow: nn.Module, segment: PinnedSegment) -> nn.Module:
@@ -371,21 +538,23 @@ def bind_shadow(shadow: nn.Module, segment: PinnedSegment) -> nn.Module:
     return shadow
 
 
-def load_segment(engine: Any, shadow: nn.Module, segment: PinnedSegment, hf_names: list[str],
+def load_segment(engine: Any, bound: nn.Module, segment: PinnedSegment, hf_names: list[str],
                  bucket_bytes: int) -> int:
     """Copy a pinned segment into `engine` (HF-named buckets through `engine.load_weights`); returns bytes loaded.
 
-    hf_names: the names the export produces (`hf_names_of(shadow)`), checked
-    against the engine before any copy so a mismatch leaves the engine as it was.
+    bound: the shadow model bound to `segment` (`bind_shadow`); hf_names: the
+    names the export produces (`hf_names_of`), checked against the engine before
+    any copy so a mismatch leaves the engine as it was.
     """
     from titan_ext.export import iter_hf_buckets
 
     check_coverage(engine.named_weights(), hf_names, segment.version)
     segment.verify()
     loaded = 0
-    for bucket in iter_hf_buckets(bind_shadow(shadow, segment), bucket_bytes):
-        engine.load_weights(bucket)
-        loaded += sum(t.numel() * t.element_size() for _, t in bucket)
+    with one_thread():
+        for bucket in iter_hf_buckets(bound, bucket_bytes):
+            engine.load_weights(bucket)
+            loaded += sum(t.numel() * t.element_size() for _, t in bucket)
     segment.verify()
     return loaded
 
@@ -398,22 +567,31 @@ def hf_names_of(shadow: nn.Module) -> list[str]:
 
 
 class SegmentLoader:
-    """A generator's side of the sync: one meta shadow model (and its HF names) per trainer model config."""
+    """A generator's side of the sync: per trainer model config its HF names, and per slot a shadow model
+    bound to that slot's mapping (views stay valid while the mapping lives, so binding happens once)."""
 
     def __init__(self) -> None:
-        self._shadows: dict[Any, tuple[nn.Module, list[str]]] = {}
+        self._names: dict[Any, list[str]] = {}
+        self._bound: dict[tuple[Any, str], tuple[_Mapping, SegmentLayout, nn.Module]] = {}
+
+    def _shadow(self, shadow: tuple, segment: PinnedSegment) -> nn.Module:
+        if shadow not in self._names:
+            self._names[shadow] = hf_names_of(shadow_model(*shadow))
+        key = (shadow, str(segment.path))
+        cached = self._bound.get(key)
+        if cached is None or cached[0] is not segment.mapping or cached[1] != segment.layout:
+            cached = (segment.mapping, segment.layout, bind_shadow(shadow_model(*shadow), segment))
+            self._bound[key] = cached
+        return cached[2]
 
     def load(self, engine: Any, root: str, host: str, version: int, shadow: tuple, bucket_bytes: int,
-             timeout_s: float) -> dict:
+             timeout_s: float, token: str | None = None) -> dict:
         """Load `version` of `host`'s segment into `engine`; returns {"version", "bytes", "load_s", "names"}."""
         start = time.perf_counter()
-        if shadow not in self._shadows:
-            model = shadow_model(*shadow)
-            self._shadows[shadow] = (model, hf_names_of(model))
-        model, names = self._shadows[shadow]
-        segment = PinnedSegment.open(root, host, version, timeout_s)
-        nbytes = load_segment(engine, model, segment, names, bucket_bytes)
-        return {"version": version, "bytes": nbytes, "load_s": time.perf_counter() - start, "names": names}
+        with PinnedSegment.open(root, host, version, token, timeout_s) as segment:
+            nbytes = load_segment(engine, self._shadow(shadow, segment), segment, self._names[shadow], bucket_bytes)
+        return {"version": version, "bytes": nbytes, "load_s": time.perf_counter() - start,
+                "names": self._names[shadow]}
 
 
 @dataclass
@@ -431,21 +609,21 @@ def pull_pieces(root: str, host: str, version: int, token: str, layout: SegmentL
     from monarch.rdma import RDMAAction
 
     start = time.perf_counter()
-    writer = SegmentWriter(root, host, version, token, layout)
     transferred = 0
-    action, pending = RDMAAction(), 0
-    for source in sources:
-        if len(source.buffers) != len(source.pieces):
-            raise ValueError(f"trainer rank {source.rank} exposed {len(source.buffers)} buffers "
-                             f"for {len(source.pieces)} runs")
-        for piece, buf in zip(source.pieces, source.buffers):
-            action.read_remote(writer.payload[piece.offset : piece.offset + piece.nbytes], buf)
-            transferred += piece.nbytes  # the transfer layer's count of bytes entering this host
-            pending += piece.nbytes
-            if pending >= bucket_bytes:
-                action.submit(timeout=600).get()
-                action, pending = RDMAAction(), 0
-    if pending:
-        action.submit(timeout=600).get()
-    published = writer.done(parties, keep)
+    with SegmentWriter(root, host, version, token, layout, keep) as writer:
+        action, pending = RDMAAction(), 0
+        for source in sources:
+            if len(source.buffers) != len(source.pieces):
+                raise ValueError(f"trainer rank {source.rank} exposed {len(source.buffers)} buffers "
+                                 f"for {len(source.pieces)} runs")
+            for piece, buf in zip(source.pieces, source.buffers):
+                action.read_remote(writer.payload[piece.offset : piece.offset + piece.nbytes], buf)
+                transferred += piece.nbytes  # the transfer layer's count of bytes entering this host
+                pending += piece.nbytes
+                if pending >= bucket_bytes:
+                    action.submit(timeout=600).get()
+                    action, pending = RDMAAction(), 0
+        if pending:
+            action.submit(timeout=600).get()
+        published = writer.done(parties)
     return {"bytes_remote": transferred, "published": published, "pull_s": time.perf_counter() - start}

@@ -189,11 +189,11 @@ class TrainerActor(Actor):
 
         t = self._t()
         start = time.perf_counter()
-        writer = SegmentWriter(root, host_label(), t.step, token, SegmentLayout.from_model(t.model))
-        pieces = write_shards(t.model, writer)
-        if torch.device(t.device).type == "cuda":  # the device-to-host copies are done before the seal
-            torch.cuda.synchronize()
-        published = writer.done(parties[host_label()], keep)
+        with SegmentWriter(root, host_label(), t.step, token, SegmentLayout.from_model(t.model), keep) as writer:
+            pieces = write_shards(t.model, writer)
+            if torch.device(t.device).type == "cuda":  # the device-to-host copies are done before the seal
+                torch.cuda.synchronize()
+            published = writer.done(parties[host_label()])
         buffers: list = []
         if dist.get_rank() in expose:
             from monarch.rdma import RDMABuffer

@@ -13,8 +13,8 @@ One sync of version v (`TopologySync.start`, then `PendingSync.wait`):
 
 Steps 2–3 are Monarch futures: `start()` returns once step 1 is done, so the
 controller can issue the next `train_step` and call `wait()` afterwards. The
-version barrier (immutable sealed segments, see `actors.shm_weights`) keeps a
-generator from reading a half-written version. `sync_weights_topology` is the
+version barrier (slot locks and sealed headers, see `actors.shm_weights`) keeps
+a generator from reading a half-written version. `sync_weights_topology` is the
 one-call form; `mesh.weight_sync_baseline` stays the reference path.
 """
 
@@ -39,8 +39,10 @@ class TopologySyncReport:
     digest: str | None
     model_bytes: int  # bytes of one full copy of the weights
     cross_host_bytes: int  # counted by the readers' transfer layer
-    publish_s: float  # trainer shard copies (the part the next step waits for)
+    publish_s: float  # trainer shard copies (the part the next step waits for), as the controller sees it
     total_s: float  # until the last generator held the version
+    write_s: float  # the slowest trainer rank's copy into the segment, inside the actor
+    load_s: float  # the slowest generator's load into its engine, inside the actor
     pull_s: dict[str, float] = field(default_factory=dict)  # per reader host
 
 
@@ -51,13 +53,22 @@ class PendingSync:
     version: int
     start: float
     publish_s: float
+    write_s: float
     model_bytes: int
     pulls: dict[str, Any]
     loads: list[Any]
     verify: bool
 
+    _pulled: dict[str, dict] | None = field(default=None, init=False, repr=False)
+
+    def pulled(self) -> dict[str, dict]:
+        """Wait for the remote pulls only (the trainer's exposed runs may be overwritten after this)."""
+        if self._pulled is None:
+            self._pulled = {host: f.get() for host, f in self.pulls.items()}
+        return self._pulled
+
     def wait(self) -> TopologySyncReport:
-        pulled = {host: f.get() for host, f in self.pulls.items()}
+        pulled = self.pulled()
         results = [f.get() for f in self.loads]
         bad = [i for i, r in enumerate(results) if r["version"] != self.version]
         digests = {r["digest"] for r in results}
@@ -67,7 +78,7 @@ class PendingSync:
         return TopologySyncReport(
             self.version, len(results), digests.pop() if self.verify else None, self.model_bytes,
             sum(p["bytes_remote"] for p in pulled.values()), self.publish_s, time.perf_counter() - self.start,
-            {h: p["pull_s"] for h, p in pulled.items()},
+            self.write_s, max((r["load_s"] for r in results), default=0.0), {h: p["pull_s"] for h, p in pulled.items()},
         )
 
 
@@ -75,7 +86,8 @@ class TopologySync:
     """Weight sync for one trainer mesh and a list of generator actors, routed by their topology.
 
     root: shared-memory folder for the segments (one subfolder per host);
-    keep: published versions kept per host (>= 2 lets a slow generator finish v while v+1 lands);
+    keep: sealed versions readable per host (a ring of keep + 1 slots; >= 2 lets a slow generator finish v
+    while v+1 lands; a writer waits for the readers of the slot it reuses);
     bucket_bytes: RDMA batch and HF bucket size; verify: generators report digests (sha256 of the
     weights; costs one pass over them).
     """
@@ -89,9 +101,15 @@ class TopologySync:
         self.topology: Topology = probe(trainer, self.generators)
         self.plan: RoutePlan = plan_routes(self.topology)
         self.shadow = next(iter(trainer.host_info.call().get().values()))["shadow"]
+        self._last: PendingSync | None = None
 
     def start(self) -> PendingSync:
-        """Snapshot the trainer's shards (returns when they are in host memory) and launch the reads."""
+        """Snapshot the trainer's shards (returns when they are in host memory) and launch the reads.
+
+        Waits first for the previous sync's remote pulls: they read trainer-host slots over RDMA, where the
+        slot locks cannot see them."""
+        if self._last is not None:
+            self._last.pulled()
         start = time.perf_counter()
         token = uuid.uuid4().hex[:12]
         parties = {h: self.plan.parties_on(h) for h in set(self.plan.source_hosts) | {r.host for r in self.plan.routes}}
@@ -111,8 +129,10 @@ class TopologySync:
             pulls[route.host] = self.generators[route.reader].pull_weights.call_one(
                 self.root, version_, token, reports[0].layout, sources, route.parties, self.keep, self.bucket_bytes)
         loads = [g.load_segment.call_one(self.root, version_, self.shadow, self.bucket_bytes, self.timeout_s,
-                                         self.verify) for g in self.generators]
-        return PendingSync(version_, start, publish_s, reports[0].layout.model_bytes, pulls, loads, self.verify)
+                                         self.verify, token) for g in self.generators]
+        self._last = PendingSync(version_, start, publish_s, max(r.write_s for r in reports),
+                                 reports[0].layout.model_bytes, pulls, loads, self.verify)
+        return self._last
 
     def sync(self) -> TopologySyncReport:
         return self.start().wait()

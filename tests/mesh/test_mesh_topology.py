@@ -91,7 +91,7 @@ def test_empty_meshes_are_refused():
 def test_host_label_is_monarchs_host_part(monkeypatch):
     import socket
 
-    from actors.shm_weights import host_label, segment_path
+    from actors.shm_weights import host_dir, host_label
 
     monkeypatch.setenv("HYPERACTOR_PROCESS_NAME", "anon-0 @ generator_1")
     assert host_label() == "generator_1"
@@ -99,4 +99,4 @@ def test_host_label_is_monarchs_host_part(monkeypatch):
     assert host_label() == "node-17.cluster"
     monkeypatch.delenv("HYPERACTOR_PROCESS_NAME")
     assert host_label() == socket.gethostname()
-    assert segment_path("/r", "../evil host", 3).parent.name == ".._evil_host"  # one folder, no traversal
+    assert host_dir("/r", "../evil host").name == ".._evil_host"  # one folder, no traversal

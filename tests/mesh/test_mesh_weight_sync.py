@@ -5,7 +5,7 @@ Digests are checked against the trainer's own collective export
 sync, while the next training step runs, and on two fake hosts of a Monarch
 `ProcessJob`, where the readers' counted RDMA bytes must equal model bytes ×
 destination hosts. The version barrier is proved with real processes: readers
-sleep mid-read while a writer publishes newer versions (and prunes theirs).
+sleep mid-read while a writer publishes newer versions into the reused slots.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from actors.shm_weights import PinnedSegment, SegmentLayout, SegmentWriter, segment_path
+from actors.shm_weights import PinnedSegment, SegmentLayout, SegmentWriter, host_dir, newest_version
 
 VOCAB = 2048
 VERSIONS = 12
@@ -33,40 +33,36 @@ def _layout(n: int = 6, rows: int = 256) -> SegmentLayout:
 
 def _publish(root: str, version: int, layout: SegmentLayout, keep: int) -> None:
     """Two parties (as two trainer ranks would) each fill half the rows of every tensor with `version`."""
-    writers = [SegmentWriter(root, "h", version, f"t{version}", layout) for _ in range(2)]
+    writers = [SegmentWriter(root, "h", version, f"t{version}", layout, keep) for _ in range(2)]
     for part, w in enumerate(writers):
         for _, full in w.views():
             half = full.shape[0] // 2
             full[part * half : (part + 1) * half].fill_(float(version))
-    assert [w.done(2, keep) for w in writers] == [False, True]
+    assert [w.done(2) for w in writers] == [False, True]
 
 
 def _writer_proc(root: str, versions: int) -> None:
     layout = _layout()
     for v in range(2, versions + 1):
-        _publish(root, v, layout, keep=1)  # keep=1: the version a reader holds is unlinked under it
+        _publish(root, v, layout, keep=1)  # keep=1: two slots, each reused every other version
 
 
 def _reader_proc(root: str, seen: "mp.Queue") -> None:
-    """Open the newest version, read half, sleep, read the rest: every value must be that version."""
-    deadline = time.monotonic() + 20
+    """Pin the newest version, read half, sleep, read the rest: every value must be that version."""
+    deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        published = sorted(segment_path(root, "h", 0).parent.glob("v*.seg"))
-        if not published:
-            time.sleep(0.01)
-            continue
-        version = int(published[-1].stem[1:])
+        version = newest_version(root, "h")
         try:
-            seg = PinnedSegment(published[-1], version)
-        except FileNotFoundError:  # pruned between glob and open: not a torn read, just late
-            time.sleep(0.01)
+            seg = PinnedSegment.open(root, "h", version)
+        except FileNotFoundError:  # its slot was reused between the two calls: not a torn read, just late
             continue
-        values = []
-        for i, (_, t) in enumerate(seg.tensors()):
-            values.append(torch.unique(t.clone()).tolist())
-            if i == 2:
-                time.sleep(0.05)  # the writer publishes newer versions meanwhile
-        seg.verify()
+        with seg:
+            values = []
+            for i, (_, t) in enumerate(seg.tensors()):
+                values.append(torch.unique(t.clone()).tolist())
+                if i == 2:
+                    time.sleep(0.05)  # the writer publishes newer versions meanwhile
+            seg.verify()
         seen.put((version, values))
         if version >= VERSIONS:
             return
@@ -76,16 +72,26 @@ def test_version_barrier_delayed_readers_never_see_torn_versions(tmp_path):
     root = str(tmp_path)
     layout = _layout()
     _publish(root, 1, layout, keep=1)
-    pinned = PinnedSegment.open(root, "h", 1)
+    pinned = PinnedSegment.open(root, "h", 1)  # held by this process: v3 needs its slot
     first = [t.clone() for _, t in list(pinned.tensors())[:3]]
 
     ctx = mp.get_context("forkserver")  # real processes; torch imported once by the server, not per child
     ctx.set_forkserver_preload(["torch", "actors.shm_weights"])
     seen: "mp.Queue" = ctx.Queue()
-    readers = [ctx.Process(target=_reader_proc, args=(root, seen)) for _ in range(2)]
     writer = ctx.Process(target=_writer_proc, args=(root, VERSIONS))
-    for p in readers + [writer]:
+    readers = [ctx.Process(target=_reader_proc, args=(root, seen)) for _ in range(2)]
+    for p in [writer, *readers]:
         p.start()
+    deadline = time.monotonic() + 30
+    while newest_version(root, "h") != 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)
+    # the writer sealed v2 into the free slot, then waits for this reader to let go of v1's slot
+    assert newest_version(root, "h") == 2 and writer.is_alive()
+    rest = [t.clone() for _, t in list(pinned.tensors())[3:]]
+    pinned.verify()
+    assert all(torch.equal(t, torch.full_like(t, 1.0)) for t in first + rest)
+    pinned.release()
     writer.join(60)
     for p in readers:
         p.join(60)
@@ -97,35 +103,49 @@ def test_version_barrier_delayed_readers_never_see_torn_versions(tmp_path):
     for version, values in reads:
         assert values == [[float(version)]] * len(layout.slots)  # whole and single-version
     assert len({v for v, _ in reads}) >= 2  # the readers overlapped several publishes
-
-    # the reader pinned v1 before the writer published v2..v{VERSIONS} and unlinked v1: it still reads v1 whole
-    assert not segment_path(root, "h", 1).exists()
-    rest = [t.clone() for _, t in list(pinned.tensors())[3:]]
-    pinned.verify()
-    assert all(torch.equal(t, torch.full_like(t, 1.0)) for t in first + rest)
     with pytest.raises(FileNotFoundError, match="not published"):
-        PinnedSegment.open(root, "h", 1)
-    assert sorted(p.name for p in segment_path(root, "h", 0).parent.iterdir()) == [f"v{VERSIONS:010d}.seg"]
+        PinnedSegment.open(root, "h", 1)  # its slot now holds a newer version
+    assert sorted(p.name for p in host_dir(root, "h").glob("*.seg")) == ["slot000.seg", "slot001.seg"]
 
 
 def test_unsealed_segment_is_invisible_and_bad_input_is_refused(tmp_path):
     layout = _layout(2)
-    w = SegmentWriter(tmp_path, "h", 5, "tok", layout)
+    w = SegmentWriter(tmp_path, "h", 5, "tok", layout, keep=2)
     with pytest.raises(FileNotFoundError, match="not published"):
         PinnedSegment.open(tmp_path, "h", 5, timeout_s=0.05)
-    assert w.done(2, keep=2) is False  # one of two parties: still unpublished
-    assert not segment_path(tmp_path, "h", 5).exists()
+    w2 = SegmentWriter(tmp_path, "h", 5, "tok", layout, keep=2)  # a second party of the same sync
+    assert w.done(2) is False  # one of two parties: still unpublished
+    assert newest_version(tmp_path, "h") is None
     with pytest.raises(ValueError, match="parties"):
-        w.done(0, keep=2)
-    stale = SegmentWriter(tmp_path, "h", 4, "crashed", layout)  # a sync of v4 that never sealed
-    assert stale.path.exists()
-    assert w.done(2, keep=2) is True
-    assert not stale.path.exists()  # cleaned up once a newer version is published
-    assert sorted(p.name for p in segment_path(tmp_path, "h", 0).parent.iterdir()) == ["v0000000005.seg"]
-    seg = PinnedSegment.open(tmp_path, "h", 5)
+        w2.done(0)
+    assert w2.done(2) is True
+    with pytest.raises(ValueError, match="keep"):
+        SegmentWriter(tmp_path, "h", 6, "tok6", layout, keep=0)
+    with pytest.raises(ValueError, match="token"):
+        SegmentWriter(tmp_path, "h", 6, "x" * 17, layout, keep=2)
+
+    crashed = SegmentWriter(tmp_path, "h", 7, "crashed", layout, keep=2)  # a sync of v7 that never sealed
+    crashed.release()
+    assert newest_version(tmp_path, "h") == 5
+    seg = PinnedSegment.open(tmp_path, "h", 5, token="tok")
     assert [n for n, _ in seg.tensors()] == ["w0", "w1"] and seg.layout == layout
-    with pytest.raises(RuntimeError, match="expected v6"):
-        PinnedSegment(segment_path(tmp_path, "h", 5), 6)  # a file under another version's name
+    with pytest.raises(FileNotFoundError, match="not published"):
+        PinnedSegment.open(tmp_path, "h", 5, token="other")  # same version, another sync (a restarted trainer)
+    with pytest.raises(FileNotFoundError, match="not published"):
+        PinnedSegment.open(tmp_path, "h", 6)
+
+    # v8 reuses v5's slot (keep=2: three slots): it waits for the reader, and says so when it gives up
+    with pytest.raises(TimeoutError, match="older version"):
+        SegmentWriter(tmp_path, "h", 8, "t8", layout, keep=2, timeout_s=0.1)
+    seg.verify()  # the refused writer left v5 untouched
+    seg.release()
+    with pytest.raises(RuntimeError, match="released"):
+        seg.verify()
+    with SegmentWriter(tmp_path, "h", 8, "t8", layout, keep=2, timeout_s=0.1) as w8:
+        assert w8.done(1) is True
+    assert newest_version(tmp_path, "h") == 8
+    with pytest.raises(FileNotFoundError, match="not published"):
+        PinnedSegment.open(tmp_path, "h", 5)
 
 
 # ---- fake hosts: FSDP trainer (2 procs) + 2 generators on host A, one generator on each of hosts B, C ----
@@ -214,9 +234,9 @@ def test_sync_matches_trainer_digest_while_next_step_runs(meshes, tmp_path):
     report2 = sync.sync()
     assert (report2.version, report2.digest, report2.cross_host_bytes) == (2, digest2, report.cross_host_bytes)
     assert {g.weights_digest.call_one().get() for g in gens} == {digest2}
-    for host in routes:  # every host keeps the newest `keep` versions
-        assert sorted(p.name for p in segment_path(tmp_path, host, 0).parent.glob("v*.seg")) == [
-            "v0000000001.seg", "v0000000002.seg"]
+    for host in routes:  # every host holds v1 and v2 in two of its keep + 1 slots
+        assert newest_version(tmp_path, host) == 2
+        assert sorted(p.name for p in host_dir(tmp_path, host).glob("*.seg")) == ["slot001.seg", "slot002.seg"]
 
 
 def test_rollout_exchange_sends_each_rank_only_its_shard(meshes):
