@@ -27,7 +27,10 @@ class MetricsSink:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.jsonl = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8") if cfg.jsonl else None
+        self.jsonl = None
+        if cfg.jsonl:
+            _drop_partial_row(self.run_dir / "metrics.jsonl")
+            self.jsonl = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")
         self.tb = None
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -80,13 +83,34 @@ class MetricsSink:
         self.close()
 
 
+def _drop_partial_row(path: Path) -> None:
+    """Cut a last row that a killed run left without its newline, so the next row starts on a line of its own."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    data = path.read_bytes()
+    if not data.endswith(b"\n"):
+        with open(path, "r+b") as f:
+            f.truncate(data.rfind(b"\n") + 1)
+
+
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """The rows of a metrics.jsonl, the last row per step (a resumed run may repeat steps)."""
+    """The rows of a metrics.jsonl, the last row per step (a resumed run may repeat steps).
+
+    A last row without its newline (a run killed mid-write) is not a logged step and is skipped;
+    any other unreadable row is an error naming its line."""
+    text = Path(path).read_text(encoding="utf-8")
+    lines = text.splitlines()
     rows: dict[int, dict[str, Any]] = {}
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
-        if line.strip():
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
             row = json.loads(line)
             rows[int(row["step"])] = row
+        except (ValueError, KeyError, TypeError) as exc:
+            if number == len(lines) and not text.endswith("\n"):
+                break
+            raise ValueError(f"{path}:{number}: not a metrics row ({exc})") from None
     return [rows[s] for s in sorted(rows)]
 
 

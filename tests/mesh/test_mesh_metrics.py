@@ -37,3 +37,21 @@ def test_jsonl_tensorboard_progress_and_plot(tmp_path):
 
     png = plot_run(tmp_path / "metrics.jsonl", tmp_path / "run.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
+def test_a_row_cut_short_by_a_kill_is_skipped_then_overwritten(tmp_path):
+    import pytest
+
+    from mesh.metrics import MetricsSink, read_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "reward/mean": 0.1}\n{"step": 2, "reward/mean": 0.2}\n{"step": 3, "rew')
+    assert [r["step"] for r in read_metrics(path)] == [1, 2]  # the controller was killed writing step 3
+    with MetricsSink(MetricsConfig(tensorboard=False, progress_bar=False), tmp_path, 3, start_step=2) as sink:
+        sink(record(3, 0.9))  # the resumed run logs step 3 on a line of its own
+    assert [(r["step"], r["reward/mean"]) for r in read_metrics(path)] == [(1, 0.1), (2, 0.2), (3, 0.9)]
+    assert path.read_text().endswith("\n") and len(path.read_text().splitlines()) == 3
+
+    path.write_text('{"step": 1}\nnot json\n{"step": 2}\n')
+    with pytest.raises(ValueError, match="metrics.jsonl:2: not a metrics row"):
+        read_metrics(path)
