@@ -16,10 +16,19 @@ controller can issue the next `train_step` and call `wait()` afterwards. The
 version barrier (slot locks and sealed headers, see `actors.shm_weights`) keeps
 a generator from reading a half-written version. `sync_weights_topology` is the
 one-call form; `mesh.weight_sync_baseline` stays the reference path.
+
+The controller (`mesh.controller`) uses the parts separately: `publish()` is
+steps 1–2 (a `Publication`; it first waits for the previous publication's
+remote pulls), `Publication.sealed` / `load` / `check` are step 3 for one
+generator (async workers load between their own `generate` calls),
+`replaced` re-plans after a generator respawn and `covering` gives the
+publication a replacement can load.
 """
 
 from __future__ import annotations
 
+import copy
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -27,7 +36,7 @@ from typing import Any, Sequence
 
 from actors.shm_weights import DEFAULT_BUCKET_BYTES, RemoteSource
 from actors.weights import DEFAULT_ROOT
-from mesh.topology import RoutePlan, Topology, plan_routes, probe
+from mesh.topology import MeshTopology, ProcInfo, RoutePlan, Topology, plan_routes, probe
 
 
 @dataclass(frozen=True)
@@ -46,39 +55,91 @@ class TopologySyncReport:
     pull_s: dict[str, float] = field(default_factory=dict)  # per reader host
 
 
+def check_loads(version: int, results: list[dict], verify: bool, digest: str | None = None) -> str | None:
+    """The digest generators report after loading `version` (None unless `verify`); raises when one holds
+    another version or, verifying, when their digests differ from each other or from `digest` (known before)."""
+    bad = [i for i, r in enumerate(results) if r["version"] != version]
+    digests = {r["digest"] for r in results} | ({digest} if digest is not None else set())
+    if bad or (verify and len(digests) > 1):
+        raise RuntimeError(f"weight sync v{version}: generators disagree (wrong version {bad}, "
+                           f"{len(digests)} distinct digests)")
+    return digests.pop() if verify and digests else None
+
+
+@dataclass
+class Publication:
+    """Version `version` of sync `token` in the segments of `hosts` under `root`: every trainer rank's shards
+    are in host memory, the remote pulls (`pulls`, per reader host) in flight. Any generator on one of `hosts`
+    can `load` it once its host's segment is `sealed`; `check` holds every load of it to the same digest (the
+    first verified one). Safe to share between threads (async workers load it while the controller publishes)."""
+
+    version: int
+    token: str
+    root: str
+    hosts: frozenset[str]
+    pulls: dict[str, Any]
+    model_bytes: int
+    start: float
+    publish_s: float
+    write_s: float
+    shadow: tuple  # the trainer's (ModelConfig, ParallelismConfig), to name the tensors as its export does
+    bucket_bytes: int
+    timeout_s: float
+    verify: bool
+    digest: str | None = None
+    _digest_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _pulls_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # one thread gets a future
+
+    def load(self, generator: Any) -> Any:
+        """Have `generator` copy this version from its host's segment into its engine (a future of its report)."""
+        return generator.load_segment.call_one(self.root, self.version, self.shadow, self.bucket_bytes,
+                                               self.timeout_s, self.verify, self.token)
+
+    def check(self, results: list[dict]) -> str | None:
+        """Raise unless every load report is of this version and (verifying) of this version's digest."""
+        with self._digest_lock:
+            self.digest = check_loads(self.version, results, self.verify, self.digest)
+            return self.digest
+
+    def wait_pulls(self) -> dict[str, dict]:
+        """The readers' reports, once every remote pull has landed (after which the trainer's exposed runs,
+        read remotely where the slot locks cannot see it, may be overwritten)."""
+        with self._pulls_lock:
+            return {host: f.get() for host, f in self.pulls.items()}
+
+    def sealed(self, host: str) -> bool:
+        """Whether `host` holds this version whole: True at once where the trainer ranks wrote it, after the
+        host's pull elsewhere; False when that pull failed (its reader died: the version never appears there,
+        and the next `publish` raises the failure)."""
+        if host not in self.hosts:
+            return False
+        pull = self.pulls.get(host)
+        if pull is None:
+            return True
+        with self._pulls_lock:
+            try:
+                pull.get()
+            except Exception:
+                return False
+        return True
+
+
 @dataclass
 class PendingSync:
     """A sync whose reads are in flight; `wait()` checks and reports."""
 
-    version: int
-    start: float
-    publish_s: float
-    write_s: float
-    model_bytes: int
-    pulls: dict[str, Any]
+    publication: Publication
     loads: list[Any]
-    verify: bool
-
-    _pulled: dict[str, dict] | None = field(default=None, init=False, repr=False)
-
-    def pulled(self) -> dict[str, dict]:
-        """Wait for the remote pulls only (the trainer's exposed runs may be overwritten after this)."""
-        if self._pulled is None:
-            self._pulled = {host: f.get() for host, f in self.pulls.items()}
-        return self._pulled
 
     def wait(self) -> TopologySyncReport:
-        pulled = self.pulled()
+        pub = self.publication
+        pulled = pub.wait_pulls()
         results = [f.get() for f in self.loads]
-        bad = [i for i, r in enumerate(results) if r["version"] != self.version]
-        digests = {r["digest"] for r in results}
-        if bad or (self.verify and len(digests) != 1):
-            raise RuntimeError(f"weight sync v{self.version}: generators disagree (wrong version {bad}, "
-                               f"{len(digests)} distinct digests)")
+        digest = pub.check(results)
         return TopologySyncReport(
-            self.version, len(results), digests.pop() if self.verify else None, self.model_bytes,
-            sum(p["bytes_remote"] for p in pulled.values()), self.publish_s, time.perf_counter() - self.start,
-            self.write_s, max((r["load_s"] for r in results), default=0.0), {h: p["pull_s"] for h, p in pulled.items()},
+            pub.version, len(results), digest, pub.model_bytes, sum(p["bytes_remote"] for p in pulled.values()),
+            pub.publish_s, time.perf_counter() - pub.start, pub.write_s,
+            max((r["load_s"] for r in results), default=0.0), {h: p["pull_s"] for h, p in pulled.items()},
         )
 
 
@@ -101,15 +162,19 @@ class TopologySync:
         self.topology: Topology = probe(trainer, self.generators)
         self.plan: RoutePlan = plan_routes(self.topology)
         self.shadow = next(iter(trainer.host_info.call().get().values()))["shadow"]
-        self._last: PendingSync | None = None
+        self.published: Publication | None = None  # the newest version published (its pulls may be in flight)
 
-    def start(self) -> PendingSync:
-        """Snapshot the trainer's shards (returns when they are in host memory) and launch the reads.
-
-        Waits first for the previous sync's remote pulls: they read trainer-host slots over RDMA, where the
-        slot locks cannot see them."""
-        if self._last is not None:
-            self._last.pulled()
+    def publish(self) -> Publication:
+        """Snapshot the trainer's shards into every host's segment (returns once they are in host memory) and
+        launch the remote pulls. Waits first for the previous publication's pulls: they read trainer-host slots
+        over RDMA, where the slot locks cannot see them. A failed wait drops that publication, so a retry after
+        recovery publishes."""
+        if self.published is not None:
+            try:
+                self.published.wait_pulls()
+            except Exception:
+                self.published = None
+                raise
         start = time.perf_counter()
         token = uuid.uuid4().hex[:12]
         parties = {h: self.plan.parties_on(h) for h in set(self.plan.source_hosts) | {r.host for r in self.plan.routes}}
@@ -128,14 +193,41 @@ class TopologySync:
             sources = [RemoteSource(r, by_rank[r].pieces, by_rank[r].buffers) for r in route.remote_sources]
             pulls[route.host] = self.generators[route.reader].pull_weights.call_one(
                 self.root, version_, token, reports[0].layout, sources, route.parties, self.keep, self.bucket_bytes)
-        loads = [g.load_segment.call_one(self.root, version_, self.shadow, self.bucket_bytes, self.timeout_s,
-                                         self.verify, token) for g in self.generators]
-        self._last = PendingSync(version_, start, publish_s, max(r.write_s for r in reports),
-                                 reports[0].layout.model_bytes, pulls, loads, self.verify)
-        return self._last
+        self.published = Publication(
+            version_, token, self.root, frozenset(parties), pulls, reports[0].layout.model_bytes, start, publish_s,
+            max(r.write_s for r in reports), self.shadow, self.bucket_bytes, self.timeout_s, self.verify)
+        return self.published
+
+    def start(self) -> PendingSync:
+        """Snapshot the trainer's shards (returns when they are in host memory) and launch the reads."""
+        pub = self.publish()
+        return PendingSync(pub, [pub.load(g) for g in self.generators])
 
     def sync(self) -> TopologySyncReport:
         return self.start().wait()
+
+    def replaced(self, index: int, generator: Any) -> "TopologySync":
+        """This sync with generator `index` swapped for `generator` (a respawn): the plan redone with the new
+        one's host (only it is probed: the others may be busy generating); the publications are kept."""
+        info = generator.host_info.call_one().get()
+        procs = list(self.topology.generators.procs)
+        procs[index] = ProcInfo(index, info["host"], info["pid"])
+        new = copy.copy(self)
+        new.generators = [*self.generators[:index], generator, *self.generators[index + 1:]]
+        new.topology = Topology(self.topology.trainer, MeshTopology(tuple(procs)))
+        new.plan = plan_routes(new.topology)
+        return new
+
+    def host_of(self, index: int) -> str:
+        return self.topology.generators.procs[index].host
+
+    def covering(self, indices: Sequence[int]) -> Publication:
+        """The newest publication, for generators `indices` (replacements) to load: the last one if their hosts
+        hold it whole, else a new one (none yet, or a replacement landed on a host it did not reach)."""
+        pub = self.published
+        if pub is not None and all(pub.sealed(self.host_of(i)) for i in indices):
+            return pub
+        return self.publish()
 
 
 def sync_weights_topology(trainer: Any, generators: Sequence[Any], root: str = DEFAULT_ROOT,

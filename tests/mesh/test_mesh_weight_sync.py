@@ -4,8 +4,11 @@ Digests are checked against the trainer's own collective export
 (`TrainerActor.weights_digest`, the baseline's independent path): after every
 sync, while the next training step runs, and on two fake hosts of a Monarch
 `ProcessJob`, where the readers' counted RDMA bytes must equal model bytes ×
-destination hosts. The version barrier is proved with real processes: readers
-sleep mid-read while a writer publishes newer versions into the reused slots.
+destination hosts. The pieces the controller uses one generator at a time
+(publish, then each generator loads when it is ready; a respawn re-plans and
+loads only the replacement) are checked on the same hosts. The version barrier
+is proved with real processes: readers sleep mid-read while a writer publishes
+newer versions into the reused slots.
 """
 
 from __future__ import annotations
@@ -237,6 +240,36 @@ def test_sync_matches_trainer_digest_while_next_step_runs(meshes, tmp_path):
     for host in routes:  # every host holds v1 and v2 in two of its keep + 1 slots
         assert newest_version(tmp_path, host) == 2
         assert sorted(p.name for p in host_dir(tmp_path, host).glob("*.seg")) == ["slot001.seg", "slot002.seg"]
+
+
+def test_publish_then_load_one_generator_at_a_time(meshes, tmp_path):
+    """What the controller's async workers and respawns do: publish once, then a generator loads alone once its
+    host holds the version whole, checked against the first load's digest; a generator respawned on a host the
+    last publication did not reach gets a new one."""
+    from mesh.weight_sync import TopologySync
+    from mesh.weight_sync_baseline import rank0
+
+    trainer, gens = meshes
+    trainer.train_step.call(_batch(3)).get()
+    digest = rank0(trainer.weights_digest.call().get())
+    sync = TopologySync(trainer, gens[:3], str(tmp_path), keep=2)  # nobody on host generator_1 yet
+    first = sync.publish()
+    assert first.hosts == {"trainer_0", "generator_0"} and set(first.pulls) == {"generator_0"}
+    assert first.sealed("generator_0") and not first.sealed("generator_1")
+    assert first.check([first.load(gens[2]).get()]) == digest  # read from the segment its host pulled
+    with pytest.raises(RuntimeError, match="2 distinct digests"):
+        first.check([{"version": first.version, "digest": "0" * 64}])
+    with pytest.raises(RuntimeError, match=r"wrong version \[0\]"):
+        first.check([{"version": first.version - 1, "digest": digest}])
+
+    moved = sync.replaced(2, gens[3])  # generator 2 respawned on host generator_1
+    assert moved.published is first and moved.plan.route_of("generator_1").reader == 2
+    assert moved.plan.route_of("generator_0") is None and moved.covering([0]) is first
+    again = moved.covering([2])  # its host holds no segment: published again, by the new plan
+    assert again is not first and again.version == first.version and set(again.pulls) == {"generator_1"}
+    assert again.sealed("generator_1") and again.check([again.load(gens[3]).get()]) == digest
+    versions = [g.policy_version.call_one().get() for g in gens]
+    assert versions[2] == versions[3] == first.version and versions[0] < first.version  # the others untouched
 
 
 def test_rollout_exchange_sends_each_rank_only_its_shard(meshes):
