@@ -7,21 +7,27 @@ Plain Python in the launching process, holding actor meshes. One step:
 2. GRPO advantages and dynamic sampling, hints for error sites (channel 2),
    preference pairs from the teacher-replay actor (channel 3, optional);
 3. pack one global `TrainBatch` and call `train_step` on the trainer mesh;
-4. publish the new weights. Sync mode loads them into every generator before
-   the next step (on-policy: staleness 0). Async mode lets each generator
-   worker pick up the newest published weights between its own `generate`
-   calls, so generation overlaps training; a group sampled with policy
-   version v is trained at trainer version t only if t − v ≤ `max_staleness`,
-   older groups are dropped. The generator logprobs travel with every sample,
-   so the loss's TIS / mismatch correction sees what the generator used.
+4. publish the new weights through `mesh.weight_sync.TopologySync` (trainer
+   ranks write their own shards into per-host shared memory, hosts without
+   trainer ranks pull them over RDMA; docs/weight_sync.md). Sync mode loads
+   them into every generator before the next step (on-policy: staleness 0),
+   digests checked to agree. Async mode publishes once per step and lets each
+   generator worker load the newest published version between its own
+   `generate` calls, so generation overlaps training; a group sampled with
+   policy version v is trained at trainer version t only if t − v ≤
+   `max_staleness`, older groups are dropped. The generator logprobs travel
+   with every sample, so the loss's TIS / mismatch correction sees what the
+   generator used.
 
 Supervision (`mesh.supervision`, docs/supervision.md): with a `Supervisor`, a
 generator that dies is replaced and its in-flight requests are re-issued
 (same group id and seed; a group whose id is no longer outstanding is dropped,
-so none is trained twice); a dead replay actor is replaced and restored; a dead
-trainer mesh is restarted from its newest checkpoint and the controller rolls
-back to the `ControllerState` saved for that version, then re-syncs the
-generators. The state is saved once per step, before `train_step`.
+so none is trained twice) after the replacement loaded the newest published
+weights; a dead replay actor is replaced and restored; a dead trainer mesh is
+restarted from its newest checkpoint and the controller rolls back to the
+`ControllerState` saved for that version, then re-syncs the generators. The
+weight sync is re-planned after every replacement. The state is saved once
+per step, before `train_step`.
 """
 
 from __future__ import annotations
@@ -37,14 +43,14 @@ import torch
 
 from actors.episodes import ChatTokens
 from actors.rollout import EpisodeRequest, RolloutGroup, SamplingParams
-from actors.weights import WeightManifest
 from configs.sections.loss import PolicyLossConfig
 from mesh.packing import PairTokens, make_hint, pack_batch, pair_tokens, select_rollouts
 from mesh.rollout_exchange import train_step_sharded
 from mesh.supervision import (
     ControllerState, Supervisor, is_actor_failure, is_alive, load_state, oldest_checkpoint, save_state,
 )
-from mesh.weight_sync_baseline import rank0, sync_weights
+from mesh.weight_sync import Publication, TopologySync
+from mesh.weight_sync_baseline import rank0
 
 
 @dataclass(frozen=True)
@@ -55,7 +61,7 @@ class ControllerConfig:
     policy: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     mode: Literal["sync", "async"] = "sync"
     max_staleness: int = 0
-    weight_dir: str = "/dev/shm/composer-mesh-weights"
+    weight_dir: str = "/dev/shm/composer-mesh-weights"  # shared-memory segment slots (mesh.weight_sync)
     seed: int = 0
     hints: bool = True  # channel 2: hint the first error site of each failed rollout
     pairs_per_step: int = 0  # channel 3: preference pairs drawn from the replay actor per step
@@ -154,8 +160,8 @@ class Controller:
         self.version = rank0(trainer.policy_version.call().get())
         self.iteration = 0
         self.buffer: list[RolloutGroup] = []  # async: generated, not yet trained
-        self._manifest: WeightManifest | None = None
-        self._manifest_lock = threading.Lock()
+        self._wsync: TopologySync | None = None  # built on first use (DiLoCo replica controllers never sync)
+        self._wsync_lock = threading.RLock()  # async workers re-plan it after a respawn while the controller publishes
         self._last_state: ControllerState | None = None
         if state is not None:
             if state.version != self.version:
@@ -185,10 +191,14 @@ class Controller:
         self._last_state = state
 
     def _replace_generator(self, index: int, exc: BaseException) -> None:
-        """Swap a dead generator for a new one (weights not loaded); re-raises what no restart can fix."""
+        """Swap a dead generator for a new one (weights not loaded) and re-plan the weight sync around it;
+        re-raises what no restart can fix."""
         if self.supervisor is None or not is_actor_failure(exc):
             raise exc
         self.generators[index] = self.supervisor.replace("generator", index, exc)
+        with self._wsync_lock:
+            if self._wsync is not None:
+                self._wsync = self._wsync.replaced(index, self.generators[index])
 
     def _recover(self, exc: BaseException, resync: Callable[[], None]) -> None:
         """After a failed step: replace dead actors, roll back to the last state that matches the trainer,
@@ -212,6 +222,8 @@ class Controller:
         state = self._last_state
         if not is_alive(self.trainer.policy_version.call):
             self.trainer = self.supervisor.replace("trainer", 0, exc)
+            with self._wsync_lock:  # the next sync probes the new trainer actors
+                self._wsync = None
             self.version = rank0(self.trainer.policy_version.call().get())
             state = load_state(self.cfg.state_dir, self.version) if self.cfg.state_dir else None
             if state is None:
@@ -249,7 +261,7 @@ class Controller:
                     self._replace_generator(i, exc)
                     self.prompts.lose(share)
                     lost.append((i, len(share)))
-                    sync_weights(self.trainer, self.generators[i], self.cfg.weight_dir)
+                    self._load(i, self._covering(i))  # the weights the others sampled with
             shares = [(i, self.prompts.take(n)) for i, n in lost]  # re-queued requests come out first, in order
         return sorted(groups, key=lambda g: g.group_id)
 
@@ -349,37 +361,68 @@ class Controller:
             self._emit(record, history)
         return history
 
+    # ---- weight sync (mesh.weight_sync, docs/weight_sync.md) ------------------------------------
+
+    def _weights(self) -> TopologySync:
+        """The weight sync of the live trainer and generators, built on first use and after a trainer restart
+        (whose republished versions reuse the same slots: each sync has its own token, so no generator takes
+        the old trainer's bytes of a version for the new one's)."""
+        with self._wsync_lock:
+            if self._wsync is None:
+                self._wsync = TopologySync(self.trainer, self.generators, self.cfg.weight_dir,
+                                           keep=2 + self.cfg.max_staleness)
+            return self._wsync
+
     def _sync_all(self) -> None:
-        for g in self.generators:
-            sync_weights(self.trainer, g, self.cfg.weight_dir)
+        """Sync mode: every generator loads the trainer's current weights (their digests must agree)."""
+        self._weights().sync()
 
     def _publish(self) -> None:
-        manifest = rank0(self.trainer.publish_weights.call(self.cfg.weight_dir, 2 + self.cfg.max_staleness).get())
-        with self._manifest_lock:
-            self._manifest = manifest
+        """Async mode: publish the trainer's current weights for the workers to load; returns once the shards
+        are in host memory (after the previous publication's remote pulls, whose slots it reuses)."""
+        with self._wsync_lock:
+            self._weights().publish()
+
+    def _published(self) -> Publication | None:
+        wsync = self._wsync
+        return wsync.published if wsync is not None else None
+
+    def _sealed(self, index: int, publication: Publication) -> bool:
+        """Whether generator `index`'s host holds `publication` whole (waits for its remote pull, if any);
+        False when the pull failed: the worker keeps its weights and the controller's next publish recovers."""
+        wsync = self._wsync
+        return wsync is not None and publication.sealed(wsync.host_of(index))
+
+    def _covering(self, index: int) -> Publication:
+        """The newest publication generator `index` (a replacement) can load from its host."""
+        with self._wsync_lock:
+            return self._weights().covering([index])
+
+    def _load(self, index: int, publication: Publication) -> int:
+        """Load `publication` into generator `index`; raises unless it reports that version and the digest the
+        other loads of it reported. Returns the version."""
+        publication.check([publication.load(self.generators[index]).get()])
+        return publication.version
 
     def _worker(self, index: int, n: int, out: "queue.Queue[Any]", stop: threading.Event) -> None:
         """Async generation: load the newest published weights, generate, hand the groups over, repeat.
 
-        A generator that dies is replaced (under the supervisor's budget) and its requests re-queued."""
+        A generator that dies is replaced (under the supervisor's budget), loads the newest published weights,
+        and its requests are re-queued."""
         loaded = -1
         try:
             while not stop.is_set():
                 gen, requests = self.generators[index], []
                 try:
-                    with self._manifest_lock:
-                        manifest = self._manifest
-                    if manifest is not None and manifest.version != loaded:
-                        result = gen.update_weights.call_one(manifest).get()
-                        if result["digest"] != manifest.digest:
-                            raise RuntimeError(f"generator holds different weights than published v{manifest.version}")
-                        loaded = manifest.version
+                    publication = self._published()
+                    if publication is not None and publication.version != loaded and self._sealed(index, publication):
+                        loaded = self._load(index, publication)
                     requests = self.prompts.take(n)
                     out.put(self.prompts.accept(gen.generate.call_one(requests, self.cfg.sampling).get()))
                 except Exception as exc:
                     self.prompts.lose(requests)
                     self._replace_generator(index, exc)
-                    loaded = -1
+                    loaded = self._load(index, self._covering(index))
         except BaseException as exc:  # surfaces in the controller thread
             out.put(exc)
 

@@ -1,10 +1,13 @@
 """The controller on real meshes: a one-process trainer mesh and in-process generator actors.
 
 Sync mode: every trained group was sampled by the current weights (staleness 0),
-generators hold the trainer's weights after each step (digest), both the policy
-and the hint-distillation channels carry loss. Async mode with a deliberately
-slow generator: groups older than `max_staleness` versions are dropped, never
-trained on.
+generators hold the trainer's weights after each step (digest against the
+trainer's own collective export), both the policy and the hint-distillation
+channels carry loss. Async mode with a deliberately slow generator: groups
+older than `max_staleness` versions are dropped, never trained on; a generator
+whose call fails as a dead process's would is replaced and loads the published
+weights, and every generator ends holding the trainer's weights of the version
+it reports.
 """
 
 from __future__ import annotations
@@ -27,6 +30,27 @@ SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=8, seed=0)
 
 # Set by the test once the trainer is two versions ahead; in-process actors share this module.
 RELEASE = threading.Event()
+
+
+class DiesOnce:
+    """A generator handle whose first `generate` call fails as a dead process's would (SupervisionError)."""
+
+    def __init__(self, actor) -> None:
+        self.actor, self.died = actor, False
+
+    def __getattr__(self, name: str):
+        if name == "generate" and not self.died:
+            self.died = True
+            return self
+        return getattr(self.actor, name)
+
+    def call_one(self, *args, **kwargs) -> "DiesOnce":
+        return self
+
+    def get(self, timeout=None):
+        from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
+
+        raise SupervisionError("generator process killed (test)")
 
 
 class SlowGenerator(GeneratorActor):
@@ -122,18 +146,32 @@ def test_async_mode_never_trains_on_stale_samples(trainer_mesh, gen_spec, chat, 
     from monarch.actor import this_proc
 
     from mesh.controller import Controller
+    from mesh.supervision import Supervisor
+    from mesh.weight_sync_baseline import rank0
 
-    fast = this_proc().spawn("gen_fast", GeneratorActor, gen_spec)
+    fast = DiesOnce(this_proc().spawn("gen_fast", GeneratorActor, gen_spec))
     slow = this_proc().spawn("gen_slow", SlowGenerator, gen_spec)
+    supervisor = Supervisor(1, lambda i: this_proc().spawn(f"gen_fast_r{i}", GeneratorActor, gen_spec))
     cfg = controller_config(tmp_path, steps=6, mode="async", max_staleness=1)
     start = trainer_mesh.slice(gpus=0).policy_version.call_one().get()
-    ctl = Controller(cfg, trainer_mesh, [fast, slow], chat,
-                     on_step=lambda rec: RELEASE.set() if rec.step >= start + 2 else None)
+    digests = {start: rank0(trainer_mesh.weights_digest.call().get())}  # the trainer's weights per version
+
+    def on_step(rec) -> None:
+        digests[rec.step] = rank0(trainer_mesh.weights_digest.call().get())
+        if rec.step >= start + 2:
+            RELEASE.set()
+
+    ctl = Controller(cfg, trainer_mesh, [fast, slow], chat, on_step=on_step, supervisor=supervisor)
     history = ctl.run()
     assert [h.step for h in history] == list(range(start + 1, start + 7))
     trained = [s for h in history for s in h.staleness]
     assert len(trained) == 12 and max(trained) <= 1
     assert sum(h.dropped_stale for h in history) >= 1  # the slow generator's groups came back too old
+    seeds = [s for h in history for s in h.seeds]
+    assert len(set(seeds)) == len(seeds)  # the dead generator's requests were re-issued, none trained twice
+    assert [r.role for r in supervisor.restarts] == ["generator"] and ctl.generators[0] is not fast
+    for g in ctl.generators:  # each holds exactly the trainer's weights of the version it reports
+        assert g.weights_digest.call_one().get() == digests[g.policy_version.call_one().get()]
 
 
 @pytest.fixture(scope="module")
