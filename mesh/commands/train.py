@@ -10,12 +10,18 @@ step, prompt cursor, pending requests, async buffer, replay queue), so a
 killed controller loses no step. Dead actors are replaced under
 `[mesh] max_restarts` (`mesh.supervision`). Writes `metrics.jsonl`,
 TensorBoard events, `processes.json` (pid per role), `summary.json` and
-`plot.png` to `<output_dir>/<name>`.
+`plot.png` to `<output_dir>/<name>`. Weights move through
+`/dev/shm/composer-mesh-<name>-<pid>` (`mesh.weight_sync`), removed at the end;
+the folders that killed controllers of the same job left are removed at the start.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
+import os
+import shutil
+from pathlib import Path
 from typing import Any
 
 NAME = "train"
@@ -48,6 +54,27 @@ def model_dir(job: Any) -> str:
                                  format_examples(demo, demo.warm_start_examples, job.job.seed), ws,
                                  cache_dir_for(job.model))
     return str(weights)
+
+
+def weight_dir_for(name: str, shm: Path = Path("/dev/shm")) -> Path:
+    """This controller's shared-memory weight folder; removes those of controllers of job `name` that died
+    (a SIGKILLed controller leaves its folder: on tmpfs, memory)."""
+    prefix = f"composer-mesh-{name}-"
+    for old in shm.glob(f"{glob.escape(prefix)}*"):
+        pid = old.name[len(prefix):]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    return shm / f"{prefix}{os.getpid()}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
 
 
 def resume_at_logged_step(trainer: Any, start: int, run_dir: Any, job: Any, state_dir: str) -> int:
@@ -98,9 +125,6 @@ def train(job: Any, *, resume: bool = True, progress: bool = True) -> dict[str, 
     """The whole run; returns the summary written to `<run dir>/summary.json`."""
     import dataclasses
     import json
-    import os
-    import shutil
-    from pathlib import Path
 
     from transformers import AutoTokenizer
 
@@ -138,7 +162,7 @@ def train(job: Any, *, resume: bool = True, progress: bool = True) -> dict[str, 
             teachers = dataclasses.replace(teachers, base_url=server.url)
         replay = dataclasses.replace(job.replay, output_dir=str(run_dir / "replay"))
         replay_spec = ReplaySpec(replay, teachers, tokenizer_dir=job.model.tokenizer_path or weights)
-    weight_dir = f"/dev/shm/composer-mesh-{job.job.name}-{os.getpid()}"
+    weight_dir = str(weight_dir_for(job.job.name))
     supervised = not job.diloco.enabled  # DiLoCo replica groups (mesh.replicas) run without supervision
     state_dir = str(run_dir / job.checkpoint.folder / "controller") if job.checkpoint.enabled and supervised else ""
     fault_events: list[str] = []

@@ -8,8 +8,8 @@
   weights equal an uninterrupted run's bitwise.
 - Controller: `composer-mesh train` with the local teacher server, SIGKILLed
   between steps (no teacher call in flight), then run again: the step log is
-  contiguous up to the configured count and the server's request log shows
-  no request twice.
+  contiguous up to the configured count, the server's request log shows
+  no request twice, and the killed run's shared-memory weight folder is gone.
 - The request ledger and the state file without meshes: re-queued requests
   keep their group id and seed, late duplicates are dropped, the state file is
   replaced atomically.
@@ -146,6 +146,8 @@ def test_controller_sigkill_then_resume_loses_no_step_and_repeats_no_teacher_cal
         if proc.poll() is None:
             proc.kill()
     assert killed_at is not None and killed_at < steps
+    left = Path("/dev/shm") / f"composer-mesh-{run.name}-{proc.pid}"  # the killed controller could not remove it
+    assert left.is_dir()
     before = [json.loads(line) for line in log.read_text().splitlines()]
     assert before, "no teacher call before the kill"
 
@@ -159,6 +161,7 @@ def test_controller_sigkill_then_resume_loses_no_step_and_repeats_no_teacher_cal
     assert len(requests) > len(before), "the resumed run asked the teachers nothing"
     repeated = {k: n for k, n in Counter(r["key"] for r in requests).items() if n > 1}
     assert repeated == {}, f"teacher requests sent twice: {repeated}"
+    assert not left.exists()  # removed by the next run of the job
 
 
 def test_request_ledger_requeues_and_dedupes():
