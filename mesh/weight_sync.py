@@ -103,7 +103,7 @@ class Publication:
 
     def wait_pulls(self) -> dict[str, dict]:
         """The readers' reports, once every remote pull has landed (after which the trainer's exposed runs,
-        read remotely where the slot locks cannot see it, may be overwritten)."""
+        read remotely where the slot locks cannot see them, may be overwritten)."""
         with self._pulls_lock:
             return {host: f.get() for host, f in self.pulls.items()}
 
