@@ -11,9 +11,12 @@ Roles:
   torch-elastic environment set so they form one process group;
 - generators: `disaggregated` — `generator_procs` processes per host of their
   own; `colocated` — one generator actor in each trainer process. Each
-  generator is an actor mesh of its own on one process: Monarch 0.7 stops the
-  surviving ranks of an actor mesh that lost a rank ("orphaned", ≈2 min
-  later), so one mesh per generator keeps a failure to the one that died;
+  disaggregated generator is an actor mesh on a proc mesh of its own with one
+  process: Monarch 0.7 stops the surviving ranks of an actor mesh that lost a
+  rank ("orphaned", ≈2 min later), and on a proc mesh of several processes
+  even new calls to an actor on the dead one fail only then (measured 122 s;
+  on a one-process mesh they fail within the supervision poll, ≈2 s), so a
+  failure stays with the generator that died and is noticed at once;
 - teacher replay: one actor on a process of its own on the controller's host
   (it only talks HTTP and asks the trainer for scores), so its failure is
   isolated and respawnable; `replay_procs = 0` disables it.
@@ -46,7 +49,8 @@ class Placement:
     proc_meshes: list[Any] = field(default_factory=list)
     cfg: MeshConfig = field(default_factory=MeshConfig)
     specs: dict[str, Any] = field(default_factory=dict)  # role → spec its actors are built from
-    generator_procs: list[Any] = field(default_factory=list)  # per generator: its single-process proc mesh view
+    generator_procs: list[Any] = field(default_factory=list)  # per generator: its single-process proc mesh (view)
+    generator_hosts: list[Any] = field(default_factory=list)  # per generator: the host mesh of its host
     trainer_procs: Any = None
     _names: Any = field(default_factory=itertools.count)
 
@@ -80,7 +84,7 @@ class Placement:
                     if j != index and is_alive(g.policy_version.call_one, timeout_s=5.0)]
             procs = self.generator_procs[live[0]] if live else None
         if procs is None:
-            procs = self._fresh_proc(host_meshes(self.cfg)[1])
+            procs = self._fresh_proc(self.generator_hosts[index])
         actor = procs.spawn(f"generator-r{next(self._names)}", GeneratorActor, self.specs["generator"])
         self.generators[index], self.generator_procs[index] = actor, procs
         return actor
@@ -124,9 +128,16 @@ def host_meshes(cfg: MeshConfig) -> tuple[Any, Any]:
 
 
 def _points(procs: Any) -> list[dict[str, int]]:
-    """Every process of a proc mesh as a slice point, e.g. [{"gpus": 0}, {"gpus": 1}]."""
+    """Every process of a proc mesh (host of a host mesh) as a slice point, e.g. [{"gpus": 0}, {"gpus": 1}];
+    [{}] for a mesh with no dimensions (`this_host()`)."""
     sizes = procs.sizes
     return [dict(zip(sizes, idx)) for idx in itertools.product(*(range(n) for n in sizes.values()))]
+
+
+def _host(hosts: Any, point: dict[str, int]) -> Any:
+    """The one-host slice of `hosts` that a point (of it, or of a proc mesh spawned on it) lies on."""
+    dims = {k: v for k, v in point.items() if k in hosts.sizes}
+    return hosts.slice(**dims) if dims else hosts
 
 
 def _spawn_trainer(cfg: MeshConfig, spec: Any, meshes: list[Any]) -> tuple[Any, Any, list[dict]]:
@@ -152,11 +163,15 @@ def place(cfg: MeshConfig, trainer_spec: Any, generator_spec: Any, replay_spec: 
     meshes: list[Any] = []
     trainer, trainer_procs, setup = _spawn_trainer(cfg, trainer_spec, meshes)
     if cfg.placement == "colocated":
-        gen_procs = trainer_procs
+        hosts = host_meshes(cfg)[0]
+        points = _points(trainer_procs)
+        procs = [trainer_procs.slice(**p) for p in points]
+        gen_hosts = [_host(hosts, p) for p in points]
     else:
-        gen_procs = host_meshes(cfg)[1].spawn_procs(per_host={"gpus": cfg.generator_procs})
-        meshes.append(gen_procs)
-    procs = [gen_procs.slice(**p) for p in _points(gen_procs)]
+        hosts = host_meshes(cfg)[1]
+        gen_hosts = [_host(hosts, p) for p in _points(hosts) for _ in range(cfg.generator_procs)]
+        procs = [h.spawn_procs(per_host={"gpus": 1}) for h in gen_hosts]
+        meshes += procs
     generators = [p.spawn("generator", GeneratorActor, generator_spec) for p in procs]
     replay = None
     if replay_spec is not None and cfg.replay_procs > 0:
@@ -164,4 +179,4 @@ def place(cfg: MeshConfig, trainer_spec: Any, generator_spec: Any, replay_spec: 
         meshes.append(replay_procs)
         replay = replay_procs.spawn("teacher_replay", TeacherReplayActor, replay_spec, trainer)
     specs = {"trainer": trainer_spec, "generator": generator_spec, "replay": replay_spec}
-    return Placement(trainer, generators, replay, setup, meshes, cfg, specs, procs, trainer_procs)
+    return Placement(trainer, generators, replay, setup, meshes, cfg, specs, procs, gen_hosts, trainer_procs)

@@ -72,25 +72,6 @@ def is_alive(call: Any, timeout_s: float = 30.0) -> bool:
     return True
 
 
-def get_unless_dead(future: Any, probe: Callable[[], Any], poll_s: float = 2.0) -> Any:
-    """`future.get()`, but raising the `SupervisionError` within about `poll_s` once its actor is dead.
-
-    Monarch fails a call made to an actor that is already dead at once, but a call that was in flight
-    when the actor's process died only about two minutes later (measured in the generator drill:
-    120 s). So while waiting, send a fresh cheap call (`probe`, e.g. `actor.policy_version.call_one`)
-    every `poll_s`: on a dead actor it fails at once; on a live one it queues behind the work and is
-    answered later."""
-    while True:
-        try:
-            return future.get(timeout=poll_s)
-        except TimeoutError:
-            pass
-        try:
-            probe().get(timeout=poll_s / 10)
-        except TimeoutError:
-            pass  # busy with the call we wait for: alive
-
-
 @dataclass
 class Restart:
     """One replacement the supervisor made."""

@@ -89,7 +89,7 @@ def main() -> None:
                          on_step=on_step, supervisor=supervisor)
         history = ctl.run()
         result = {
-            "records": [{"step": h.step, "iteration": h.iteration, "seeds": h.seeds,
+            "records": [{"step": h.step, "iteration": h.iteration, "seeds": h.seeds, "seconds": h.seconds,
                          "metrics": {k: v for k, v in h.metrics.items() if not k.startswith("time/")}}
                         for h in history],
             "restarts": [r.role for r in supervisor.restarts], "pids_before": pids, "killed": killed,
