@@ -153,26 +153,35 @@ def _spawn_trainer(cfg: MeshConfig, spec: Any, meshes: list[Any]) -> tuple[Any, 
     return trainer, procs, list(trainer.setup.call().get().values())
 
 
-def place(cfg: MeshConfig, trainer_spec: Any, generator_spec: Any, replay_spec: Any | None = None) -> Placement:
-    """Spawn the trainer mesh (set up), the generators and the replay actor (on a process of its own)."""
-    from monarch.actor import this_host
-
+def spawn_generators(cfg: MeshConfig, trainer_procs: list[Any], spec: Any, meshes: list[Any]
+                     ) -> tuple[list[Any], list[Any], list[Any]]:
+    """(generator actors, their proc meshes, their hosts' host meshes), one of each per generator process:
+    colocated — one in each process of `trainer_procs`; disaggregated — `generator_procs` one-process proc
+    meshes per generator host (added to `meshes`)."""
     from actors.generator import GeneratorActor
-    from actors.teacher_replay import TeacherReplayActor
 
-    meshes: list[Any] = []
-    trainer, trainer_procs, setup = _spawn_trainer(cfg, trainer_spec, meshes)
     if cfg.placement == "colocated":
         hosts = host_meshes(cfg)[0]
-        points = _points(trainer_procs)
-        procs = [trainer_procs.slice(**p) for p in points]
-        gen_hosts = [_host(hosts, p) for p in points]
+        points = [(tp, p) for tp in trainer_procs for p in _points(tp)]
+        procs = [tp.slice(**p) for tp, p in points]
+        gen_hosts = [_host(hosts, p) for _, p in points]
     else:
         hosts = host_meshes(cfg)[1]
         gen_hosts = [_host(hosts, p) for p in _points(hosts) for _ in range(cfg.generator_procs)]
         procs = [h.spawn_procs(per_host={"gpus": 1}) for h in gen_hosts]
         meshes += procs
-    generators = [p.spawn("generator", GeneratorActor, generator_spec) for p in procs]
+    return [p.spawn("generator", GeneratorActor, spec) for p in procs], procs, gen_hosts
+
+
+def place(cfg: MeshConfig, trainer_spec: Any, generator_spec: Any, replay_spec: Any | None = None) -> Placement:
+    """Spawn the trainer mesh (set up), the generators and the replay actor (on a process of its own)."""
+    from monarch.actor import this_host
+
+    from actors.teacher_replay import TeacherReplayActor
+
+    meshes: list[Any] = []
+    trainer, trainer_procs, setup = _spawn_trainer(cfg, trainer_spec, meshes)
+    generators, procs, gen_hosts = spawn_generators(cfg, [trainer_procs], generator_spec, meshes)
     replay = None
     if replay_spec is not None and cfg.replay_procs > 0:
         replay_procs = this_host().spawn_procs(per_host={"gpus": 1})

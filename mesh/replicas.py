@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 from configs.sections.diloco import DiLoCoConfig
 from configs.sections.mesh import MeshConfig
 from mesh.controller import Controller, ControllerConfig, StepRecord
-from mesh.placement import Placement, host_meshes
+from mesh.placement import Placement, host_meshes, spawn_generators
 from mesh.weight_sync_baseline import rank0, sync_weights
 
 MAX_TIED_RETRIES = 20  # batches in a row with nothing to train before a group gives up
@@ -71,9 +71,8 @@ def place_replicas(cfg: MeshConfig, diloco: DiLoCoConfig, trainer_spec: Any, gen
     from monarch.spmd import setup_torch_elastic_env
 
     from actors.diloco import DiLoCoManagerActor, DiLoCoTrainerActor
-    from actors.generator import GeneratorActor
 
-    trainer_hosts, generator_hosts = host_meshes(cfg)
+    trainer_hosts = host_meshes(cfg)[0]
     manager = this_proc().spawn("diloco_manager", DiLoCoManagerActor, diloco)
     meshes, groups = [], []
     for g in range(diloco.replica_groups):
@@ -81,20 +80,11 @@ def place_replicas(cfg: MeshConfig, diloco: DiLoCoConfig, trainer_spec: Any, gen
         setup_torch_elastic_env(procs)
         meshes.append(procs)
         groups.append(procs.spawn(f"trainer_{g}", DiLoCoTrainerActor, trainer_spec, diloco))
-    if cfg.placement == "colocated":
-        generators = [view for procs in meshes for view in _views(procs.spawn("generator", GeneratorActor, generator_spec))]
-    else:
-        gen_procs = generator_hosts.spawn_procs(per_host={"gpus": cfg.generator_procs})
-        meshes.append(gen_procs)
-        generators = _views(gen_procs.spawn("generator", GeneratorActor, generator_spec))
+    generators, _, _ = spawn_generators(cfg, list(meshes), generator_spec, meshes)
     setup = [s for group in groups for s in group.setup.call().get().values()]
     for g, group in enumerate(groups):
         group.join.call(manager.assign.call_one(g).get()).get()
     return ReplicaPlacement(groups[0], generators, None, setup, meshes, manager=manager, groups=groups)
-
-
-def _views(generators: Any) -> list[Any]:
-    return [generators.slice(**point) for point, _ in generators.info.call().get().items()]
 
 
 class ReplicaController:
