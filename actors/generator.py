@@ -106,22 +106,24 @@ class GeneratorActor(Actor):
     @endpoint
     def update_weights(self, manifest: WeightManifest) -> dict:
         """Load `manifest` in place; returns {"version", "digest"} of what the engine now holds."""
-        state = self.engine.named_weights()
-        check_coverage(state, manifest.names, manifest.version)
+        check_coverage(self.engine.named_weights(), manifest.names, manifest.version)
         self.engine.load_weights(read_manifest(manifest))
         self.version = manifest.version
-        return {"version": self.version, "digest": weights_digest((n, state[n]) for n in manifest.names)}
+        return {"version": self.version, "digest": self._digest(manifest.names)}
 
     @endpoint
     def weights_digest(self, names: list[str] | None = None) -> str:
         """Digest of the engine's weights under `names`; None: one name per tensor (tied weights
         under their first name in state-dict order, as the trainer's export names them)."""
-        state = self.engine.named_weights()
         if names is None:
             first: dict[int, str] = {}
-            for name, t in state.items():
+            for name, t in self.engine.named_weights().items():
                 first.setdefault(t.data_ptr(), name)
             names = list(first.values())
+        return self._digest(names)
+
+    def _digest(self, names: list[str]) -> str:
+        state = self.engine.named_weights()
         return weights_digest((n, state[n]) for n in names)
 
     @endpoint
@@ -144,12 +146,8 @@ class GeneratorActor(Actor):
         """
         result = self.segments.load(self.engine, root, host_label(), version, shadow, bucket_bytes, timeout_s, token)
         self.version = version
-        if digest:
-            state = self.engine.named_weights()
-            result["digest"] = weights_digest((n, state[n]) for n in result.pop("names"))
-        else:
-            result.pop("names")
-            result["digest"] = None
+        names = result.pop("names")
+        result["digest"] = self._digest(names) if digest else None
         return result
 
     @endpoint

@@ -26,10 +26,8 @@ checks it once more (`PinnedSegment.verify`). So a reader never sees half a
 version or a mix of two, and a writer never overwrites a version being read.
 
 GPU (not run on this CPU box): `write_shards` copies CUDA shards into the
-shared pages with `copy_` (device-to-host). `cuda_ipc_export` /
-`cuda_ipc_import` share a device tensor between processes of one GPU host
-(CUDA IPC) for generators that want to skip host memory; they refuse CPU
-tensors and are not wired into `mesh.weight_sync` yet.
+shared pages with `copy_` (device-to-host), and generators copy them up into
+their engines. There is no CUDA IPC path that skips host memory.
 """
 
 from __future__ import annotations
@@ -85,7 +83,7 @@ class SegmentLayout:
             name = clean_name(name)
             nbytes = p.numel() * p.element_size()
             slots.append(Slot(name, str(p.dtype).removeprefix("torch."), tuple(p.shape), offset, nbytes))
-            offset += -(-nbytes // ALIGN) * ALIGN
+            offset += _round_up(nbytes, ALIGN)
         return SegmentLayout(tuple(slots), offset)
 
     def to_json(self) -> bytes:
@@ -94,7 +92,7 @@ class SegmentLayout:
     @staticmethod
     def from_json(raw: bytes) -> "SegmentLayout":
         slots = tuple(Slot(n, d, tuple(sh), o, b) for n, d, sh, o, b in json.loads(raw))
-        end = max((s.offset + -(-s.nbytes // ALIGN) * ALIGN for s in slots), default=0)
+        end = max((s.offset + _round_up(s.nbytes, ALIGN) for s in slots), default=0)
         return SegmentLayout(slots, end)
 
     @property
@@ -145,8 +143,12 @@ def slot_path(root: str | os.PathLike, host: str, slot: int) -> Path:
     return host_dir(root, host) / f"slot{slot:03d}.seg"
 
 
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
 def _payload_offset(layout_json: bytes) -> int:
-    return -(-(_HEADER.size + len(layout_json)) // PAGE) * PAGE
+    return _round_up(_HEADER.size + len(layout_json), PAGE)
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -180,10 +182,14 @@ class Header:
         raw = os.pread(fd, _HEADER.size, 0)
         return Header(*_HEADER.unpack(raw)) if len(raw) == _HEADER.size else None
 
+    @property
+    def complete(self) -> bool:
+        """A sealed version of this format."""
+        return self.magic == MAGIC and self.sealed == 1
+
     def holds(self, version: int, token: str | None) -> bool:
         """Sealed `version` (of the sync `token`, when given)."""
-        return (self.magic == MAGIC and self.sealed == 1 and self.version == version
-                and (token is None or self.token == _token(token)))
+        return self.complete and self.version == version and (token is None or self.token == _token(token))
 
 
 @contextmanager
@@ -312,7 +318,7 @@ class SegmentWriter(_SlotHold):
         """Hold the slot (shared lock) for this sync; the first party empties it of the previous version."""
         while True:
             with _locked(self.lock_path):
-                claimed = (h := Header.read(self.fd)) is not None and h.token == self.token
+                claimed = self._owns()
             if claimed:
                 fcntl.flock(self.fd, fcntl.LOCK_SH)
                 break
@@ -325,7 +331,7 @@ class SegmentWriter(_SlotHold):
                 time.sleep(0.001)
                 continue
             with _locked(self.lock_path) as count:
-                if (h := Header.read(self.fd)) is None or h.token != self.token:
+                if not self._owns():
                     size = self.payload_at + self.layout.nbytes
                     if os.fstat(self.fd).st_size < size:
                         os.ftruncate(self.fd, size)  # grow only: other processes may map the old length
@@ -333,10 +339,14 @@ class SegmentWriter(_SlotHold):
                     count.truncate(0)
             fcntl.flock(self.fd, fcntl.LOCK_SH)
             break
-        header = Header.read(self.fd)
-        if header is None or header.token != self.token:  # a newer sync took the slot between our locks
+        if not self._owns():  # a newer sync took the slot between our locks
             fcntl.flock(self.fd, fcntl.LOCK_UN)
             raise RuntimeError(f"{self.path}: taken by a newer sync before v{self.version} was written")
+
+    def _owns(self) -> bool:
+        """The slot's header names this sync."""
+        header = Header.read(self.fd)
+        return header is not None and header.token == self.token
 
     def _header(self, sealed: int) -> bytes:
         return _HEADER.pack(MAGIC, self.version, sealed, self.payload_at, self.layout.nbytes, len(self.layout_json),
@@ -351,8 +361,7 @@ class SegmentWriter(_SlotHold):
             raise ValueError(f"parties must be >= 1, got {parties}")
         try:
             with _locked(self.lock_path) as f:
-                header = Header.read(self.fd)
-                if header is None or header.token != self.token:
+                if not self._owns():
                     raise RuntimeError(f"{self.path}: taken by a newer sync while v{self.version} was written")
                 count = len(f.read()) + 1
                 f.write("x")
@@ -428,23 +437,6 @@ def coalesce(pieces: list[Piece]) -> list[Piece]:
     return out
 
 
-def cuda_ipc_export(snapshot: torch.Tensor) -> tuple:
-    """A picklable CUDA IPC handle of a device tensor (send it to a process on the same GPU host)."""
-    if not snapshot.is_cuda:
-        raise RuntimeError("CUDA IPC needs a CUDA tensor; on CPU the shared-memory segment is the path")
-    from torch.multiprocessing.reductions import reduce_tensor
-
-    return reduce_tensor(snapshot)
-
-
-def cuda_ipc_import(handle: tuple) -> torch.Tensor:
-    """The device tensor behind `cuda_ipc_export`'s handle, mapped into this process (no copy)."""
-    if not torch.cuda.is_available():
-        raise RuntimeError("CUDA IPC handles can only be opened where CUDA is available")
-    rebuild, args = handle
-    return rebuild(*args)
-
-
 # ---- reading (generators) -----------------------------------------------------------------------
 
 
@@ -508,14 +500,13 @@ class PinnedSegment(_SlotHold):
             raise RuntimeError(f"{self.path}: header changed while reading v{self.version}")
 
 
-
 def newest_version(root: str | os.PathLike, host: str) -> int | None:
     """The newest sealed version on `host` (None when none is)."""
     versions = []
     for path in host_dir(root, host).glob("slot*.seg"):
         with open(path, "rb") as f:
             header = Header.read(f.fileno())
-        if header is not None and header.magic == MAGIC and header.sealed == 1:
+        if header is not None and header.complete:
             versions.append(header.version)
     return max(versions, default=None)
 
