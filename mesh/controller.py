@@ -45,7 +45,7 @@ from actors.episodes import ChatTokens
 from actors.rollout import EpisodeRequest, RolloutGroup, SamplingParams
 from configs.sections.loss import PolicyLossConfig
 from mesh.packing import PairTokens, make_hint, pack_batch, pair_tokens, select_rollouts
-from mesh.rollout_exchange import train_step_sharded
+from mesh.rollout_exchange import shard_points, train_step_sharded
 from mesh.supervision import (
     ControllerState, Supervisor, is_actor_failure, is_alive, load_state, oldest_checkpoint, save_state,
 )
@@ -162,6 +162,7 @@ class Controller:
         self.buffer: list[RolloutGroup] = []  # async: generated, not yet trained
         self._wsync: TopologySync | None = None  # built on first use (DiLoCo replica controllers never sync)
         self._wsync_lock = threading.RLock()  # async workers re-plan it after a respawn while the controller publishes
+        self._shards: list | None = None  # the trainer's (mesh point, rank, world), kept until it restarts
         self._last_state: ControllerState | None = None
         if state is not None:
             if state.version != self.version:
@@ -222,8 +223,9 @@ class Controller:
         state = self._last_state
         if not is_alive(self.trainer.policy_version.call):
             self.trainer = self.supervisor.replace("trainer", 0, exc)
-            with self._wsync_lock:  # the next sync probes the new trainer actors
+            with self._wsync_lock:  # the next sync and train step probe the new trainer actors
                 self._wsync = None
+            self._shards = None
             self.version = rank0(self.trainer.policy_version.call().get())
             state = load_state(self.cfg.state_dir, self.version) if self.cfg.state_dir else None
             if state is None:
@@ -302,7 +304,9 @@ class Controller:
             metrics: dict[str, float] = {"skipped": 1.0}  # every group had equal rewards and no pairs came
         else:
             batch = pack_batch(selection, self.cfg.max_seq_len, hints, pairs, ref)
-            metrics = train_step_sharded(self.trainer, batch)  # each rank receives only its shard
+            if self._shards is None:
+                self._shards = shard_points(self.trainer)
+            metrics = train_step_sharded(self.trainer, batch, self._shards)  # each rank receives only its shard
             self.version = int(metrics["step"])
         self.iteration += 1
         metrics.update({

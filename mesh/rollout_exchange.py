@@ -19,9 +19,12 @@ def shard_points(trainer: Any) -> list[tuple[Any, int, int]]:
     return [(point, info["rank"], info["world"]) for point, info in trainer.host_info.call().get().items()]
 
 
-def train_step_sharded(trainer: Any, batch: TrainBatch) -> dict[str, float]:
-    """One collective train step with rank r receiving only `batch.shard(r, world)`; rank 0's metrics."""
-    points = shard_points(trainer)
+def train_step_sharded(trainer: Any, batch: TrainBatch, points: list[tuple[Any, int, int]] | None = None
+                       ) -> dict[str, float]:
+    """One collective train step with rank r receiving only `batch.shard(r, world)`; rank 0's metrics.
+
+    points: `shard_points(trainer)`, when the caller keeps them (they change only with the trainer mesh)."""
+    points = shard_points(trainer) if points is None else points
     futures = {rank: trainer.slice(**point).train_step_shard.call_one(batch.shard(rank, world))
                for point, rank, world in points}
     results = {rank: f.get() for rank, f in futures.items()}  # issued to all ranks before waiting: collective
