@@ -59,6 +59,7 @@ from titan_ext.batch import TrainBatch
 from titan_ext.checkpoint import Checkpointer
 from titan_ext.export import HFBucket, iter_hf_buckets
 from titan_ext.hf_checkpoint import load_hf_into_titan
+from titan_ext.hf_parity import verify_hf_checkpoint
 from titan_ext.models import init_model, resolve_model
 from titan_ext.muon import build_lr_scheduler, build_optimizer
 from titan_ext.parallelize import build_parallel_dims, parallelize_model, prepare_model_config
@@ -119,6 +120,7 @@ class Trainer:
         self.loss_cfg = ComposerConfig.from_section(spec.loss)
 
         resolved = resolve_model(spec.model, self.platform)
+        verify_hf_checkpoint(spec.model)  # before any weights: a config.json field not reproduced fails here
         self.model_spec = resolved.spec
         self.hf_config = resolved.hf_config
         prepare_model_config(self.model_spec.model, spec.parallelism)

@@ -10,7 +10,8 @@ from safetensors.torch import load_file, save_file
 
 from configs.sections.model import ModelConfig
 from titan_ext.attention import attention_masks
-from titan_ext.hf_checkpoint import hf_config_for, load_hf_into_titan, save_hf, titan_to_hf_state_dict
+from titan_ext.hf_checkpoint import load_hf_into_titan, save_hf, titan_to_hf_state_dict
+from titan_ext.hf_config import hf_config_for
 from titan_ext.models import build_model, resolve_model
 
 TOL = 1e-4
