@@ -161,13 +161,13 @@ def _input_stamp(seed: int) -> str:
     import torchtitan
     import transformers
 
-    from titan_ext import hf_checkpoint, hf_config, models
+    from titan_ext import hf_checkpoint, hf_config, hf_export, models
 
     h = hashlib.sha256()
     h.update(f"format={ASSETS_FORMAT} seed={seed}".encode())
     for lib in (torch, transformers, tokenizers, safetensors, torchtitan):
         h.update(f"{lib.__name__}={getattr(lib, '__version__', '?')}".encode())
-    for module in (models, hf_checkpoint, hf_config):
+    for module in (models, hf_checkpoint, hf_config, hf_export):
         h.update(Path(module.__file__).read_bytes())
     for path in (CORPUS_PATH, Path(__file__)):
         h.update(path.read_bytes())
@@ -192,19 +192,14 @@ def _file_lock(path: Path) -> Iterator[None]:
 
 
 def _write_model(out_dir: Path, flavour: str, seed: int, tokenizer_dir: Path) -> None:
-    from transformers import GenerationConfig
-
-    from titan_ext.hf_checkpoint import save_hf
+    from titan_ext.hf_export import write_hf_dir
     from titan_ext.models import build_model, resolve_model
     from titan_ext.platform import detect_platform
 
     cfg = ModelConfig(flavour=flavour, seed=seed, device="cpu")
     platform = detect_platform("cpu")
     model = build_model(cfg, device="cpu", platform=platform)
-    save_hf(model, out_dir, resolve_model(cfg, platform).hf_config)
-    GenerationConfig(**TOKEN_IDS).save_pretrained(out_dir)
-    for f in sorted(tokenizer_dir.iterdir()):
-        shutil.copy2(f, out_dir / f.name)
+    write_hf_dir(model, out_dir, resolve_model(cfg, platform).hf_config, tokenizer_dir=tokenizer_dir)
 
 
 def _write_assets(paths: AssetPaths, seed: int) -> None:

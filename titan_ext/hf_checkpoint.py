@@ -150,7 +150,7 @@ def save_hf(
     """Write `model` as an HF directory: `config.json` + `model.safetensors`.
 
     hf_config: a transformers `PretrainedConfig`; derived with `hf_config_for`
-    when omitted. dtype: cast the weights (e.g. bf16 for serving). The output
+    when omitted; written complete for serving (`serving_config_json`). dtype: cast the weights (e.g. bf16 for serving). The output
     is byte-identical for identical weights. Call on every rank of a sharded
     model (the gather is collective); only rank 0 writes.
     """
@@ -160,10 +160,11 @@ def save_hf(
         tensors = {k: v.to(dtype) for k, v in tensors.items()}
     if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         return out_dir
-    from titan_ext.hf_config import hf_config_for
+    from titan_ext.hf_config import hf_config_for, serving_config_json
 
     hf_config = hf_config if hf_config is not None else hf_config_for(model.config)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file({k: v.cpu() for k, v in tensors.items()}, out_dir / "model.safetensors", metadata={"format": "pt"})
-    hf_config.to_json_file(out_dir / "config.json")
+    saved_dtype = next(iter(tensors.values())).dtype
+    (out_dir / "config.json").write_text(serving_config_json(hf_config, saved_dtype))
     return out_dir

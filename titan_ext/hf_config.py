@@ -174,6 +174,33 @@ def architecture_signature(hf_config: Any) -> dict[str, Any]:
     return sig
 
 
+def causal_lm_architecture(hf_config: Any) -> str:
+    """The transformers causal-LM class name of a config (what `architectures` should list)."""
+    if getattr(hf_config, "architectures", None):
+        return hf_config.architectures[0]
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM._model_mapping[type(hf_config)].__name__
+
+
+def serving_config_json(hf_config: Any, dtype: Any) -> str:
+    """config.json text as `save_pretrained` writes it, completed for serving.
+
+    `architectures` filled in when missing (without it vLLM resolves the base
+    model and serves it as a pooling model); `dtype` plus its pre-5.0 spelling
+    `torch_dtype` for older transformers / vLLM readers.
+    """
+    import copy
+    import json
+
+    config = copy.deepcopy(hf_config)
+    config.architectures = [causal_lm_architecture(config)]
+    config.dtype = dtype
+    fields = json.loads(config.to_json_string(use_diff=True))
+    fields["torch_dtype"] = fields["dtype"]
+    return json.dumps(fields, indent=2, sort_keys=True) + "\n"
+
+
 def _qwen3_moe_fields(model_config: Any) -> dict[str, Any]:
     moe_layers = [i for i, layer in enumerate(model_config.layers) if layer.moe is not None]
     if not moe_layers:
@@ -197,9 +224,7 @@ def hf_config_for(model_config: Any, **token_ids: Any) -> Any:
     """The transformers config of the same model as a TorchTitan Qwen3 config.
 
     token_ids: bos_token_id / eos_token_id / pad_token_id to record.
-    Dense configs give a `Qwen3Config`, MoE configs a `Qwen3MoeConfig`, with
-    `architectures` set (what `save_pretrained` writes, and what vLLM needs
-    to serve the directory as a generative model).
+    Dense configs give a `Qwen3Config`, MoE configs a `Qwen3MoeConfig`.
     """
     from torchtitan.models.qwen3 import Qwen3Model
     from transformers import Qwen3Config, Qwen3MoeConfig
@@ -230,6 +255,5 @@ def hf_config_for(model_config: Any, **token_ids: Any) -> Any:
     )
     if moe_fields:
         intermediate = dense.w1.out_features if dense is not None else moe_fields["moe_intermediate_size"]
-        return Qwen3MoeConfig(intermediate_size=intermediate, architectures=["Qwen3MoeForCausalLM"],
-                              **moe_fields, **common)
-    return Qwen3Config(intermediate_size=dense.w1.out_features, architectures=["Qwen3ForCausalLM"], **common)
+        return Qwen3MoeConfig(intermediate_size=intermediate, **moe_fields, **common)
+    return Qwen3Config(intermediate_size=dense.w1.out_features, **common)

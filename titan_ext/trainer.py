@@ -59,6 +59,7 @@ from titan_ext.batch import TrainBatch
 from titan_ext.checkpoint import Checkpointer
 from titan_ext.export import HFBucket, iter_hf_buckets
 from titan_ext.hf_checkpoint import load_hf_into_titan
+from titan_ext.hf_export import write_hf_dir
 from titan_ext.hf_parity import verify_hf_checkpoint
 from titan_ext.models import init_model, resolve_model
 from titan_ext.muon import build_lr_scheduler, build_optimizer
@@ -387,6 +388,14 @@ class Trainer:
         if self.taid is not None and state["taid"] is not None:
             self.taid.load_state_dict(state["taid"])
         self.data_cursors = dict(state["data_cursors"])
+
+    def save_hf_dir(self, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
+        """The current weights as a servable HF directory (collective; see `titan_ext.hf_export`)."""
+        from titan_ext.assets import tokenizer_dir_for
+
+        m = self.spec.model
+        return write_hf_dir(self.model, out_dir, self.hf_config, tokenizer_dir=tokenizer_dir_for(m),
+                            generation_from=m.hf_path or None, dtype=dtype)
 
     def export_weights(self, dtype: torch.dtype | None = None) -> Iterator[HFBucket]:
         """HF-named weight buckets for generators (collective; see `titan_ext.export`)."""
