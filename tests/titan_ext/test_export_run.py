@@ -31,6 +31,7 @@ from titan_ext.attention import attention_masks
 from titan_ext.checkpoint import Checkpointer
 from titan_ext.hf_export import record_run_model
 from titan_ext.models import build_model
+from test_models_byo import DENSE, save_random  # the sibling module's user checkpoint maker
 
 REPO = Path(__file__).resolve().parents[2]
 STEP = 3
@@ -50,11 +51,24 @@ def _titan_logits(model, tokens_BL):
     return model(tokens_BL, positions_BL, attention_masks(model, positions_BL))
 
 
+# A user's Qwen3, not the project's assets: 4 layers, RoPE theta 1e4, eps 1e-5, 1024 positions; the tiny tokenizer.
+USER_MODEL = dict(DENSE, vocab_size=2048, max_position_embeddings=1024, bos_token_id=0, eos_token_id=2, pad_token_id=0)
+
+
 @pytest.fixture(scope="module")
-def run(tiny_assets, tmp_path_factory):
+def base(tiny_assets, tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    base_dir = save_random(tmp_path_factory.mktemp("user") / "qwen3", "qwen3", USER_MODEL, seed=5)
+    AutoTokenizer.from_pretrained(tiny_assets.tokenizer_dir).save_pretrained(base_dir)
+    return base_dir
+
+
+@pytest.fixture(scope="module")
+def run(base, tmp_path_factory):
     """A run directory with checkpoints of steps 2 and 3, and the trained model."""
     run_dir = tmp_path_factory.mktemp("run")
-    model_cfg = ModelConfig(hf_path=str(tiny_assets.dense_dir), device="cpu")
+    model_cfg = ModelConfig(hf_path=str(base), device="cpu")
     model = build_model(model_cfg, device="cpu")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     checkpointer = Checkpointer(CheckpointConfig(), run_dir / "checkpoints")
@@ -83,7 +97,7 @@ def exported(run, tmp_path_factory):
     return out
 
 
-def test_export_gives_the_trained_logits_in_transformers(run, exported, tiny_assets):
+def test_export_gives_the_trained_logits_in_transformers(run, exported, base):
     from transformers import AutoModelForCausalLM
 
     _, model = run
@@ -91,21 +105,20 @@ def test_export_gives_the_trained_logits_in_transformers(run, exported, tiny_ass
     hf = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()
     with torch.no_grad():
         hf_BLV = hf(tokens_BL).logits
-        start_BLV = AutoModelForCausalLM.from_pretrained(tiny_assets.dense_dir, dtype=torch.float32)(tokens_BL).logits
+        start_BLV = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)(tokens_BL).logits
     trained_BLV = _titan_logits(model, tokens_BL)
     assert (hf_BLV - trained_BLV).abs().max() < TOL
     assert (start_BLV - trained_BLV).abs().max() > 1e-2  # the trained weights, not the starting checkpoint
 
 
-def test_export_directory_is_complete(exported, tiny_assets):
+def test_export_directory_is_complete(exported, base):
     from transformers import AutoTokenizer, GenerationConfig
 
     config = json.loads((exported / "config.json").read_text())
     assert config["architectures"] == ["Qwen3ForCausalLM"]
     assert config["dtype"] == config["torch_dtype"] == "float32"
-    start = json.loads((tiny_assets.dense_dir / "config.json").read_text())
-    assert {k: v for k, v in config.items() if k != "transformers_version"} == \
-        {k: v for k, v in start.items() if k != "transformers_version"}
+    start = json.loads((base / "config.json").read_text())  # the user's config.json, all of it, carried over
+    assert {k: v for k, v in config.items() if k != "torch_dtype"} == start
     assert GenerationConfig.from_pretrained(exported).eos_token_id == 2
     tok = AutoTokenizer.from_pretrained(exported)
     chat = [{"role": "user", "content": "2+2?"}]
@@ -184,7 +197,7 @@ def test_vllm_serves_the_export_as_a_chat_model(vllm_server, exported):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     url, models = vllm_server
-    assert models["data"][0]["max_model_len"] == 4096
+    assert models["data"][0]["max_model_len"] == 1024  # the user's max_position_embeddings
     name = models["data"][0]["id"]
     chat = _post(f"{url}/v1/chat/completions", {
         "model": name, "messages": [{"role": "user", "content": "What is 2+2?"}], "max_tokens": 6, "temperature": 0,

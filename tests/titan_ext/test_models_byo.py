@@ -35,7 +35,7 @@ MOE = dict(
 
 
 @torch.no_grad()
-def _save_random(out: Path, model_type: str, fields: dict, seed: int) -> Path:
+def save_random(out: Path, model_type: str, fields: dict, seed: int) -> Path:
     """A transformers model of `fields` with weights far from init (logits O(1), decisive routing)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -53,8 +53,8 @@ def _save_random(out: Path, model_type: str, fields: dict, seed: int) -> Path:
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("byo")
     return {
-        "dense": _save_random(root / "dense", "qwen3", DENSE, seed=1),
-        "moe": _save_random(root / "moe", "qwen3_moe", MOE, seed=2),
+        "dense": save_random(root / "dense", "qwen3", DENSE, seed=1),
+        "moe": save_random(root / "moe", "qwen3_moe", MOE, seed=2),
     }
 
 
@@ -146,12 +146,31 @@ def test_load_time_check_catches_what_the_config_mapping_misses(tmp_path):
         num_key_value_heads=16, rms_norm_eps=1e-5, tie_word_embeddings=False, max_position_embeddings=4096,
         rope_parameters={"rope_type": "default", "rope_theta": 1e4},  # TorchTitan's debugmodel: 5e5, llama3 scaling
     )
-    hf_dir = _save_random(tmp_path / "llama", "llama", fields, seed=4)
+    hf_dir = save_random(tmp_path / "llama", "llama", fields, seed=4)
     cfg = ModelConfig(flavour="llama3:debugmodel", hf_path=str(hf_dir), device="cpu")
     with pytest.raises(ValueError, match="logits differ from transformers'"):
         verify_hf_checkpoint(cfg)
     llama3_rope = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-    _save_random(tmp_path / "llama", "llama", {**fields, "rope_parameters": llama3_rope}, seed=4)
+    save_random(tmp_path / "llama", "llama", {**fields, "rope_parameters": llama3_rope}, seed=4)
     verify_hf_checkpoint.cache_clear()
     assert verify_hf_checkpoint(cfg) < TOL  # control: the same shapes with TorchTitan's RoPE pass
+
+
+@torch.no_grad()
+def test_hf_engine_generates_what_the_derived_trainer_model_predicts(checkpoints):
+    """The generator's HF engine loads the same directory: its greedy tokens are the TorchTitan model's argmax."""
+    from actors.hf_engine import HFEngine
+    from actors.rollout import SamplingParams
+
+    prompt = [5, 6, 7, 8, 900]
+    engine = HFEngine(checkpoints["dense"], stop_token_ids=[999])
+    got = engine.generate([prompt], SamplingParams(temperature=0.0, max_new_tokens=8))[0].token_ids
+    assert engine.model.config.num_hidden_layers == 4 and engine.model.config.rope_parameters["rope_theta"] == 1e4
+    model = build_model(ModelConfig(hf_path=str(checkpoints["dense"]), device="cpu"), device="cpu", platform=CPU)
+    ids = list(prompt)
+    for _ in range(8):
+        tokens_1L = torch.tensor([ids])
+        positions_1L = torch.arange(len(ids)).unsqueeze(0)
+        ids.append(int(model(tokens_1L, positions_1L, attention_masks(model, positions_1L))[0, -1].argmax()))
+    assert got == ids[len(prompt):]
