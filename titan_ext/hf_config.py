@@ -1,12 +1,12 @@
-"""HF `config.json` <-> TorchTitan model configs, for Qwen3 dense and Qwen3-MoE.
+"""HF `config.json` <-> TorchTitan model configs, for Qwen3 dense, Qwen3-MoE and Llama.
 
 Two directions:
 
-- `titan_config_from_hf(hf_config)`: the TorchTitan `Qwen3Model.Config` of a
-  checkpoint, from its config.json alone (layers, widths, heads, head_dim,
-  RoPE, norms, tying, vocab, MoE layout). Every field whose value TorchTitan's
-  Qwen3 cannot honour is refused by name (`UnsupportedHFConfig`), never
-  silently dropped.
+- `titan_config_from_hf(hf_config)`: the TorchTitan `Qwen3Model.Config` /
+  `Llama3Model.Config` of a checkpoint, from its config.json alone (layers,
+  widths, heads, head_dim, RoPE and its llama3 scaling, norms, tying, vocab,
+  MoE layout). Every field whose value TorchTitan cannot honour is refused by
+  name (`UnsupportedHFConfig`), never silently dropped.
 - `hf_config_for(titan_config)`: the transformers config of a TorchTitan
   Qwen3 config (what the tiny assets and HF exports write).
 
@@ -19,7 +19,12 @@ from __future__ import annotations
 
 from typing import Any
 
-HF_MODEL_TYPES = ("qwen3", "qwen3_moe")
+# config.json model_type -> TorchTitan family, and the RoPE types that family reproduces.
+HF_MODEL_TYPES = {"qwen3": "qwen3", "qwen3_moe": "qwen3", "llama": "llama3"}
+_ROPE_TYPES = {
+    "qwen3": ("default",),  # CosSinRoPE: no llama scaling; its YaRN omits HF's attention factor
+    "llama3": ("default", "llama3"),  # ComplexRoPE with "llama" scaling
+}
 
 
 class UnsupportedHFConfig(ValueError):
@@ -46,19 +51,27 @@ def _moe_layer_ids(hf_config: Any) -> list[int]:
     return [i for i in range(hf_config.num_hidden_layers) if i not in dense_only and (i + 1) % step == 0]
 
 
+def titan_family(hf_config: Any, source: str = "config.json") -> str:
+    """The TorchTitan family a config.json is derived into (refuses other model types by name)."""
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in HF_MODEL_TYPES:
+        raise UnsupportedHFConfig(f"{source}: model_type = {model_type!r} is not supported (derivable model "
+                                  f"types: {', '.join(HF_MODEL_TYPES)}; other families need a named flavour)")
+    return HF_MODEL_TYPES[model_type]
+
+
 def check_supported(hf_config: Any, source: str = "config.json") -> None:
-    """Raise `UnsupportedHFConfig` naming the first field TorchTitan's Qwen3 cannot honour."""
+    """Raise `UnsupportedHFConfig` naming the first field the TorchTitan model cannot honour."""
 
     def refuse(field: str, value: Any, why: str) -> None:
         raise UnsupportedHFConfig(f"{source}: {field} = {value!r} is not supported ({why})")
 
-    model_type = getattr(hf_config, "model_type", None)
-    if model_type not in HF_MODEL_TYPES:
-        refuse("model_type", model_type, f"derivable model types: {', '.join(HF_MODEL_TYPES)}")
+    family = titan_family(hf_config, source)
     if getattr(hf_config, "hidden_act", "silu") != "silu":
-        refuse("hidden_act", hf_config.hidden_act, "TorchTitan's Qwen3 FFN is SwiGLU (silu)")
-    if getattr(hf_config, "attention_bias", False):
-        refuse("attention_bias", True, "TorchTitan's Qwen3 attention projections have no bias")
+        refuse("hidden_act", hf_config.hidden_act, "TorchTitan's FFN is SwiGLU (silu)")
+    for field in ("attention_bias", "mlp_bias"):
+        if getattr(hf_config, field, False):
+            refuse(field, True, "TorchTitan's projections have no bias")
     if getattr(hf_config, "attention_dropout", 0.0):
         refuse("attention_dropout", hf_config.attention_dropout, "TorchTitan's attention has no dropout")
     layer_types = getattr(hf_config, "layer_types", None) or []
@@ -69,29 +82,42 @@ def check_supported(hf_config: Any, source: str = "config.json") -> None:
     if getattr(hf_config, "use_sliding_window", False) and getattr(hf_config, "sliding_window", None):
         refuse("use_sliding_window", True, "sliding-window attention is not built")
     rope = _rope_parameters(hf_config)
-    if rope["rope_type"] != "default":
+    if rope["rope_type"] not in _ROPE_TYPES[family]:
         refuse("rope_parameters.rope_type", rope["rope_type"],
-               "TorchTitan's CosSinRoPE matches HF only without scaling (YaRN there omits HF's attention factor)")
+               f"TorchTitan's {family} RoPE reproduces {', '.join(_ROPE_TYPES[family])}")
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
         refuse("rope_parameters.partial_rotary_factor", rope["partial_rotary_factor"], "RoPE covers the whole head")
-    if model_type == "qwen3_moe" and _moe_layer_ids(hf_config):
-        if getattr(hf_config, "num_experts_per_tok", 0) > hf_config.num_experts:
-            refuse("num_experts_per_tok", hf_config.num_experts_per_tok, f"more than num_experts {hf_config.num_experts}")
+    head_dim = getattr(hf_config, "head_dim", None)
+    if family == "llama3" and head_dim and head_dim != hf_config.hidden_size // hf_config.num_attention_heads:
+        refuse("head_dim", head_dim, "TorchTitan's Llama3 heads are hidden_size / num_attention_heads wide")
+    if _moe_layer_ids(hf_config) and hf_config.num_experts_per_tok > hf_config.num_experts:
+        refuse("num_experts_per_tok", hf_config.num_experts_per_tok, f"more than num_experts {hf_config.num_experts}")
 
 
 def titan_config_from_hf(hf_config: Any, attn_backend: str = "flex", source: str = "config.json") -> Any:
-    """The TorchTitan `Qwen3Model.Config` computing the same function as `hf_config` (checked first).
+    """The TorchTitan model config computing the same function as `hf_config` (checked first).
 
-    Layers are TorchTitan's own Qwen3 builders (fused QKV, qk-norm, SwiGLU or
-    softmax top-k MoE); per layer, dense or sparse as HF decides. MoE routers
-    get no load-balancing bias (HF Qwen3-MoE has none), so routing is HF's.
+    Built with TorchTitan's own layer builders for the family; every RMSNorm
+    gets the checkpoint's epsilon.
     """
-    import torchtitan.models.qwen3 as qwen3
-    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
     from torchtitan.models.common.nn_modules import RMSNorm
 
     check_supported(hf_config, source)
-    c = hf_config
+    build = _llama_config if titan_family(hf_config) == "llama3" else _qwen3_config
+    config = build(hf_config, attn_backend)
+    for _, norm, _, _ in config.traverse(RMSNorm.Config):
+        norm.eps = float(hf_config.rms_norm_eps)
+    return config
+
+
+def _qwen3_config(c: Any, attn_backend: str) -> Any:
+    """Qwen3 / Qwen3-MoE: fused QKV, qk-norm, SwiGLU or softmax top-k MoE, per layer as HF decides.
+
+    MoE routers get no load-balancing bias (HF Qwen3-MoE has none), so routing is HF's.
+    """
+    import torchtitan.models.qwen3 as qwen3
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+
     D, V, n_layers = c.hidden_size, c.vocab_size, c.num_hidden_layers
     head_dim = getattr(c, "head_dim", None) or D // c.num_attention_heads
     rope = _rope_parameters(c)
@@ -118,9 +144,8 @@ def titan_config_from_hf(hf_config: Any, attn_backend: str = "flex", source: str
         for layer in sparse:
             layer.moe.load_balance_coeff = None
             layer.moe.router.route_norm = bool(c.norm_topk_prob)
-    layers = [sparse[i] if i in moe_ids else dense[i] for i in range(n_layers)]
     tied = bool(c.tie_word_embeddings)
-    config = qwen3.Qwen3Model.Config(
+    return qwen3.Qwen3Model.Config(
         vocab_size=V,
         dim=D,
         norm=qwen3._qwen3_norm(D),
@@ -131,11 +156,49 @@ def titan_config_from_hf(hf_config: Any, attn_backend: str = "flex", source: str
             param_init=qwen3._EMBEDDING_SKIP_INIT if tied else qwen3._EMBEDDING_INIT,
         ),
         lm_head=Linear.Config(in_features=D, out_features=V, param_init=qwen3._LINEAR_INIT),
-        layers=layers,
+        layers=[sparse[i] if i in moe_ids else dense[i] for i in range(n_layers)],
     )
-    for _, norm, _, _ in config.traverse(RMSNorm.Config):
-        norm.eps = float(c.rms_norm_eps)
-    return config
+
+
+def _llama_config(c: Any, attn_backend: str) -> Any:
+    """Llama: separate-then-fused QKV, ComplexRoPE (the adapter permutes HF's rotate-half q/k), llama3 scaling."""
+    import torchtitan.models.llama3 as llama3
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+
+    D, V = c.hidden_size, c.vocab_size
+    rope = _rope_parameters(c)
+    scaling = {}
+    if rope["rope_type"] == "llama3":
+        scaling = dict(
+            scaling="llama",
+            scaling_factor=float(rope["factor"]),
+            low_freq_factor=float(rope["low_freq_factor"]),
+            high_freq_factor=float(rope["high_freq_factor"]),
+            original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+        )
+    tied = bool(c.tie_word_embeddings)
+    return llama3.Llama3Model.Config(
+        dim=D,
+        vocab_size=V,
+        enable_weight_tying=tied,
+        tok_embeddings=Embedding.Config(
+            num_embeddings=V,
+            embedding_dim=D,
+            param_init=llama3._EMBEDDING_SKIP_INIT if tied else llama3._EMBEDDING_INIT,
+        ),
+        norm=RMSNorm.Config(normalized_shape=D, param_init=llama3._NORM_INIT),
+        lm_head=Linear.Config(in_features=D, out_features=V, param_init=llama3._output_linear_init(D)),
+        layers=llama3._build_llama3_layers(
+            n_layers=c.num_hidden_layers,
+            dim=D,
+            n_heads=c.num_attention_heads,
+            n_kv_heads=c.num_key_value_heads or c.num_attention_heads,
+            hidden_dim=c.intermediate_size,
+            rope=ComplexRoPE.Config(dim=D // c.num_attention_heads, max_seq_len=c.max_position_embeddings,
+                                    theta=float(rope["rope_theta"]), **scaling),
+            attn_backend=attn_backend,
+        ),
+    )
 
 
 def architecture_signature(hf_config: Any) -> dict[str, Any]:

@@ -6,8 +6,8 @@ special-cases one. The two tiny flavours are registered into the Qwen3
 registry here (`composer_tiny`, `composer_tiny_moe`): a dense Qwen3 and a
 Qwen3-MoE (4 experts, top-2) small enough for CPU RL, with head_dim 32 (the
 smallest head size the vLLM CPU backend accepts) and exact HF equivalents.
-With flavour "auto" and `hf_path`, the Qwen3 / Qwen3-MoE model is derived
-from the checkpoint's config.json instead (`titan_ext.hf_config`).
+With flavour "auto" and `hf_path`, a Qwen3 / Qwen3-MoE / Llama model is
+derived from the checkpoint's config.json instead (`titan_ext.hf_config`).
 
 `resolve_model` then applies the platform's code paths to the config (masked
 SDPA attention and per-expert fp32 experts on CPU, see `titan_ext.platform`).
@@ -29,7 +29,13 @@ from torchtitan.protocols.model_spec import ModelSpec
 from configs.sections.model import ModelConfig
 from titan_ext.attention import use_masked_sdpa
 from titan_ext.hf_checkpoint import load_hf_into_titan
-from titan_ext.hf_config import architecture_signature, check_supported, hf_config_for, titan_config_from_hf
+from titan_ext.hf_config import (
+    architecture_signature,
+    check_supported,
+    hf_config_for,
+    titan_config_from_hf,
+    titan_family,
+)
 from titan_ext.hf_parity import verify_hf_checkpoint
 from titan_ext.platform import Platform, detect_platform
 
@@ -210,7 +216,8 @@ def resolve_model(model_cfg: ModelConfig, platform: Platform | None = None) -> R
     flavour = model_cfg.registry_flavour()
     checkpoint = _checkpoint_config(model_cfg.hf_path) if model_cfg.hf_path else None
     if flavour is None:  # "auto" with hf_path: the shape is the checkpoint's
-        spec, family, hf_config = _derived_spec(checkpoint, backend, model_cfg.hf_path), "qwen3", checkpoint
+        spec, hf_config = _derived_spec(checkpoint, backend, model_cfg.hf_path), checkpoint
+        family = spec.name
     else:
         family, flavor = flavour_entry(flavour)
         if family == "qwen3":
@@ -240,12 +247,17 @@ def _checkpoint_config(hf_path: str) -> Any:
     return AutoConfig.from_pretrained(hf_path)
 
 
-def _derived_spec(checkpoint: Any, attn_backend: str, hf_path: str) -> ModelSpec:
-    """TorchTitan's Qwen3 ModelSpec with the model config derived from the checkpoint's config.json."""
-    import torchtitan.models.qwen3 as qwen3
+# A registry entry per derivable family, for what is not the model config (parallelize_fn, adapter, hooks).
+_BASE_SPECS = {"qwen3": "0.6B", "llama3": "debugmodel"}
 
-    model = titan_config_from_hf(checkpoint, attn_backend, source=f"{hf_path}/config.json")
-    base = qwen3.model_registry("0.6B", attn_backend=attn_backend)  # parallelize_fn, adapter, hooks
+
+def _derived_spec(checkpoint: Any, attn_backend: str, hf_path: str) -> ModelSpec:
+    """TorchTitan's ModelSpec of the checkpoint's family, with the model config derived from its config.json."""
+    source = f"{hf_path}/config.json"
+    family = titan_family(checkpoint, source)
+    model = titan_config_from_hf(checkpoint, attn_backend, source=source)
+    base = importlib.import_module(f"torchtitan.models.{family}").model_registry(_BASE_SPECS[family],
+                                                                                attn_backend=attn_backend)
     return dataclasses.replace(base, flavor=f"hf:{Path(hf_path).name}", model=model)
 
 
@@ -306,4 +318,6 @@ def build_model(
     if model_cfg.hf_path:
         verify_hf_checkpoint(model_cfg)
         load_hf_into_titan(model, model_cfg.hf_path)
-    return model.to(getattr(torch, model_cfg.dtype))
+    dtype = getattr(torch, model_cfg.dtype)
+    # Floating tensors only: `Module.to(dtype)` would also cast ComplexRoPE's complex cache to real (Llama).
+    return model._apply(lambda t: t.to(dtype) if t.is_floating_point() else t)

@@ -87,6 +87,19 @@ def test_dense_checkpoint_loads_by_hf_path_alone(checkpoints):
     assert _logit_diff(checkpoints["dense"]) < TOL
 
 
+def test_llama_checkpoint_loads_by_hf_path_alone(tmp_path):
+    """Llama (no qk-norm, ComplexRoPE with llama3 scaling, untied): derived too, logits equal."""
+    rope = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    fields = dict(DENSE, hidden_size=128, num_hidden_layers=3, head_dim=32, tie_word_embeddings=False,
+                  rope_parameters=rope)
+    hf_dir = save_random(tmp_path / "llama", "llama", fields, seed=6)
+    resolved = resolve_model(ModelConfig(hf_path=str(hf_dir), device="cpu"), CPU)
+    rope_cfg = resolved.spec.model.layers[0].attention.rope
+    assert resolved.family == "llama3" and (rope_cfg.scaling, rope_cfg.original_max_position_embeddings) == ("llama", 64)
+    assert _logit_diff(hf_dir) < TOL
+
+
 def test_moe_checkpoint_loads_by_hf_path_alone(checkpoints):
     cfg = resolve_model(ModelConfig(hf_path=str(checkpoints["moe"]), device="cpu"), CPU).spec.model
     assert [layer.moe is not None for layer in cfg.layers] == [False, True, False, False]
@@ -129,11 +142,15 @@ def test_explicit_flavour_mismatch_is_refused_by_name(tiny_assets, tmp_path, fla
          "rope_parameters.rope_type"),
         ("qwen3", {"hidden_act": "gelu"}, "hidden_act"),
         ("qwen3", {"attention_dropout": 0.1}, "attention_dropout"),
-        ("llama", {}, "model_type"),
+        ("gemma", {}, "model_type"),
+        ("llama", {"mlp_bias": True}, "mlp_bias"),
+        ("llama", {"head_dim": 32}, "head_dim"),  # hidden 96 / 4 heads = 24
+        ("llama", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}},
+         "rope_parameters.rope_type"),
     ],
 )
 def test_unsupported_fields_are_refused_by_name(tmp_path, model_type, changed, field):
-    fields = {k: v for k, v in {**DENSE, **changed}.items() if not (model_type == "llama" and k == "head_dim")}
+    fields = {**DENSE, **changed}
     hf_dir = _config_only(tmp_path, model_type, fields)
     with pytest.raises(ValueError, match=f"config.json: {field}"):
         resolve_model(ModelConfig(hf_path=str(hf_dir), device="cpu"), CPU)
