@@ -31,6 +31,17 @@ class UnsupportedHFConfig(ValueError):
     """A config.json field whose value the TorchTitan model cannot reproduce."""
 
 
+def read_checkpoint_config(hf_path: str) -> Any:
+    """The transformers config of an HF checkpoint directory (`FileNotFoundError` naming it when absent)."""
+    from pathlib import Path
+
+    from transformers import AutoConfig
+
+    if not (Path(hf_path) / "config.json").is_file():
+        raise FileNotFoundError(f"model.hf_path {hf_path}: no config.json there")
+    return AutoConfig.from_pretrained(hf_path)
+
+
 def _rope_parameters(hf_config: Any) -> dict[str, Any]:
     """transformers >= 5 folds legacy `rope_theta` / `rope_scaling` into `rope_parameters`."""
     params = dict(getattr(hf_config, "rope_parameters", None) or {})

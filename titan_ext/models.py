@@ -33,6 +33,7 @@ from titan_ext.hf_config import (
     architecture_signature,
     check_supported,
     hf_config_for,
+    read_checkpoint_config,
     titan_config_from_hf,
     titan_family,
 )
@@ -214,7 +215,7 @@ def resolve_model(model_cfg: ModelConfig, platform: Platform | None = None) -> R
     attention = platform.attention if model_cfg.attention == "auto" else model_cfg.attention
     backend = "flex" if attention == "sdpa" else attention
     flavour = model_cfg.registry_flavour()
-    checkpoint = _checkpoint_config(model_cfg.hf_path) if model_cfg.hf_path else None
+    checkpoint = read_checkpoint_config(model_cfg.hf_path) if model_cfg.hf_path else None
     if flavour is None:  # "auto" with hf_path: the shape is the checkpoint's
         spec, hf_config = _derived_spec(checkpoint, backend, model_cfg.hf_path), checkpoint
         family = spec.name
@@ -237,14 +238,6 @@ def resolve_model(model_cfg: ModelConfig, platform: Platform | None = None) -> R
     if platform.exact_experts:
         use_exact_experts(spec.model)
     return ResolvedModel(spec=spec, hf_config=hf_config, platform=platform, family=family)
-
-
-def _checkpoint_config(hf_path: str) -> Any:
-    from transformers import AutoConfig
-
-    if not (Path(hf_path) / "config.json").is_file():
-        raise FileNotFoundError(f"model.hf_path {hf_path}: no config.json there")
-    return AutoConfig.from_pretrained(hf_path)
 
 
 # A registry entry per derivable family, for what is not the model config (parallelize_fn, adapter, hooks).

@@ -41,6 +41,10 @@ def model_dir(job: Any) -> str:
 
     from titan_ext.assets import cache_dir_for, hf_dir_for
 
+    if job.model.hf_path and job.model.registry_flavour() is None:  # refuse a config.json here, before any actor
+        from titan_ext.hf_config import check_supported, read_checkpoint_config
+
+        check_supported(read_checkpoint_config(job.model.hf_path), f"{job.model.hf_path}/config.json")
     weights = hf_dir_for(job.model)
     if weights is None:
         raise ValueError(f"model.flavour = {job.model.flavour!r} needs model.hf_path (generators load HF weights)")

@@ -191,3 +191,19 @@ def test_hf_engine_generates_what_the_derived_trainer_model_predicts(checkpoints
         positions_1L = torch.arange(len(ids)).unsqueeze(0)
         ids.append(int(model(tokens_1L, positions_1L, attention_masks(model, positions_1L))[0, -1].argmax()))
     assert got == ids[len(prompt):]
+
+
+def test_train_refuses_an_unsupported_checkpoint_in_one_line(tmp_path, capsys):
+    """`composer-mesh train` checks config.json before it spawns an actor: one error line, exit 2."""
+    from mesh.cli import main
+
+    hf_dir = _config_only(tmp_path / "ckpt", "qwen3", {**DENSE, "attention_bias": True})
+    recipe = Path(__file__).resolve().parents[2] / "configs" / "debug_cpu.toml"
+    code = main(["train", "--no-progress", str(recipe), f"--model.hf_path={hf_dir}",
+                 f"--job.output_dir={tmp_path / 'runs'}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err == [f"error: {hf_dir}/config.json: attention_bias = True is not supported "
+                                 "(TorchTitan's projections have no bias)"]
+    assert main(["train", "--no-progress", str(recipe), f"--model.hf_path={tmp_path / 'none'}",
+                 f"--job.output_dir={tmp_path / 'runs'}"]) == 2
+    assert "no config.json there" in capsys.readouterr().err
