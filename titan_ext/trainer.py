@@ -121,7 +121,7 @@ class Trainer:
         self.loss_cfg = ComposerConfig.from_section(spec.loss)
 
         resolved = resolve_model(spec.model, self.platform)
-        verify_hf_checkpoint(spec.model)  # before any weights: a config.json field not reproduced fails here
+        self._verify_checkpoint()
         self.model_spec = resolved.spec
         self.hf_config = resolved.hf_config
         prepare_model_config(self.model_spec.model, spec.parallelism)
@@ -146,6 +146,19 @@ class Trainer:
             resume = self.checkpointer.resume_step()
             if resume is not None:
                 self.load_checkpoint(resume)
+
+    def _verify_checkpoint(self) -> None:
+        """`hf_parity.verify_hf_checkpoint` on rank 0 only (a CPU copy of a few layers per host is enough);
+        every rank raises its error, so no rank waits in a collective for one that failed."""
+        error = [None]
+        if dist.get_rank() == 0:
+            try:
+                verify_hf_checkpoint(self.spec.model)
+            except ValueError as e:
+                error[0] = str(e)
+        dist.broadcast_object_list(error, src=0)
+        if error[0] is not None:
+            raise ValueError(error[0])
 
     def _build_model(self) -> torch.nn.Module:
         """Meta build → parallelize (FSDP2 / HSDP / EP) → seeded init → `hf_path` weights."""
