@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from configs.sections.checkpoint import CheckpointConfig
 from configs.sections.model import ModelConfig
@@ -133,8 +134,11 @@ def test_export_of_an_older_step_and_bad_requests(run, tmp_path, capsys):
     from mesh.cli import main  # in this process: the same command, without another interpreter start
 
     run_dir, _ = run
-    assert main(["export", str(run_dir), "--step", "2", str(tmp_path / "s2")]) == 0
+    assert main(["export", str(run_dir), "--step", "2", "--dtype", "bfloat16", str(tmp_path / "s2")]) == 0
     assert "exported step 2" in capsys.readouterr().out
+    config = json.loads((tmp_path / "s2" / "config.json").read_text())
+    assert config["dtype"] == config["torch_dtype"] == "bfloat16"
+    assert {t.dtype for t in load_file(tmp_path / "s2" / "model.safetensors").values()} == {torch.bfloat16}
     assert main(["export", str(run_dir), "--step", "7", str(tmp_path / "s7")]) == 1
     err = capsys.readouterr().err
     assert "no complete checkpoint of step 7" in err and "complete steps: [2, 3]" in err
@@ -143,6 +147,19 @@ def test_export_of_an_older_step_and_bad_requests(run, tmp_path, capsys):
     assert "not an empty directory" in capsys.readouterr().err
     assert main(["export", str(tmp_path), str(tmp_path / "x")]) == 1
     assert "model.json not found" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flavour, architecture", [("dense_dir", "Qwen3ForCausalLM"),
+                                                     ("moe_dir", "Qwen3MoeForCausalLM")])
+def test_built_assets_are_servable_directories(tiny_assets, flavour, architecture):
+    """The assets carry what an export does (vLLM needs `architectures` to serve them as a chat model)."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    hf_dir = getattr(tiny_assets, flavour)
+    config = json.loads((hf_dir / "config.json").read_text())
+    assert config["architectures"] == [architecture] and config["dtype"] == config["torch_dtype"] == "float32"
+    assert GenerationConfig.from_pretrained(hf_dir).eos_token_id == config["eos_token_id"] == 2
+    assert AutoTokenizer.from_pretrained(hf_dir).chat_template
 
 
 def _free_port() -> int:
