@@ -156,13 +156,17 @@ def test_unsupported_fields_are_refused_by_name(tmp_path, model_type, changed, f
         resolve_model(ModelConfig(hf_path=str(hf_dir), device="cpu"), CPU)
 
 
+# TorchTitan's llama3 "debugmodel" shapes; its RoPE is theta 5e5 with llama3 scaling.
+LLAMA_DEBUG = dict(
+    vocab_size=2048, hidden_size=256, intermediate_size=768, num_hidden_layers=6, num_attention_heads=16,
+    num_key_value_heads=16, rms_norm_eps=1e-5, tie_word_embeddings=False, max_position_embeddings=4096,
+    rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+)
+
+
 def test_load_time_check_catches_what_the_config_mapping_misses(tmp_path):
-    """Llama has no config derivation: a named flavour with the right shapes but another RoPE is caught at load."""
-    fields = dict(
-        vocab_size=2048, hidden_size=256, intermediate_size=768, num_hidden_layers=6, num_attention_heads=16,
-        num_key_value_heads=16, rms_norm_eps=1e-5, tie_word_embeddings=False, max_position_embeddings=4096,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e4},  # TorchTitan's debugmodel: 5e5, llama3 scaling
-    )
+    """A named flavour (no field-by-field check for Llama) with the right shapes but another RoPE is caught at load."""
+    fields = LLAMA_DEBUG
     hf_dir = save_random(tmp_path / "llama", "llama", fields, seed=4)
     cfg = ModelConfig(flavour="llama3:debugmodel", hf_path=str(hf_dir), device="cpu")
     with pytest.raises(ValueError, match="logits differ from transformers'"):
@@ -207,3 +211,40 @@ def test_train_refuses_an_unsupported_checkpoint_in_one_line(tmp_path, capsys):
     assert main(["train", "--no-progress", str(recipe), f"--model.hf_path={tmp_path / 'none'}",
                  f"--job.output_dir={tmp_path / 'runs'}"]) == 2
     assert "no config.json there" in capsys.readouterr().err
+
+
+def _verify_on_rank(rank: int, port: int, hf_dir: str, out_dir: str) -> None:
+    import os
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from titan_ext.trainer import Trainer
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    stub = SimpleNamespace(spec=SimpleNamespace(model=ModelConfig(flavour="llama3:debugmodel", hf_path=hf_dir)))
+    try:
+        Trainer._verify_checkpoint(stub)
+        outcome = "passed"
+    except ValueError as e:
+        outcome = f"refused: {e}"
+    Path(out_dir, f"rank{rank}.txt").write_text(outcome)
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(300)
+def test_trainer_ranks_share_the_rank0_check(tmp_path):
+    """Only rank 0 runs the check; every rank raises its error (none waits in a collective for a failed one)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    hf_dir = save_random(tmp_path / "llama", "llama", LLAMA_DEBUG, seed=4)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.start_processes(_verify_on_rank, args=(port, str(hf_dir), str(tmp_path)), nprocs=2, start_method="spawn")
+    for rank in range(2):
+        assert (tmp_path / f"rank{rank}.txt").read_text().startswith(
+            f"refused: model.hf_path {hf_dir}: TorchTitan's logits differ from transformers'")
