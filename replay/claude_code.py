@@ -188,6 +188,7 @@ class _Session:
             for block in content if isinstance(content, list) else ():
                 if block["type"] == "tool_result":
                     self.results.setdefault((rec.side, block["tool_use_id"]), (rec, block))
+        self.called = {b["id"] for parts in self.parts.values() for p in parts for b in _blocks(p) if b["type"] == "tool_use"}
 
     def unused_reason(self, rec: _Rec) -> str:
         """Why a record is in no trace: not conversation, a result whose call the file lost, or off the thread."""
@@ -195,9 +196,8 @@ class _Session:
         if reason is not None:
             return reason
         content = rec.raw["message"]["content"]
-        called = {b["id"] for parts in self.parts.values() for p in parts for b in _blocks(p) if b["type"] == "tool_use"}
         if rec.raw["type"] == "user" and isinstance(content, list) and content and all(
-            b["type"] == "tool_result" and b["tool_use_id"] not in called for b in content
+            b["type"] == "tool_result" and b["tool_use_id"] not in self.called for b in content
         ):
             return "orphan_tool_result"
         return "off_thread"

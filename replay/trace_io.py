@@ -16,6 +16,9 @@ from typing import Any
 _BOM = b"\xef\xbb\xbf"
 # `file:line` locations kept per reason (the count is always complete).
 MAX_WHERE = 5
+# Deeper values are skipped as `too_deep`: json decodes up to ~1000 levels, but
+# later json.dumps calls (cache keys, requests) from deeper stacks would not.
+MAX_DEPTH = 200
 
 
 @dataclass(frozen=True)
@@ -87,7 +90,7 @@ def read_jsonl(path: str | Path) -> tuple[list[tuple[int, dict]], ParseStats]:
 
     A UTF-8 BOM and a CR before the newline are tolerated on any line. Skips (by
     reason, with `file:line`) blank lines, undecodable bytes, malformed JSON,
-    nesting too deep to decode, non-object values, and a truncated last line
+    nesting deeper than `MAX_DEPTH`, non-object values, and a truncated last line
     (no newline and not JSON). A JSON list is returned as `{"messages": list}`.
     """
     stats = ParseStats()
@@ -119,11 +122,26 @@ def read_jsonl(path: str | Path) -> tuple[list[tuple[int, dict]], ParseStats]:
         if not isinstance(obj, (dict, list)):
             stats.note(stats.skipped, "not_object", where)
             continue
+        if _deeper_than(obj, MAX_DEPTH):
+            stats.note(stats.skipped, "too_deep", where)
+            continue
         stats.parsed += 1
         out.append((i, obj if isinstance(obj, dict) else {"messages": obj}))
     if not raw:
         stats.warnings.append(f"{path}: empty file")
     return out, stats
+
+
+def _deeper_than(obj: Any, limit: int) -> bool:
+    """Whether containers nest more than `limit` levels (iterative: no recursion to blow)."""
+    stack = [(obj, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return False
 
 
 def text_of(content: Any) -> tuple[str, int]:

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from replay.claude_code import parse_claude_code
-from replay.trace_io import ParseStats
+from replay.trace_io import MAX_DEPTH, ParseStats, read_jsonl
 from replay.traces import context_problem, trace_states
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -234,3 +234,52 @@ def test_context_problem_names_what_an_api_would_refuse():
     stats.note(stats.dropped, "r", "f:1")
     stats.note(stats.dropped, "r", "f:1")
     assert stats.dropped["r"] == 2 and stats.where["r"] == ["f:1"]
+
+
+def test_nesting_depth_limit_is_exact(tmp_path):
+    def nested(depth: int) -> str:  # a record whose containers nest `depth` levels
+        return '{"type": "user", "x": ' + "[" * (depth - 1) + "]" * (depth - 1) + "}"
+
+    path = tmp_path / "deep.jsonl"
+    path.write_text(f"{nested(MAX_DEPTH)}\n{nested(MAX_DEPTH + 1)}\n")
+    rows, stats = read_jsonl(path)
+    assert [line for line, _ in rows] == [1] and stats.where["too_deep"] == [f"{path}:2"]
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=6,
+)
+
+
+def _paths(node, prefix=()):
+    """Every key path into a JSON value."""
+    yield prefix
+    children = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for key, child in children:
+        yield from _paths(child, (*prefix, key))
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data())
+def test_any_field_of_any_record_set_to_any_json_never_raises(tmp_path_factory, data):
+    """Wrong types in every field, found by search: some field of some records of the v2
+    session replaced by arbitrary JSON; parsing never raises, lines add up, and no state
+    holds a call without its result."""
+    raw = _raw(V2)
+    for _ in range(data.draw(st.integers(1, 4))):
+        i = data.draw(st.integers(0, len(raw) - 1))
+        path = data.draw(st.sampled_from([p for p in _paths(raw[i]) if p]))
+        node = raw[i]
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = data.draw(_json)
+    file = tmp_path_factory.mktemp("mut") / "s.jsonl"
+    file.write_text("".join(json.dumps(r) + "\n" for r in raw))
+    traces, stats = parse_claude_code(file)
+    assert stats.parsed + sum(stats.skipped.values()) == stats.lines == len(raw)
+    for trace in traces:
+        for state in trace_states(trace, 0, stats):
+            assert context_problem(state.context) is None
+            json.dumps(state.context)
