@@ -216,7 +216,9 @@ class _Session:
             if rec.is_turn and rec.side:
                 root = self._root(rec, root_of)
                 roots[root.uuid] = rec
-                names.setdefault(root.uuid, rec.raw.get("agentId") or root.uuid)
+                if root.uuid not in names:
+                    name = rec.raw.get("agentId") or root.uuid
+                    names[root.uuid] = root.uuid if name in names.values() else name  # unique trace ids
         out.extend((names[root], leaf) for root, leaf in roots.items())
         return out
 

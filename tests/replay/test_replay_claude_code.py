@@ -283,3 +283,22 @@ def test_any_field_of_any_record_set_to_any_json_never_raises(tmp_path_factory, 
         for state in trace_states(trace, 0, stats):
             assert context_problem(state.context) is None
             json.dumps(state.context)
+
+
+def test_sidechain_only_files_and_sidechains_sharing_an_agent_id(tmp_path):
+    """Claude Code >= 2.0 writes each sub-agent to its own `agent-<id>.jsonl` (every record
+    isSidechain); older files interleave several sidechains. Each is one trace, ids unique."""
+    def side(uuid, parent, kind, text, agent):
+        content = text if kind == "user" else [{"type": "text", "text": text}]
+        msg = {"role": kind, "content": content, **({"id": f"m{uuid}", "model": "claude-x"} if kind == "assistant" else {})}
+        return {"type": kind, "uuid": uuid, "parentUuid": parent, "isSidechain": True, "sessionId": "s",
+                "agentId": agent, "message": msg}
+
+    recs = [side("1", None, "user", "task one", "ag"), side("2", None, "user", "task two", "ag"),
+            side("3", "1", "assistant", "answer one", "ag"), side("4", "2", "assistant", "answer two", "ag")]
+    path = tmp_path / "agent-ag.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    traces, stats = parse_claude_code(path)
+    assert {t.trace_id: [m["content"] for m in t.messages] for t in traces} == {
+        "s:sidechain:ag": ["task one", "answer one"], "s:sidechain:2": ["task two", "answer two"]}
+    assert not stats.dropped
