@@ -65,7 +65,9 @@ def load_states(cfg: ReplayConfig) -> tuple[list[TraceState], dict[str, Any]]:
     for path in paths:
         traces, stats = load_traces(path, cfg.trace_format)
         for trace in traces:
-            states.extend(trace_states(trace, cfg.max_context_messages, stats))
+            built = trace_states(trace, cfg.max_context_messages, stats)
+            stats.states += len(built)
+            states.extend(built)
         per_file[str(path)] = stats.as_dict()
         total.add(stats)
     if not states:

@@ -38,7 +38,8 @@ class ParseStats:
     `notes` what was kept only by a repair or with a change (meta records,
     bridged gaps, re-attached parallel results, image placeholders),
     `states_dropped` states refused by `trace_states`. `where[reason]` holds the first `MAX_WHERE`
-    `file:line` (or `trace:step`) locations; `warnings` says what produced nothing.
+    `file:line` (or `trace:step`) locations; `warnings` says what produced nothing;
+    `traces` and `states` count what was built.
     """
 
     lines: int = 0
@@ -50,6 +51,7 @@ class ParseStats:
     where: dict[str, list[str]] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     traces: int = 0
+    states: int = 0
 
     def note(self, counter: Counter, reason: str, where: str, n: int = 1) -> None:
         """Count `n` of `reason` in `counter` and remember where it happened."""
@@ -70,6 +72,7 @@ class ParseStats:
             del mine_places[MAX_WHERE:]
         self.warnings.extend(other.warnings)
         self.traces += other.traces
+        self.states += other.states
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -82,6 +85,7 @@ class ParseStats:
             "where": {k: list(v) for k, v in self.where.items()},
             "warnings": list(self.warnings),
             "traces": self.traces,
+            "states": self.states,
         }
 
 

@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     parse = summary["parse"]["total"]
-    print(parse_report(parse, len(summary["parse"]["files"]), summary["states"]))
+    print(parse_report(summary["parse"]["files"], parse, summary["states"]))
     for warning in parse["warnings"]:
         print(f"warning: {warning}", file=sys.stderr)
     brief = {k: summary[k] for k in ("states", "outcomes", "pairs_raw", "spend_usd", "budget_usd", "teacher_calls")}
@@ -58,14 +58,16 @@ def run(args: argparse.Namespace) -> int:
     return 0 if summary["states"] else 1
 
 
-def parse_report(parse: dict, files: int, states: int) -> str:
-    """Human summary of trace parsing: totals, then each reason with its count and first `file:line`s."""
-    lines = [f"traces: {files} file(s), {parse['lines']} lines ({parse['parsed']} parsed), "
-             f"{parse['traces']} traces, {states} states"]
+def parse_report(files: dict[str, dict], total: dict, states: int) -> str:
+    """Human summary of trace parsing: a row per file, then each reason with its count and first `file:line`s."""
+    lines = [f"traces: {len(files)} file(s), {total['lines']} lines ({total['parsed']} parsed), "
+             f"{total['traces']} traces, {total['states']} states built, {states} replayed"]
+    for path, f in files.items():
+        lines.append(f"  file {path}: {f['lines']} lines, {f['parsed']} parsed, {f['traces']} traces, {f['states']} states")
     for key, label in (("skipped", "skipped line"), ("dropped", "dropped record"),
                        ("states_dropped", "dropped state"), ("notes", "kept, repaired")):
-        for reason, n in sorted(parse[key].items()):
-            where = parse["where"].get(reason, [])
+        for reason, n in sorted(total[key].items()):
+            where = total["where"].get(reason, [])
             more = ", ..." if n > len(where) else ""
             lines.append(f"  {label:<15} {reason:<40} {n:>6}  at {', '.join(where)}{more}")
     return "\n".join(lines)

@@ -179,6 +179,15 @@ def test_fuzz_table_no_traceback_and_every_bad_line_printed_with_file_and_line(f
     assert any(w.startswith(f"warning: {cases / 'no_trace.jsonl'}: no usable claude_code trace") for w in warnings)
     brief = json.loads(printed[-1])
     assert printed[0].startswith(f"traces: {len(list(cases.glob('*.jsonl')))} file(s)")
+    # every case file has its row; the BOM, CRLF and 20 MB files read like the clean one
+    rows = {row.split(": ", 1)[0].removeprefix("  file "): row.split(": ", 1)[1] for row in printed if row.startswith("  file ")}
+    assert set(rows) == {str(p) for p in cases.glob("*.jsonl")}
+    n, traces = len(V2.read_text().splitlines()), load_traces(V2)[0]
+    built = f"{len(traces)} traces, {sum(len(trace_states(t)) for t in traces)} states"
+    good = f"{n} lines, {n} parsed, {built}"
+    assert rows[str(cases / "a_good.jsonl")] == rows[str(cases / "bom.jsonl")] == rows[str(cases / "crlf.jsonl")] == good
+    assert rows[str(cases / "big.jsonl")] == f"{n + 1} lines, {n} parsed, {built}"
+    assert rows[str(cases / "empty.jsonl")] == "0 lines, 0 parsed, 0 traces, 0 states"
     # the cap refuses the dear teacher's calls: refusals are counted apart from failures
     assert brief["budget_refusals"] > 0 and brief["failures"] == 0 and brief["outcomes"].get("budget", 0) > 0
     assert brief["skipped"]["too_deep"] == 2 and brief["dropped"]["duplicate"] == 3
