@@ -41,10 +41,8 @@ from typing import Any
 from replay.trace_io import ParseStats, Trace, read_jsonl, text_of
 
 _CONVERSATION = ("user", "assistant")
-# Record types that never enter the model's context.
-NOT_CONVERSATION = (
-    "summary", "file-history-snapshot", "queue-operation", "system", "progress", "attachment", "turn_end",
-)
+# Record types that never enter the model's context (any other non-turn type is `unknown_type`).
+NOT_CONVERSATION = ("summary", "file-history-snapshot", "queue-operation", "system", "progress")
 # Optional top-level fields and the types they may have (None is always allowed).
 _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
     "uuid": str, "parentUuid": str, "sessionId": str, "timestamp": str, "agentId": str,
