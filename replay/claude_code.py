@@ -134,7 +134,8 @@ def _assistant_message(blocks: list[dict], notes: ParseStats, where: str) -> dic
         elif kind == "tool_use" and block["id"] not in ids:
             ids.add(block["id"])
             arguments = json.dumps(block["input"], ensure_ascii=False, sort_keys=True)
-            calls.append({"id": block["id"], "type": "function", "function": {"name": block["name"], "arguments": arguments}})
+            function = {"name": block["name"], "arguments": arguments}
+            calls.append({"id": block["id"], "type": "function", "function": function})
         elif kind != "tool_use":
             notes.note(notes.notes, f"omitted_block:{kind}", where)  # redacted_thinking, server tools, ...
     msg: dict = {"role": "assistant", "content": "\n".join(t for t in text if t)}
@@ -186,7 +187,9 @@ class _Session:
             for block in content if isinstance(content, list) else ():
                 if block["type"] == "tool_result":
                     self.results.setdefault((rec.side, block["tool_use_id"]), (rec, block))
-        self.called = {b["id"] for parts in self.parts.values() for p in parts for b in _blocks(p) if b["type"] == "tool_use"}
+        self.called = {  # every tool_use id of the file's assistant records
+            b["id"] for parts in self.parts.values() for p in parts for b in _blocks(p) if b["type"] == "tool_use"
+        }
 
     def unused_reason(self, rec: _Rec) -> str:
         """Why a record is in no trace: not conversation, a result whose call the file lost, or off the thread."""

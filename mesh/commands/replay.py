@@ -63,7 +63,8 @@ def parse_report(files: dict[str, dict], total: dict, states: int) -> str:
     lines = [f"traces: {len(files)} file(s), {total['lines']} lines ({total['parsed']} parsed), "
              f"{total['traces']} traces, {total['states']} states built, {states} replayed"]
     for path, f in files.items():
-        lines.append(f"  file {path}: {f['lines']} lines, {f['parsed']} parsed, {f['traces']} traces, {f['states']} states")
+        counts = f"{f['lines']} lines, {f['parsed']} parsed, {f['traces']} traces, {f['states']} states"
+        lines.append(f"  file {path}: {counts}")
     for key, label in (("skipped", "skipped line"), ("dropped", "dropped record"),
                        ("states_dropped", "dropped state"), ("notes", "kept, repaired")):
         for reason, n in sorted(total[key].items()):
