@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     budget = sum(f["kind"] == "budget" for f in summary["failures"])
     brief["failures"] = len(summary["failures"]) - budget
     brief["budget_refusals"] = budget
-    for key in ("skipped", "dropped", "states_dropped"):
+    for key in ("skipped", "dropped", "states_dropped", "warnings"):
         brief[key] = parse[key]
     print(json.dumps(brief))
     return 0 if summary["states"] else 1

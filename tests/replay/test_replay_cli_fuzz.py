@@ -191,6 +191,7 @@ def test_fuzz_table_no_traceback_and_every_bad_line_printed_with_file_and_line(f
     # the cap refuses the dear teacher's calls: refusals are counted apart from failures
     assert brief["budget_refusals"] > 0 and brief["failures"] == 0 and brief["outcomes"].get("budget", 0) > 0
     assert brief["skipped"]["too_deep"] == 2 and brief["dropped"]["duplicate"] == 3
+    assert [f"warning: {w}" for w in brief["warnings"]] == warnings
 
 
 def test_bom_crlf_and_duplicates_read_as_the_clean_file(fuzz_run):
