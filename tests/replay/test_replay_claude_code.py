@@ -302,3 +302,27 @@ def test_sidechain_only_files_and_sidechains_sharing_an_agent_id(tmp_path):
     assert {t.trace_id: [m["content"] for m in t.messages] for t in traces} == {
         "s:sidechain:ag": ["task one", "answer one"], "s:sidechain:2": ["task two", "answer two"]}
     assert not stats.dropped
+
+
+@settings(max_examples=100, deadline=None)
+@given(session=_sessions(), data=st.data())
+def test_any_one_lost_line_loses_only_that_record(tmp_path_factory, session, data):
+    """The corrupted-line sweep over random sessions: whichever line is cut, every other
+    record's text, thought and tool ids are still in the trace (a result whose call was on the
+    cut line excepted), nothing is `off_thread`, and the cut is reported by its line."""
+    records, _ = session
+    k = data.draw(st.integers(0, len(records) - 1))
+    lines = [json.dumps(r) for r in records]
+    lines[k] = lines[k][: len(lines[k]) // 2]
+    path = tmp_path_factory.mktemp("cut") / "s.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    traces, stats = parse_claude_code(path)
+    assert stats.where["malformed_json"] == [f"{path}:{k + 1}"] and "off_thread" not in stats.dropped
+    lost_calls = {b["id"] for b in _blocks(records[k]) if b["type"] == "tool_use"}
+    dump = json.dumps([t.messages for t in traces])
+    for i, rec in enumerate(records):
+        for token in _turn_tokens(rec) if i != k else ():
+            assert (token in lost_calls) != (json.dumps(token)[1:-1] in dump), (k, i, token)
+    for trace in traces:
+        for state in trace_states(trace, 0, stats):
+            assert context_problem(state.context) is None
