@@ -94,7 +94,8 @@ def read_jsonl(path: str | Path) -> tuple[list[tuple[int, dict]], ParseStats]:
 
     A UTF-8 BOM and a CR before the newline are tolerated on any line. Skips (by
     reason, with `file:line`) blank lines, undecodable bytes, malformed JSON,
-    nesting deeper than `MAX_DEPTH`, non-object values, and a truncated last line
+    nesting deeper than `MAX_DEPTH`, unpaired UTF-16 surrogate escapes,
+    non-object values, and a truncated last line
     (no newline and not JSON). A JSON list is returned as `{"messages": list}`.
     """
     stats = ParseStats()
@@ -129,6 +130,9 @@ def read_jsonl(path: str | Path) -> tuple[list[tuple[int, dict]], ParseStats]:
         if _deeper_than(obj, MAX_DEPTH):
             stats.note(stats.skipped, "too_deep", where)
             continue
+        if (b"\\ud" in line or b"\\uD" in line) and _has_lone_surrogate(obj):
+            stats.note(stats.skipped, "lone_surrogate", where)
+            continue
         stats.parsed += 1
         out.append((i, obj if isinstance(obj, dict) else {"messages": obj}))
     if not raw:
@@ -145,6 +149,16 @@ def _deeper_than(obj: Any, limit: int) -> bool:
             return True
         children = node.values() if isinstance(node, dict) else node
         stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return False
+
+
+def _has_lone_surrogate(obj: Any) -> bool:
+    """Whether a decoded value holds a `\\udXXX` escape that is not half of a pair: such a
+    string cannot be written as UTF-8 (dataset, cache, request body)."""
+    try:
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return True
     return False
 
 

@@ -106,6 +106,11 @@ def _write_cases(d: Path) -> list[tuple[str, int, str]]:
     expect.append(("bad_utf8.jsonl", 4, "bad_utf8"))
     (d / "not_object.jsonl").write_text("".join(lines[:3]) + "42\n")
     expect.append(("not_object.jsonl", 4, "not_object"))
+    # an unpaired surrogate escape decodes but cannot be written as UTF-8; a paired one (emoji) is fine
+    emoji = _set(_USER, ("message", "content"), "\U0001F600 ok")
+    lone = json.dumps(_set(_USER, ("message", "content"), "fix \ud800 this")).replace("u1", "u2")
+    (d / "surrogate.jsonl").write_text(json.dumps(emoji) + "\n" + lone + "\n")
+    expect.append(("surrogate.jsonl", 2, "lone_surrogate"))
     nested_record = '{"type": "user", "message": {"content": ' + "[" * DEEP + "]" * DEEP + "}}"
     (d / "nested.jsonl").write_text(lines[2] + "[" * DEEP + "]" * DEEP + "\n" + nested_record + "\n")
     expect += [("nested.jsonl", 2, "too_deep"), ("nested.jsonl", 3, "too_deep")]
@@ -188,6 +193,7 @@ def test_fuzz_table_no_traceback_and_every_bad_line_printed_with_file_and_line(f
     assert rows[str(cases / "a_good.jsonl")] == rows[str(cases / "bom.jsonl")] == rows[str(cases / "crlf.jsonl")] == good
     assert rows[str(cases / "big.jsonl")] == f"{n + 1} lines, {n} parsed, {built}"
     assert rows[str(cases / "empty.jsonl")] == "0 lines, 0 parsed, 0 traces, 0 states"
+    assert rows[str(cases / "surrogate.jsonl")] == "2 lines, 1 parsed, 1 traces, 0 states"
     # the cap refuses the dear teacher's calls: refusals are counted apart from failures
     assert brief["budget_refusals"] > 0 and brief["failures"] == 0 and brief["outcomes"].get("budget", 0) > 0
     assert brief["skipped"]["too_deep"] == 2 and brief["dropped"]["duplicate"] == 3
