@@ -271,16 +271,17 @@ class _Session:
         return chains[::-1]
 
     def _bridge(self, node: _Rec, seen: set[int]) -> _Rec | None:
-        """The record a lost parent most likely followed: the nearest earlier turn of the same
-        side before the nearest bad line above `node`, no later than `node`; None (the thread
-        starts at `node`) when no bad line precedes it."""
+        """Where `node`'s thread went on when its parent was lost on a bad line: the nearest
+        earlier turn of the same side not yet walked, no later than `node` (a sibling of `node`
+        under the lost parent, or what the lost record followed); None (the thread starts at
+        `node`) when no bad line precedes it."""
         gap = bisect.bisect_left(self.bad, node.line)
         if gap == 0:
             self.stats.note(self.stats.notes, "orphan_parent", self.at(node.line))
             return None
         bad_line = self.bad[gap - 1]
         stamp = node.raw.get("timestamp")
-        for i in range(bisect.bisect_left(self.lines, bad_line) - 1, -1, -1):
+        for i in range(bisect.bisect_left(self.lines, node.line) - 1, -1, -1):
             cand = self.recs[i]
             later = stamp and cand.raw.get("timestamp") and cand.raw["timestamp"] > stamp
             if cand.is_turn and cand.side == node.side and cand.line not in seen and not later:

@@ -8,6 +8,7 @@ or skipped and counted by reason with its `file:line`.
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -94,7 +95,8 @@ def read_jsonl(path: str | Path) -> tuple[list[tuple[int, dict]], ParseStats]:
 
     A UTF-8 BOM and a CR before the newline are tolerated on any line. Skips (by
     reason, with `file:line`) blank lines, undecodable bytes, malformed JSON,
-    nesting deeper than `MAX_DEPTH`, unpaired UTF-16 surrogate escapes,
+    NaN / infinite numbers, nesting deeper than `MAX_DEPTH`, unpaired UTF-16
+    surrogate escapes,
     non-object values, and a truncated last line
     (no newline and not JSON). A JSON list is returned as `{"messages": list}`.
     """
@@ -113,9 +115,12 @@ def read_jsonl(path: str | Path) -> tuple[list[tuple[int, dict]], ParseStats]:
             stats.note(stats.skipped, "blank", where)
             continue
         try:
-            obj = json.loads(line.decode("utf-8"))
+            obj = json.loads(line.decode("utf-8"), parse_constant=_non_finite, parse_float=_finite_float)
         except UnicodeDecodeError:
             stats.note(stats.skipped, "bad_utf8", where)
+            continue
+        except _NonFinite:
+            stats.note(stats.skipped, "non_finite_number", where)
             continue
         except RecursionError:
             stats.note(stats.skipped, "too_deep", where)
@@ -138,6 +143,21 @@ def read_jsonl(path: str | Path) -> tuple[list[tuple[int, dict]], ParseStats]:
     if not raw:
         stats.warnings.append(f"{path}: empty file")
     return out, stats
+
+
+class _NonFinite(ValueError):
+    """NaN or an infinity: Python's json reads them, strict JSON (and request bodies) refuse them."""
+
+
+def _non_finite(token: str) -> float:
+    raise _NonFinite(token)
+
+
+def _finite_float(token: str) -> float:
+    value = float(token)
+    if not math.isfinite(value):  # 1e999
+        raise _NonFinite(token)
+    return value
 
 
 def _deeper_than(obj: Any, limit: int) -> bool:

@@ -111,6 +111,12 @@ def _write_cases(d: Path) -> list[tuple[str, int, str]]:
     lone = json.dumps(_set(_USER, ("message", "content"), "fix \ud800 this")).replace("u1", "u2")
     (d / "surrogate.jsonl").write_text(json.dumps(emoji) + "\n" + lone + "\n")
     expect.append(("surrogate.jsonl", 2, "lone_surrogate"))
+    # NaN / Infinity / 1e999: Python's json reads them, request bodies cannot carry them
+    oa = json.dumps(_OA)
+    (d / "non_finite.jsonl").write_text("\n".join([oa, oa.replace('"go"', '"go", "name": NaN'),
+                                                   oa.replace('"type": "function"', '"index": -Infinity'),
+                                                   oa.replace('"content": "ok"', '"content": "ok", "w": 1e999')]) + "\n")
+    expect += [("non_finite.jsonl", i, "non_finite_number") for i in (2, 3, 4)]
     nested_record = '{"type": "user", "message": {"content": ' + "[" * DEEP + "]" * DEEP + "}}"
     (d / "nested.jsonl").write_text(lines[2] + "[" * DEEP + "]" * DEEP + "\n" + nested_record + "\n")
     expect += [("nested.jsonl", 2, "too_deep"), ("nested.jsonl", 3, "too_deep")]
