@@ -88,6 +88,8 @@ def _openai_message(m: Any) -> tuple[dict | None, str | None]:
     msg["content"] = content if isinstance(content, str) else text_of(content)[0]
     if m["role"] == "tool" and not isinstance(m.get("tool_call_id"), str):
         return None, "bad_type:tool_call_id"
+    if m.get("name") is not None and not isinstance(m["name"], str):
+        return None, "bad_type:name"  # sent as is: an API would refuse the request
     if m["role"] == "assistant":
         thought = msg.pop("reasoning_content", None) or msg.get("reasoning")
         if thought:

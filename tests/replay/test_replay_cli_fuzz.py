@@ -85,6 +85,7 @@ _OA_WRONG = [
     (("messages", 1, "tool_calls", 0, "function", "name"), ["run"], "bad_type:tool_calls.function.name"),
     (("messages", 1, "tool_calls", 0, "function", "arguments"), [1], "bad_type:tool_calls.function.arguments"),
     (("messages", 2, "tool_call_id"), 5, "bad_type:tool_call_id"),
+    (("messages", 0, "name"), {"n": 1}, "bad_type:name"),
 ]
 
 
