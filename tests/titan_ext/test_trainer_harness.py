@@ -238,7 +238,8 @@ def make_spec(args: dict[str, Any], out_dir: Path | None = None):
                               export_bucket_mib=args.get("bucket_mib", 256.0)),
         optimizer=OptimizerConfig(name=args.get("optimizer", "muon"), lr=0.02, adamw_lr=3e-3, warmup_steps=1),
         loss=LossConfig(alpha=1.0, beta=1.0, chunk_tokens=16, policy=PolicyLossConfig(**args.get("policy", {})),
-                        distill=DistillLossConfig(kind=args.get("distill_kind", "jsd"), taid_alpha=0.5)),
+                        distill=DistillLossConfig(kind=args.get("distill_kind", "jsd"), taid_alpha=0.5,
+                                                  taid_adaptive=args.get("taid_adaptive", True))),
         checkpoint=CheckpointConfig(**ckpt) if ckpt else CheckpointConfig(enabled=False),
         checkpoint_dir=str(out_dir / "ckpt") if ckpt else "",
     )

@@ -123,12 +123,16 @@ def test_sequence_level_is_weights_each_packed_rollout(tiny_assets, tmp_path):
     assert first["policy/loss"] != pytest.approx(_reference(tiny_assets.dense_dir)["policy"], abs=1e-5, rel=1e-4)
 
 
-def test_taid_schedule_advances_and_is_saved(tiny_assets, tmp_path):
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_taid_schedule_advances_and_is_saved(tiny_assets, tmp_path, adaptive):
     from test_trainer_harness import run_ranks
 
-    result = run_ranks("taid", 1, tmp_path, {"hf_path": str(tiny_assets.dense_dir), "optimizer": "adamw", "steps": 4})
+    args = {"hf_path": str(tiny_assets.dense_dir), "optimizer": "adamw", "steps": 4, "taid_adaptive": adaptive}
+    result = run_ranks("taid", 1, tmp_path, args)
     t = result["t"]
-    assert t[0] == pytest.approx(0.4)  # t_start; the first update only records the loss
+    if not adaptive:  # `[loss.distill] taid_adaptive = false`: the line t_start -> t_end over the run's 4 steps
+        assert t == pytest.approx([0.4 + 0.6 * step / 4 for step in range(1, 5)])
+    assert t[0] == pytest.approx(0.4 if adaptive else 0.55)  # adaptive: the first update only records the loss
     assert all(b >= a for a, b in zip(t, t[1:])) and t[-1] > t[0] and t[-1] <= 1.0
     assert all(d > 0 for d in result["distill"])  # TAID's cross-entropy to the interpolated target
     assert result["saved"]["t"] == pytest.approx(t[-1])
