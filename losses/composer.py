@@ -269,9 +269,9 @@ def _sequence_index(inputs: PolicyInputs, mask: torch.Tensor) -> torch.Tensor:
 
 
 def _sequence_mismatch(cfg: ComposerConfig, head, weight_VD, inputs, mask, labels_n, old_n, gen_n):
-    """Mismatch weights of all valid tokens at once, for corrections that look at whole
-    sequences; on-policy (no π_old given) π_old is the current policy, scored here without
-    gradient (one extra head matmul per token).  # MismatchWeights of [n]"""
+    """Mismatch weights of all valid tokens before the head loop (when π_old is given, or a
+    correction looks at whole sequences); on-policy (no π_old given) π_old is the current
+    policy, scored here without gradient (one extra head matmul per token).  # MismatchWeights of [n]"""
     if old_n is None:
         hidden_nD = inputs.hidden_BTD[mask].detach()
         with torch.no_grad():

@@ -125,6 +125,11 @@ def test_sequence_modes_need_sequence_ids():
     old, gen, _ = _tokens(10, 2, seed=1)
     with pytest.raises(ValueError, match="sequence index"):
         mismatch_weights(old, gen, None, MismatchConfig("sequence"))
+    w = torch.randn(V, D)
+    inputs = _policy_inputs(seed=2, on_policy=True, w=w)
+    cfg = dataclasses.replace(ComposerConfig(), policy=dataclasses.replace(ComposerConfig().policy, is_level="sequence"))
+    with pytest.raises(ValueError, match="seq_ids_BT must be"):
+        compose_loss(cfg, w, policy=dataclasses.replace(inputs, seq_ids_BT=inputs.seq_ids_BT[:, :5]))
 
 
 # --- log-ratio clamp -------------------------------------------------------------------
