@@ -155,6 +155,20 @@ def test_log_ratio_clamp_keeps_huge_ratios_finite():
     assert (grad == 0).all()  # every |log r| > 20: outside the clamp, no gradient (verl's behaviour)
     prime = prime_dppo_token_loss(logp, old, adv)
     assert torch.isfinite(prime.loss).all()
+    # the same through the composer, full-logits and chunked heads: π_old 60-120 nats below π_θ
+    w = (torch.randn(V, D, generator=g) / D**0.5).requires_grad_()
+    h = torch.randn(2, 12, D, generator=g).requires_grad_()
+    inputs = PolicyInputs(h, torch.randint(0, V, (2, 12), generator=g), torch.ones(2, 12, dtype=torch.bool),
+                          -0.5 - torch.rand(2, generator=g), 24, old_logprobs_BT=-60 - 60 * torch.rand(2, 12, generator=g))
+    outs = []
+    for chunked in (False, True):
+        out = compose_loss(ComposerConfig(chunked=chunked, chunk_tokens=5), w, policy=inputs)
+        grads = torch.autograd.grad(out.loss, [w, h])
+        assert torch.isfinite(out.loss) and out.loss > 1e7 and all(torch.isfinite(x).all() for x in grads)
+        outs.append((out.loss, grads))
+    torch.testing.assert_close(outs[0][0], outs[1][0])
+    unclamped = dataclasses.replace(ComposerConfig(), policy=dataclasses.replace(ComposerConfig().policy, log_ratio_clamp=None))
+    assert torch.isinf(compose_loss(unclamped, w, policy=inputs).loss)
 
 
 # --- through the composer: both LM-head paths, packed rows ------------------------------
