@@ -57,21 +57,26 @@ def normalize_job(job: dict[str, Any], expand: Callable[[str], list[str]] = scon
 class CompatSlurmJob(SlurmJob):
     """`SlurmJob` for Slurm 22.05 and newer (see the module docstring); same constructor."""
 
+    hostnames = staticmethod(scontrol_hostnames)  # hostlist → node names
     _last_seen: tuple[list[str], str] = ([], "")  # (job_state, state_reason) of the last squeue read
 
-    def _get_job_info_json(self, job_id: str) -> dict[str, Any] | None:
+    def _squeue(self, job_id: str) -> dict[str, Any] | None:
+        """`squeue --job ID --json` parsed, or None when squeue fails (e.g. the job left the queue)."""
         try:
             out = subprocess.run(["squeue", "--job", job_id, "--json"], capture_output=True, text=True, check=True)
-            job = find_job(json.loads(out.stdout), job_id) if out.stdout.strip() else None
-        except subprocess.CalledProcessError as e:  # e.g. "Invalid job id specified" once the job left the queue
+            return json.loads(out.stdout) if out.stdout.strip() else None
+        except subprocess.CalledProcessError as e:  # "Invalid job id specified" once the job is purged
             logger.warning("squeue for SLURM job %s failed: %s", job_id, e.stderr.strip())
-            return None
         except json.JSONDecodeError as e:
             logger.warning("squeue --json for SLURM job %s is not JSON: %s", job_id, e)
-            return None
+        return None
+
+    def _get_job_info_json(self, job_id: str) -> dict[str, Any] | None:
+        """Monarch's one read of the queue (start wait and activity check), in the ≥ 23 shape."""
+        job = find_job(self._squeue(job_id) or {}, job_id)
         if job is None:
             return None
-        job = normalize_job(job)
+        job = normalize_job(job, self.hostnames)
         self._last_seen = (job["job_state"], str(job.get("state_reason", "")))
         return job
 
