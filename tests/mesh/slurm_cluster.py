@@ -36,6 +36,9 @@ BINARIES = ("slurmctld", "slurmd", "sinfo", "squeue", "scancel", "scontrol", "mu
 CONTROLLER_ADDR = "10.77.0.1"
 NODES = {"cm-n1": "10.77.0.2", "cm-n2": "10.77.0.3"}
 SLURMD_PORTS = {"cm-n1": 6818, "cm-n2": 6819}  # one network namespace: each slurmd needs its own port
+# Where Debian's Slurm and munge keep files by default: the cluster must leave them as they were.
+SYSTEM_DIRS = ("/etc/slurm", "/etc/munge", "/var/lib/munge", "/var/log/munge", "/var/log/slurm", "/run/munge",
+               "/run/slurm", "/var/spool/slurmctld", "/var/spool/slurmd", "/var/lib/slurm")
 
 SLURM_CONF = """\
 ClusterName=composer
@@ -106,6 +109,7 @@ class SlurmCluster:
         self.conf = self.root / "slurm.conf"
         self.holder: subprocess.Popen | None = None
         self.daemons: dict[str, subprocess.Popen] = {}
+        self.system_before = system_files()
 
     # -- running commands inside the cluster's namespaces -------------------------------------------------------
 
@@ -214,6 +218,9 @@ class SlurmCluster:
         if self.holder is not None and not _end(self.holder):
             problems.append(f"namespace holder (pid {self.holder.pid}) needed SIGKILL")
         shutil.rmtree(self.root, ignore_errors=True)
+        if (after := system_files()) != self.system_before:
+            changed = sorted(set(after.items()) ^ set(self.system_before.items()))
+            problems.append(f"files changed outside the temp dir: {changed}")
         return problems
 
     def processes(self) -> list[int]:
@@ -249,6 +256,18 @@ def _end(proc: subprocess.Popen, timeout_s: float = 15) -> bool:
         proc.kill()
         proc.wait()
         return False
+
+
+def system_files() -> dict[str, int]:
+    """Every file under SYSTEM_DIRS with its modification time (ns)."""
+    out = {}
+    for d in SYSTEM_DIRS:
+        for path in Path(d).rglob("*") if Path(d).is_dir() else ():
+            try:
+                out[str(path)] = path.lstat().st_mtime_ns
+            except OSError:
+                pass
+    return out
 
 
 def _describe(pids: list[int]) -> str:

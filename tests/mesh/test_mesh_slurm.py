@@ -110,7 +110,8 @@ def wait_gone(cluster: SlurmCluster, job_id: str, timeout_s: float = 30) -> None
 
 
 def slurm_context(pid: int) -> dict[str, str]:
-    """The Slurm node / job / step a process runs in (its environment) and whether a slurmstepd is its ancestor."""
+    """The Slurm node / job / step a process runs in (its environment), whether a slurmstepd is its ancestor, and
+    its host as the weight sync names it (`actors.shm_weights.host_label`: Monarch's process name)."""
     env = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0") if "=" in kv)
     ancestors, p = [], pid
     while p > 1:
@@ -118,7 +119,8 @@ def slurm_context(pid: int) -> dict[str, str]:
         p = int(stat.rsplit(")", 1)[1].split()[1])
         ancestors.append(Path(f"/proc/{p}/comm").read_text().strip() if p > 1 else "")
     return {"node": env.get("SLURMD_NODENAME", ""), "job": env.get("SLURM_JOB_ID", ""),
-            "step": env.get("SLURM_STEP_ID", ""), "under_slurmstepd": str("slurmstepd" in ancestors)}
+            "step": env.get("SLURM_STEP_ID", ""), "under_slurmstepd": str("slurmstepd" in ancestors),
+            "sync_host": env.get("HYPERACTOR_PROCESS_NAME", "").rpartition(" @ ")[2]}
 
 
 def test_hostlists_are_expanded_by_scontrol(cluster, monkeypatch):
@@ -175,8 +177,8 @@ def test_train_end_to_end_survives_generator_sigkill(cluster, tiny_assets):
             time.sleep(0.2)
         pids = json.loads((run_dir / "processes.json").read_text())
         trainer, generator = slurm_context(pids["trainer"][0]), slurm_context(pids["generator"][0])
-        assert trainer == {"node": TRAINER_NODE, "job": job_id, "step": "0", "under_slurmstepd": "True"}
-        assert generator == {"node": GENERATOR_NODE, "job": job_id, "step": "0", "under_slurmstepd": "True"}
+        for ctx, node in ((trainer, TRAINER_NODE), (generator, GENERATOR_NODE)):  # weights cross hosts
+            assert ctx == {"node": node, "job": job_id, "step": "0", "under_slurmstepd": "True", "sync_host": node}
         time.sleep(0.3)  # into the next step's work, as in the local drill
         os.kill(pids["generator"][0], signal.SIGKILL)
         stdout, _ = proc.communicate(timeout=400)
