@@ -124,12 +124,14 @@ def slurm_context(pid: int) -> dict[str, str]:
 
 
 def test_hostlists_are_expanded_by_scontrol(cluster, monkeypatch):
+    """CompatSlurmJob's expansion is Slurm's own; it agrees with the reference the parsing tests use."""
     from configs.jobs.slurm_compat import scontrol_hostnames
+    from test_mesh_jobs import reference_hostnames
 
     monkeypatch.setenv("SLURM_CONF", str(cluster.conf))  # scontrol needs a config even to parse a hostlist
     assert scontrol_hostnames("cm-n[1-2]") == ["cm-n1", "cm-n2"]
-    assert scontrol_hostnames("gpu-[008-010],cpu7,a[1,3-4]") == [
-        "gpu-008", "gpu-009", "gpu-010", "cpu7", "a1", "a3", "a4"]
+    for hostlist in ("gpu-[008-010],cpu7,a[1,3-4]", "gpu-[007-008],gpu-010", "n[09-11]", "x1,x2"):
+        assert scontrol_hostnames(hostlist) == reference_hostnames(hostlist), hostlist
 
 
 def test_start_timeout_names_job_state_and_reason(cluster, tmp_path):
