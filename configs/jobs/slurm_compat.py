@@ -3,12 +3,15 @@
 Monarch 0.7 reads the Slurm ≥ 23 shape (openapi ≥ v0.0.40): one job for
 `squeue --job ID --json`, `job_state` a list, `job_resources.nodes.allocation[*].name`.
 Slurm 22.05 (openapi v0.0.38, measured on Debian's slurm-wlm 22.05.8) differs in
-three ways, each of which breaks Monarch's start wait or its activity check:
+three ways:
 
-- `squeue --job ID --json` ignores `--job` and lists every job in the queue;
-  Monarch takes `jobs[0]`, which is another job as soon as two are queued;
-- `job_state` is a string (`"RUNNING"`), not a list (`["RUNNING"]`);
-- `job_resources.nodes` is a hostlist string (`"cm-n[1-2]"`), not a dict.
+- `squeue --job ID --json` ignores `--job` and lists every job in the queue
+  (finished ones too, for MinJobAge); Monarch takes `jobs[0]`, another job as
+  soon as two are listed, so its activity check reads the wrong job's state;
+- `job_resources.nodes` is a hostlist string (`"cm-n[1-2]"`), not a dict:
+  Monarch's start wait fails (`'str' object has no attribute 'get'`);
+- `job_state` is a string (`"RUNNING"`), not a list (`["RUNNING"]`); Monarch's
+  `in` tests then match substrings, which happens to work for today's names.
 
 `find_job` + `normalize_job` map one job of either shape onto the ≥ 23 shape,
 expanding a hostlist with `scontrol show hostnames` (Slurm's own parser).
