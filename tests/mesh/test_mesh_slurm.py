@@ -193,7 +193,10 @@ def test_train_end_to_end_survives_generator_sigkill(cluster, tiny_assets):
     assert summary["final_step"] == STEPS and [r["role"] for r in summary["restarts"]] == ["generator"]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
-    assert all(s == 0 for r in rows for s in r["staleness"])  # sync mode: every rollout on the trainer's newest weights
+    assert all(r["groups"] == 2 and r["staleness"] == [0, 0] for r in rows)  # no group lost; sync mode: every
+    # rollout on the trainer's newest weights
+    hit = rows[KILL_AFTER]  # the step whose work the kill landed in: noticed within the supervision poll (1 s)
+    assert hit["seconds"] < 60, f"step {hit['step']} took {hit['seconds']:.0f} s to get past the dead generator"
     assert (run_dir / "plot.png").stat().st_size > 0 and summary["plot"] == str(run_dir / "plot.png")
 
     killed = cluster.run([monarch, "kill"], cwd=wd, env=env, timeout=120)
