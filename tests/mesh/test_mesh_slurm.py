@@ -39,8 +39,6 @@ BIN = Path(sys.executable).parent  # the venv's `monarch` and `composer-mesh` sc
 STEPS, KILL_AFTER = 5, 2
 TRAINER_NODE, GENERATOR_NODE = NODES  # the job's meshes take the allocation's nodes in order
 
-pytestmark = pytest.mark.timeout(600)
-
 NOTEBOOK = """
 import json, os, socket
 from monarch.actor import Actor, endpoint
