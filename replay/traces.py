@@ -54,6 +54,9 @@ class TraceState:
 # ---------------------------------------------------------------- OpenAI chat
 
 _ROLES = ("system", "user", "assistant", "tool")
+# OpenAI's `developer` role is the system role of its reasoning models; teachers behind other
+# servers (vLLM chat templates) know only `system`, so it is read as one.
+_ROLE_ALIASES = {"developer": "system"}
 
 
 def _openai_call(call: Any) -> tuple[dict | None, str | None]:
@@ -79,18 +82,19 @@ def _openai_message(m: Any) -> tuple[dict | None, str | None]:
     """A validated copy of one chat message, or the reason it is not one."""
     if not isinstance(m, dict):
         return None, "bad_type:messages[]"
-    if m.get("role") not in _ROLES:
+    role = _ROLE_ALIASES.get(m.get("role"), m.get("role"))
+    if role not in _ROLES:
         return None, "bad_role"
-    msg = dict(m)
+    msg = {**m, "role": role}
     content = msg.get("content")
     if content is not None and not isinstance(content, (str, list)):
         return None, "bad_type:content"
     msg["content"] = content if isinstance(content, str) else text_of(content)[0]
-    if m["role"] == "tool" and not isinstance(m.get("tool_call_id"), str):
+    if role == "tool" and not isinstance(m.get("tool_call_id"), str):
         return None, "bad_type:tool_call_id"
     if m.get("name") is not None and not isinstance(m["name"], str):
         return None, "bad_type:name"  # sent as is: an API would refuse the request
-    if m["role"] == "assistant":
+    if role == "assistant":
         thought = msg.pop("reasoning_content", None) or msg.get("reasoning")
         if thought:
             msg["reasoning"] = str(thought)

@@ -170,3 +170,12 @@ def test_compaction_starts_the_context_at_the_boundary_and_multi_result_records(
     # the turns before /compact are what the model saw then: their own trace
     assert pre.trace_id == "s:before-compact-1" and pre.messages[0] == {"role": "user", "content": "old task"}
     assert [m.get("tool_call_id") for m in pre.messages[2:]] == ["toolu_1", "toolu_2"]
+
+
+def test_openai_developer_role_is_read_as_system(tmp_path):
+    path = tmp_path / "dev.jsonl"
+    path.write_text(json.dumps({"id": "d", "messages": [
+        {"role": "developer", "content": "Be terse."}, {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"}]}) + "\n")
+    traces, stats = parse_openai_chat(path)
+    assert stats.dropped == {} and [m["role"] for m in traces[0].messages] == ["system", "user", "assistant"]
