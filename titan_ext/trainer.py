@@ -54,6 +54,7 @@ from losses.composer import (
     summarize_metrics,
 )
 from losses.distill import TAIDSchedule
+from losses.mismatch import packed_sequence_ids
 from titan_ext.attention import attention_masks
 from titan_ext.batch import TrainBatch
 from titan_ext.checkpoint import Checkpointer
@@ -129,7 +130,7 @@ class Trainer:
         self.model = model = self._build_model()
         # DPO's π_ref: the initial weights, frozen (built before any checkpoint is loaded into the policy).
         self.reference: torch.nn.Module | None = None
-        if spec.trainer.dpo_reference == "frozen" and spec.loss.beta > 0 and spec.loss.preference.kind == "dpo":
+        if spec.trainer.dpo_reference == "frozen" and spec.loss.beta > 0 and spec.loss.preference.needs_reference:
             self.reference = self._build_model().requires_grad_(False).eval()
 
         self.optimizer = build_optimizer(model, spec.optimizer)
@@ -138,7 +139,10 @@ class Trainer:
             self.model_spec.post_optimizer_build_fn(self.optimizer, [model], self.parallel_dims)
 
         d = spec.loss.distill
-        self.taid = TAIDSchedule(d.taid_t_start, d.taid_t_end, d.taid_alpha, d.taid_beta) if d.kind == "taid" else None
+        self.taid = (
+            TAIDSchedule(d.taid_t_start, d.taid_t_end, d.taid_alpha, d.taid_beta, d.taid_adaptive)
+            if d.kind == "taid" else None
+        )
         self.step = 0
         self.data_cursors: dict[str, Any] = {}
         self.checkpointer = Checkpointer(spec.checkpoint, spec.checkpoint_dir) if spec.checkpoint_dir else None
@@ -259,8 +263,8 @@ class Trainer:
             return "batch.distill_tokens > 0 but this rank's batch has no hint-distillation tensors"
         if batch.pairs > 0 and not batch.has_pairs:
             return "batch.pairs > 0 but this rank's batch has no preference pairs"
-        if batch.pairs > 0 and self.loss_cfg.preference.kind == "dpo" and not batch.has_reference:
-            return "DPO needs ref_chosen_logprobs_P / ref_rejected_logprobs_P in the batch"
+        if batch.pairs > 0 and self.spec.loss.preference.needs_reference and not batch.has_reference:
+            return f"{self.spec.loss.preference.kind} needs ref_chosen_logprobs_P / ref_rejected_logprobs_P in the batch"
         if batch.policy_tokens == 0 and batch.distill_tokens == 0 and batch.pairs == 0:
             return "empty batch: policy_tokens, distill_tokens and pairs are all 0"
         return None
@@ -287,6 +291,7 @@ class Trainer:
                 advantages=mb.advantages_BL.to(dev),
                 num_tokens=mb.policy_tokens,
                 gen_logprobs_BT=mb.generator_logprobs_BL.to(dev),
+                seq_ids_BT=packed_sequence_ids(mb.positions_BL).to(dev),
             )
         if teacher_BLD is not None:
             distill = DistillInputs(

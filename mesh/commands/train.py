@@ -194,7 +194,7 @@ def train(job: Any, *, resume: bool = True, progress: bool = True) -> dict[str, 
             max_staleness=job.trainer.max_staleness, seed=job.job.seed, hints=job.loss.alpha > 0,
             weight_dir=weight_dir,
             pairs_per_step=job.trainer.prompts_per_step if placement.replay is not None else 0,
-            dpo_reference=job.loss.preference.kind == "dpo", state_dir=state_dir,
+            dpo_reference=job.loss.preference.needs_reference, state_dir=state_dir,
         )
         supervisor = None
         if job.mesh.max_restarts > 0 and supervised:
