@@ -119,7 +119,8 @@ def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None
     steps = Checkpointer(CheckpointConfig(), checkpoint_dir).complete_steps()
     if step is None:
         if not steps:
-            raise FileNotFoundError(f"no complete checkpoint in {checkpoint_dir} (the run's final weights: {run_dir / 'hf'})")
+            raise FileNotFoundError(
+                f"no complete checkpoint in {checkpoint_dir} (the run's final weights: {run_dir / 'hf'})")
         step = steps[-1]
     path = checkpoint_dir / step_dir_name(step)
     if not (path / COMPLETE).is_file():

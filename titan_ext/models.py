@@ -257,7 +257,8 @@ def _derived_spec(checkpoint: Any, attn_backend: str, hf_path: str) -> ModelSpec
 def _check_same_model(model_cfg: ModelConfig, derived: Any, loaded: Any) -> None:
     """Refuse a checkpoint whose config.json differs from the named flavour, naming the first field."""
     want = architecture_signature(derived)
-    got = architecture_signature(loaded) if loaded.model_type in ("qwen3", "qwen3_moe") else {"model_type": loaded.model_type}
+    qwen3 = loaded.model_type in ("qwen3", "qwen3_moe")
+    got = architecture_signature(loaded) if qwen3 else {"model_type": loaded.model_type}
     for field, value in want.items():
         if got.get(field) != value:
             raise ValueError(

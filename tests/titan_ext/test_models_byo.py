@@ -96,7 +96,8 @@ def test_llama_checkpoint_loads_by_hf_path_alone(tmp_path):
     hf_dir = save_random(tmp_path / "llama", "llama", fields, seed=6)
     resolved = resolve_model(ModelConfig(hf_path=str(hf_dir), device="cpu"), CPU)
     rope_cfg = resolved.spec.model.layers[0].attention.rope
-    assert resolved.family == "llama3" and (rope_cfg.scaling, rope_cfg.original_max_position_embeddings) == ("llama", 64)
+    assert resolved.family == "llama3"
+    assert (rope_cfg.scaling, rope_cfg.original_max_position_embeddings) == ("llama", 64)
     assert _logit_diff(hf_dir) < TOL
 
 
