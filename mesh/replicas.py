@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -82,9 +82,33 @@ def place_replicas(cfg: MeshConfig, diloco: DiLoCoConfig, trainer_spec: Any, gen
         groups.append(procs.spawn(f"trainer_{g}", DiLoCoTrainerActor, trainer_spec, diloco))
     generators, _, _ = spawn_generators(cfg, list(meshes), generator_spec, meshes)
     setup = [s for group in groups for s in group.setup.call().get().values()]
+    start = list(groups[0].local_digest.call().get().values())  # group 0's weights per rank: every group starts there
     for g, group in enumerate(groups):
-        group.join.call(manager.assign.call_one(g).get()).get()
+        group.join.call(manager.assign.call_one(g).get(), start).get()
     return ReplicaPlacement(groups[0], generators, None, setup, meshes, manager=manager, groups=groups)
+
+
+def run_groups(drive: Callable[[int, threading.Event], None], n: int, stop_run: Callable[[], None]) -> None:
+    """`drive(g, stop)` for every replica group g in its own thread; the first failure stops them all.
+
+    A group blocked in a DiLoCo sync waits for a quorum that a failed group never joins
+    (`quorum_timeout_s`, 600 s by default). So on the first failure `stop` is set (drivers check it
+    between steps) and `stop_run()` shuts the lighthouse down: every replica then aborts its pending
+    quorum within `heartbeat_timeout_ms` (`DiLoCoReplica._watch_lighthouse`). Once every thread has
+    ended, raises the first failure, naming its group.
+    """
+    stop = threading.Event()
+    failed: list[tuple[int, BaseException]] = []
+    with ThreadPoolExecutor(n) as pool:
+        futures = {pool.submit(drive, g, stop): g for g in range(n)}
+        for future in as_completed(futures):
+            if future.exception() is not None and not failed:
+                failed.append((futures[future], future.exception()))
+                stop.set()
+                stop_run()
+    if failed:
+        g, exc = failed[0]
+        raise RuntimeError(f"replica group {g} failed; the other groups were stopped") from exc
 
 
 class ReplicaController:
@@ -136,9 +160,9 @@ class ReplicaController:
         lock = threading.Lock()
         first = self.groups[0].version
 
-        def drive(g: int) -> None:
+        def drive(g: int, stop: threading.Event) -> None:
             c, ties = self.groups[g], 0
-            while c.version < first + self.cfg.steps:
+            while c.version < first + self.cfg.steps and not stop.is_set():
                 record = c.step(sync_generators=False)
                 if "skipped" in record.metrics:
                     ties += 1
@@ -154,9 +178,7 @@ class ReplicaController:
                     pending.setdefault(record.step, []).append(record)
                     self._emit_ready(pending, history)
 
-        with ThreadPoolExecutor(len(self.groups)) as pool:
-            for f in [pool.submit(drive, g) for g in range(len(self.groups))]:
-                f.result()
+        run_groups(drive, len(self.groups), lambda: self.placement.manager.shutdown.call_one().get())
         return history
 
     def _emit_ready(self, pending: dict[int, list[StepRecord]], history: list[StepRecord]) -> None:

@@ -58,8 +58,9 @@ def replicas(tiny_assets):
         groups.append(procs.spawn(f"trainer_{i}", DiLoCoTrainerActor, spec, cfg))
     for g in groups:
         g.setup.call().get()
+    start = list(groups[0].local_digest.call().get().values())
     for i, g in enumerate(groups):
-        g.join.call(manager.assign.call_one(i).get()).get()
+        g.join.call(manager.assign.call_one(i).get(), start).get()
     yield manager, groups
     manager.shutdown.call_one().get()
     for procs in meshes:

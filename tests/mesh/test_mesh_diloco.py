@@ -4,7 +4,8 @@ Two trainer replica groups (own proc meshes) under the DiLoCo manager actor,
 one generator following the post-outer-step weights (every load is digest-
 checked against group 0's export by `sync_weights`), rollouts split across
 the groups. Shortened: 2 steps, H = 1 → 2 outer rounds. Plus the recipe
-combinations the loop refuses, with errors that say what to change.
+combinations the loop refuses, with errors that say what to change, and
+`run_groups` stopping every group within seconds when one fails.
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -55,3 +59,62 @@ def test_unsupported_combinations_are_clear_errors(overrides, message):
     job = load_config(REPO / "configs" / "diloco_cpu.toml", overrides)
     with pytest.raises(ValueError, match=message):
         check_supported(job)
+
+
+def test_a_failing_group_stops_the_other_within_seconds():
+    """Group 1 fails right after its first outer sync (say its generator died); group 0 goes on into the
+    second sync and waits for a quorum group 1 will never join (its Manager still heartbeats, and
+    quorum_timeout_s is 600 s). `run_groups` shuts the lighthouse down; group 0's pending quorum is aborted
+    and the run raises group 1's error within seconds."""
+    import torch
+    from torch import nn
+    from torch.distributed import TCPStore
+    from torchft._torchft import LighthouseServer
+
+    from configs.sections.diloco import DiLoCoConfig
+    from mesh.replicas import run_groups
+    from titan_ext.diloco import DiLoCoReplica, ReplicaAssignment
+
+    cfg = DiLoCoConfig(inner_steps=2, replica_groups=2, min_replicas=2, heartbeat_timeout_ms=1000,
+                       timeout_s=30, quorum_timeout_s=600)
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=cfg.join_timeout_ms,
+                                  heartbeat_timeout_ms=cfg.heartbeat_timeout_ms)
+    stores, members = [], []
+    errors: dict[int, str] = {}
+    failed_at: list[float] = []
+    try:
+        for g in range(2):
+            stores.append(TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=30)))
+            model = nn.Linear(4, 1, bias=False)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            members.append((model, optimizer, DiLoCoReplica(
+                cfg, model, optimizer, ReplicaAssignment(f"replica_{g}", g, lighthouse.address()),
+                store_addr="127.0.0.1", store_port=stores[-1].port)))
+
+        def drive(g: int, stop: threading.Event) -> None:
+            model, optimizer, replica = members[g]
+            try:
+                for _ in range(3 * cfg.inner_steps):
+                    if stop.is_set():
+                        return
+                    model.weight.grad = torch.ones_like(model.weight)
+                    optimizer.step()  # the 2nd, 4th, ... step waits for a quorum of both groups
+                    if g == 1 and replica.commits == 1:
+                        failed_at.append(time.monotonic())
+                        raise ValueError("group 1: its generator died")
+            except BaseException as exc:
+                errors[g] = str(exc)
+                raise
+
+        with pytest.raises(RuntimeError, match="replica group 1 failed") as info:
+            run_groups(drive, 2, lighthouse.shutdown)
+        seconds = time.monotonic() - failed_at[0]
+    finally:
+        for _, _, replica in members:
+            replica.close()
+        lighthouse.shutdown()
+    assert "its generator died" in str(info.value.__cause__)
+    assert "lighthouse" in errors.get(0, ""), f"group 0 did not abort its pending sync: {errors}"
+    assert seconds < 10, f"group 0 stopped {seconds:.1f} s after group 1 failed (quorum_timeout_s = 600)"
+    print(f"\ngroup 1 failed; the run stopped {seconds:.2f} s later (heartbeat_timeout_ms = 1000)")
