@@ -105,6 +105,8 @@ class DiLoCoTrainerActor(TrainerActor):
                 extra_state=(self._extra_state, self._load_extra_state),
                 start_digest=None if start_digests is None else start_digests[rank],
             )
+            # DiLoCo's outer state goes into this group's trainer checkpoints; a resumed one is loaded now
+            t.register_wrapper("diloco", self.replica.state_dict, self.replica.load_state_dict)
         return self.replica.status()
 
     def _extra_state(self) -> dict[str, Any]:

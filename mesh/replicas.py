@@ -16,6 +16,11 @@ Every group generates and trains in its own thread (the DiLoCo sync inside
 step that ended an outer round the generators load group 0's weights, i.e.
 the post-outer-step weights. Between syncs they stay on those weights; the generator logprobs
 travel with every sample, so the loss's IS correction sees what sampled.
+Teacher replay: one actor for all groups; each group queues its own failed
+turns and draws `pairs_per_step / R` pairs. Checkpoints: each group its own
+(`<checkpoint dir>/replica_<g>`, with DiLoCo's outer state); a resumed run
+continues every group from the same step. The first group that fails stops
+the others (`run_groups`).
 """
 
 from __future__ import annotations
@@ -25,12 +30,13 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from configs.sections.diloco import DiLoCoConfig
 from configs.sections.mesh import MeshConfig
 from mesh.controller import Controller, ControllerConfig, StepRecord
-from mesh.placement import Placement, host_meshes, spawn_generators
+from mesh.placement import Placement, host_meshes, spawn_generators, spawn_replay
 from mesh.weight_sync_baseline import rank0, sync_weights
 
 MAX_TIED_RETRIES = 20  # batches in a row with nothing to train before a group gives up
@@ -52,21 +58,29 @@ class ReplicaPlacement(Placement):
 def check_supported(job: Any) -> None:
     """Clear errors for recipe combinations the DiLoCo loop does not run."""
     if job.trainer.mode != "sync":
-        raise ValueError("diloco.enabled needs trainer.mode = \"sync\" (the replica groups step together)")
-    if job.loss.beta > 0 and job.mesh.replay_procs > 0:
-        raise ValueError("diloco.enabled does not run teacher replay yet: set loss.beta = 0 or mesh.replay_procs = 0")
-    if job.checkpoint.enabled:
         raise ValueError(
-            "diloco.enabled keeps outer state (global weights, outer momentum) in the live replicas, which heal "
-            "each other through torchft; trainer checkpoints would not hold it: set checkpoint.enabled = false"
+            "diloco.enabled needs trainer.mode = \"sync\": async generation would need one weight publication "
+            "per replica group (a slot ring and generators of its own) and a staleness bound across outer syncs, "
+            "which the DiLoCo loop does not build"
+        )
+    if job.loss.beta > 0 and job.mesh.replay_procs > 0 and job.replay.gating.enabled:
+        raise ValueError(
+            "diloco.enabled with replay.gating.enabled: gating scores states with one group's trainer, which may "
+            "be blocked in an outer sync waiting for the group that asks; set replay.gating.enabled = false"
         )
     if job.trainer.prompts_per_step < job.diloco.replica_groups:
         raise ValueError(f"trainer.prompts_per_step ({job.trainer.prompts_per_step}) < diloco.replica_groups "
                          f"({job.diloco.replica_groups}): every group needs rollouts each step")
 
 
-def place_replicas(cfg: MeshConfig, diloco: DiLoCoConfig, trainer_spec: Any, generator_spec: Any) -> ReplicaPlacement:
-    """Spawn the manager, R trainer replica groups (set up, joined) and the generators."""
+def place_replicas(cfg: MeshConfig, diloco: DiLoCoConfig, trainer_spec: Any, generator_spec: Any,
+                   replay_spec: Any | None = None) -> ReplicaPlacement:
+    """Spawn the manager, R trainer replica groups (set up, joined), the generators and the replay actor.
+
+    Group g checkpoints under `<checkpoint_dir>/replica_<g>` (its own inner optimizer and DiLoCo state)
+    and resumes from there. Groups that start fresh must hold group 0's weights (checked per rank at
+    join); resumed groups must all be at the same step.
+    """
     from monarch.actor import this_proc
     from monarch.spmd import setup_torch_elastic_env
 
@@ -79,13 +93,28 @@ def place_replicas(cfg: MeshConfig, diloco: DiLoCoConfig, trainer_spec: Any, gen
         procs = trainer_hosts.spawn_procs(per_host={"gpus": diloco.procs_per_group})
         setup_torch_elastic_env(procs)
         meshes.append(procs)
-        groups.append(procs.spawn(f"trainer_{g}", DiLoCoTrainerActor, trainer_spec, diloco))
+        spec = trainer_spec
+        if trainer_spec.checkpoint_dir:
+            spec = dataclasses.replace(trainer_spec, checkpoint_dir=str(Path(trainer_spec.checkpoint_dir) / f"replica_{g}"))
+        groups.append(procs.spawn(f"trainer_{g}", DiLoCoTrainerActor, spec, diloco))
     generators, _, _ = spawn_generators(cfg, list(meshes), generator_spec, meshes)
-    setup = [s for group in groups for s in group.setup.call().get().values()]
-    start = list(groups[0].local_digest.call().get().values())  # group 0's weights per rank: every group starts there
+    setups = [list(group.setup.call().get().values()) for group in groups]
+    steps = [s[0]["step"] for s in setups]
+    if len(set(steps)) > 1:
+        raise ValueError(f"the replica groups resumed at different steps {steps} (checkpoints under "
+                         f"{trainer_spec.checkpoint_dir}/replica_<g>): every group must resume the same step")
+    # fresh: every group must start from group 0's weights (per rank); resumed: each restored its own state
+    start = list(groups[0].local_digest.call().get().values()) if steps[0] == 0 else None
     for g, group in enumerate(groups):
         group.join.call(manager.assign.call_one(g).get(), start).get()
-    return ReplicaPlacement(groups[0], generators, None, setup, meshes, manager=manager, groups=groups)
+    replay = spawn_replay(cfg, replay_spec, groups[0], meshes)
+    return ReplicaPlacement(groups[0], generators, replay, [s for setup in setups for s in setup], meshes,
+                            manager=manager, groups=groups)
+
+
+def _split(n: int, parts: int) -> list[int]:
+    """`n` split into `parts` near-equal counts, the larger first."""
+    return [n // parts + (1 if g < n % parts else 0) for g in range(parts)]
 
 
 def run_groups(drive: Callable[[int, threading.Event], None], n: int, stop_run: Callable[[], None]) -> None:
@@ -132,11 +161,11 @@ class ReplicaController:
         self.per_sync = diloco.inner_steps // diloco.fragments
         gens = placement.generators
         shares = [gens[g::R] if len(gens) >= R else list(gens) for g in range(R)]
-        counts = [cfg.prompts_per_step // R + (1 if g < cfg.prompts_per_step % R else 0) for g in range(R)]
-        self.groups = [
-            Controller(dataclasses.replace(cfg, prompts_per_step=n), trainer, share, chat,
-                       hinter=hinter, prompt_cursor=prompt_cursor)
-            for trainer, share, n in zip(placement.groups, shares, counts)
+        counts, pairs = _split(cfg.prompts_per_step, R), _split(cfg.pairs_per_step, R)
+        self.groups = [  # one replay actor for all: each group queues its failed turns, draws its share of pairs
+            Controller(dataclasses.replace(cfg, prompts_per_step=n, pairs_per_step=p), trainer, share, chat,
+                       hinter=hinter, replay=placement.replay, prompt_cursor=prompt_cursor)
+            for trainer, share, n, p in zip(placement.groups, shares, counts, pairs)
         ]
         for c in self.groups[1:]:
             c.prompts = self.groups[0].prompts  # one thread-safe cursor: the step's prompts split across groups
@@ -201,7 +230,7 @@ class ReplicaController:
         """One record for the step: metrics averaged over groups (counts summed), rollouts pooled."""
         keys = set().union(*(r.metrics for r in records))
         metrics = {k: sum(r.metrics.get(k, 0.0) for r in records) / len(records) for k in keys}
-        for k in ("rollouts/policy", "rollouts/dropped_groups", "distill/hinted"):
+        for k in ("rollouts/policy", "rollouts/dropped_groups", "distill/hinted", "preference/pairs_in_batch"):
             if k in keys:
                 metrics[k] *= len(records)
         groups = sum(r.groups for r in records)

@@ -35,10 +35,12 @@ replica that joins a running quorum later is behind its step and heals.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import socket
 import threading
 import time
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
@@ -169,6 +171,36 @@ def _like(template: Any, loaded: Any) -> Any:
     return loaded
 
 
+class _DaemonExecutor:
+    """Stands in for the Manager's one-worker quorum executor, running each call on a daemon thread.
+
+    A quorum that a stopping run never forms blocks inside torchft's Rust client until
+    `quorum_timeout_s`, whatever happens to the lighthouse; on a pool thread it would hold the
+    process at exit that long. Calls never overlap: the Manager waits for the previous quorum first.
+    """
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
+        future: Future = Future()
+
+        def run() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as exc:
+                with contextlib.suppress(InvalidStateError):  # `DiLoCoReplica.abort` may have failed it already
+                    future.set_exception(exc)
+            else:
+                with contextlib.suppress(InvalidStateError):
+                    future.set_result(result)
+
+        threading.Thread(target=run, name="torchft-quorum", daemon=True).start()
+        return future
+
+    def shutdown(self, wait: bool = True, **_: Any) -> None:
+        """Nothing to join: a finished quorum's thread has ended, a stuck one is a daemon."""
+
+
 def build_manager(
     cfg: DiLoCoConfig, pg: ProcessGroupGloo, assignment: ReplicaAssignment,
     load_state: Callable[[Any], None], state: Callable[[], Any], *,
@@ -177,9 +209,9 @@ def build_manager(
     """A torchft Manager for one rank of a replica group: synchronous quorum, timeouts and quorum floor from `cfg`.
 
     `init_sync=False`: replicas at step 0 do not heal from replica 0 (see the module docstring); a
-    replica behind the quorum's step still heals.
+    replica behind the quorum's step still heals. Quorums run on daemon threads (`_DaemonExecutor`).
     """
-    return Manager(
+    manager = Manager(
         pg=pg,
         load_state_dict=load_state,
         state_dict=state,
@@ -196,6 +228,9 @@ def build_manager(
         replica_id=assignment.replica_id,
         init_sync=False,
     )
+    manager._executor.shutdown(wait=False)
+    manager._executor = _DaemonExecutor()  # before the first quorum: no quorum ever runs on the pool
+    return manager
 
 
 class DiLoCoReplica:

@@ -3,7 +3,8 @@
 Two trainer replica groups (own proc meshes) under the DiLoCo manager actor,
 one generator following the post-outer-step weights (every load is digest-
 checked against group 0's export by `sync_weights`), rollouts split across
-the groups. Shortened: 2 steps, H = 1 → 2 outer rounds. Plus the recipe
+the groups, a teacher-replay actor serving both, per-group checkpoints and
+a resumed run (2 FSDP procs per group, H = 2, 3 + 1 steps). Plus the recipe
 combinations the loop refuses, with errors that say what to change, and
 `run_groups` stopping every group within seconds when one fails.
 """
@@ -24,32 +25,62 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_diloco_recipe_trains_two_replica_groups(tmp_path, tiny_assets):
+def _train(tmp_path, tiny_assets, *overrides: str) -> dict:
     env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1",
                COMPOSER_MESH_CACHE=str(tiny_assets.root.parents[1]))
     cmd = [sys.executable, "-m", "mesh.cli", "train", "--no-progress", "configs/diloco_cpu.toml",
-           f"--job.output_dir={tmp_path}", "--trainer.steps=2", "--diloco.inner_steps=1",
-           "--trainer.prompts_per_step=2", "--generator.max_new_tokens=8"]
+           f"--job.output_dir={tmp_path}", "--diloco.inner_steps=2", "--diloco.procs_per_group=2",
+           "--trainer.prompts_per_step=2", "--generator.max_new_tokens=8", *overrides]
     out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
-    summary = json.loads(out.stdout.strip().splitlines()[-1])
-    assert summary["final_step"] == 2 and summary["steps_run"] == 2
-    d = summary["diloco"]
-    assert d["outer_step"] == 2 and d["quorum_size"] == 2 and not d["restarts"]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _group_model(folder: Path) -> dict:
+    """A DCP checkpoint's model tensors, gathered from its ranks' shards."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(folder, folder / "gathered.pt")
+    return torch.load(folder / "gathered.pt", weights_only=False)["model"]
+
+
+def test_diloco_recipe_trains_checkpoints_and_resumes(tmp_path, tiny_assets):
+    """2 groups × 2 FSDP procs, all three channels (one teacher-replay actor for both groups), H = 2:
+    3 steps (one outer sync; each group checkpoints step 3, one step into round 2), then a resumed run
+    takes step 4, whose sync continues the round: outer step 2, no heal, both groups identical."""
+    import torch
+
+    first = _train(tmp_path, tiny_assets, "--trainer.steps=3")
+    assert first["final_step"] == 3 and first["steps_run"] == 3
+    d = first["diloco"]
+    assert d["outer_step"] == 1 and d["quorum_size"] == 2 and not d["restarts"]
     reps = d["replicas"]
     assert sorted(reps) == ["0", "1"]
-    assert all(r["commits"] == 2 and r["failed_syncs"] == 0 and r["outer_step"] == 2 for r in reps.values())
+    assert all(r["commits"] == 1 and r["failed_syncs"] == 0 and r["healed"] == 0 for r in reps.values())
     assert reps["0"]["sync_bytes"] == reps["1"]["sync_bytes"] and reps["0"]["sync_bytes"][0] > 0
-    rows = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2]
-    assert [r.get("diloco/outer_step") for r in rows] == [1.0, 2.0]
-    assert all(r["diloco/quorum"] == 2.0 for r in rows)
+    assert first["replay"]["pairs_made"] > 0 and first["replay"]["spend_usd"] > 0
+    run_dir = Path(first["run_dir"])
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r.get("diloco/outer_step") for r in rows] == [None, 1.0, None]
+    assert sum(r["preference/pairs_in_batch"] for r in rows) > 0, "no replay pair reached a DiLoCo group"
+    ckpt = run_dir / "checkpoints"
+    assert all((ckpt / f"replica_{g}" / "step-00000003").is_dir() for g in (0, 1))
+
+    second = _train(tmp_path, tiny_assets, "--trainer.steps=4")
+    assert second["start_step"] == 3 and second["final_step"] == 4 and second["steps_run"] == 1
+    reps = second["diloco"]["replicas"]
+    assert all(r["outer_step"] == 2 and r["commits"] == 1 and r["healed"] == 0 and r["failed_syncs"] == 0
+               for r in reps.values()), reps
+    models = [_group_model(ckpt / f"replica_{g}" / "step-00000004") for g in (0, 1)]
+    assert models[0].keys() == models[1].keys()
+    assert all(torch.equal(models[0][k], models[1][k]) for k in models[0]), "groups differ after the resumed sync"
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["--trainer.mode=async"], "trainer.mode"),
-    (["--loss.beta=0.5", "--mesh.replay_procs=1"], "teacher replay"),
-    (["--checkpoint.enabled=true"], "checkpoint.enabled = false"),
+    (["--trainer.mode=async"], "one weight publication per replica group"),
+    (["--replay.gating.enabled=true"], "replay.gating.enabled = false"),
     (["--diloco.replica_groups=16"], "prompts_per_step"),
 ])
 def test_unsupported_combinations_are_clear_errors(overrides, message):
