@@ -392,21 +392,25 @@ class DiLoCoReplica:
         patience = self.cfg.heartbeat_timeout_ms / 1000
         last_ok = time.monotonic()
         while not self._closed.wait(patience / 3):
-            try:
-                socket.create_connection((url.hostname, url.port), timeout=patience / 3).close()
-                last_ok = time.monotonic()
-            except OSError:
-                if time.monotonic() - last_ok >= patience:
-                    self.abort(f"the lighthouse {self.assignment.lighthouse_addr} has not answered for "
-                               f"{patience:.1f} s (diloco.heartbeat_timeout_ms): the run is stopping")
-                    return
+            if self._aborted is None:
+                try:
+                    socket.create_connection((url.hostname, url.port), timeout=patience / 3).close()
+                    last_ok = time.monotonic()
+                    continue
+                except OSError:
+                    if time.monotonic() - last_ok < patience:
+                        continue
+            # again every period once aborted: a quorum that started after the first abort fails too
+            self.abort(f"the lighthouse {self.assignment.lighthouse_addr} has not answered for "
+                       f"{patience:.1f} s (diloco.heartbeat_timeout_ms): the run is stopping")
 
     def abort(self, reason: str) -> None:
         """Fail this replica's pending quorum now and every later inner step, with `reason`."""
         self._aborted = RuntimeError(f"{self.assignment.replica_id}: {reason}")
         pending = self.manager._quorum_future  # torchft's in-flight quorum; the step thread waits on it
-        if pending is not None and not pending.done():
-            pending.set_exception(self._aborted)
+        if pending is not None:
+            with contextlib.suppress(InvalidStateError):  # it finished meanwhile: the next step is refused
+                pending.set_exception(self._aborted)
 
     def _refuse_if_aborted(self, *_: Any) -> None:
         if self._aborted is not None:

@@ -123,15 +123,21 @@ def test_a_failing_group_stops_the_other_within_seconds():
                 cfg, model, optimizer, ReplicaAssignment(f"replica_{g}", g, lighthouse.address()),
                 store_addr="127.0.0.1", store_port=stores[-1].port)))
 
+        zero_syncing = threading.Event()  # group 0 is entering its second sync
+
         def drive(g: int, stop: threading.Event) -> None:
             model, optimizer, replica = members[g]
             try:
-                for _ in range(3 * cfg.inner_steps):
+                for step in range(3 * cfg.inner_steps):
                     if stop.is_set():
                         return
+                    if g == 0 and step == 2 * cfg.inner_steps - 1:
+                        zero_syncing.set()
                     model.weight.grad = torch.ones_like(model.weight)
                     optimizer.step()  # the 2nd, 4th, ... step waits for a quorum of both groups
                     if g == 1 and replica.commits == 1:
+                        assert zero_syncing.wait(30)
+                        time.sleep(0.5)  # group 0 is waiting for the quorum now
                         failed_at.append(time.monotonic())
                         raise ValueError("group 1: its generator died")
             except BaseException as exc:
