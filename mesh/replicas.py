@@ -8,9 +8,9 @@ to the quorum; generators as in `mesh.placement` (disaggregated: their own
 procs; colocated: one in every trainer proc of every group).
 
 Loop (`ReplicaController`): one `mesh.controller.Controller` per replica
-group, all drawing prompts from one shared cursor, so the step's rollouts are
-split across the groups (`prompts_per_step / R` each) and each group's
-generators (`generators[g::R]`, or all when there are fewer than R) feed it.
+group, each drawing `prompts_per_step / R` prompts a step from a prompt
+stream of its own (`group_streams`: reproducible whatever the thread timing),
+fed by its generators (`generators[g::R]`, or all when there are fewer than R).
 Every group generates and trains in its own thread (the DiLoCo sync inside
 `train_step` waits for the whole quorum, which keeps them in step); after a
 step that ended an outer round the generators load group 0's weights, i.e.
@@ -117,6 +117,20 @@ def _split(n: int, parts: int) -> list[int]:
     return [n // parts + (1 if g < n % parts else 0) for g in range(parts)]
 
 
+def group_streams(cfg: ControllerConfig, groups: int, prompt_cursor: int) -> list[tuple[ControllerConfig, int]]:
+    """Each replica group's controller config and first prompt index.
+
+    Group g draws `prompts_per_step / groups` prompts a step (and as many of `pairs_per_step`) from a
+    stream of its own (seed `cfg.seed * groups + g`), so which prompts a group trains does not depend
+    on thread timing, and a run resumed at step s (`prompt_cursor` = s × prompts_per_step) continues
+    every stream where it stopped (a tied batch a group generated again is not counted).
+    """
+    counts, pairs = _split(cfg.prompts_per_step, groups), _split(cfg.pairs_per_step, groups)
+    steps = prompt_cursor // cfg.prompts_per_step
+    return [(dataclasses.replace(cfg, prompts_per_step=n, pairs_per_step=p, seed=cfg.seed * groups + g), steps * n)
+            for g, (n, p) in enumerate(zip(counts, pairs))]
+
+
 def run_groups(drive: Callable[[int, threading.Event], None], n: int, stop_run: Callable[[], None]) -> None:
     """`drive(g, stop)` for every replica group g in its own thread; the first failure stops them all.
 
@@ -161,14 +175,10 @@ class ReplicaController:
         self.per_sync = diloco.inner_steps // diloco.fragments
         gens = placement.generators
         shares = [gens[g::R] if len(gens) >= R else list(gens) for g in range(R)]
-        counts, pairs = _split(cfg.prompts_per_step, R), _split(cfg.pairs_per_step, R)
         self.groups = [  # one replay actor for all: each group queues its failed turns, draws its share of pairs
-            Controller(dataclasses.replace(cfg, prompts_per_step=n, pairs_per_step=p), trainer, share, chat,
-                       hinter=hinter, replay=placement.replay, prompt_cursor=prompt_cursor)
-            for trainer, share, n, p in zip(placement.groups, shares, counts, pairs)
+            Controller(group_cfg, trainer, share, chat, hinter=hinter, replay=placement.replay, prompt_cursor=cursor)
+            for trainer, share, (group_cfg, cursor) in zip(placement.groups, shares, group_streams(cfg, R, prompt_cursor))
         ]
-        for c in self.groups[1:]:
-            c.prompts = self.groups[0].prompts  # one thread-safe cursor: the step's prompts split across groups
 
     def sync_generators(self) -> None:
         """Load group 0's (post-outer-step) weights into every generator."""
