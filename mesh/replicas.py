@@ -18,8 +18,9 @@ the post-outer-step weights. Between syncs they stay on those weights; the gener
 travel with every sample, so the loss's IS correction sees what sampled.
 Teacher replay: one actor for all groups; each group queues its own failed
 turns and draws `pairs_per_step / R` pairs. Checkpoints: each group its own
-(`<checkpoint dir>/replica_<g>`, with DiLoCo's outer state); a resumed run
-continues every group from the same step. The first group that fails stops
+(`<checkpoint dir>/replica_<g>`, with DiLoCo's outer state, and its
+controller state under `controller/`); a resumed run continues every group
+from the same step. The first group that fails stops
 the others (`run_groups`).
 """
 
@@ -36,6 +37,7 @@ from configs.sections.diloco import DiLoCoConfig
 from configs.sections.mesh import MeshConfig
 from mesh.controller import Controller, ControllerConfig, StepRecord
 from mesh.placement import Placement, host_meshes, spawn_generators, spawn_replay
+from mesh.supervision import load_state
 from mesh.weight_sync_baseline import rank0, sync_weights
 
 MAX_TIED_RETRIES = 20  # batches in a row with nothing to train before a group gives up
@@ -47,6 +49,7 @@ class ReplicaPlacement(Placement):
 
     manager: Any = None
     groups: list[Any] = field(default_factory=list)
+    checkpoint_dir: str = ""  # group g checkpoints under <checkpoint_dir>/replica_<g> ("" = none)
 
     def stop(self) -> None:
         if self.manager is not None:
@@ -94,7 +97,7 @@ def place_replicas(cfg: MeshConfig, diloco: DiLoCoConfig, trainer_spec: Any, gen
         meshes.append(procs)
         spec = trainer_spec
         if trainer_spec.checkpoint_dir:
-            spec = dataclasses.replace(trainer_spec, checkpoint_dir=str(Path(trainer_spec.checkpoint_dir) / f"replica_{g}"))
+            spec = dataclasses.replace(trainer_spec, checkpoint_dir=_group_dir(trainer_spec.checkpoint_dir, g))
         groups.append(procs.spawn(f"trainer_{g}", DiLoCoTrainerActor, spec, diloco))
     generators, _, _ = spawn_generators(cfg, list(meshes), generator_spec, meshes)
     setups = [list(group.setup.call().get().values()) for group in groups]
@@ -108,7 +111,11 @@ def place_replicas(cfg: MeshConfig, diloco: DiLoCoConfig, trainer_spec: Any, gen
         group.join.call(manager.assign.call_one(g).get(), start).get()
     replay = spawn_replay(cfg, replay_spec, groups[0], meshes)
     return ReplicaPlacement(groups[0], generators, replay, [s for setup in setups for s in setup], meshes,
-                            manager=manager, groups=groups)
+                            manager=manager, groups=groups, checkpoint_dir=trainer_spec.checkpoint_dir)
+
+
+def _group_dir(checkpoint_dir: str, g: int) -> str:
+    return str(Path(checkpoint_dir) / f"replica_{g}")
 
 
 def _split(n: int, parts: int) -> list[int]:
@@ -122,7 +129,8 @@ def group_streams(cfg: ControllerConfig, groups: int, prompt_cursor: int) -> lis
     Group g draws `prompts_per_step / groups` prompts a step (and as many of `pairs_per_step`) from a
     stream of its own (seed `cfg.seed * groups + g`), so which prompts a group trains does not depend
     on thread timing, and a run resumed at step s (`prompt_cursor` = s × prompts_per_step) continues
-    every stream where it stopped (a tied batch a group generated again is not counted).
+    every stream where it stopped (a tied batch a group generated again is not counted; the group's
+    controller state saved beside its checkpoint, when there is one, has the exact cursor).
     """
     counts, pairs = _split(cfg.prompts_per_step, groups), _split(cfg.pairs_per_step, groups)
     steps = prompt_cursor // cfg.prompts_per_step
@@ -174,10 +182,17 @@ class ReplicaController:
         self.per_sync = diloco.inner_steps // diloco.fragments
         gens = placement.generators
         shares = [gens[g::R] if len(gens) >= R else list(gens) for g in range(R)]
-        self.groups = [  # one replay actor for all: each group queues its failed turns, draws its share of pairs
-            Controller(group_cfg, trainer, share, chat, hinter=hinter, replay=placement.replay, prompt_cursor=cursor)
-            for trainer, share, (group_cfg, cursor) in zip(placement.groups, shares, group_streams(cfg, R, prompt_cursor))
-        ]
+        self.groups: list[Controller] = []
+        for g, (trainer, share, (group_cfg, cursor)) in enumerate(
+                zip(placement.groups, shares, group_streams(cfg, R, prompt_cursor))):
+            state = None
+            if placement.checkpoint_dir:  # each group's controller state beside its checkpoints, resumed with them
+                group_cfg = dataclasses.replace(
+                    group_cfg, state_dir=str(Path(_group_dir(placement.checkpoint_dir, g)) / "controller"))
+                state = load_state(group_cfg.state_dir, rank0(trainer.policy_version.call().get()))
+            # one replay actor for all: each group queues its failed turns and draws its share of pairs
+            self.groups.append(Controller(group_cfg, trainer, share, chat, hinter=hinter, replay=placement.replay,
+                                          prompt_cursor=cursor, state=state))
 
     def sync_generators(self) -> None:
         """Load group 0's (post-outer-step) weights into every generator."""

@@ -51,6 +51,8 @@ def test_diloco_recipe_trains_checkpoints_and_resumes(tmp_path, tiny_assets):
     takes step 4, whose sync continues the round: outer step 2, no heal, both groups identical."""
     import torch
 
+    from mesh.supervision import load_state
+
     first = _train(tmp_path, tiny_assets, "--trainer.steps=3")
     assert first["final_step"] == 3 and first["steps_run"] == 3
     d = first["diloco"]
@@ -67,6 +69,10 @@ def test_diloco_recipe_trains_checkpoints_and_resumes(tmp_path, tiny_assets):
     assert sum(r["preference/pairs_in_batch"] for r in rows) > 0, "no replay pair reached a DiLoCo group"
     ckpt = run_dir / "checkpoints"
     assert all((ckpt / f"replica_{g}" / "step-00000003").is_dir() for g in (0, 1))
+    for g in (0, 1):  # each group's controller state for step 3: its own prompt stream, the replay queue
+        state = load_state(ckpt / f"replica_{g}" / "controller", 3)
+        assert state is not None and state.version == 3 and state.replay is not None
+    assert load_state(ckpt / "replica_0" / "controller", 3).prompt_cursor >= 3  # a prompt a step (+ tied retries)
 
     second = _train(tmp_path, tiny_assets, "--trainer.steps=4")
     assert second["start_step"] == 3 and second["final_step"] == 4 and second["steps_run"] == 1
