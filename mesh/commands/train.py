@@ -171,7 +171,7 @@ def train(job: Any, *, resume: bool = True, progress: bool = True) -> dict[str, 
         from mesh.replicas import check_supported, place_replicas
 
         check_supported(job)
-        placement = place_replicas(job.mesh, job.diloco, trainer_spec, gen_spec)
+        placement = place_replicas(job.mesh, job.diloco, trainer_spec, gen_spec, replay_spec)
     else:
         placement = place(job.mesh, trainer_spec, gen_spec, replay_spec)
     try:
@@ -208,7 +208,8 @@ def train(job: Any, *, resume: bool = True, progress: bool = True) -> dict[str, 
                                         supervisor=supervisor, state=state)
             history = controller.run()
         if job.checkpoint.enabled and history and history[-1].step % job.checkpoint.every_steps:
-            placement.trainer.save_checkpoint.call().get()  # the last step, unless the trainer just saved it
+            for trainer in placement.groups if job.diloco.enabled else [placement.trainer]:  # DiLoCo: every group
+                trainer.save_checkpoint.call().get()  # the last step, unless the trainer just saved it
         replay_status = placement.replay.status.call_one().get() if placement.replay is not None else None
         diloco_status = placement.manager.status.call_one().get() if job.diloco.enabled else None
     finally:
