@@ -30,7 +30,7 @@ import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -145,6 +145,9 @@ class Trainer:
         )
         self.step = 0
         self.data_cursors: dict[str, Any] = {}
+        # state of wrappers around model + optimizer (DiLoCo), saved in the checkpoint beside the trainer's
+        self.wrappers: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
+        self._wrapper_state: dict[str, Any] = {}  # loaded from a checkpoint before its wrapper registered
         self.checkpointer = Checkpointer(spec.checkpoint, spec.checkpoint_dir) if spec.checkpoint_dir else None
         if self.checkpointer is not None:
             resume = self.checkpointer.resume_step()
@@ -389,7 +392,14 @@ class Trainer:
             "lr_scheduler": self.lr_scheduler.state_dict(),
             "taid": None if self.taid is None else self.taid.state_dict(),
             "data_cursors": dict(self.data_cursors),
+            "wrappers": {key: save() for key, (save, _) in self.wrappers.items()},
         }
+
+    def register_wrapper(self, key: str, save: Callable[[], Any], load: Callable[[Any], None]) -> None:
+        """Checkpoint `save()` under `key` from now on; if the resumed checkpoint holds `key`, `load` it now."""
+        self.wrappers[key] = (save, load)
+        if key in self._wrapper_state:
+            load(self._wrapper_state.pop(key))
 
     def save_checkpoint(self) -> Path:
         if self.checkpointer is None:
@@ -406,6 +416,10 @@ class Trainer:
         if self.taid is not None and state["taid"] is not None:
             self.taid.load_state_dict(state["taid"])
         self.data_cursors = dict(state["data_cursors"])
+        self._wrapper_state = dict(state.get("wrappers", {}))
+        for key, (_, load) in self.wrappers.items():
+            if key in self._wrapper_state:
+                load(self._wrapper_state.pop(key))
 
     def save_hf_dir(self, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
         """The current weights as a servable HF directory (collective; see `titan_ext.hf_export`)."""

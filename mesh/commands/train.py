@@ -153,7 +153,10 @@ def train(job: Any, *, resume: bool = True, progress: bool = True) -> dict[str, 
                               checkpoint=dataclasses.replace(job.checkpoint, resume=job.checkpoint.resume and resume))
     if not job.checkpoint.resume:
         shutil.rmtree(run_dir / job.checkpoint.folder, ignore_errors=True)
-    record_run_model(run_dir, job.model, run_dir / job.checkpoint.folder)  # what `composer-mesh export` rebuilds
+    checkpoints = run_dir / job.checkpoint.folder
+    if job.diloco.enabled:  # each replica group checkpoints under replica_<g> (mesh.replicas); export group 0's
+        checkpoints = checkpoints / "replica_0"
+    record_run_model(run_dir, job.model, checkpoints)  # what `composer-mesh export` rebuilds
     trainer_spec = TrainerSpec.from_job(job)
     gen_spec = GeneratorSpec(model_dir=weights, tokenizer_dir=job.model.tokenizer_path, generator=job.generator,
                              env=job.env, max_context_tokens=job.trainer.max_seq_len, seed=job.job.seed)
@@ -178,7 +181,7 @@ def train(job: Any, *, resume: bool = True, progress: bool = True) -> dict[str, 
         from mesh.replicas import check_supported, place_replicas
 
         check_supported(job)
-        placement = place_replicas(job.mesh, job.diloco, trainer_spec, gen_spec)
+        placement = place_replicas(job.mesh, job.diloco, trainer_spec, gen_spec, replay_spec)
     else:
         placement = place(job.mesh, trainer_spec, gen_spec, replay_spec)
     try:
@@ -215,7 +218,8 @@ def train(job: Any, *, resume: bool = True, progress: bool = True) -> dict[str, 
                                         supervisor=supervisor, state=state)
             history = controller.run()
         if job.checkpoint.enabled and history and history[-1].step % job.checkpoint.every_steps:
-            placement.trainer.save_checkpoint.call().get()  # the last step, unless the trainer just saved it
+            for trainer in placement.groups if job.diloco.enabled else [placement.trainer]:  # DiLoCo: every group
+                trainer.save_checkpoint.call().get()  # the last step, unless the trainer just saved it
         hf_dir = rank0(placement.trainer.save_hf.call(str(run_dir / "hf")).get())  # the final weights, servable
         replay_status = placement.replay.status.call_one().get() if placement.replay is not None else None
         diloco_status = placement.manager.status.call_one().get() if job.diloco.enabled else None
