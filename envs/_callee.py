@@ -21,10 +21,12 @@ def main() -> None:
     sys.path.insert(0, repo)
     reader = wire.Reader(in_fd)
     while (request := reader.recv()) is not None:
+        if request.get("op") == "describe":  # an import that fails ends this process (its traceback names why)
+            wire.send(out_fd, {"ok": handle(wire, request)})
+            continue
         try:
-            reply = {"ok": handle(wire, request)}
-            wire.send(out_fd, reply)
-        except BaseException as exc:  # everything the submission raises goes back as data
+            wire.send(out_fd, {"ok": handle(wire, request)})
+        except BaseException as exc:  # everything a call raises goes back as data
             try:
                 wire.send(out_fd, {"raise": type(exc).__name__, "text": str(exc)[:2000]})
             except BaseException:
@@ -42,10 +44,11 @@ def handle(wire: types.ModuleType, request: dict) -> object:
                 names[name] = ["function"]
             else:
                 try:
-                    names[name] = ["value", wire.encode(value)]
+                    wire.encode(value)
+                    names[name] = ["value", value]
                 except wire.WireError:
                     names[name] = ["opaque"]
-        return names
+        return wire.encode(names)
     fn = getattr(module, str(request["name"]))
     args = wire.decode(request["args"])
     kwargs = wire.decode(request["kwargs"])

@@ -137,7 +137,7 @@ def main() -> None:
     sys.path.insert(0, repo)
     os.chdir(repo)
     if request.get("callee"):
-        install_proxies(request["callee"])
+        install_proxies(request["callee"], violation)
     import _pytest.main  # noqa: F401  (load the guarded modules before any submission code)
     import _pytest.outcomes  # noqa: F401
     import _pytest.python  # noqa: F401
@@ -174,13 +174,14 @@ def main() -> None:
     emit({"done": True, "exit": int(exit_code), "tests": outcomes, "collect_errors": collect_errors})
 
 
-def install_proxies(callee: dict) -> None:
+def install_proxies(callee: dict, violation) -> None:
     """Put forwarding modules for the submission's modules in `sys.modules` (split grading).
 
     callee: {"modules": [dotted names], "in_fd", "out_fd" (pipes to `_callee.py`),
     "wire": path of `_wire.py`, "timeout_s": per-call limit}. Functions become
     forwarders whose arguments and results cross as plain data; plain values are
-    copied; anything else is absent (a test that needs it fails).
+    copied; anything else is absent (a test that needs it fails). A reply that
+    breaks the protocol is the violation `malformed_reply` (and fails the call).
     """
     import importlib.util
     import types
@@ -191,21 +192,25 @@ def install_proxies(callee: dict) -> None:
     reader, out_fd, timeout_s = wire.Reader(callee["in_fd"]), callee["out_fd"], callee["timeout_s"]
 
     def ask(request: dict) -> object:
-        wire.send(out_fd, request)
-        reply = reader.recv(timeout_s)
-        if reply is None:
-            raise RuntimeError("the submission's process ended")
-        if set(reply) == {"ok"}:
-            return reply["ok"]
-        if set(reply) == {"raise", "text"}:
-            raise wire.exception_from(reply["raise"], reply["text"])
-        raise wire.WireError("malformed reply")
+        try:
+            wire.send(out_fd, request)
+            reply = reader.recv(timeout_s)
+            if reply is None:
+                raise RuntimeError("the submission's process ended")  # its sandbox result says why
+            if set(reply) == {"ok"}:
+                return wire.decode(reply["ok"])
+            if set(reply) != {"raise", "text"}:
+                raise wire.WireError("malformed reply")
+        except (wire.WireError, OSError) as exc:  # BrokenPipeError: the callee is gone
+            violation("malformed_reply", str(exc)[:200], "callee")
+            raise RuntimeError(f"no valid answer from the submission: {exc}") from None
+        raise wire.exception_from(reply["raise"], reply["text"])
 
     def forwarder(module: str, name: str):
         def call(*args, **kwargs):
             request = {"op": "call", "module": module, "name": name,
                        "args": wire.encode(list(args)), "kwargs": wire.encode(kwargs)}
-            return wire.decode(ask(request))
+            return ask(request)
 
         call.__name__ = call.__qualname__ = name
         call.__module__ = module
@@ -213,20 +218,28 @@ def install_proxies(callee: dict) -> None:
 
     for module in callee["modules"]:
         proxy = types.ModuleType(module, "forwarded to the submission's process")
-        names = ask({"op": "describe", "module": module})
+        try:
+            names = ask({"op": "describe", "module": module})
+        except Exception:  # the module does not import or the callee misbehaves: tests using it fail
+            names = {}
         if type(names) is not dict:
-            raise wire.WireError("malformed module description")
+            violation("malformed_reply", "module description", "callee")
+            names = {}
         for name, entry in names.items():
             if type(name) is not str or type(entry) is not list or not entry:
-                raise wire.WireError("malformed module description")
+                violation("malformed_reply", "module description", "callee")
+                break
             if entry[0] == "function":
                 setattr(proxy, name, forwarder(module, name))
             elif entry[0] == "value" and len(entry) == 2:
-                setattr(proxy, name, wire.decode(entry[1]))
+                setattr(proxy, name, entry[1])
         sys.modules[module] = proxy
         parent, _, child = module.rpartition(".")
         if parent:
-            setattr(importlib.import_module(parent), child, proxy)
+            try:  # the pristine package imports names the proxy may lack: collection then fails
+                setattr(importlib.import_module(parent), child, proxy)
+            except Exception:
+                pass
 
 
 def _safe_lookup(module: str, path: str) -> object:

@@ -159,7 +159,8 @@ def run_split(sandbox: Sandbox, judge_ws: Workspace, callee_ws: Workspace, modul
     run = run_suite(sandbox, judge_ws, (), callee=callee)
     thread.join()
     callee_violations = tuple((v, "callee", "sandbox") for v in (outcome[0].violations if outcome else ("callee_lost",)))
-    return SuiteRun(run.tests, run.complete, run.violations + callee_violations, run.collect_errors, run.result)
+    # The callee's limits first: they are why the judge saw no (valid) answers.
+    return SuiteRun(run.tests, run.complete, callee_violations + run.violations, run.collect_errors, run.result)
 
 
 def module_name(rel: str) -> str | None:
