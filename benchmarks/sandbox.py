@@ -32,7 +32,7 @@ from configs.sections.env import DemoTaskConfig, FeatureDeletionConfig
 from envs.base import assistant
 from envs.demo import DemoEnv, solve
 from envs.feature_deletion import FeatureDeletionEnv, TaskStore, generate_tasks
-from envs.containment import CGROUP_ROOT
+from envs.containment import CGROUP_ROOT, CONTROLLERS
 from envs.grading import PYTEST_ARGS
 from envs.sandbox import Sandbox
 
@@ -108,7 +108,7 @@ def hostile_contained(sandbox: Sandbox, task) -> float:
     for i, payload in enumerate(HOSTILE.values()):
         env.reset(seed=i)
         reward = env.step(assistant(f"```python\n{task.stubbed_source}\n{payload}```")).reward
-        groups = [p for c in ("memory", "pids", "cpu") for p in (CGROUP_ROOT / c / "composer-mesh-sandbox").glob("*")]
+        groups = [p for c in CONTROLLERS for p in (CGROUP_ROOT / c / "composer-mesh-sandbox").iterdir() if p.is_dir()]
         left = [p for p in sandbox.root.iterdir() if p not in before]
         contained += reward == 0.0 and not groups and not left  # a run's cgroup is removed only once empty
     return contained / len(HOSTILE)
@@ -151,7 +151,7 @@ def main() -> None:
         ("  no-op episodes/s   (mean reward)", f"{fd['noop_eps_per_s']:.2f}  ({fd['noop_mean_reward']:.2f})"),
         ("grade oracle: bare pytest / sandboxed grade ms",
          f"{fd['grade_bare_s'] * 1e3:.0f} / {fd['grade_sandboxed_s'] * 1e3:.0f}  (x{fd['grade_sandboxed_s'] / fd['grade_bare_s']:.2f})"),
-        ("hostile replies contained", f"{fd['hostile_contained']:.2f} of {len(HOSTILE)}"),
+        ("hostile replies contained (share)", f"{fd['hostile_contained']:.2f}  ({len(HOSTILE)} tried)"),
         ("python -c pass: bare / sandboxed ms", f"{py_bare * 1e3:.0f} / {py_box * 1e3:.0f}  (+{(py_box - py_bare) * 1e3:.0f} ms)"),
         ("pytest suite:   bare / sandboxed ms", f"{pt_bare * 1e3:.0f} / {pt_box * 1e3:.0f}  (+{(pt_box - pt_bare) * 1e3:.0f} ms)"),
     ]

@@ -189,7 +189,7 @@ def test_forking_tree_is_capped_by_the_cgroup_memory_limit(ws):
     sb = Sandbox(SandboxConfig(memory_mb=256, address_space_mb=1024, max_processes=16, wall_timeout_s=10))
     code = (
         "import os, time\nkids = []\nfor _ in range(8):\n    pid = os.fork()\n    if pid == 0:\n"
-        "        b = bytearray(96 << 20)\n        for i in range(0, len(b), 4096): b[i] = 1\n        time.sleep(30)\n"
+        "        b = bytearray(96 << 20)\n        for i in range(0, len(b), 4096): b[i] = 1\n        time.sleep(2)\n"
         "        os._exit(0)\n    kids.append(pid)\nok = sum(os.waitpid(p, 0)[1] == 0 for p in kids)\nprint('CLEAN', ok)\n"
     )
     r = sb.run([sb.python(), "-c", code], ws)
