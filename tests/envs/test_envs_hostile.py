@@ -3,6 +3,8 @@ and leaves the host untouched (checked from the host: processes by marker, files
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import socket
 import threading
@@ -308,3 +310,15 @@ def test_at_least_thirty_hostile_kinds():
 def teardown_module() -> None:
     for p in [*HOST_SECRETS, Path(UNIX_PATH)]:
         p.unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("name", ["json_dumps_rebind", "builtins_max_swap", "channel_flood", "channel_forged_lines"])
+def test_in_process_grading_also_refuses_rebinding_and_channel_tricks(name, env):
+    """Tasks that cannot be split run the suite with the submission: the runner's own references and the
+    bounded, validated channel still hold against these (a heap walk for the nonce does not; docs/envs.md)."""
+    env.reset(seed=0)
+    task = dataclasses.replace(env.task, split=False)
+    (message,) = CASES[name][0](task, env)
+    source = json.loads(message["tool_calls"][0]["function"]["arguments"])["content"]
+    grade = task.grade_source(env.sandbox, source)
+    assert grade.reward == 0.0 and grade.reason.split()[0] in CASES[name][1] | {"exit_trick", "runner_exited_early"}, grade
