@@ -222,7 +222,7 @@ def grade_workspace(
             for rel in sources:
                 (gws.path / rel).parent.mkdir(parents=True, exist_ok=True)
                 (gws.path / rel).write_bytes((agent_ws.path / rel).read_bytes())
-            gws.adopt()
+            _seal(gws)  # no links, renames or rewrites of the tests from inside
             run = run_suite(sandbox, gws, changed)
     allowed = set(runtime_allowed)
     violations += [
@@ -250,10 +250,15 @@ def _grade_split(sandbox: Sandbox, pristine: Path, agent_ws: Workspace, changed:
         sandbox.workspace(copy_from=pristine, skip=lambda rel: is_bytecode(rel) or rel in modules) as judge_ws,
         sandbox.workspace(copy_from=agent_ws.path, skip=lambda rel: not _is_source(rel)) as callee_ws,
     ):
-        for path in (judge_ws.path, *judge_ws.path.rglob("*")):  # the judge's tree is root's: read-only to it
-            os.lchown(path, 0, 0)
-            os.chmod(path, 0o755 if path.is_dir() else 0o644)
+        _seal(judge_ws)
         return run_split(sandbox, judge_ws, callee_ws, sorted(modules.values()))
+
+
+def _seal(ws: Workspace) -> None:
+    """Make the whole tree root's and read-only to the sandbox uid (its writable space is then /tmp)."""
+    for path in (ws.path, *ws.path.rglob("*")):
+        os.lchown(path, 0, 0)
+        os.chmod(path, 0o755 if path.is_dir() else 0o644)
 
 
 def _is_test_side(rel: str) -> bool:

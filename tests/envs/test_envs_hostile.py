@@ -312,7 +312,9 @@ def teardown_module() -> None:
         p.unlink(missing_ok=True)
 
 
-@pytest.mark.parametrize("name", ["json_dumps_rebind", "builtins_max_swap", "channel_flood", "channel_forged_lines"])
+@pytest.mark.parametrize(
+    "name", ["json_dumps_rebind", "builtins_max_swap", "channel_flood", "channel_forged_lines", "hardlink_tests"]
+)
 def test_in_process_grading_also_refuses_rebinding_and_channel_tricks(name, env):
     """Tasks that cannot be split run the suite with the submission: the runner's own references and the
     bounded, validated channel still hold against these (a heap walk for the nonce does not; docs/envs.md)."""
