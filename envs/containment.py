@@ -41,10 +41,10 @@ class ContainmentUnavailable(RuntimeError):
     """libseccomp or the cgroup controllers are missing; nothing may be graded without them."""
 
 
-def seccomp_filter_file() -> Path:
-    """A file holding the compiled BPF program (made once per process; bwrap reads it from an fd)."""
+def seccomp_filter() -> bytes:
+    """The compiled BPF program (made once per process; each run hands bwrap a memfd holding it)."""
     global _FILTER
-    if _FILTER is None or not _FILTER.exists():
+    if _FILTER is None:
         try:
             import pyseccomp as seccomp
         except ImportError as exc:
@@ -63,14 +63,22 @@ def seccomp_filter_file() -> Path:
             f.add_rule(deny, "clone", seccomp.Arg(0, seccomp.MASKED_EQ, flag, flag))
         # clone3 passes flags in memory seccomp cannot read: ENOSYS makes libc fall back to clone.
         f.add_rule(seccomp.ERRNO(errno.ENOSYS), "clone3")
-        fd, path = tempfile.mkstemp(prefix="composer-mesh-seccomp-", suffix=".bpf")
-        with os.fdopen(fd, "wb") as out:
+        with tempfile.TemporaryFile() as out:
             f.export_bpf(out)
-        _FILTER = Path(path)
+            out.seek(0)
+            _FILTER = out.read()
     return _FILTER
 
 
-_FILTER: Path | None = None
+def seccomp_fd() -> int:
+    """A fresh read-only-positioned memfd with the filter, for `bwrap --seccomp FD` (caller closes it)."""
+    fd = os.memfd_create("composer-mesh-seccomp")
+    os.write(fd, seccomp_filter())
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+_FILTER: bytes | None = None
 
 
 def probe_cgroups() -> str:

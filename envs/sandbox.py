@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 from configs.sections.env import SandboxConfig
-from envs.containment import ContainmentUnavailable, RunCgroup, probe_cgroups, seccomp_filter_file
+from envs.containment import ContainmentUnavailable, RunCgroup, probe_cgroups, seccomp_fd, seccomp_filter
 
 _SETPRIV = "/usr/bin/setpriv"
 _ROOT_LINKS = ("/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32")
@@ -125,7 +125,7 @@ def probe(bwrap_binary: str = "bwrap") -> str:
         reason = probe_cgroups()
         if not reason:
             try:
-                seccomp_filter_file()
+                seccomp_filter()
             except ContainmentUnavailable as exc:
                 reason = str(exc)
         if not reason:
@@ -233,20 +233,20 @@ class Sandbox:
 
         timeout = cfg.wall_timeout_s if timeout_s is None else timeout_s
         fired = threading.Event()
-        seccomp_fd = os.open(seccomp_filter_file(), os.O_RDONLY)
+        filter_fd = seccomp_fd()
         try:
-            cmd = self._command(exe, argv, ws, expose, seccomp_fd)
+            cmd = self._command(exe, argv, ws, expose, filter_fd)
             start = time.perf_counter()
             with open(stdin_path, "rb") as fin, open(out_path, "wb") as fout, open(err_path, "wb") as ferr:
                 proc = subprocess.Popen(
                     cmd, stdin=fin, stdout=fout, stderr=ferr, env=child_env, preexec_fn=enter,
-                    pass_fds=(seccomp_fd, *pass_fds), start_new_session=True,
+                    pass_fds=(filter_fd, *pass_fds), start_new_session=True,
                 )
         except BaseException:
             cgroup.destroy()
             raise
         finally:
-            for fd in (seccomp_fd, *hand_over):
+            for fd in (filter_fd, *hand_over):
                 os.close(fd)
 
         def kill_tree() -> None:
