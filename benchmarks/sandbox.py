@@ -8,7 +8,12 @@ Measures, in one run:
   oracle and no-op episodes/s, each episode a full grading run in a fresh
   sandbox, plus the oracle's and no-op's mean reward;
 - sandbox overhead: the same command bare (`subprocess.run`) and sandboxed,
-  interleaved, for `python -c pass` and for a pytest run of a fixture suite.
+  interleaved, for `python -c pass` and for a pytest run of a fixture suite;
+- grading overhead: a full sandboxed grade of the oracle (fresh workspaces,
+  manifest, static checks, bwrap + seccomp + cgroups, grade runner) vs bare
+  pytest of the same rebuilt repository, interleaved;
+- hostile containment: hostile replies graded; contained = reward 0, nothing
+  of the sandbox uid alive, no cgroup or workspace left.
 Prints a table and ends with one JSON line.
 """
 
@@ -27,7 +32,19 @@ from configs.sections.env import DemoTaskConfig, FeatureDeletionConfig
 from envs.base import assistant
 from envs.demo import DemoEnv, solve
 from envs.feature_deletion import FeatureDeletionEnv, TaskStore, generate_tasks
+from envs.containment import CGROUP_ROOT, CONTROLLERS
+from envs.grading import PYTEST_ARGS
 from envs.sandbox import Sandbox
+
+# Module-level payloads appended to the stubbed target (see tests/envs/test_envs_hostile.py for the full corpus).
+HOSTILE = {
+    "fork_bomb": "import os\nwhile True:\n    os.fork()\n",
+    "memory_tree": "import os\nfor _ in range(6):\n    if os.fork() == 0:\n        b = bytearray(900 << 20)\n        os._exit(0)\n",
+    "channel_flood": "import os\nfor fd in range(3, 64):\n    try:\n        os.write(fd, b'x' * (2 << 20))\n    except OSError:\n        pass\n",
+    "unshare": "import ctypes\nctypes.CDLL(None).unshare(0x10000000)\n",
+    "read_host": "print(open('/etc/hostname').read())\n",
+    "exit_zero": "import os\ngetattr(os, '_ex' + 'it')(0)\n",
+}
 
 FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "envs" / "fixtures"
 
@@ -42,7 +59,7 @@ def demo_rate(episodes: int) -> float:
     return episodes / (time.perf_counter() - start)
 
 
-def feature_deletion(sandbox: Sandbox, tasks_per_repo: int) -> dict[str, float]:
+def feature_deletion(sandbox: Sandbox, tasks_per_repo: int, reps: int) -> dict[str, float]:
     store = TaskStore(sandbox)
     try:
         config = FeatureDeletionConfig(max_tasks=tasks_per_repo)
@@ -59,9 +76,42 @@ def feature_deletion(sandbox: Sandbox, tasks_per_repo: int) -> dict[str, float]:
                 rewards.append(env.step(assistant(f"```python\n{source}```")).reward)
             out[f"{policy}_eps_per_s"] = len(tasks) / (time.perf_counter() - start)
             out[f"{policy}_mean_reward"] = sum(rewards) / len(rewards)
+            out[f"{policy}_min_reward" if policy == "oracle" else f"{policy}_max_reward"] = (
+                min(rewards) if policy == "oracle" else max(rewards))
+        out["grade_bare_s"], out["grade_sandboxed_s"] = grading_overhead(sandbox, tasks[0], reps)
+        out["hostile_contained"] = hostile_contained(sandbox, tasks[0])
         return out
     finally:
         store.cleanup()
+
+
+def grading_overhead(sandbox: Sandbox, task, reps: int) -> tuple[float, float]:
+    """Median seconds (bare pytest of the rebuilt repo, full sandboxed grade of the oracle), interleaved."""
+    bare, graded = [], []
+    with sandbox.workspace(copy_from=task.pristine) as ws:
+        for _ in range(reps):
+            t = time.perf_counter()
+            subprocess.run([sys.executable, "-m", "pytest", *PYTEST_ARGS], cwd=ws.path, capture_output=True, check=True,
+                           env=os.environ | {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"})
+            bare.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            assert task.grade_source(sandbox, task.original_source()).reward == 1.0
+            graded.append(time.perf_counter() - t)
+    return statistics.median(bare), statistics.median(graded)
+
+
+def hostile_contained(sandbox: Sandbox, task) -> float:
+    """Share of hostile replies that earn 0 and leave nothing behind (processes, cgroups, workspaces)."""
+    env = FeatureDeletionEnv([task], sandbox)
+    before = set(sandbox.root.iterdir())
+    contained = 0
+    for i, payload in enumerate(HOSTILE.values()):
+        env.reset(seed=i)
+        reward = env.step(assistant(f"```python\n{task.stubbed_source}\n{payload}```")).reward
+        groups = [p for c in CONTROLLERS for p in (CGROUP_ROOT / c / "composer-mesh-sandbox").iterdir() if p.is_dir()]
+        left = [p for p in sandbox.root.iterdir() if p not in before]
+        contained += reward == 0.0 and not groups and not left  # a run's cgroup is removed only once empty
+    return contained / len(HOSTILE)
 
 
 def overhead(sandbox: Sandbox, argv_of, cwd_src: Path | None, reps: int) -> tuple[float, float]:
@@ -88,7 +138,7 @@ def main() -> None:
 
     sandbox = Sandbox()
     demo = demo_rate(demo_eps)
-    fd = feature_deletion(sandbox, tasks_per_repo)
+    fd = feature_deletion(sandbox, tasks_per_repo, reps)
     py_bare, py_box = overhead(sandbox, lambda py: [py, "-c", "pass"], None, reps)
     pytest_args = ["-m", "pytest", "-q", "-p", "no:cacheprovider"]
     pt_bare, pt_box = overhead(sandbox, lambda py: [py, *pytest_args], FIXTURES / "textkit", reps)
@@ -99,6 +149,9 @@ def main() -> None:
         ("  generation s/task (verify: stub + suite)", f"{fd['generate_s_per_task']:.2f}"),
         ("  oracle episodes/s  (mean reward)", f"{fd['oracle_eps_per_s']:.2f}  ({fd['oracle_mean_reward']:.2f})"),
         ("  no-op episodes/s   (mean reward)", f"{fd['noop_eps_per_s']:.2f}  ({fd['noop_mean_reward']:.2f})"),
+        ("grade oracle: bare pytest / sandboxed grade ms",
+         f"{fd['grade_bare_s'] * 1e3:.0f} / {fd['grade_sandboxed_s'] * 1e3:.0f}  (x{fd['grade_sandboxed_s'] / fd['grade_bare_s']:.2f})"),
+        ("hostile replies contained (share)", f"{fd['hostile_contained']:.2f}  ({len(HOSTILE)} tried)"),
         ("python -c pass: bare / sandboxed ms", f"{py_bare * 1e3:.0f} / {py_box * 1e3:.0f}  (+{(py_box - py_bare) * 1e3:.0f} ms)"),
         ("pytest suite:   bare / sandboxed ms", f"{pt_bare * 1e3:.0f} / {pt_box * 1e3:.0f}  (+{(pt_box - pt_bare) * 1e3:.0f} ms)"),
     ]
@@ -113,6 +166,12 @@ def main() -> None:
         "feature_deletion_noop_eps_per_s": round(fd["noop_eps_per_s"], 3),
         "oracle_mean_reward": fd["oracle_mean_reward"],
         "noop_mean_reward": fd["noop_mean_reward"],
+        "oracle_min_reward": fd["oracle_min_reward"],
+        "noop_max_reward": fd["noop_max_reward"],
+        "grade_bare_ms": round(fd["grade_bare_s"] * 1e3, 1),
+        "grade_sandboxed_ms": round(fd["grade_sandboxed_s"] * 1e3, 1),
+        "grading_overhead_ratio": round(fd["grade_sandboxed_s"] / fd["grade_bare_s"], 3),
+        "hostile_contained": fd["hostile_contained"],
         "python_bare_ms": round(py_bare * 1e3, 1),
         "python_sandboxed_ms": round(py_box * 1e3, 1),
         "python_overhead_ratio": round(py_box / py_bare, 3),

@@ -4,9 +4,9 @@ Started by `envs.grading` as `python -E -s -P -B _grade_runner.py` with a JSON
 request on stdin: {"nonce", "repo", "submission": [relative paths the agent
 wrote], "pytest_args": [...]}. Stdlib + pytest only, no project imports.
 
-It reports on a private duplicate of fd 1 (pytest captures fd 1 during tests),
-one line per event, `@@grade <nonce> <json>`; lines without the nonce are
-ignored by the grader. Events: a violation seen by the audit hook while code
+It reports on the fd named by `channel_fd` (a file in the host's scratch dir),
+one line per event, `@@grade <nonce> <json>`; any other line there is a
+violation. Events: a violation seen by the audit hook while code
 of the submission is on the stack (with the submission file it came from, so
 the grader can allow what the pristine file did too), and one final summary (per-test outcomes,
 integrity of pytest's internals). A run that ends without the summary (an
@@ -82,11 +82,11 @@ def main() -> None:
     nonce = request.pop("nonce")
     repo = os.path.realpath(request["repo"])
     submission = {os.path.realpath(os.path.join(repo, p)) for p in request["submission"]}
-    channel = os.fdopen(os.dup(1), "w", buffering=1)
+    channel_fd = request["channel_fd"]
+    dumps, write = json.dumps, os.write  # bound here, before any submission code can rebind the modules
 
     def emit(event: dict) -> None:
-        channel.write(f"\n@@grade {nonce} {json.dumps(event)}\n")  # own line, whatever pytest printed
-        channel.flush()
+        write(channel_fd, f"@@grade {nonce} {dumps(event)}\n".encode())
 
     seen: set[tuple[str, str, str]] = set()
 
@@ -136,6 +136,8 @@ def main() -> None:
 
     sys.path.insert(0, repo)
     os.chdir(repo)
+    if request.get("callee"):
+        install_proxies(request["callee"], violation)
     import _pytest.main  # noqa: F401  (load the guarded modules before any submission code)
     import _pytest.outcomes  # noqa: F401
     import _pytest.python  # noqa: F401
@@ -147,12 +149,17 @@ def main() -> None:
     outcomes: dict[str, str] = {}
     collect_errors: list[str] = []
 
+    rank = _RANK.index
+
+    def worst(a: str, b: str) -> str:  # not builtins.max: the submission can reach builtins
+        return b if rank(b) > rank(a) else a
+
     class Recorder:
         @staticmethod
         def pytest_runtest_logreport(report) -> None:
             # A test's outcome is the worst of its setup, call and teardown reports.
             prior = outcomes.get(report.nodeid, "passed")
-            outcomes[report.nodeid] = max(prior, report.outcome, key=_RANK.index)
+            outcomes[report.nodeid] = worst(prior, report.outcome)
 
         @staticmethod
         def pytest_collectreport(report) -> None:
@@ -165,6 +172,74 @@ def main() -> None:
         if _safe_lookup(module, path) is not obj:
             violation("test_runner_tamper", f"{module}.{path}", "")
     emit({"done": True, "exit": int(exit_code), "tests": outcomes, "collect_errors": collect_errors})
+
+
+def install_proxies(callee: dict, violation) -> None:
+    """Put forwarding modules for the submission's modules in `sys.modules` (split grading).
+
+    callee: {"modules": [dotted names], "in_fd", "out_fd" (pipes to `_callee.py`),
+    "wire": path of `_wire.py`, "timeout_s": per-call limit}. Functions become
+    forwarders whose arguments and results cross as plain data; plain values are
+    copied; anything else is absent (a test that needs it fails). A reply that
+    breaks the protocol is the violation `malformed_reply` (and fails the call).
+    """
+    import importlib.util
+    import types
+
+    spec = importlib.util.spec_from_file_location("_composer_wire", callee["wire"])
+    wire = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(wire)
+    reader, out_fd, timeout_s = wire.Reader(callee["in_fd"]), callee["out_fd"], callee["timeout_s"]
+
+    def ask(request: dict) -> object:
+        try:
+            wire.send(out_fd, request)
+            reply = reader.recv(timeout_s)
+            if reply is None:
+                raise RuntimeError("the submission's process ended")  # its sandbox result says why
+            if set(reply) == {"ok"}:
+                return wire.decode(reply["ok"])
+            if set(reply) != {"raise", "text"}:
+                raise wire.WireError("malformed reply")
+        except (wire.WireError, OSError) as exc:  # BrokenPipeError: the callee is gone
+            violation("malformed_reply", str(exc)[:200], "callee")
+            raise RuntimeError(f"no valid answer from the submission: {exc}") from None
+        raise wire.exception_from(reply["raise"], reply["text"])
+
+    def forwarder(module: str, name: str):
+        def call(*args, **kwargs):
+            request = {"op": "call", "module": module, "name": name,
+                       "args": wire.encode(list(args)), "kwargs": wire.encode(kwargs)}
+            return ask(request)
+
+        call.__name__ = call.__qualname__ = name
+        call.__module__ = module
+        return call
+
+    for module in callee["modules"]:
+        proxy = types.ModuleType(module, "forwarded to the submission's process")
+        try:
+            names = ask({"op": "describe", "module": module})
+        except Exception:  # the module does not import or the callee misbehaves: tests using it fail
+            names = {}
+        if type(names) is not dict:
+            violation("malformed_reply", "module description", "callee")
+            names = {}
+        for name, entry in names.items():
+            if type(name) is not str or type(entry) is not list or not entry:
+                violation("malformed_reply", "module description", "callee")
+                break
+            if entry[0] == "function":
+                setattr(proxy, name, forwarder(module, name))
+            elif entry[0] == "value" and len(entry) == 2:
+                setattr(proxy, name, entry[1])
+        sys.modules[module] = proxy
+        parent, _, child = module.rpartition(".")
+        if parent:
+            try:  # the pristine package imports names the proxy may lack: collection then fails
+                setattr(importlib.import_module(parent), child, proxy)
+            except Exception:
+                pass
 
 
 def _safe_lookup(module: str, path: str) -> object:

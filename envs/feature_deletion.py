@@ -12,6 +12,7 @@ pristine passes, deleted fails.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import os
 import random
 import re
@@ -40,7 +41,9 @@ class RepoTask:
     stubbed_source: the target file as the agent first sees it; hidden_tests: test
     files kept out of the workspace; expected_tests: node ids that must pass;
     runtime_allowed: (file, reason) the pristine code itself does at run time
-    (say, a repository whose code spawns processes), not held against the agent.
+    (say, a repository whose code spawns processes), not held against the agent;
+    split: the oracle passes with verdicts decided outside the submission's
+    interpreter (`envs.grading.run_split`), so every grade of this task is split.
     """
 
     name: str
@@ -51,6 +54,7 @@ class RepoTask:
     hidden_tests: tuple[str, ...]
     expected_tests: tuple[str, ...]
     runtime_allowed: tuple[tuple[str, str], ...] = ()
+    split: bool = False
 
     def prompt(self, tools: bool = True) -> str:
         """Terse instruction: with tools (the multi-turn loop) or with the file inline (single turn)."""
@@ -72,7 +76,8 @@ class RepoTask:
             start = manifest(ws.path)
             (ws.path / self.target).write_text(source)
             return grade_workspace(
-                sandbox, self.pristine, start, ws, self.expected_tests, runtime_allowed=self.runtime_allowed
+                sandbox, self.pristine, start, ws, self.expected_tests, runtime_allowed=self.runtime_allowed,
+                split=self.split,
             )
 
     def workspace(self, sandbox: Sandbox) -> Workspace:
@@ -188,7 +193,10 @@ def generate_tasks(
         if not run.complete or not failing_files:
             continue  # the suite does not notice this deletion: not a gradable task
         name = f"{pristine.name}:{rel}:{'+'.join(group)}"
-        tasks.append(RepoTask(name, pristine, rel, group, stubbed, tuple(failing_files), expected, allowed))
+        task = RepoTask(name, pristine, rel, group, stubbed, tuple(failing_files), expected, allowed, split=True)
+        if task.grade_source(sandbox, task.original_source()).reward < 1.0:  # its tests need more than plain data
+            task = dataclasses.replace(task, split=False)
+        tasks.append(task)
     return tasks
 
 
@@ -217,7 +225,7 @@ class FeatureDeletionEnv(Environment):
             site = ErrorSite(turn, ErrorKind.SYNTAX, "no ```python block with the new file in the reply")
             return Observation([], reward=0.0, done=True, error_sites=[site], info=info | {"reason": "no_code"})
         grade = self.task.grade_source(self.sandbox, blocks[-1])
-        info |= {"reason": grade.reason, "violations": list(grade.violations), "passed": grade.passed, "total": grade.total}
+        info |= {"split": self.task.split, "reason": grade.reason, "violations": list(grade.violations), "passed": grade.passed, "total": grade.total}
         sites = []
         if grade.reward < 1.0:
             kind = (

@@ -12,7 +12,9 @@ every expected test passed.
 from __future__ import annotations
 
 import json
+import os
 import secrets
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -23,8 +25,10 @@ from envs.safeguards import (
 from envs.sandbox import Sandbox, SandboxResult, Workspace
 
 _RUNNER = Path(__file__).with_name("_grade_runner.py")
+_CALLEE = Path(__file__).with_name("_callee.py")
+_WIRE = Path(__file__).with_name("_wire.py")
 PYTEST_ARGS = ("-q", "-p", "no:cacheprovider", "--no-header", "--tb=short", "-o", "addopts=")
-_REPORT_CHARS = 1 << 20
+_REPORT_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -45,39 +49,126 @@ class SuiteRun:
     @property
     def output(self) -> str:
         """pytest's own output (the runner's report lines removed)."""
-        return "\n".join(line for line in self.result.stdout.splitlines() if not line.startswith("@@grade "))
+        return self.result.stdout
 
     def failed(self) -> list[str]:
         return sorted(t for t, outcome in self.tests.items() if outcome != "passed")
 
 
 def run_suite(
-    sandbox: Sandbox, ws: Workspace, submission: Sequence[str] = (), pytest_args: Sequence[str] = PYTEST_ARGS
+    sandbox: Sandbox,
+    ws: Workspace,
+    submission: Sequence[str] = (),
+    pytest_args: Sequence[str] = PYTEST_ARGS,
+    callee: dict | None = None,
 ) -> SuiteRun:
-    """Run the suite in `ws`; `submission` lists the agent-written files the audit hook watches."""
+    """Run the suite in `ws`; `submission` lists the agent-written files the audit hook watches.
+
+    The runner reports on a file of the host's scratch dir (not stdout, which the
+    program shares with everything it starts). The host reads at most
+    `_REPORT_BYTES`; more, a line that does not parse, or a line of the wrong
+    shape is a violation, never an exception.
+    """
     nonce = secrets.token_hex(16)
-    request = {"nonce": nonce, "repo": str(ws.path), "submission": list(submission), "pytest_args": list(pytest_args)}
+    callee_fds = (callee["in_fd"], callee["out_fd"]) if callee else ()
+    channel_path = ws.scratch / "report"
+    channel = os.open(channel_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    request = {
+        "nonce": nonce, "repo": str(ws.path), "submission": list(submission), "pytest_args": list(pytest_args),
+        "channel_fd": channel, "callee": callee,
+    }
     argv = [sandbox.python(), "-E", "-s", "-P", "-B", str(_RUNNER)]
-    result = sandbox.run(
-        argv, ws, stdin=json.dumps(request).encode(), env={"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"},
-        tail_chars=_REPORT_CHARS,
-    )
-    tests: dict[str, str] = {}
-    violations: list[tuple[str, str, str]] = [(v, "", "sandbox") for v in result.violations]
+    try:
+        result = sandbox.run(
+            argv, ws, stdin=json.dumps(request).encode(), env={"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"},
+            expose=(str(_RUNNER), str(_WIRE)), pass_fds=(channel, *callee_fds), hand_over=callee_fds,
+        )
+    finally:
+        os.close(channel)
+    tests, events, violations = {}, read_channel(channel_path, nonce), [(v, "", "sandbox") for v in result.violations]
     complete, collect_errors = False, ()
-    prefix = f"@@grade {nonce} "
-    for line in result.stdout.splitlines():
-        if not line.startswith(prefix):
-            continue
-        event = json.loads(line[len(prefix):])
-        if "violation" in event:
+    for event in events:
+        if "malformed" in event:
+            violations.append(("malformed_report", "", event["malformed"]))
+        elif "violation" in event:
             violations.append((event["violation"], event["where"], event["detail"]))
-        elif event.get("done"):
-            if complete:  # only the runner's own last act writes this; a second one is forged
-                violations.append(("forged_report", "", "two summaries"))
-                continue
+        elif complete:  # only the runner's own last act writes a summary; a second one is forged
+            violations.append(("forged_report", "", "two summaries"))
+        else:
             complete, tests, collect_errors = True, event["tests"], tuple(event["collect_errors"])
     return SuiteRun(tests, complete, tuple(dict.fromkeys(violations)), collect_errors, result)
+
+
+def read_channel(path: Path, nonce: str) -> list[dict]:
+    """The runner's events, validated; anything else becomes a {"malformed": why} event (never raises)."""
+    with open(path, "rb") as f:
+        data = f.read(_REPORT_BYTES + 1)
+    if len(data) > _REPORT_BYTES:
+        return [{"malformed": f"report channel over {_REPORT_BYTES} bytes"}]
+    events: list[dict] = []
+    prefix = f"@@grade {nonce} "
+    for n, line in enumerate(data.decode("utf-8", errors="replace").splitlines(), 1):
+        if not line:
+            continue
+        if not line.startswith(prefix):
+            events.append({"malformed": f"line {n}: not an authenticated event"})
+            continue
+        try:
+            event = json.loads(line[len(prefix):])
+        except ValueError:
+            event = None
+        events.append(event if _well_formed(event) else {"malformed": f"line {n}: not a valid event"})
+    return events
+
+
+def _well_formed(event: object) -> bool:
+    """The exact shapes the runner writes: a violation of three strings, or the final summary."""
+    if not isinstance(event, dict):
+        return False
+    if set(event) == {"violation", "detail", "where"}:
+        return all(type(v) is str for v in event.values())
+    if set(event) == {"done", "exit", "tests", "collect_errors"}:
+        tests, errors = event["tests"], event["collect_errors"]
+        return (
+            event["done"] is True and type(event["exit"]) is int and type(tests) is dict
+            and all(type(k) is str and v in ("passed", "failed", "skipped") for k, v in tests.items())
+            and type(errors) is list and all(type(e) is str for e in errors)
+        )
+    return False
+
+
+def run_split(sandbox: Sandbox, judge_ws: Workspace, callee_ws: Workspace, modules: Sequence[str]) -> SuiteRun:
+    """Run the pristine suite in `judge_ws` with `modules` forwarded to the submission in `callee_ws`.
+
+    Two sandboxes joined only by two pipes: the judge (pytest, tests, expected
+    values, the report channel) never runs submission code; the callee imports
+    the submission and answers calls with plain data (`_wire.py`).
+    """
+    to_callee_r, to_callee_w = os.pipe()
+    to_judge_r, to_judge_w = os.pipe()
+    timeout = sandbox.config.wall_timeout_s
+    outcome: list[SandboxResult] = []
+    argv = [sandbox.python(), "-E", "-s", "-P", "-B", str(_CALLEE), str(to_callee_r), str(to_judge_w), str(callee_ws.path)]
+    thread = threading.Thread(target=lambda: outcome.append(sandbox.run(
+        argv, callee_ws, timeout_s=timeout + 2, expose=(str(_CALLEE), str(_WIRE)),
+        pass_fds=(to_callee_r, to_judge_w), hand_over=(to_callee_r, to_judge_w),
+    )))
+    thread.start()
+    callee = {"modules": list(modules), "in_fd": to_judge_r, "out_fd": to_callee_w, "wire": str(_WIRE),
+              "timeout_s": timeout}
+    run = run_suite(sandbox, judge_ws, (), callee=callee)
+    thread.join()
+    callee_violations = tuple((v, "callee", "sandbox") for v in (outcome[0].violations if outcome else ("callee_lost",)))
+    # The callee's limits first: they are why the judge saw no (valid) answers.
+    return SuiteRun(run.tests, run.complete, callee_violations + run.violations, run.collect_errors, run.result)
+
+
+def module_name(rel: str) -> str | None:
+    """Dotted module name of a source file the judge can forward ('pkg/mod.py' -> 'pkg.mod'), else None."""
+    parts = rel[:-3].split("/") if rel.endswith(".py") else None
+    if not parts or parts[-1] == "__init__" or not all(p.isidentifier() for p in parts):
+        return None
+    return ".".join(parts)
 
 
 @dataclass(frozen=True)
@@ -100,6 +191,7 @@ def grade_workspace(
     expected_tests: Sequence[str],
     episode_violations: Sequence[tuple[str, str]] = (),
     runtime_allowed: Sequence[tuple[str, str]] = (),
+    split: bool = False,
 ) -> Grade:
     """Grade `agent_ws` against the pristine repo; `start` is the manifest the agent began from.
 
@@ -107,6 +199,11 @@ def grade_workspace(
     configuration and bytecode) plus the pristine tests and test configuration.
     runtime_allowed: (file, reason) pairs the pristine suite itself showed at
     run time (`baseline_runtime`), not held against the agent.
+    split: judge outside the submission's interpreter (`run_split`): the
+    pristine tree runs the suite, the agent's changed modules are forwarded to
+    its own sandbox. Only for tasks whose oracle passes that way
+    (`RepoTask.split`); otherwise the suite runs in one process with the
+    agent's sources (the weaker property, docs/envs.md).
     """
     agent = manifest(agent_ws.path)
     violations = list(episode_violations) + change_violations(diff_tree(start, agent))
@@ -118,12 +215,15 @@ def grade_workspace(
             new_text = (agent_ws.path / rel).read_text(errors="replace")
             old_text = (pristine / rel).read_text(errors="replace") if rel in original else None
             violations += [(reason, f"{rel}: {what}") for reason, what in scan_source(new_text, old_text)]
-    with sandbox.workspace(copy_from=pristine, skip=lambda rel: not _is_test_side(rel)) as gws:
-        for rel in sources:
-            (gws.path / rel).parent.mkdir(parents=True, exist_ok=True)
-            (gws.path / rel).write_bytes((agent_ws.path / rel).read_bytes())
-        gws.adopt()
-        run = run_suite(sandbox, gws, changed)
+    if split:
+        run = _grade_split(sandbox, pristine, agent_ws, changed)
+    else:
+        with sandbox.workspace(copy_from=pristine, skip=lambda rel: not _is_test_side(rel)) as gws:
+            for rel in sources:
+                (gws.path / rel).parent.mkdir(parents=True, exist_ok=True)
+                (gws.path / rel).write_bytes((agent_ws.path / rel).read_bytes())
+            _seal(gws)  # no links, renames or rewrites of the tests from inside
+            run = run_suite(sandbox, gws, changed)
     allowed = set(runtime_allowed)
     violations += [
         (reason, f"{where}: {detail}" if where else detail)
@@ -141,6 +241,24 @@ def grade_workspace(
         reason = "passed"
     reward = 1.0 if reason == "passed" else 0.0
     return Grade(reward, reason, passed, total, tuple(dict.fromkeys(violations)), run.output)
+
+
+def _grade_split(sandbox: Sandbox, pristine: Path, agent_ws: Workspace, changed: Sequence[str]) -> SuiteRun:
+    """The judge gets the pristine tree minus the forwarded modules; the callee gets the agent's sources."""
+    modules = {rel: name for rel in changed if (name := module_name(rel))}
+    with (
+        sandbox.workspace(copy_from=pristine, skip=lambda rel: is_bytecode(rel) or rel in modules) as judge_ws,
+        sandbox.workspace(copy_from=agent_ws.path, skip=lambda rel: not _is_source(rel)) as callee_ws,
+    ):
+        _seal(judge_ws)
+        return run_split(sandbox, judge_ws, callee_ws, sorted(modules.values()))
+
+
+def _seal(ws: Workspace) -> None:
+    """Make the whole tree root's and read-only to the sandbox uid (its writable space is then /tmp)."""
+    for path in (ws.path, *ws.path.rglob("*")):
+        os.lchown(path, 0, 0)
+        os.chmod(path, 0o755 if path.is_dir() else 0o644)
 
 
 def _is_test_side(rel: str) -> bool:

@@ -1,27 +1,30 @@
 """Run model-written code in a contained process tree and report what happened.
 
 Containment, all enforced by the kernel (docs/envs.md lists what each stops):
-- network, PID and mount namespaces (`unshare`): no network at all (only a
-  down loopback), the program is PID 1 of its namespace so every process it
-  leaves behind dies with it, and `/proc` shows only the sandbox;
-- a private uid per workspace: nothing outside the workspace is writable
-  (world-writable dirs are re-mounted read-only, home dirs hidden), other
-  sandboxes and the host's processes cannot be signalled, RLIMIT_NPROC counts
-  only this sandbox;
+- bubblewrap (`bwrap`, run as root, no user namespace) builds IPC, PID,
+  network, UTS and cgroup namespaces and a minimal read-only root: /usr (with
+  the /bin, /lib symlinks), the interpreter's prefixes, the paths a run names,
+  a fresh /proc and /dev, a size-capped /tmp and /dev/shm, and the workspace
+  writable. Nothing else of the host exists inside (no /etc, /root, /home,
+  project checkout, other workspaces, host sockets); PID 1 of the namespace
+  takes every process with it when it exits;
+- `setpriv` drops to a private uid per workspace with no capabilities and
+  no_new_privs;
+- a seccomp-bpf filter (`envs.containment`) denies new namespaces, mounts,
+  bpf, keyrings, ptrace and the like;
+- per-run cgroups cap memory, processes and CPU of the whole tree;
 - rlimits on CPU time, address space, file size, processes, open files;
-- a wall-clock timer that kills the whole process group;
-- a scrubbed environment (no inherited variables except named ones) and
-  secrets redacted from the output tails.
+- a wall-clock timer that kills every process of the run's cgroup;
+- a scrubbed environment and secrets redacted from the output tails.
 Where a protection is unavailable the sandbox refuses to run (`SandboxUnavailable`);
 it never runs code with less containment than it reports.
 """
 
 from __future__ import annotations
 
-import json
-import marshal
 import os
 import re
+import resource
 import secrets
 import shutil
 import signal
@@ -31,14 +34,16 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 from configs.sections.env import SandboxConfig
+from envs.containment import ContainmentUnavailable, RunCgroup, probe_cgroups, seccomp_fd, seccomp_filter
 
-_INIT = Path(__file__).with_name("_sandbox_init.py")
-_WORLD_WRITABLE = ("/tmp", "/var/tmp", "/run/lock", "/dev/shm", "/dev/mqueue")
+_SETPRIV = "/usr/bin/setpriv"
+_ROOT_LINKS = ("/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32")
 _SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSW|CREDENTIAL|AUTH", re.IGNORECASE)
 _SIGNAL_VIOLATIONS = {
     signal.SIGXCPU: "cpu_time_limit",
@@ -105,22 +110,42 @@ class Workspace:
 _probe_cache: dict[str, str] = {}
 
 
-def probe(unshare_binary: str = "unshare") -> str:
-    """'' when namespaces, mounts and uid switching work here, else the reason they do not."""
-    if unshare_binary in _probe_cache:
-        return _probe_cache[unshare_binary]
+def probe(bwrap_binary: str = "bwrap") -> str:
+    """'' when bubblewrap, setpriv, seccomp and the cgroups work here, else the reason they do not."""
+    if bwrap_binary in _probe_cache:
+        return _probe_cache[bwrap_binary]
     reason = ""
     if os.geteuid() != 0:
-        reason = "needs root (or CAP_SYS_ADMIN and CAP_SETUID) for namespaces, mounts and a private uid"
-    elif shutil.which(unshare_binary) is None:
-        reason = f"{unshare_binary!r} (util-linux) not found"
+        reason = "needs root for namespaces without a user namespace, cgroups and a private uid"
+    elif shutil.which(bwrap_binary) is None:
+        reason = f"{bwrap_binary!r} (bubblewrap) not found; `apt-get install -y bubblewrap`"
+    elif not os.access(_SETPRIV, os.X_OK):
+        reason = f"{_SETPRIV} (util-linux) not found"
     else:
-        cmd = [unshare_binary, "--net", "--pid", "--fork", "--mount", "--propagation", "private", "--mount-proc", "true"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
-        if proc.returncode != 0:
-            reason = f"network/PID/mount namespaces unavailable: {proc.stderr.strip() or proc.returncode}"
-    _probe_cache[unshare_binary] = reason
+        reason = probe_cgroups()
+        if not reason:
+            try:
+                seccomp_filter()
+            except ContainmentUnavailable as exc:
+                reason = str(exc)
+        if not reason:
+            cmd = [bwrap_binary, "--unshare-all", "--ro-bind", "/usr", "/usr", *_root_links(), "/usr/bin/true"]
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+            if proc.returncode != 0:
+                reason = f"bubblewrap cannot build namespaces here: {proc.stderr.strip() or proc.returncode}"
+    _probe_cache[bwrap_binary] = reason
     return reason
+
+
+def _root_links() -> list[str]:
+    """bwrap arguments recreating /bin, /lib, ... (merged-/usr symlinks, or read-only binds)."""
+    args = []
+    for link in _ROOT_LINKS:
+        if os.path.islink(link):
+            args += ["--symlink", os.readlink(link), link]
+        elif os.path.isdir(link):
+            args += ["--ro-bind", link, link]
+    return args
 
 
 class Sandbox:
@@ -128,10 +153,10 @@ class Sandbox:
 
     def __init__(self, config: SandboxConfig | None = None) -> None:
         self.config = config or SandboxConfig()
-        reason = probe(self.config.unshare_binary)
+        reason = probe(self.config.bwrap_binary)
         if reason:
             raise SandboxUnavailable(f"refusing to run untrusted code: {reason}")
-        self._unshare = shutil.which(self.config.unshare_binary)
+        self._bwrap = shutil.which(self.config.bwrap_binary)
         self.root = Path(self.config.root_dir or tempfile.gettempdir()) / "composer-mesh-sandboxes"
         self.root.mkdir(parents=True, exist_ok=True)
         os.chmod(self.root, 0o711)  # others may traverse to their workspace, not list
@@ -176,68 +201,73 @@ class Sandbox:
         timeout_s: float | None = None,
         env: Mapping[str, str] | None = None,
         tail_chars: int | None = None,
+        expose: Sequence[str] = (),
+        pass_fds: Sequence[int] = (),
+        hand_over: Sequence[int] = (),
     ) -> SandboxResult:
         """Run `argv` in `ws` (cwd) as the workspace's uid; never raises for what the program does.
 
         tail_chars: how much of stdout/stderr to keep (default `output_tail_chars`).
+        expose: extra host paths bound read-only (e.g. a runner script).
+        pass_fds: host fds the program inherits (e.g. a pipe to another sandbox).
+        hand_over: those of `pass_fds` the host closes once the program started (or failed to),
+        so that the program holds the only copy (end-of-stream reaches its peer when it exits).
         """
         cfg = self.config
         child_env = self._environment(ws, env)
         exe = argv[0] if os.path.isabs(argv[0]) else shutil.which(argv[0], path=child_env["PATH"])
         if exe is None:
             return SandboxResult(127, "", f"command not found: {argv[0]}", 0.0, 0.0, False)
-        spec = {
-            "workdir": str(ws.path),
-            "uid": ws.uid,
-            "readonly": list(_WORLD_WRITABLE),
-            "hide": list(cfg.hide_paths),
-            "expose": sorted({os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, _project_root())}),
-            "limits": self._limits(),
-            "argv": [exe, *argv[1:]],
-            "env": child_env,
-        }
-        stdin_path, out_path, err_path, report_path = (
-            ws.scratch / n for n in ("stdin", "stdout", "stderr", "report")
-        )
+        stdin_path, out_path, err_path = (ws.scratch / n for n in ("stdin", "stdout", "stderr"))
         with os.fdopen(os.open(stdin_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
             f.write(stdin)
-        cmd = [
-            self._unshare, "--net", "--pid", "--fork", "--kill-child", "--mount", "--propagation", "private",
-            "--mount-proc", sys.executable, "-I", "-S", str(_INIT), marshal.dumps(spec).hex(),
-        ]
-        actions = [
-            (os.POSIX_SPAWN_OPEN, 0, str(stdin_path), os.O_RDONLY, 0),
-            (os.POSIX_SPAWN_OPEN, 1, str(out_path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600),
-            (os.POSIX_SPAWN_OPEN, 2, str(err_path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600),
-            (os.POSIX_SPAWN_OPEN, 3, str(report_path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600),
-        ]
+        cgroup = RunCgroup.create(
+            f"{ws.uid}-{uuid.uuid4().hex[:8]}", cfg.memory_mb, cfg.max_processes + 4, cfg.cpu_cores
+        )
+        limits = self._limits()
+
+        def enter() -> None:  # in the child, before exec: join the cgroups, set the rlimits
+            cgroup.join()
+            for name, value in limits.items():
+                resource.setrlimit(getattr(resource, name), value)
+
         timeout = cfg.wall_timeout_s if timeout_s is None else timeout_s
-        start = time.perf_counter()
-        pid = os.posix_spawn(self._unshare, cmd, {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}, file_actions=actions, setsid=True)
         fired = threading.Event()
+        filter_fd = seccomp_fd()
+        try:
+            cmd = self._command(exe, argv, ws, expose, filter_fd)
+            start = time.perf_counter()
+            with open(stdin_path, "rb") as fin, open(out_path, "wb") as fout, open(err_path, "wb") as ferr:
+                proc = subprocess.Popen(
+                    cmd, stdin=fin, stdout=fout, stderr=ferr, env=child_env, preexec_fn=enter,
+                    pass_fds=(filter_fd, *pass_fds), start_new_session=True,
+                )
+        except BaseException:
+            cgroup.destroy()
+            raise
+        finally:
+            for fd in (filter_fd, *hand_over):
+                os.close(fd)
 
         def kill_tree() -> None:
             fired.set()
-            _killpg(pid)
+            cgroup.kill()
 
         timer = threading.Timer(timeout, kill_tree)
         timer.start()
         try:
-            _, wrapper_status, _ = os.wait4(pid, 0)
+            _, wrapper_status, usage = os.wait4(proc.pid, 0)
+            proc.returncode = os.waitstatus_to_exitcode(wrapper_status)
         finally:
             timer.cancel()
         wall = time.perf_counter() - start
-        _killpg(pid)  # anything still in the group (the namespace is gone already)
-        report = json.loads(report_path.read_text() or "null")
-        if report is None:  # init never reported: killed by the timer, or setup failed
-            exit_code, cpu_s = os.waitstatus_to_exitcode(wrapper_status), 0.0
-        else:
-            exit_code, cpu_s = os.waitstatus_to_exitcode(report["status"]), report["cpu_s"]
         violations = []
         if fired.is_set():
             violations.append("timeout")
-        if kill_stray(ws.uid):
+        violations += cgroup.limits_hit()
+        if cgroup.destroy() or kill_stray(ws.uid):
             violations.append("stray_process")
+        exit_code = proc.returncode
         n = self.config.output_tail_chars if tail_chars is None else tail_chars
         stdout, stderr = _tail(out_path, n), _tail(err_path, n)
         violations += _classify(exit_code, stdout + stderr, fired.is_set())
@@ -246,16 +276,49 @@ class Sandbox:
             stdout=stdout,
             stderr=stderr,
             wall_s=wall,
-            cpu_s=cpu_s,
+            cpu_s=usage.ru_utime + usage.ru_stime,
             timed_out=fired.is_set(),
             violations=tuple(dict.fromkeys(violations)),
         )
+
+    def _command(self, exe: str, argv: Sequence[str], ws: Workspace, expose: Sequence[str], seccomp_fd: int) -> list[str]:
+        """bwrap (namespaces, minimal root, seccomp) then setpriv (private uid, no caps) then the program."""
+        cfg = self.config
+        mib = 1 << 20
+        cmd = [
+            self._bwrap, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
+            "--die-with-parent", "--new-session", "--cap-add", "CAP_SETUID,CAP_SETGID",
+            "--ro-bind", "/usr", "/usr",
+        ]
+        cmd += _root_links()
+        cmd += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(cfg.tmpfs_mb * mib), "--tmpfs", "/tmp",
+                "--perms", "1777", "--size", str(cfg.tmpfs_mb * mib), "--tmpfs", "/dev/shm"]
+        exposed = {sys.base_prefix, sys.prefix, *cfg.expose_paths, *expose}
+        made = {"/tmp"}
+        for path in sorted({os.path.realpath(p) for p in exposed}):
+            if path.startswith("/usr/") or not os.path.exists(path):
+                continue
+            for parent in reversed(Path(path).parents[:-1]):  # traversable, whatever the host's modes
+                if str(parent) not in made:
+                    made.add(str(parent))
+                    cmd += ["--perms", "0755", "--dir", str(parent)]
+            cmd += ["--ro-bind", path, path]
+        for parent in reversed(ws.path.parents[:-1]):
+            if str(parent) not in made:
+                made.add(str(parent))
+                cmd += ["--perms", "0755", "--dir", str(parent)]
+        cmd += [
+            "--bind", str(ws.path), str(ws.path), "--chdir", str(ws.path), "--seccomp", str(seccomp_fd),
+            _SETPRIV, f"--reuid={ws.uid}", f"--regid={ws.uid}", "--clear-groups", "--inh-caps=-all",
+            "--bounding-set=-all", "--no-new-privs", "--", exe, *argv[1:],
+        ]
+        return cmd
 
     def _environment(self, ws: Workspace, extra: Mapping[str, str] | None) -> dict[str, str]:
         env = {
             "PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin",
             "HOME": str(ws.path),
-            "TMPDIR": str(ws.path),
+            "TMPDIR": "/tmp",  # the sandbox's own size-capped tmpfs
             "PYTHONDONTWRITEBYTECODE": "1",
             "PYTHONHASHSEED": "0",
             "PYTHONUNBUFFERED": "1",
@@ -368,13 +431,6 @@ def kill_stray(uid: int, grace_s: float = 2.0) -> bool:
     return False
 
 
-def _killpg(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 def _classify(exit_code: int, output: str, timed_out: bool) -> list[str]:
     """Name the limit a run hit, from its exit signal (or a shell's 128+N) and the errors it printed."""
     found = []
@@ -391,6 +447,3 @@ def _classify(exit_code: int, output: str, timed_out: bool) -> list[str]:
         found.append("file_size_limit")
     return found
 
-
-def _project_root() -> str:
-    return str(Path(__file__).resolve().parents[1])

@@ -25,15 +25,18 @@ class SandboxConfig:
     max_open_files: int = option(256, doc="RLIMIT_NOFILE", ge=16)
     output_tail_chars: int = option(4000, doc="characters of stdout/stderr kept in results", ge=0)
     root_dir: str = option("", doc="where private work directories are made ('' = the system temp dir)")
-    hide_paths: tuple[str, ...] = option(
-        ("/root", "/home"), doc="directories covered by an empty read-only tmpfs inside the sandbox"
+    memory_mb: int = option(2048, doc="cgroup memory limit for the whole process tree, MiB (OOM kill beyond it)", ge=64)
+    cpu_cores: float = option(1.0, doc="cgroup CPU quota for the whole process tree, in cores", gt=0.0)
+    tmpfs_mb: int = option(64, doc="size cap of the writable /tmp tmpfs inside the sandbox, MiB", ge=1)
+    expose_paths: tuple[str, ...] = option(
+        (), doc="extra host paths bound read-only into the sandbox's root (besides /usr and the interpreter)"
     )
     env_passthrough: tuple[str, ...] = option(
         ("LANG", "LC_ALL"), doc="host environment variables copied in (names only; never put secrets here)"
     )
     uid_base: int = option(200_000, doc="first of the private uids given to sandboxes", ge=1000)
     uid_count: int = option(100_000, doc="how many private uids to draw from", ge=1)
-    unshare_binary: str = option("unshare", doc="util-linux unshare used for the namespaces")
+    bwrap_binary: str = option("bwrap", doc="bubblewrap binary that builds the namespaces and the minimal root")
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,8 @@ def test_cannot_write_outside_the_workspace(sandbox, ws):
     targets = [f"/tmp/{marker}", f"/var/tmp/{marker}", f"/dev/shm/{marker}", str(Path(__file__).parent / marker)]
     code = "import sys\nfor t in sys.argv[1:]:\n    try:\n        open(t, 'w').write('x')\n        print('WROTE', t)\n    except OSError as e:\n        print('DENIED', t, e.errno)\n"
     r = sandbox.run([sandbox.python(), "-c", code, *targets], ws)
-    assert "WROTE" not in r.stdout and r.stdout.count("DENIED") == len(targets)
+    # /tmp and /dev/shm are the sandbox's own capped tmpfs (gone with it); the rest does not exist or is read-only.
+    assert [line.split()[0] for line in r.stdout.splitlines()] == ["WROTE", "DENIED", "WROTE", "DENIED"], r
     for t in targets:
         assert not os.path.exists(t)
 
@@ -147,7 +148,7 @@ def test_copy_tree_drops_symlinks_and_special_files(tmp_path):
 
 def test_refuses_when_namespaces_are_unavailable():
     with pytest.raises(SandboxUnavailable, match="refusing to run untrusted code"):
-        Sandbox(SandboxConfig(unshare_binary="/nonexistent/unshare"))
+        Sandbox(SandboxConfig(bwrap_binary="/nonexistent/bwrap"))
 
 
 def test_workspaces_get_distinct_uids_released_on_cleanup():
@@ -162,3 +163,73 @@ def test_workspaces_get_distinct_uids_released_on_cleanup():
     for w in spaces[1:] + [again]:
         w.cleanup()
     assert not any((sb.root / f".uid-{w.uid}").exists() for w in spaces)
+
+
+_READ_PROBE = (
+    "import sys\nfor t in sys.argv[1:]:\n    try:\n        open(t, 'rb').read(1)\n        print('READ', t)\n"
+    "    except OSError as e:\n        print('DENIED', t, e.errno)\n"
+)
+
+
+def test_minimal_root_hides_host_files(sandbox, ws):
+    """Only /usr, the interpreter and the workspace exist: host config, the checkout, /root, other workspaces do not."""
+    repo = Path(__file__).resolve().parents[2]
+    with sandbox.workspace() as other:
+        (other.path / "secret.txt").write_text("x")
+        targets = ["/etc/hostname", "/etc/passwd", str(repo / "README.md"), str(repo / "envs" / "sandbox.py"),
+                   "/root/.bashrc", "/root/.profile", str(other.path / "secret.txt"), "/proc/1/environ"]
+        targets = [t for t in targets if os.path.exists(t)]  # each one readable from the host
+        r = sandbox.run([sandbox.python(), "-c", _READ_PROBE, *targets], ws)
+    lines = r.stdout.splitlines()
+    assert [line.split()[0] for line in lines] == ["DENIED"] * len(targets) and len(targets) >= 6, r.stdout
+
+
+def test_forking_tree_is_capped_by_the_cgroup_memory_limit(ws):
+    """8 processes x 96 MiB (under every per-process rlimit) exceed a 256 MiB cgroup: the tree is OOM-killed."""
+    sb = Sandbox(SandboxConfig(memory_mb=256, address_space_mb=1024, max_processes=16, wall_timeout_s=10))
+    code = (
+        "import os, time\nkids = []\nfor _ in range(8):\n    pid = os.fork()\n    if pid == 0:\n"
+        "        b = bytearray(96 << 20)\n        for i in range(0, len(b), 4096): b[i] = 1\n        time.sleep(2)\n"
+        "        os._exit(0)\n    kids.append(pid)\nok = sum(os.waitpid(p, 0)[1] == 0 for p in kids)\nprint('CLEAN', ok)\n"
+    )
+    r = sb.run([sb.python(), "-c", code], ws)
+    assert "memory_limit" in r.violations, r
+    assert "CLEAN 8" not in r.stdout, r  # not every child got its 96 MiB
+    assert processes_of(ws.uid) == []
+
+
+def test_tmpfs_writes_beyond_the_cap_fail(ws):
+    sb = Sandbox(SandboxConfig(tmpfs_mb=4, file_size_mb=64))
+    code = (
+        "import sys\nfor d in ('/tmp', '/dev/shm'):\n    try:\n        with open(d + '/fill', 'wb') as f:\n"
+        "            for _ in range(8): f.write(b'x' * (1 << 20))\n        print('WROTE', d)\n"
+        "    except OSError as e:\n        print('FULL', d, e.errno)\n"
+    )
+    r = sb.run([sb.python(), "-c", code], ws)
+    assert r.stdout.split("\n")[:2] == ["FULL /tmp 28", "FULL /dev/shm 28"], r  # ENOSPC
+
+
+_LIBC = "import ctypes; l = ctypes.CDLL(None, use_errno=True); "
+
+
+@pytest.mark.parametrize(
+    "what, code",
+    [
+        ("unshare_user", _LIBC + "print('ERRNO', l.unshare(0x10000000) and ctypes.get_errno())"),
+        ("unshare_net", _LIBC + "print('ERRNO', l.unshare(0x40000000) and ctypes.get_errno())"),
+        ("clone_newpid", _LIBC + "print('ERRNO', l.syscall(56, 0x20000000 | 17, 0, 0, 0, 0) < 0 and ctypes.get_errno())"),
+        ("unshare_binary", "import subprocess, sys; r = subprocess.run(['/usr/bin/unshare', '-U', '-r', 'true'], capture_output=True, text=True); print('ERRNO', 1 if 'Operation not permitted' in r.stderr else r.returncode)"),
+        ("mount", _LIBC + "print('ERRNO', l.mount(b'none', b'/tmp', b'tmpfs', 0, None) and ctypes.get_errno())"),
+        ("ptrace", _LIBC + "print('ERRNO', l.ptrace(16, 1, 0, 0) and ctypes.get_errno())"),
+        ("bpf", _LIBC + "print('ERRNO', l.syscall(321, 0, 0, 0) < 0 and ctypes.get_errno())"),
+        ("keyctl", _LIBC + "print('ERRNO', l.syscall(250, 0, 0, 0, 0, 0) < 0 and ctypes.get_errno())"),
+    ],
+)
+def test_seccomp_denies_namespaces_and_kernel_interfaces(sandbox, ws, what, code):
+    r = _py(sandbox, ws, code)
+    assert r.stdout.split() == ["ERRNO", "1"], (what, r)  # EPERM from the filter, not a crash or success
+
+
+def test_runs_under_seccomp_without_privileges(sandbox, ws):
+    status = _py(sandbox, ws, "print(open('/proc/self/status').read())").stdout
+    assert "Seccomp:\t2" in status and "NoNewPrivs:\t1" in status and "CapEff:\t0000000000000000" in status

@@ -1,0 +1,169 @@
+"""The judge's two trust boundaries without a sandbox: the report channel and the plain-data wire."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections import OrderedDict
+
+import pytest
+
+from envs import _wire as wire
+from envs.grading import _REPORT_BYTES, read_channel
+
+NONCE = "ab" * 16
+SUMMARY = {"done": True, "exit": 0, "tests": {"t.py::a": "passed"}, "collect_errors": []}
+
+
+def _channel(tmp_path, data: bytes):
+    path = tmp_path / "report"
+    path.write_bytes(data)
+    return read_channel(path, NONCE)
+
+
+def _line(event) -> bytes:
+    return f"@@grade {NONCE} {json.dumps(event)}\n".encode()
+
+
+def test_valid_events_parse(tmp_path):
+    violation = {"violation": "network", "detail": "socket.connect", "where": "m.py"}
+    assert _channel(tmp_path, _line(violation) + _line(SUMMARY)) == [violation, SUMMARY]
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"@@grade " + NONCE.encode() + b" {not json\n",
+        _line([1, 2]),
+        _line({"done": True}),
+        _line({**SUMMARY, "tests": {"t::a": "PASSED"}}),
+        _line({**SUMMARY, "tests": ["t::a"]}),
+        _line({**SUMMARY, "exit": "0"}),
+        _line({**SUMMARY, "done": 1}),
+        _line({**SUMMARY, "extra": 1}),
+        _line({"violation": 1, "detail": "", "where": ""}),
+        b"@@grade " + b"00" * 16 + b" " + json.dumps(SUMMARY).encode() + b"\n",  # wrong nonce
+        b"stray text\n",
+        b"\xff\xfe garbage \x00\n",
+    ],
+)
+def test_malformed_lines_are_events_not_exceptions(tmp_path, data):
+    events = _channel(tmp_path, data)
+    assert len(events) == 1 and set(events[0]) == {"malformed"}
+
+
+def test_flood_beyond_the_bound_is_one_violation(tmp_path):
+    events = _channel(tmp_path, _line(SUMMARY) + b"x" * _REPORT_BYTES)
+    assert events == [{"malformed": f"report channel over {_REPORT_BYTES} bytes"}]
+
+
+def test_random_bytes_never_raise(tmp_path):
+    rng = random.Random(0)
+    for _ in range(200):
+        data = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 300)))
+        prefix = _line(SUMMARY)[: rng.randrange(len(_line(SUMMARY)))]
+        for event in _channel(tmp_path, prefix + data):
+            assert event == SUMMARY or set(event) == {"malformed"}
+
+
+def _hashable(v) -> bool:
+    try:
+        hash(v)
+    except TypeError:
+        return False
+    return True
+
+
+def _random_value(rng: random.Random, depth: int = 0):
+    kinds = ["none", "bool", "int", "float", "str", "bytes"] + (["list", "tuple", "dict", "set"] if depth < 4 else [])
+    kind = rng.choice(kinds)
+    if kind == "none":
+        return None
+    if kind == "bool":
+        return rng.random() < 0.5
+    if kind == "int":
+        return rng.randint(-(10**30), 10**30)
+    if kind == "float":
+        return rng.uniform(-1e9, 1e9)
+    if kind == "str":
+        return "".join(chr(rng.randrange(1, 0x2FFF)) for _ in range(rng.randrange(6)))
+    if kind == "bytes":
+        return rng.randbytes(rng.randrange(6))
+    items = [_random_value(rng, depth + 1) for _ in range(rng.randrange(4))]
+    if kind == "list":
+        return items
+    if kind == "tuple":
+        return tuple(items)
+    hashable = [v for v in items if _hashable(v)]
+    return set(hashable) if kind == "set" else {k: _random_value(rng, depth + 1) for k in hashable}
+
+
+def _same(a, b) -> bool:
+    """Equal and of exactly the same types all the way down."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+    return a == b
+
+
+def test_round_trip_keeps_exact_types():
+    rng = random.Random(1)
+    for _ in range(300):
+        value = _random_value(rng)
+        back = wire.decode(json.loads(json.dumps(wire.encode(value))))
+        assert _same(value, back), (value, back)
+    assert type(wire.decode(wire.encode(True))) is bool and type(wire.decode(wire.encode(1))) is int
+
+
+class _AlwaysEqual:
+    def __eq__(self, other):
+        return True
+
+
+class _Str(str):
+    def __eq__(self, other):
+        return True
+
+    __hash__ = str.__hash__
+
+
+@pytest.mark.parametrize(
+    "value", [_AlwaysEqual(), _Str("x"), [1, _Str("x")], {"k": (_AlwaysEqual(),)}, OrderedDict(a=1), True.__class__.__mro__]
+)
+def test_only_exact_builtins_cross(value):
+    with pytest.raises(wire.WireError):
+        wire.encode(value)
+
+
+@pytest.mark.parametrize("obj", [{"t": 1}, {"x": []}, {"d": [[1]]}, {"b": 5}, {"t": [], "s": []}])
+def test_malformed_values_are_refused(obj):
+    with pytest.raises(wire.WireError):
+        wire.decode(obj)
+
+
+def test_reader_bounds_and_timeouts():
+    r, w = os.pipe()
+    try:
+        reader = wire.Reader(r)
+        with pytest.raises(wire.WireError, match="no answer"):
+            reader.recv(timeout_s=0.05)
+        os.write(w, b"[1]\n")
+        with pytest.raises(wire.WireError, match="not an object"):
+            reader.recv(timeout_s=1)
+        os.write(w, b'{"ok": 1}\n')
+        assert reader.recv(timeout_s=1) == {"ok": 1}
+    finally:
+        os.close(w)
+    assert reader.recv(timeout_s=1) is None  # end of stream
+    os.close(r)
+
+
+def test_exceptions_cross_as_builtins_only():
+    assert type(wire.exception_from("ValueError", "bad")) is ValueError
+    forged = wire.exception_from("SystemExit", "0")
+    assert type(forged) is RuntimeError and "SystemExit" in str(forged)
+    assert type(wire.exception_from(["x"], "y")) is RuntimeError
