@@ -4,7 +4,8 @@ Started by `envs.grading` in its own sandbox (the agent's sources, no tests) as
 `python -E -s -P -B _callee.py <in fd> <out fd> <repo>`. Requests from the judge:
 {"op": "describe", "module"} -> the module's public names (functions, plain
 values, or "opaque"); {"op": "call", "module", "name", "args", "kwargs"} ->
-{"ok": value} or {"raise": exception name, "text"}. Whatever this process does,
+{"ok": value}, {"raise": exception name, "text"}, or {"unplain": type name} when
+the result is not plain data (an always-equal object, a str subclass, ...). Whatever this process does,
 its only output that matters is what crosses the wire, as plain data.
 """
 
@@ -26,11 +27,17 @@ def main() -> None:
             continue
         try:
             wire.send(out_fd, {"ok": handle(wire, request)})
+        except Unplain as exc:
+            wire.send(out_fd, {"unplain": str(exc)[:200]})
         except BaseException as exc:  # everything a call raises goes back as data
             try:
                 wire.send(out_fd, {"raise": type(exc).__name__, "text": str(exc)[:2000]})
             except BaseException:
                 wire.send(out_fd, {"raise": "RuntimeError", "text": "unprintable exception"})
+
+
+class Unplain(Exception):
+    """The called function returned a value that may not cross the wire (its type name)."""
 
 
 def handle(wire: types.ModuleType, request: dict) -> object:
@@ -52,7 +59,11 @@ def handle(wire: types.ModuleType, request: dict) -> object:
     fn = getattr(module, str(request["name"]))
     args = wire.decode(request["args"])
     kwargs = wire.decode(request["kwargs"])
-    return wire.encode(fn(*args, **kwargs))
+    result = fn(*args, **kwargs)
+    try:
+        return wire.encode(result)
+    except wire.WireError:
+        raise Unplain(type(result).__qualname__) from None
 
 
 if __name__ == "__main__":

@@ -181,7 +181,8 @@ def install_proxies(callee: dict, violation) -> None:
     "wire": path of `_wire.py`, "timeout_s": per-call limit}. Functions become
     forwarders whose arguments and results cross as plain data; plain values are
     copied; anything else is absent (a test that needs it fails). A reply that
-    breaks the protocol is the violation `malformed_reply` (and fails the call).
+    breaks the protocol is the violation `malformed_reply`, a result that is not
+    plain data (exact builtin types) the violation `unplain_result`; both fail the call.
     """
     import importlib.util
     import types
@@ -199,6 +200,9 @@ def install_proxies(callee: dict, violation) -> None:
                 raise RuntimeError("the submission's process ended")  # its sandbox result says why
             if set(reply) == {"ok"}:
                 return wire.decode(reply["ok"])
+            if set(reply) == {"unplain"}:  # the result was no plain value: never compared at all
+                violation("unplain_result", str(reply["unplain"])[:200], f"{request.get('module')}.{request.get('name')}")
+                raise TypeError(f"the submission returned a {str(reply['unplain'])[:100]}, not plain data")
             if set(reply) != {"raise", "text"}:
                 raise wire.WireError("malformed reply")
         except (wire.WireError, OSError) as exc:  # BrokenPipeError: the callee is gone
