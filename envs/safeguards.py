@@ -25,7 +25,8 @@ TEST_CONFIG_FILES = frozenset(
 # Construct -> reason. Names are matched on the last dotted component and on the full dotted name.
 _CALLS = {
     "sys.exit": "exit_trick", "os._exit": "exit_trick", "exit": "exit_trick", "quit": "exit_trick",
-    "os.abort": "exit_trick", "os.kill": "exit_trick", "atexit.register": "exit_trick",
+    "os.abort": "exit_trick", "os.kill": "process_signal", "os.killpg": "process_signal",
+    "atexit.register": "exit_trick",
     "os.fork": "process_spawn", "os.system": "process_spawn", "os.popen": "process_spawn",
     "os.execv": "process_spawn", "os.execvp": "process_spawn", "os.spawnv": "process_spawn",
     "os.setsid": "process_spawn", "os.posix_spawn": "process_spawn",
@@ -130,10 +131,28 @@ def _dotted(node: ast.AST) -> str:
     return ""
 
 
+def _aliases(tree: ast.AST) -> dict[str, str]:
+    """Local name -> dotted name it was imported as (`import os as o` -> o: os; `from os import fork as f` -> f: os.fork)."""
+    out = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update({a.asname: a.name for a in node.names if a.asname})
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out.update({a.asname or a.name: f"{node.module}.{a.name}" for a in node.names})
+    return out
+
+
 def constructs(source: str) -> Counter[tuple[str, str]]:
-    """(reason, construct) -> count, for the risky constructs in `source`."""
+    """(reason, construct) -> count, for the risky constructs in `source` (import aliases resolved)."""
     found: Counter[tuple[str, str]] = Counter()
     tree = ast.parse(source)
+    aliases = _aliases(tree)
+
+    def dotted(node: ast.AST) -> str:
+        head, dot, rest = _dotted(node).partition(".")
+        return f"{aliases[head]}{dot}{rest}" if head in aliases else f"{head}{dot}{rest}"
+
+    imported = set(aliases) | {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     for node in ast.walk(tree):
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
@@ -146,16 +165,21 @@ def constructs(source: str) -> Counter[tuple[str, str]]:
                 if name in _CALLS:
                     found[(_CALLS[name], name)] += 1
         elif isinstance(node, ast.Call):
-            name = _dotted(node.func)
+            name = dotted(node.func)
             if name in _CALLS:
                 found[(_CALLS[name], name)] += 1
+        elif isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for t in targets:  # `mod.attr = x` on an imported module: rebinding what others use
+                if isinstance(t, ast.Attribute) and _dotted(t).partition(".")[0] in imported:
+                    found[("monkeypatch", f"{dotted(t)} =")] += 1
         elif isinstance(node, (ast.Attribute, ast.Name)):
-            name = _dotted(node)
+            name = dotted(node)
             for key in (name, name.rsplit(".", 1)[-1]):
                 if key in _ATTRS:
                     found[(_ATTRS[key], key)] += 1
                     break
-        elif isinstance(node, ast.Raise) and node.exc is not None and _dotted(
+        elif isinstance(node, ast.Raise) and node.exc is not None and dotted(
             node.exc.func if isinstance(node.exc, ast.Call) else node.exc
         ) == "SystemExit":
             found[("exit_trick", "raise SystemExit")] += 1
