@@ -43,6 +43,7 @@ class GeneratorSpec:
     max_context_tokens: int = 512  # an episode never grows past this (the trainer's row length)
     device: str = "cpu"
     seed: int = 0
+    python_path: tuple[str, ...] = ()  # [job] python_path: where task plugins are imported from
 
 
 def select_engine(requested: str) -> Literal["hf", "vllm"]:
@@ -65,8 +66,10 @@ class GeneratorActor(Actor):
         from transformers import AutoTokenizer
 
         from actors.episodes import EpisodeRunner
-        from envs.factory import build_env
+        from envs.factory import env_factory
+        from envs.plugin import add_python_path
 
+        add_python_path(spec.python_path)
         self.spec = spec
         self.engine_kind = select_engine(spec.generator.engine)
         self.tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_dir or spec.model_dir)
@@ -82,7 +85,7 @@ class GeneratorActor(Actor):
 
             self.engine = HFEngine(spec.model_dir, stops, device=spec.device)
         self.runner = EpisodeRunner(
-            self.engine, self.tokenizer, lambda split: build_env(spec.env, split),
+            self.engine, self.tokenizer, env_factory(spec.env),
             max_turns=spec.generator.max_turns, max_context_tokens=spec.max_context_tokens,
         )
         self.version = 0

@@ -140,6 +140,11 @@ def train(job: Any, *, resume: bool = True, progress: bool = True) -> dict[str, 
     from replay.server import TeacherServer
     from titan_ext.trainer import TrainerSpec
 
+    from envs.factory import check_task
+    from envs.plugin import add_python_path
+
+    add_python_path(job.job.python_path)
+    check_task(job.env)  # a plugin or dataset that cannot load fails here, before any actor starts
     run_dir = Path(job.job.output_dir) / job.job.name
     run_dir.mkdir(parents=True, exist_ok=True)
     weights = model_dir(job)
@@ -149,7 +154,8 @@ def train(job: Any, *, resume: bool = True, progress: bool = True) -> dict[str, 
         shutil.rmtree(run_dir / job.checkpoint.folder, ignore_errors=True)
     trainer_spec = TrainerSpec.from_job(job)
     gen_spec = GeneratorSpec(model_dir=weights, tokenizer_dir=job.model.tokenizer_path, generator=job.generator,
-                             env=job.env, max_context_tokens=job.trainer.max_seq_len, seed=job.job.seed)
+                             env=job.env, max_context_tokens=job.trainer.max_seq_len, seed=job.job.seed,
+                             python_path=job.job.python_path)
     server = None
     replay_spec = None
     if job.loss.beta > 0 and job.mesh.replay_procs > 0:
