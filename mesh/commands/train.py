@@ -33,6 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs=argparse.REMAINDER, help="--section.key=value ...")
     parser.add_argument("--no-resume", action="store_true", help="start fresh even when a checkpoint exists (put it before CONFIG)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (put it before CONFIG)")
+    parser.add_argument("--debug", action="store_true", help="on failure, raise with the full (remote) traceback")
 
 
 def model_dir(job: Any) -> str:
@@ -110,11 +111,20 @@ def run(args: argparse.Namespace) -> int:
     job = load_job(args)
     if job is None:
         return 2
+    from mesh.errors import describe
+
     try:
         summary = train(job, resume=not args.no_resume, progress=not args.no_progress)
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError) as e:  # a recipe the controller refused before placing actors
+        if args.debug:
+            raise
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # an actor failed (Monarch ActorError) or the run broke: one line, --debug for all
+        if args.debug:
+            raise
+        print(f"error: {describe(e)}", file=sys.stderr)
+        return 1
     import json
 
     print(json.dumps(summary))

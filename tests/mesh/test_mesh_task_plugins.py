@@ -164,3 +164,30 @@ def test_multi_turn_plugin_env_trains_from_toml(tmp_path, tiny_assets):
     assert {e["split"] for e in episodes} == {"train"} and len(episodes) >= 16
     assert max(e["guesses"] for e in episodes) > 1  # feedback turns happened
     assert any("loss" in r for r in rows)
+
+
+def test_actor_failure_prints_one_line(tmp_path, tiny_assets):
+    """A reward function raising inside the generator: exit 1, one `error:` line naming the actor and the
+    function, no traceback (the controller's checks pass: rewards are only called in the generator)."""
+    plugins = tmp_path / "plugins"
+    plugins.mkdir()
+    (plugins / "bad_rewards.py").write_text("def explode(completions, **kwargs):\n    raise KeyError('no_such_column')\n")
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "hi"}\n')
+    recipe = tmp_path / "bad.toml"
+    recipe.write_text(COMMON.format(repo=REPO, out=tmp_path / "runs", plugins=plugins, max_turns=1) + textwrap.dedent(f"""
+        [env]
+        task = "dataset"
+
+        [env.dataset]
+        train_file = "{data}"
+        rewards = ["bad_rewards:explode"]
+        """))
+    env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", COMPOSER_MESH_CACHE=str(tiny_assets.root.parents[1]))
+    cmd = [sys.executable, "-m", "mesh.cli", "train", "--no-progress", str(recipe), "--trainer.steps=1"]
+    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    assert out.returncode == 1, out.stderr[-3000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: generator actor: RuntimeError: reward function 'bad_rewards:explode' raised KeyError"), last
+    assert "(at envs/dataset.py:" in last
+    assert "Traceback" not in out.stderr.split("error: generator actor")[-1]
