@@ -38,6 +38,7 @@ class DiLoCoManagerActor(Actor):
             bind="[::]:0", min_replicas=cfg.min_replicas,
             join_timeout_ms=cfg.join_timeout_ms, heartbeat_timeout_ms=cfg.heartbeat_timeout_ms,
         )
+        self.address = self.lighthouse.address()
         self.reports: dict[int, dict[str, Any]] = {}
         self.assigned: dict[int, int] = {}  # replica index -> times assigned (restarts = times - 1)
 
@@ -47,7 +48,7 @@ class DiLoCoManagerActor(Actor):
         if not 0 <= index < self.cfg.replica_groups:
             raise ValueError(f"replica index {index} outside [0, {self.cfg.replica_groups}) (diloco.replica_groups)")
         self.assigned[index] = self.assigned.get(index, 0) + 1
-        return ReplicaAssignment(f"replica_{index}", index, self.lighthouse.address())
+        return ReplicaAssignment(f"replica_{index}", index, self.address)
 
     @endpoint
     def report(self, index: int, status: dict[str, Any]) -> None:
@@ -58,7 +59,7 @@ class DiLoCoManagerActor(Actor):
         """Lighthouse address, per-replica reports, quorum size, outer step and bytes sent (summed)."""
         reports = [self.reports[i] for i in sorted(self.reports)]
         return {
-            "lighthouse": self.lighthouse.address(),
+            "lighthouse": self.address,
             "replicas": {i: self.reports[i] for i in sorted(self.reports)},
             "restarts": {i: n - 1 for i, n in self.assigned.items() if n > 1},
             "quorum_size": max((r["participants"] for r in reports), default=0),
@@ -68,7 +69,10 @@ class DiLoCoManagerActor(Actor):
 
     @endpoint
     def shutdown(self) -> None:
-        self.lighthouse.shutdown()
+        """Stop the lighthouse (once): replicas waiting for a quorum abort within heartbeat_timeout_ms."""
+        if self.lighthouse is not None:
+            self.lighthouse.shutdown()
+            self.lighthouse = None
 
 
 class DiLoCoTrainerActor(TrainerActor):
@@ -83,18 +87,26 @@ class DiLoCoTrainerActor(TrainerActor):
         self.replica: DiLoCoReplica | None = None
 
     @endpoint
-    def join(self, assignment: ReplicaAssignment) -> dict[str, Any]:
-        """Wrap this rank's model and optimizer in torchft DiLoCo (collective over the group)."""
+    def join(self, assignment: ReplicaAssignment, start_digests: list[str] | None = None) -> dict[str, Any]:
+        """Wrap this rank's model and optimizer in torchft DiLoCo (collective over the group).
+
+        `start_digests[rank]`: replica group 0's `local_digest` per rank when the groups start together
+        (this rank must start from the same weights); None when joining a running quorum (heals).
+        """
         import torch.distributed as dist
 
         t = self._t()
         if self.replica is None:
+            rank = dist.get_rank()
             self.replica = DiLoCoReplica(
                 self.diloco_cfg, t.model, t.optimizer, assignment,
                 store_addr=os.environ["MASTER_ADDR"], store_port=int(os.environ["MASTER_PORT"]),
-                group_rank=dist.get_rank(), group_world_size=dist.get_world_size(),
+                group_rank=rank, group_world_size=dist.get_world_size(),
                 extra_state=(self._extra_state, self._load_extra_state),
+                start_digest=None if start_digests is None else start_digests[rank],
             )
+            # DiLoCo's outer state goes into this group's trainer checkpoints; a resumed one is loaded now
+            t.register_wrapper("diloco", self.replica.state_dict, self.replica.load_state_dict)
         return self.replica.status()
 
     def _extra_state(self) -> dict[str, Any]:

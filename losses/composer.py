@@ -32,8 +32,9 @@ from losses.logprobs import (
     fused_token_loss,
     token_stats_naive,
 )
-from losses.policy import dapo_token_loss, prime_dppo_token_loss, tis_weights
-from losses.preference import dpo_loss, simpo_loss
+from losses.mismatch import MismatchConfig, mismatch_weights
+from losses.policy import dapo_token_loss, prime_dppo_token_loss
+from losses.preference import dpo_loss, ipo_loss, simpo_loss
 from losses.reduce import global_mean, math_dtype, segment_sum, upcast
 
 CHANNELS = ("policy", "distill", "preference")
@@ -52,13 +53,27 @@ class PolicyConfig:
     eps_low: float = 0.2
     eps_high: float = 0.28
     dual_clip_c: float | None = None
+    is_level: Literal["token", "sequence", "none"] = "token"
     tis_cap: float | None = 2.0
+    tis_floor: float | None = None
+    rs_level: Literal["none", "token", "sequence", "geometric"] = "none"
+    rs_max: float = 2.0
+    rs_min: float | None = None
+    rs_veto: float | None = None
+    log_ratio_clamp: float | None = 20.0
+    adv_tau: float = 1.0
     dppo_delta_low: float = 0.2
     dppo_delta_high: float = 0.2
     kl_tau: float = 1e-3
     overlong_max_len: int = 0
     overlong_buffer: int = 0
     dynamic_sampling: bool = True
+
+    @property
+    def mismatch(self) -> MismatchConfig:
+        return MismatchConfig(
+            self.is_level, self.tis_cap, self.tis_floor, self.rs_level, self.rs_max, self.rs_min, self.rs_veto
+        )
 
 
 @dataclass(frozen=True)
@@ -71,15 +86,23 @@ class DistillConfig:
     taid_t_end: float = 1.0
     taid_alpha: float = 5e-4
     taid_beta: float = 0.99
+    taid_adaptive: bool = True
     eopd_h_max: float | None = None
 
 
 @dataclass(frozen=True)
 class PreferenceConfig:
-    kind: Literal["dpo", "simpo"] = "dpo"
+    kind: Literal["dpo", "ipo", "simpo"] = "dpo"
     dpo_beta: float = 0.1
     simpo_beta: float = 2.0
     simpo_gamma: float = 0.5
+    label_smoothing: float = 0.0
+    ipo_average: bool = True
+
+    @property
+    def length_averaged(self) -> bool:
+        """The loss sees each response's mean token logprob (SimPO; IPO as TRL), not the sum."""
+        return self.kind == "simpo" or (self.kind == "ipo" and self.ipo_average)
 
 
 @dataclass(frozen=True)
@@ -119,7 +142,9 @@ class PolicyInputs:
     advantages: [B] per sequence or [B, T] per token.
     num_tokens: valid tokens in the *global* batch (all microbatches, all DP ranks).
     old_logprobs_BT: π_old recomputed by the trainer (None: on-policy, ρ = 1 at the current weights).
-    gen_logprobs_BT: the generator's logprobs (TIS for DAPO; the reference of PRIME-DPPO).
+    gen_logprobs_BT: the generator's logprobs (mismatch IS / rejection for DAPO; the reference of PRIME-DPPO).
+    seq_ids_BT: which sequence each token belongs to (equal ids = same sequence; packed rows hold
+        several); None: each row is one sequence. Read by sequence-level mismatch correction only.
     """
 
     hidden_BTD: torch.Tensor
@@ -129,6 +154,7 @@ class PolicyInputs:
     num_tokens: torch.Tensor | int
     old_logprobs_BT: torch.Tensor | None = None
     gen_logprobs_BT: torch.Tensor | None = None
+    seq_ids_BT: torch.Tensor | None = None
 
 
 @dataclass
@@ -214,16 +240,49 @@ def _head_loss(
     return loss, detached
 
 
-def _policy_terms(cfg: PolicyConfig, logp, old, gen, adv):
+def _policy_terms(cfg: PolicyConfig, logp, old, gen, adv, weight):
+    """Per-token terms; `weight` is the precomputed mismatch weight (None: from this chunk's
+    tokens, token-level only)."""
     if cfg.kind == "prime_dppo":
         return prime_dppo_token_loss(
-            logp, gen, adv, delta_low=cfg.dppo_delta_low, delta_high=cfg.dppo_delta_high, kl_tau=cfg.kl_tau
+            logp, gen, adv, delta_low=cfg.dppo_delta_low, delta_high=cfg.dppo_delta_high, kl_tau=cfg.kl_tau,
+            adv_tau=cfg.adv_tau, log_ratio_clamp=cfg.log_ratio_clamp,
         )
     old = logp.detach() if old is None else old
-    tis = tis_weights(old, gen, cfg.tis_cap) if gen is not None and cfg.tis_cap is not None else None
+    if weight is None and gen is not None:
+        weight = mismatch_weights(old, gen, None, cfg.mismatch).weight
     return dapo_token_loss(
-        logp, old, adv, eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip_c=cfg.dual_clip_c, tis_weight=tis
+        logp, old, adv, eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip_c=cfg.dual_clip_c,
+        mismatch_weight=weight, log_ratio_clamp=cfg.log_ratio_clamp,
     )
+
+
+def _sequence_index(inputs: PolicyInputs, mask: torch.Tensor) -> torch.Tensor:
+    """Sequence of each valid token as 0..S−1 (rows when no `seq_ids_BT`).  # [n]"""
+    if inputs.seq_ids_BT is None:
+        ids_BT = torch.arange(mask.shape[0], device=mask.device).unsqueeze(-1).expand_as(mask)
+    else:
+        ids_BT = inputs.seq_ids_BT
+        if ids_BT.shape != mask.shape:
+            raise ValueError(f"policy seq_ids_BT must be {tuple(mask.shape)}, got {tuple(ids_BT.shape)}")
+    return torch.unique(ids_BT[mask], return_inverse=True)[1]
+
+
+def _sequence_mismatch(cfg: ComposerConfig, head, weight_VD, inputs, mask, labels_n, old_n, gen_n):
+    """Mismatch weights of all valid tokens before the head loop (when π_old is given, or a
+    correction looks at whole sequences); on-policy (no π_old given) π_old is the current
+    policy, scored here without gradient (one extra head matmul per token).  # MismatchWeights of [n]"""
+    if old_n is None:
+        hidden_nD = inputs.hidden_BTD[mask].detach()
+        with torch.no_grad():
+            if head is not None:
+                old_n = chunked_token_stats(
+                    hidden_nD, weight_VD.detach(), labels_n, want_entropy=False,
+                    chunk_tokens=_chunk_tokens(cfg, weight_VD, label_only=True),
+                ).logprobs
+            else:
+                old_n = token_stats_naive(hidden_nD, weight_VD.detach(), labels_n, want_entropy=False).logprobs
+    return mismatch_weights(old_n, gen_n, _sequence_index(inputs, mask), cfg.policy.mismatch)
 
 
 def policy_channel(
@@ -243,21 +302,27 @@ def policy_channel(
     if adv.dim() == 1:
         adv = adv.unsqueeze(-1).expand_as(mask)
     adv_n = adv[mask]
+    labels_n = inputs.labels_BT[mask]
     old_n = None if inputs.old_logprobs_BT is None else inputs.old_logprobs_BT[mask]
     gen_n = None if inputs.gen_logprobs_BT is None else inputs.gen_logprobs_BT[mask]
+    mismatch = None
+    if pcfg.kind == "dapo" and gen_n is not None and (old_n is not None or pcfg.mismatch.needs_sequences):
+        mismatch = _sequence_mismatch(cfg, head, weight_VD, inputs, mask, labels_n, old_n, gen_n)
     count = torch.as_tensor(inputs.num_tokens, dtype=torch.float32, device=mask.device)
     part = lambda x, sl: None if x is None else x[sl]  # noqa: E731
+    weight_n = None if mismatch is None else mismatch.weight
 
     def loss_fn(stats: TokenStats, sl: slice) -> torch.Tensor:
-        terms = _policy_terms(pcfg, stats.logprobs, part(old_n, sl), part(gen_n, sl), adv_n[sl])
+        terms = _policy_terms(pcfg, stats.logprobs, part(old_n, sl), part(gen_n, sl), adv_n[sl], part(weight_n, sl))
         return global_mean(terms.loss, count)
 
-    loss, stats = _head_loss(
-        cfg, head, scale, inputs.hidden_BTD[mask], weight_VD, inputs.labels_BT[mask], loss_fn, want_entropy=True
-    )
-    terms = _policy_terms(pcfg, stats.logprobs, old_n, gen_n, adv_n)
+    loss, stats = _head_loss(cfg, head, scale, inputs.hidden_BTD[mask], weight_VD, labels_n, loss_fn, want_entropy=True)
     old = stats.logprobs if old_n is None else upcast(old_n)
-    log_r = stats.logprobs - old  # log π_θ / π_old on samples from π_old
+    if mismatch is None and pcfg.kind == "dapo" and gen_n is not None:
+        mismatch = mismatch_weights(old, gen_n, None, pcfg.mismatch)
+    terms = _policy_terms(pcfg, stats.logprobs, old_n, gen_n, adv_n, None if mismatch is None else mismatch.weight)
+    bound = pcfg.log_ratio_clamp or float("inf")
+    log_r = (stats.logprobs - old).clamp(-bound, bound)  # log π_θ / π_old on samples from π_old
     metrics = {
         "policy/loss": loss.detach(),
         "policy/tokens": loss.new_tensor(float(adv_n.numel())),
@@ -268,8 +333,11 @@ def policy_channel(
         "policy/kl_k3_sum": (log_r.exp() - 1 - log_r).sum(),
     }
     if gen_n is not None:
-        log_m = old - upcast(gen_n)  # log π_train_old / π_gen on samples from π_gen
+        log_m = (old - upcast(gen_n)).clamp(-bound, bound)  # log π_train_old / π_gen on samples from π_gen
         metrics["policy/mismatch_k3_sum"] = (log_m.exp() - 1 - log_m).sum()
+    if mismatch is not None:
+        metrics["policy/is_weight_sum"] = mismatch.weight.sum()
+        metrics["policy/rejected_sum"] = mismatch.rejected.float().sum()
     return loss, metrics
 
 
@@ -327,10 +395,17 @@ MIN_FUSED_PAIR_TOKENS = 64
 
 
 def _pair_losses(pref: PreferenceConfig, inputs: PreferenceInputs, chosen_P, rejected_P, c_len_P, r_len_P):
-    """(per-pair loss, margin) from sequence logprob sums."""
+    """(per-pair loss, margin) from sequence logprob sums (averaged here when the kind wants means)."""
+    ref_c, ref_r = inputs.ref_chosen_logps_P, inputs.ref_rejected_logps_P
+    if pref.length_averaged:
+        chosen_P, rejected_P = chosen_P / c_len_P, rejected_P / r_len_P
+        ref_c = None if ref_c is None else ref_c / c_len_P
+        ref_r = None if ref_r is None else ref_r / r_len_P
     if pref.kind == "dpo":
-        return dpo_loss(chosen_P, rejected_P, inputs.ref_chosen_logps_P, inputs.ref_rejected_logps_P, pref.dpo_beta)
-    return simpo_loss(chosen_P / c_len_P, rejected_P / r_len_P, pref.simpo_beta, pref.simpo_gamma)
+        return dpo_loss(chosen_P, rejected_P, ref_c, ref_r, pref.dpo_beta, pref.label_smoothing)
+    if pref.kind == "ipo":
+        return ipo_loss(chosen_P, rejected_P, ref_c, ref_r, pref.dpo_beta)
+    return simpo_loss(chosen_P, rejected_P, pref.simpo_beta, pref.simpo_gamma, pref.label_smoothing)
 
 
 def _fused_pair_seq_logps(cfg, head, scale, weight_VD, inputs, c_mask, r_mask, c_len_P, r_len_P):
@@ -338,12 +413,13 @@ def _fused_pair_seq_logps(cfg, head, scale, weight_VD, inputs, c_mask, r_mask, c
 
     Tokens are laid out pair by pair (chosen then rejected). Both losses depend on a
     pair only through a·Σ_chosen − b·Σ_rejected, so a token's upstream gradient is
-    k_p·w_t with w = +1 / −1 (DPO) or +1/|c| / −1/|r| (SimPO, the length average) and
+    k_p·w_t with w = +1 / −1 (DPO, IPO on sums) or +1/|c| / −1/|r| (SimPO, IPO on
+    length averages) and
     k_p = ∂loss/∂(Σ_chosen)/w_chosen, known once the pair's tokens are done.
     """
     pref = cfg.preference
     n_pairs = c_mask.shape[0]
-    mean = pref.kind == "simpo"
+    mean = pref.length_averaged
     pieces, weights, segments, start = [], [], [], 0
     for p in range(n_pairs):
         c_h, r_h = inputs.chosen_hidden_BTD[p][c_mask[p]], inputs.rejected_hidden_BTD[p][r_mask[p]]
@@ -386,7 +462,7 @@ def preference_channel(
     head: FusedHead | None = None,
     scale: float = 1.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Σ_pairs DPO/SimPO loss / num_pairs (sequence-level). Chunked: fused pair by pair
+    """Σ_pairs DPO/IPO/SimPO loss / num_pairs (sequence-level). Chunked: fused pair by pair
     (gradient of scale·loss into `head`, loss returned detached), or — for short pairs —
     per-token stats with recomputation in backward (loss differentiable)."""
     pref = cfg.preference
@@ -395,8 +471,8 @@ def preference_channel(
     n_pairs = c_mask.shape[0]
     if r_mask.shape[0] != n_pairs:
         raise ValueError(f"chosen and rejected must have the same number of pairs, got {n_pairs} and {r_mask.shape[0]}")
-    if pref.kind == "dpo" and (inputs.ref_chosen_logps_P is None or inputs.ref_rejected_logps_P is None):
-        raise ValueError("preference kind dpo needs ref_chosen_logps_P and ref_rejected_logps_P")
+    if pref.kind != "simpo" and (inputs.ref_chosen_logps_P is None or inputs.ref_rejected_logps_P is None):
+        raise ValueError(f"preference kind {pref.kind} needs ref_chosen_logps_P and ref_rejected_logps_P")
     c_len_P, r_len_P = c_mask.sum(-1).clamp(min=1).float(), r_mask.sum(-1).clamp(min=1).float()
     n_tokens = int(c_mask.sum() + r_mask.sum())
     chunk = _chunk_tokens(cfg, weight_VD, label_only=True)

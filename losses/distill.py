@@ -16,7 +16,7 @@ Semantics (see shared/design/REFERENCES.md):
   β·KL(p_t ‖ m) + (1−β)·KL(p_s ‖ m) with m = β·p_t + (1−β)·p_s.
 - TAID (SakanaAI/TAID): target softmax((1−t)·stopgrad(z_s) + t·z_t), loss the
   cross-entropy −Σ target·log p_s (the official `forward_kl`); `TAIDSchedule`
-  is the adaptive, monotone, capped schedule of t.
+  is the adaptive, monotone, capped schedule of t (or the linear one alone).
 - entropy-aware OPD: w = clamp(H(p_t)/h_max, 0, 1), w·KL(p_t‖p_s) + (1−w)·KL(p_s‖p_t).
 """
 
@@ -131,22 +131,25 @@ def token_divergence(
 
 
 class TAIDSchedule:
-    """Adaptive TAID interpolation t (SakanaAI/TAID `update_t`).
+    """TAID interpolation t (SakanaAI/TAID `update_t`).
 
     t starts at t_start; after each step the relative loss change feeds a
     momentum m ← β·m + (1−β)·(prev − loss)/prev, and
     t ← min(t_end, max(t_start + (t_end − t_start)·step/total, t + α·σ(m)·(1 − t))).
-    t never decreases and never exceeds t_end.
+    t never decreases and never exceeds t_end. With `adaptive=False` (TAID's
+    `disable_adaptive`) t is the linear schedule alone, from every update on
+    (the official code keeps t_start after the first step): min(t_end, t_target).
     """
 
     def __init__(
-        self, t_start: float = 0.4, t_end: float = 1.0, alpha: float = 5e-4, beta: float = 0.99
+        self, t_start: float = 0.4, t_end: float = 1.0, alpha: float = 5e-4, beta: float = 0.99,
+        adaptive: bool = True,
     ) -> None:
         if not (0.0 <= t_start < 1.0 and 0.0 < t_end <= 1.0 and t_start <= t_end):
             raise ValueError(f"TAID needs 0 <= t_start < 1, 0 < t_end <= 1, t_start <= t_end; got {t_start}, {t_end}")
         if not 0.0 <= alpha <= 1.0:
             raise ValueError(f"TAID alpha must be in [0, 1], got {alpha}")
-        self.t_start, self.t_end, self.alpha, self.beta = t_start, t_end, alpha, beta
+        self.t_start, self.t_end, self.alpha, self.beta, self.adaptive = t_start, t_end, alpha, beta, adaptive
         self.t = t_start
         self.momentum = 0.0
         self.prev_loss: float | None = None
@@ -154,14 +157,18 @@ class TAIDSchedule:
     def update(self, loss: float, step: int, total_steps: int) -> float:
         """Advance t after a step whose distillation loss was `loss`; returns the new t."""
         loss = float(loss)
+        progress = step / max(total_steps, 1)
+        t_target = self.t_start + (self.t_end - self.t_start) * progress
+        if not self.adaptive:
+            self.t = min(self.t_end, t_target)
+            self.prev_loss = loss
+            return self.t
         if self.prev_loss is None:
             self.prev_loss = loss
             return self.t
         relative_change = (self.prev_loss - loss) / (self.prev_loss + 1e-15)
         self.momentum = self.beta * self.momentum + (1.0 - self.beta) * relative_change
         adaptive_delta = 1.0 / (1.0 + math.exp(-self.momentum))
-        progress = step / max(total_steps, 1)
-        t_target = self.t_start + (self.t_end - self.t_start) * progress
         self.t = min(self.t_end, max(t_target, self.t + self.alpha * adaptive_delta * (1.0 - self.t)))
         self.prev_loss = loss
         return self.t

@@ -1,10 +1,11 @@
-"""Policy-gradient channel (channel 1): GRPO advantages, DAPO, TIS, PRIME-RL DPPO.
+"""Policy-gradient channel (channel 1): GRPO advantages, DAPO, PRIME-RL DPPO.
 
 Group-level pieces run when a batch is packed (advantages, dynamic-sampling
 filter, soft overlong shaping); token-level pieces run inside the loss and are
 *per-token* terms, so the channel loss is Σ_valid ℓ_t / N_global with the global
 valid-token count passed in explicitly (microbatching and data parallelism do
-not change the result). Semantics: shared/design/REFERENCES.md.
+not change the result). Mismatch weights (TIS, rejection): `losses/mismatch.py`.
+Semantics: shared/design/REFERENCES.md.
 """
 
 from __future__ import annotations
@@ -99,16 +100,16 @@ def overlong_penalty(lengths_N: torch.Tensor, max_len: int, buffer: int) -> torc
     return torch.where(y_N > max_len, -1.0, soft_N.clamp(max=0.0)).to(torch.float32)
 
 
-def tis_weights(old_logprobs: torch.Tensor, gen_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
-    """Truncated importance weight min(exp(logπ_old − logπ_gen), C), no gradient."""
-    return (upcast(old_logprobs) - upcast(gen_logprobs)).detach().exp().clamp(max=cap)
+def _ratio(log_ratio: torch.Tensor, clamp: float | None) -> torch.Tensor:
+    """exp(log r), log r clamped to ±clamp first (verl clamps at 20): no overflow to inf."""
+    return (log_ratio if clamp is None else log_ratio.clamp(-clamp, clamp)).exp()
 
 
 @dataclass(frozen=True)
 class DapoTerms:
     """Per-token DAPO loss and the masks its metrics need."""
 
-    loss: torch.Tensor  # per-token −min(ρÂ, clip(ρ)Â) (dual-clipped, TIS-weighted)
+    loss: torch.Tensor  # per-token −min(ρÂ, clip(ρ)Â) (dual-clipped, mismatch-weighted)
     ratio: torch.Tensor  # ρ (detached)
     clipped: torch.Tensor  # bool: the clipped branch was taken
 
@@ -121,16 +122,18 @@ def dapo_token_loss(
     eps_low: float = 0.2,
     eps_high: float = 0.28,
     dual_clip_c: float | None = None,
-    tis_weight: torch.Tensor | None = None,
+    mismatch_weight: torch.Tensor | None = None,
+    log_ratio_clamp: float | None = 20.0,
 ) -> DapoTerms:
     """DAPO clipped surrogate per token (elementwise, any shape).
 
-    ρ = exp(logπ − logπ_old); ℓ = max(−Âρ, −Â·clip(ρ, 1−ε_low, 1+ε_high)); with
-    dual clip (c > 1) negative-advantage tokens are capped at −Â·c (verl); a TIS
-    weight multiplies ℓ.
+    ρ = exp(clamp(logπ − logπ_old, ±log_ratio_clamp)); ℓ = max(−Âρ, −Â·clip(ρ, 1−ε_low,
+    1+ε_high)); with dual clip (c > 1) negative-advantage tokens are capped at −Â·c
+    (verl); a mismatch weight (`losses/mismatch.py`) multiplies ℓ. Without the clamp
+    an Â < 0 token with log ρ > 89 (fp32) and no dual clip has an infinite loss.
     """
     log_ratio = upcast(logprobs) - upcast(old_logprobs).detach()
-    ratio = log_ratio.exp()
+    ratio = _ratio(log_ratio, log_ratio_clamp)
     adv = upcast(advantages).detach()
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
@@ -142,8 +145,8 @@ def dapo_token_loss(
         capped = torch.minimum(loss, -adv * dual_clip_c)
         took_clip = took_clip | ((adv < 0) & (capped < loss))
         loss = torch.where(adv < 0, capped, loss)
-    if tis_weight is not None:
-        loss = loss * tis_weight.detach()
+    if mismatch_weight is not None:
+        loss = loss * mismatch_weight.detach()
     return DapoTerms(loss, ratio.detach(), took_clip)
 
 
@@ -155,16 +158,20 @@ def prime_dppo_token_loss(
     delta_low: float = 0.2,
     delta_high: float = 0.2,
     kl_tau: float = 1e-3,
+    adv_tau: float = 1.0,
+    log_ratio_clamp: float | None = 20.0,
 ) -> DapoTerms:
-    """PRIME-RL DPPO-mask loss per token: −keep·Â·r + τ·(log r)².
+    """PRIME-RL DPPO-mask loss per token: −keep·τ_A·Â·r + τ_KL·(log r)².
 
     log r = logπ_train − logπ_inf, Δp = π_train − π_inf; tokens with Δp > δ_high
     (Â > 0) or Δp < −δ_low (Â < 0) are masked out of the policy term (`clipped`).
+    τ_A is PRIME-RL's `adv_tau` (0 leaves only the KL term); r = exp(log r clamped
+    to ±log_ratio_clamp), the (log r)² term is not clamped.
     """
     log_ratio = upcast(logprobs) - upcast(inference_logprobs).detach()
-    ratio = log_ratio.exp()
+    ratio = _ratio(log_ratio, log_ratio_clamp)
     adv = upcast(advantages).detach()
     delta_p = (upcast(logprobs).exp() - upcast(inference_logprobs).exp()).detach()
     masked = ((adv > 0) & (delta_p > delta_high)) | ((adv < 0) & (delta_p < -delta_low))
-    loss = torch.where(masked, 0.0, -adv * ratio) + kl_tau * log_ratio**2
+    loss = torch.where(masked, 0.0, -adv_tau * adv * ratio) + kl_tau * log_ratio**2
     return DapoTerms(loss, ratio.detach(), masked)

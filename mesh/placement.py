@@ -173,19 +173,24 @@ def spawn_generators(cfg: MeshConfig, trainer_procs: list[Any], spec: Any, meshe
     return [p.spawn("generator", GeneratorActor, spec) for p in procs], procs, gen_hosts
 
 
-def place(cfg: MeshConfig, trainer_spec: Any, generator_spec: Any, replay_spec: Any | None = None) -> Placement:
-    """Spawn the trainer mesh (set up), the generators and the replay actor (on a process of its own)."""
+def spawn_replay(cfg: MeshConfig, spec: Any | None, trainer: Any, meshes: list[Any]) -> Any | None:
+    """The teacher-replay actor on a process of its own (added to `meshes`), scoring with `trainer`; None when off."""
     from monarch.actor import this_host
 
     from actors.teacher_replay import TeacherReplayActor
 
+    if spec is None or cfg.replay_procs == 0:
+        return None
+    procs = this_host().spawn_procs(per_host={"gpus": 1})
+    meshes.append(procs)
+    return procs.spawn("teacher_replay", TeacherReplayActor, spec, trainer)
+
+
+def place(cfg: MeshConfig, trainer_spec: Any, generator_spec: Any, replay_spec: Any | None = None) -> Placement:
+    """Spawn the trainer mesh (set up), the generators and the replay actor (on a process of its own)."""
     meshes: list[Any] = []
     trainer, trainer_procs, setup = _spawn_trainer(cfg, trainer_spec, meshes)
     generators, procs, gen_hosts = spawn_generators(cfg, [trainer_procs], generator_spec, meshes)
-    replay = None
-    if replay_spec is not None and cfg.replay_procs > 0:
-        replay_procs = this_host().spawn_procs(per_host={"gpus": 1})
-        meshes.append(replay_procs)
-        replay = replay_procs.spawn("teacher_replay", TeacherReplayActor, replay_spec, trainer)
+    replay = spawn_replay(cfg, replay_spec, trainer, meshes)
     specs = {"trainer": trainer_spec, "generator": generator_spec, "replay": replay_spec}
     return Placement(trainer, generators, replay, setup, meshes, cfg, specs, procs, gen_hosts, trainer_procs)

@@ -8,29 +8,36 @@ to the quorum; generators as in `mesh.placement` (disaggregated: their own
 procs; colocated: one in every trainer proc of every group).
 
 Loop (`ReplicaController`): one `mesh.controller.Controller` per replica
-group, all drawing prompts from one shared cursor, so the step's rollouts are
-split across the groups (`prompts_per_step / R` each) and each group's
-generators (`generators[g::R]`, or all when there are fewer than R) feed it.
+group, each drawing `prompts_per_step / R` prompts a step from a prompt
+stream of its own (`group_streams`: reproducible whatever the thread timing),
+fed by its generators (`generators[g::R]`, or all when there are fewer than R).
 Every group generates and trains in its own thread (the DiLoCo sync inside
 `train_step` waits for the whole quorum, which keeps them in step); after a
 step that ended an outer round the generators load group 0's weights, i.e.
 the post-outer-step weights. Between syncs they stay on those weights; the generator logprobs
 travel with every sample, so the loss's IS correction sees what sampled.
+Teacher replay: one actor for all groups; each group queues its own failed
+turns and draws `pairs_per_step / R` pairs. Checkpoints: each group its own
+(`<checkpoint dir>/replica_<g>`, with DiLoCo's outer state, and its
+controller state under `controller/`); a resumed run continues every group
+from the same step. The first group that fails stops
+the others (`run_groups`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from configs.sections.diloco import DiLoCoConfig
 from configs.sections.mesh import MeshConfig
 from mesh.controller import Controller, ControllerConfig, StepRecord
-from mesh.placement import Placement, host_meshes, spawn_generators
+from mesh.placement import Placement, host_meshes, spawn_generators, spawn_replay
+from mesh.supervision import load_state
 from mesh.weight_sync_baseline import rank0, sync_weights
 
 MAX_TIED_RETRIES = 20  # batches in a row with nothing to train before a group gives up
@@ -42,6 +49,7 @@ class ReplicaPlacement(Placement):
 
     manager: Any = None
     groups: list[Any] = field(default_factory=list)
+    checkpoint_dir: str = ""  # group g checkpoints under <checkpoint_dir>/replica_<g> ("" = none)
 
     def stop(self) -> None:
         if self.manager is not None:
@@ -52,21 +60,29 @@ class ReplicaPlacement(Placement):
 def check_supported(job: Any) -> None:
     """Clear errors for recipe combinations the DiLoCo loop does not run."""
     if job.trainer.mode != "sync":
-        raise ValueError("diloco.enabled needs trainer.mode = \"sync\" (the replica groups step together)")
-    if job.loss.beta > 0 and job.mesh.replay_procs > 0:
-        raise ValueError("diloco.enabled does not run teacher replay yet: set loss.beta = 0 or mesh.replay_procs = 0")
-    if job.checkpoint.enabled:
         raise ValueError(
-            "diloco.enabled keeps outer state (global weights, outer momentum) in the live replicas, which heal "
-            "each other through torchft; trainer checkpoints would not hold it: set checkpoint.enabled = false"
+            "diloco.enabled needs trainer.mode = \"sync\": async generation would need one weight publication "
+            "per replica group (a slot ring and generators of its own) and a staleness bound across outer syncs, "
+            "which the DiLoCo loop does not build"
+        )
+    if job.loss.beta > 0 and job.mesh.replay_procs > 0 and job.replay.gating.enabled:
+        raise ValueError(
+            "diloco.enabled with replay.gating.enabled: gating scores states with one group's trainer, which may "
+            "be blocked in an outer sync waiting for the group that asks; set replay.gating.enabled = false"
         )
     if job.trainer.prompts_per_step < job.diloco.replica_groups:
         raise ValueError(f"trainer.prompts_per_step ({job.trainer.prompts_per_step}) < diloco.replica_groups "
                          f"({job.diloco.replica_groups}): every group needs rollouts each step")
 
 
-def place_replicas(cfg: MeshConfig, diloco: DiLoCoConfig, trainer_spec: Any, generator_spec: Any) -> ReplicaPlacement:
-    """Spawn the manager, R trainer replica groups (set up, joined) and the generators."""
+def place_replicas(cfg: MeshConfig, diloco: DiLoCoConfig, trainer_spec: Any, generator_spec: Any,
+                   replay_spec: Any | None = None) -> ReplicaPlacement:
+    """Spawn the manager, R trainer replica groups (set up, joined), the generators and the replay actor.
+
+    Group g checkpoints under `<checkpoint_dir>/replica_<g>` (its own inner optimizer and DiLoCo state)
+    and resumes from there. Groups that start fresh must hold group 0's weights (checked per rank at
+    join); resumed groups must all be at the same step.
+    """
     from monarch.actor import this_proc
     from monarch.spmd import setup_torch_elastic_env
 
@@ -79,12 +95,70 @@ def place_replicas(cfg: MeshConfig, diloco: DiLoCoConfig, trainer_spec: Any, gen
         procs = trainer_hosts.spawn_procs(per_host={"gpus": diloco.procs_per_group})
         setup_torch_elastic_env(procs)
         meshes.append(procs)
-        groups.append(procs.spawn(f"trainer_{g}", DiLoCoTrainerActor, trainer_spec, diloco))
+        spec = trainer_spec
+        if trainer_spec.checkpoint_dir:
+            spec = dataclasses.replace(trainer_spec, checkpoint_dir=_group_dir(trainer_spec.checkpoint_dir, g))
+        groups.append(procs.spawn(f"trainer_{g}", DiLoCoTrainerActor, spec, diloco))
     generators, _, _ = spawn_generators(cfg, list(meshes), generator_spec, meshes)
-    setup = [s for group in groups for s in group.setup.call().get().values()]
+    setups = [list(group.setup.call().get().values()) for group in groups]
+    steps = [s[0]["step"] for s in setups]
+    if len(set(steps)) > 1:
+        raise ValueError(f"the replica groups resumed at different steps {steps} (checkpoints under "
+                         f"{trainer_spec.checkpoint_dir}/replica_<g>): every group must resume the same step")
+    # fresh: every group must start from group 0's weights (per rank); resumed: each restored its own state
+    start = list(groups[0].local_digest.call().get().values()) if steps[0] == 0 else None
     for g, group in enumerate(groups):
-        group.join.call(manager.assign.call_one(g).get()).get()
-    return ReplicaPlacement(groups[0], generators, None, setup, meshes, manager=manager, groups=groups)
+        group.join.call(manager.assign.call_one(g).get(), start).get()
+    replay = spawn_replay(cfg, replay_spec, groups[0], meshes)
+    return ReplicaPlacement(groups[0], generators, replay, [s for setup in setups for s in setup], meshes,
+                            manager=manager, groups=groups, checkpoint_dir=trainer_spec.checkpoint_dir)
+
+
+def _group_dir(checkpoint_dir: str, g: int) -> str:
+    return str(Path(checkpoint_dir) / f"replica_{g}")
+
+
+def _split(n: int, parts: int) -> list[int]:
+    """`n` split into `parts` near-equal counts, the larger first."""
+    return [n // parts + (1 if g < n % parts else 0) for g in range(parts)]
+
+
+def group_streams(cfg: ControllerConfig, groups: int, prompt_cursor: int) -> list[tuple[ControllerConfig, int]]:
+    """Each replica group's controller config and first prompt index.
+
+    Group g draws `prompts_per_step / groups` prompts a step (and as many of `pairs_per_step`) from a
+    stream of its own (seed `cfg.seed * groups + g`), so which prompts a group trains does not depend
+    on thread timing, and a run resumed at step s (`prompt_cursor` = s × prompts_per_step) continues
+    every stream where it stopped (a tied batch a group generated again is not counted; the group's
+    controller state saved beside its checkpoint, when there is one, has the exact cursor).
+    """
+    counts, pairs = _split(cfg.prompts_per_step, groups), _split(cfg.pairs_per_step, groups)
+    steps = prompt_cursor // cfg.prompts_per_step
+    return [(dataclasses.replace(cfg, prompts_per_step=n, pairs_per_step=p, seed=cfg.seed * groups + g), steps * n)
+            for g, (n, p) in enumerate(zip(counts, pairs))]
+
+
+def run_groups(drive: Callable[[int, threading.Event], None], n: int, stop_run: Callable[[], None]) -> None:
+    """`drive(g, stop)` for every replica group g in its own thread; the first failure stops them all.
+
+    A group blocked in a DiLoCo sync waits for a quorum that a failed group never joins
+    (`quorum_timeout_s`, 600 s by default). So on the first failure `stop` is set (drivers check it
+    between steps) and `stop_run()` shuts the lighthouse down: every replica then aborts its pending
+    quorum within `heartbeat_timeout_ms` (`DiLoCoReplica._watch_lighthouse`). Once every thread has
+    ended, raises the first failure, naming its group.
+    """
+    stop = threading.Event()
+    failed: list[tuple[int, BaseException]] = []
+    with ThreadPoolExecutor(n) as pool:
+        futures = {pool.submit(drive, g, stop): g for g in range(n)}
+        for future in as_completed(futures):
+            if future.exception() is not None and not failed:
+                failed.append((futures[future], future.exception()))
+                stop.set()
+                stop_run()
+    if failed:
+        g, exc = failed[0]
+        raise RuntimeError(f"replica group {g} failed; the other groups were stopped") from exc
 
 
 class ReplicaController:
@@ -108,14 +182,17 @@ class ReplicaController:
         self.per_sync = diloco.inner_steps // diloco.fragments
         gens = placement.generators
         shares = [gens[g::R] if len(gens) >= R else list(gens) for g in range(R)]
-        counts = [cfg.prompts_per_step // R + (1 if g < cfg.prompts_per_step % R else 0) for g in range(R)]
-        self.groups = [
-            Controller(dataclasses.replace(cfg, prompts_per_step=n), trainer, share, chat,
-                       hinter=hinter, prompt_cursor=prompt_cursor)
-            for trainer, share, n in zip(placement.groups, shares, counts)
-        ]
-        for c in self.groups[1:]:
-            c.prompts = self.groups[0].prompts  # one thread-safe cursor: the step's prompts split across groups
+        self.groups: list[Controller] = []
+        for g, (trainer, share, (group_cfg, cursor)) in enumerate(
+                zip(placement.groups, shares, group_streams(cfg, R, prompt_cursor))):
+            state = None
+            if placement.checkpoint_dir:  # each group's controller state beside its checkpoints, resumed with them
+                group_cfg = dataclasses.replace(
+                    group_cfg, state_dir=str(Path(_group_dir(placement.checkpoint_dir, g)) / "controller"))
+                state = load_state(group_cfg.state_dir, rank0(trainer.policy_version.call().get()))
+            # one replay actor for all: each group queues its failed turns and draws its share of pairs
+            self.groups.append(Controller(group_cfg, trainer, share, chat, hinter=hinter, replay=placement.replay,
+                                          prompt_cursor=cursor, state=state))
 
     def sync_generators(self) -> None:
         """Load group 0's (post-outer-step) weights into every generator."""
@@ -136,9 +213,9 @@ class ReplicaController:
         lock = threading.Lock()
         first = self.groups[0].version
 
-        def drive(g: int) -> None:
+        def drive(g: int, stop: threading.Event) -> None:
             c, ties = self.groups[g], 0
-            while c.version < first + self.cfg.steps:
+            while c.version < first + self.cfg.steps and not stop.is_set():
                 record = c.step(sync_generators=False)
                 if "skipped" in record.metrics:
                     ties += 1
@@ -154,9 +231,7 @@ class ReplicaController:
                     pending.setdefault(record.step, []).append(record)
                     self._emit_ready(pending, history)
 
-        with ThreadPoolExecutor(len(self.groups)) as pool:
-            for f in [pool.submit(drive, g) for g in range(len(self.groups))]:
-                f.result()
+        run_groups(drive, len(self.groups), lambda: self.placement.manager.shutdown.call_one().get())
         return history
 
     def _emit_ready(self, pending: dict[int, list[StepRecord]], history: list[StepRecord]) -> None:
@@ -179,7 +254,7 @@ class ReplicaController:
         """One record for the step: metrics averaged over groups (counts summed), rollouts pooled."""
         keys = set().union(*(r.metrics for r in records))
         metrics = {k: sum(r.metrics.get(k, 0.0) for r in records) / len(records) for k in keys}
-        for k in ("rollouts/policy", "rollouts/dropped_groups", "distill/hinted"):
+        for k in ("rollouts/policy", "rollouts/dropped_groups", "distill/hinted", "preference/pairs_in_batch"):
             if k in keys:
                 metrics[k] *= len(records)
         groups = sum(r.groups for r in records)

@@ -25,7 +25,8 @@ from replay.normalize import run_recipe
 from replay.pairs import PreferencePair, Vote, decide
 from replay.server import FaultPlan, Responder, TeacherServer
 from replay.teachers import TeacherClient, tool_specs
-from replay.traces import ParseStats, TraceState, load_traces, trace_states
+from replay.trace_io import ParseStats
+from replay.traces import TraceState, load_traces, trace_paths, trace_states
 
 
 @dataclass
@@ -53,17 +54,24 @@ class Progress:
 
 
 def load_states(cfg: ReplayConfig) -> tuple[list[TraceState], dict[str, Any]]:
-    """All states of the configured trace files, and per-file parse stats."""
-    missing = [p for p in cfg.traces if not Path(p).is_file()]
-    if missing:
-        raise FileNotFoundError(f"replay.traces: no such file: {', '.join(missing)}")
+    """All states of the configured trace files (a directory: its `*.jsonl`), and parse stats.
+
+    Per file and in total: lines, skips and drops by reason with `file:line`,
+    states refused, and warnings (empty input, a file with no usable trace, no
+    state at all).
+    """
     states, per_file, total = [], {}, ParseStats()
-    for path in cfg.traces:
+    paths, total.warnings = trace_paths(cfg.traces)
+    for path in paths:
         traces, stats = load_traces(path, cfg.trace_format)
-        per_file[path] = stats.as_dict()
-        total.add(stats)
         for trace in traces:
-            states.extend(trace_states(trace, cfg.max_context_messages))
+            built = trace_states(trace, cfg.max_context_messages, stats)
+            stats.states += len(built)
+            states.extend(built)
+        per_file[str(path)] = stats.as_dict()
+        total.add(stats)
+    if not states:
+        total.warnings.append(f"no replayable state in {len(paths)} trace file(s)")
     if cfg.max_states:
         states = states[: cfg.max_states]
     return states, {"files": per_file, "total": total.as_dict()}

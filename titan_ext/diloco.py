@@ -7,8 +7,9 @@ pieces from `[diloco]` and the group's `ReplicaAssignment` (handed out by
 - a reconfigurable `ProcessGroupGloo` across replica groups (rank r of every
   group talks to rank r of the others, so FSDP shards meet their own shards),
   wrapped to count the bytes handed to it (`CountingProcessGroupGloo`);
-- a `Manager` (synchronous quorum, as DiLoCo requires) on the group's own
-  TCPStore, registered with the lighthouse under the replica id;
+- a `Manager` (synchronous quorum, as DiLoCo requires; `init_sync` off, see
+  below) on the group's own TCPStore, registered with the lighthouse under the
+  replica id;
 - `torchft.local_sgd.DiLoCo` over the model split into `[diloco] fragments`
   (Streaming DiLoCo when > 1: fragment i syncs every H steps, staggered by H/F,
   its all-reduce overlapping `fragment_delay` inner steps), one outer SGD
@@ -21,14 +22,29 @@ step from θ_global), so the trainer's step code is unchanged. A replica that
 starts behind the quorum (a restart) heals from a live peer through torchft's
 checkpoint transport: model, inner optimizer, the trainer's extra state and
 each fragment's global weights and outer optimizer (`state_dict` / `load`).
+
+Start: torchft's default `init_sync=True` makes every replica but replica 0
+heal at the first quorum at step 0. DiLoCo's first quorum comes at the first
+sync, after H inner steps, so the heal would overwrite each replica's round
+(local weights, saved global copy) with replica 0's and the first outer step
+would average replica 0's pseudo-gradient alone. So `init_sync` is off and a
+group that starts with the run instead proves at join that it holds the same
+weights as replica 0 (`start_digest`, sha256 of this rank's shards); a
+replica that joins a running quorum later is behind its step and heals.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import socket
 import threading
+import time
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
+from urllib.parse import urlsplit
 
 import torch
 from torch import nn
@@ -155,13 +171,47 @@ def _like(template: Any, loaded: Any) -> Any:
     return loaded
 
 
+class _DaemonExecutor:
+    """Stands in for the Manager's one-worker quorum executor, running each call on a daemon thread.
+
+    A quorum that a stopping run never forms blocks inside torchft's Rust client until
+    `quorum_timeout_s`, whatever happens to the lighthouse; on a pool thread it would hold the
+    process at exit that long. Calls never overlap: the Manager waits for the previous quorum first.
+    """
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
+        future: Future = Future()
+
+        def run() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as exc:
+                with contextlib.suppress(InvalidStateError):  # `DiLoCoReplica.abort` may have failed it already
+                    future.set_exception(exc)
+            else:
+                with contextlib.suppress(InvalidStateError):
+                    future.set_result(result)
+
+        threading.Thread(target=run, name="torchft-quorum", daemon=True).start()
+        return future
+
+    def shutdown(self, wait: bool = True, **_: Any) -> None:
+        """Nothing to join: a finished quorum's thread has ended, a stuck one is a daemon."""
+
+
 def build_manager(
     cfg: DiLoCoConfig, pg: ProcessGroupGloo, assignment: ReplicaAssignment,
     load_state: Callable[[Any], None], state: Callable[[], Any], *,
     store_addr: str, store_port: int, group_rank: int = 0, group_world_size: int = 1,
 ) -> Manager:
-    """A torchft Manager for one rank of a replica group: synchronous quorum, timeouts and quorum floor from `cfg`."""
-    return Manager(
+    """A torchft Manager for one rank of a replica group: synchronous quorum, timeouts and quorum floor from `cfg`.
+
+    `init_sync=False`: replicas at step 0 do not heal from replica 0 (see the module docstring); a
+    replica behind the quorum's step still heals. Quorums run on daemon threads (`_DaemonExecutor`).
+    """
+    manager = Manager(
         pg=pg,
         load_state_dict=load_state,
         state_dict=state,
@@ -176,7 +226,11 @@ def build_manager(
         store_port=store_port,
         lighthouse_addr=assignment.lighthouse_addr,
         replica_id=assignment.replica_id,
+        init_sync=False,
     )
+    manager._executor.shutdown(wait=False)
+    manager._executor = _DaemonExecutor()  # before the first quorum: no quorum ever runs on the pool
+    return manager
 
 
 class DiLoCoReplica:
@@ -186,6 +240,10 @@ class DiLoCoReplica:
     group builds it, then steps the inner optimizer the same number of times.
     `extra_state` = (save, load) for trainer state outside model and optimizer
     (step, LR schedule) that a healing replica takes from its peer.
+    `start_digest`: replica 0's `parameters_digest` for this rank when the
+    groups start together (the first outer step averages every group's round,
+    so they must start identical: a mismatch is a `ValueError`); None for a
+    replica that joins a running quorum (it heals at its first sync).
     """
 
     def __init__(
@@ -200,9 +258,16 @@ class DiLoCoReplica:
         group_rank: int = 0,
         group_world_size: int = 1,
         extra_state: tuple[Callable[[], Any], Callable[[Any], None]] | None = None,
+        start_digest: str | None = None,
     ) -> None:
         if cfg.quantize_pseudograd and not torch.cuda.is_available():
             raise ValueError("diloco.quantize_pseudograd needs CUDA (torchft's FP8 all-reduce kernels are Triton/CUDA)")
+        if start_digest is not None and (own := parameters_digest(model)) != start_digest:
+            raise ValueError(
+                f"{assignment.replica_id} rank {group_rank} starts from different weights than replica 0 "
+                f"(parameter digest {own[:12]} vs {start_digest[:12]}): the replica groups must start identical "
+                "(same model seed / checkpoint, same procs_per_group)"
+            )
         self.cfg = cfg
         self.model = model
         self.optimizer = optimizer
@@ -230,6 +295,11 @@ class DiLoCoReplica:
         self.healed = 0
         self._last = (0, 0)  # (manager step, bytes) at the previous sync boundary
         self._hook = optimizer.register_step_post_hook(self._after_step)  # runs after DiLoCo's hook
+        self._aborted: BaseException | None = None
+        self._pre_hook = optimizer.register_step_pre_hook(self._refuse_if_aborted)
+        self._closed = threading.Event()
+        self._watchdog = threading.Thread(target=self._watch_lighthouse, name="diloco-lighthouse-watch", daemon=True)
+        self._watchdog.start()
 
     # ---- state a healing peer receives ------------------------------------------------------
 
@@ -246,6 +316,37 @@ class DiLoCoReplica:
         if self._extra is not None and state["extra"] is not None:
             self._extra[1](state["extra"])
         self.healed += 1
+
+    # ---- trainer checkpoints ------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """DiLoCo's own state for this rank's trainer checkpoint (beside model and inner optimizer):
+        the manager's step, the inner steps into the current round, and per fragment the global weights
+        and outer optimizer (local shards). Every group checkpoints at the same step."""
+        return {
+            "manager": self.manager.state_dict(),
+            "local_step": self.diloco._local_step,
+            "fragments": [{"original_parameters": _local(f.original_parameters),
+                           "outer_optimizer": _local(f._outer_optimizer.state_dict())}
+                          for f in self.diloco._fragments],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from `state_dict()`: the next sync continues the round and the outer momentum exactly."""
+        if len(state["fragments"]) != len(self.diloco._fragments):
+            raise ValueError(f"checkpoint has {len(state['fragments'])} DiLoCo fragments, "
+                             f"diloco.fragments = {len(self.diloco._fragments)}")
+        self.manager.load_state_dict(state["manager"])
+        self.diloco._local_step = state["local_step"]
+        for fragment, saved in zip(self.diloco._fragments, state["fragments"]):
+            with torch.no_grad():
+                for name, t in saved["original_parameters"].items():
+                    fragment.original_parameters[name].copy_(t)
+            outer = fragment._outer_optimizer
+            params = [p for group in outer.param_groups for p in group["params"]]
+            template = {"state": {i: {"momentum_buffer": p} for i, p in enumerate(params)}}  # momentum is shaped like p
+            outer.load_state_dict(_like(template, saved["outer_optimizer"]))
+        self._last = (self.manager.current_step(), self.pg.bytes_sent)
 
     # ---- bookkeeping -------------------------------------------------------------------------
 
@@ -278,7 +379,46 @@ class DiLoCoReplica:
             "sync_bytes": list(self.sync_bytes),
         }
 
+    # ---- failing fast when the run stops ----------------------------------------------------
+
+    def _watch_lighthouse(self) -> None:
+        """Abort once the lighthouse has not accepted a connection for `heartbeat_timeout_ms`.
+
+        Without a lighthouse no quorum can form, and a sync already waiting would wait
+        `quorum_timeout_s` (600 s by default). The controller shuts the lighthouse down when a
+        replica group fails (`mesh.replicas`), so this is how the other groups hear of it.
+        """
+        url = urlsplit(self.assignment.lighthouse_addr)
+        patience = self.cfg.heartbeat_timeout_ms / 1000
+        last_ok = time.monotonic()
+        while not self._closed.wait(patience / 3):
+            if self._aborted is None:
+                try:
+                    socket.create_connection((url.hostname, url.port), timeout=patience / 3).close()
+                    last_ok = time.monotonic()
+                    continue
+                except OSError:
+                    if time.monotonic() - last_ok < patience:
+                        continue
+            # again every period once aborted: a quorum that started after the first abort fails too
+            self.abort(f"the lighthouse {self.assignment.lighthouse_addr} has not answered for "
+                       f"{patience:.1f} s (diloco.heartbeat_timeout_ms): the run is stopping")
+
+    def abort(self, reason: str) -> None:
+        """Fail this replica's pending quorum now and every later inner step, with `reason`."""
+        self._aborted = RuntimeError(f"{self.assignment.replica_id}: {reason}")
+        pending = self.manager._quorum_future  # torchft's in-flight quorum; the step thread waits on it
+        if pending is not None:
+            with contextlib.suppress(InvalidStateError):  # it finished meanwhile: the next step is refused
+                pending.set_exception(self._aborted)
+
+    def _refuse_if_aborted(self, *_: Any) -> None:
+        if self._aborted is not None:
+            raise self._aborted
+
     def close(self) -> None:
+        self._closed.set()
+        self._pre_hook.remove()
         self._hook.remove()
         self.diloco.__exit__(None, None, None)
         self.manager.shutdown(wait=False)
@@ -286,8 +426,6 @@ class DiLoCoReplica:
 
 def parameters_digest(model: nn.Module) -> str:
     """sha256 of this rank's local parameter shards in order (replicas compare rank by rank)."""
-    import hashlib
-
     h = hashlib.sha256()
     for name, p in model.named_parameters():
         t = p.to_local() if isinstance(p, DTensor) else p

@@ -171,10 +171,14 @@ def run_diloco_threads(
 ) -> tuple[list[nn.Module], list[dict]]:
     """DiLoCo on `replicas` thread replicas until `syncs` syncs; returns the models and each replica's status.
     `on_sync(replica, manager_step, model)` runs in the replica's thread after a committed sync."""
-    from titan_ext.diloco import DiLoCoReplica
+    from titan_ext.diloco import DiLoCoReplica, parameters_digest
+
+    start: list[str] = []  # replica 0's start digest (attach runs in replica order)
 
     def attach(model: nn.Module, optimizer: torch.optim.Optimizer, assignment: Any, port: int) -> DiLoCoReplica:
-        return DiLoCoReplica(diloco, model, optimizer, assignment, store_addr="127.0.0.1", store_port=port)
+        start.append(start[0] if start else parameters_digest(model))
+        return DiLoCoReplica(diloco, model, optimizer, assignment, store_addr="127.0.0.1", store_port=port,
+                             start_digest=start[0])
 
     def body(index: int, replica: DiLoCoReplica, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
         hook = None if on_sync is None else (lambda step: on_sync(index, step, model))

@@ -30,7 +30,7 @@ import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -54,11 +54,14 @@ from losses.composer import (
     summarize_metrics,
 )
 from losses.distill import TAIDSchedule
+from losses.mismatch import packed_sequence_ids
 from titan_ext.attention import attention_masks
 from titan_ext.batch import TrainBatch
 from titan_ext.checkpoint import Checkpointer
 from titan_ext.export import HFBucket, iter_hf_buckets
 from titan_ext.hf_checkpoint import load_hf_into_titan
+from titan_ext.hf_export import write_hf_dir
+from titan_ext.hf_parity import verify_hf_checkpoint
 from titan_ext.models import init_model, resolve_model
 from titan_ext.muon import build_lr_scheduler, build_optimizer
 from titan_ext.parallelize import build_parallel_dims, parallelize_model, prepare_model_config
@@ -119,6 +122,7 @@ class Trainer:
         self.loss_cfg = ComposerConfig.from_section(spec.loss)
 
         resolved = resolve_model(spec.model, self.platform)
+        self._verify_checkpoint()
         self.model_spec = resolved.spec
         self.hf_config = resolved.hf_config
         prepare_model_config(self.model_spec.model, spec.parallelism)
@@ -126,7 +130,7 @@ class Trainer:
         self.model = model = self._build_model()
         # DPO's π_ref: the initial weights, frozen (built before any checkpoint is loaded into the policy).
         self.reference: torch.nn.Module | None = None
-        if spec.trainer.dpo_reference == "frozen" and spec.loss.beta > 0 and spec.loss.preference.kind == "dpo":
+        if spec.trainer.dpo_reference == "frozen" and spec.loss.beta > 0 and spec.loss.preference.needs_reference:
             self.reference = self._build_model().requires_grad_(False).eval()
 
         self.optimizer = build_optimizer(model, spec.optimizer)
@@ -135,14 +139,33 @@ class Trainer:
             self.model_spec.post_optimizer_build_fn(self.optimizer, [model], self.parallel_dims)
 
         d = spec.loss.distill
-        self.taid = TAIDSchedule(d.taid_t_start, d.taid_t_end, d.taid_alpha, d.taid_beta) if d.kind == "taid" else None
+        self.taid = (
+            TAIDSchedule(d.taid_t_start, d.taid_t_end, d.taid_alpha, d.taid_beta, d.taid_adaptive)
+            if d.kind == "taid" else None
+        )
         self.step = 0
         self.data_cursors: dict[str, Any] = {}
+        # state of wrappers around model + optimizer (DiLoCo), saved in the checkpoint beside the trainer's
+        self.wrappers: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
+        self._wrapper_state: dict[str, Any] = {}  # loaded from a checkpoint before its wrapper registered
         self.checkpointer = Checkpointer(spec.checkpoint, spec.checkpoint_dir) if spec.checkpoint_dir else None
         if self.checkpointer is not None:
             resume = self.checkpointer.resume_step()
             if resume is not None:
                 self.load_checkpoint(resume)
+
+    def _verify_checkpoint(self) -> None:
+        """`hf_parity.verify_hf_checkpoint` on rank 0 only (a CPU copy of a few layers per host is enough);
+        every rank raises its error, so no rank waits in a collective for one that failed."""
+        error = [None]
+        if dist.get_rank() == 0:
+            try:
+                verify_hf_checkpoint(self.spec.model)
+            except ValueError as e:
+                error[0] = str(e)
+        dist.broadcast_object_list(error, src=0)
+        if error[0] is not None:
+            raise ValueError(error[0])
 
     def _build_model(self) -> torch.nn.Module:
         """Meta build → parallelize (FSDP2 / HSDP / EP) → seeded init → `hf_path` weights."""
@@ -243,8 +266,8 @@ class Trainer:
             return "batch.distill_tokens > 0 but this rank's batch has no hint-distillation tensors"
         if batch.pairs > 0 and not batch.has_pairs:
             return "batch.pairs > 0 but this rank's batch has no preference pairs"
-        if batch.pairs > 0 and self.loss_cfg.preference.kind == "dpo" and not batch.has_reference:
-            return "DPO needs ref_chosen_logprobs_P / ref_rejected_logprobs_P in the batch"
+        if batch.pairs > 0 and self.spec.loss.preference.needs_reference and not batch.has_reference:
+            return f"{self.spec.loss.preference.kind} needs ref_chosen_logprobs_P / ref_rejected_logprobs_P in the batch"
         if batch.policy_tokens == 0 and batch.distill_tokens == 0 and batch.pairs == 0:
             return "empty batch: policy_tokens, distill_tokens and pairs are all 0"
         return None
@@ -271,6 +294,7 @@ class Trainer:
                 advantages=mb.advantages_BL.to(dev),
                 num_tokens=mb.policy_tokens,
                 gen_logprobs_BT=mb.generator_logprobs_BL.to(dev),
+                seq_ids_BT=packed_sequence_ids(mb.positions_BL).to(dev),
             )
         if teacher_BLD is not None:
             distill = DistillInputs(
@@ -368,7 +392,14 @@ class Trainer:
             "lr_scheduler": self.lr_scheduler.state_dict(),
             "taid": None if self.taid is None else self.taid.state_dict(),
             "data_cursors": dict(self.data_cursors),
+            "wrappers": {key: save() for key, (save, _) in self.wrappers.items()},
         }
+
+    def register_wrapper(self, key: str, save: Callable[[], Any], load: Callable[[Any], None]) -> None:
+        """Checkpoint `save()` under `key` from now on; if the resumed checkpoint holds `key`, `load` it now."""
+        self.wrappers[key] = (save, load)
+        if key in self._wrapper_state:
+            load(self._wrapper_state.pop(key))
 
     def save_checkpoint(self) -> Path:
         if self.checkpointer is None:
@@ -385,6 +416,18 @@ class Trainer:
         if self.taid is not None and state["taid"] is not None:
             self.taid.load_state_dict(state["taid"])
         self.data_cursors = dict(state["data_cursors"])
+        self._wrapper_state = dict(state.get("wrappers", {}))
+        for key, (_, load) in self.wrappers.items():
+            if key in self._wrapper_state:
+                load(self._wrapper_state.pop(key))
+
+    def save_hf_dir(self, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
+        """The current weights as a servable HF directory (collective; see `titan_ext.hf_export`)."""
+        from titan_ext.assets import tokenizer_dir_for
+
+        m = self.spec.model
+        return write_hf_dir(self.model, out_dir, self.hf_config, tokenizer_dir=tokenizer_dir_for(m),
+                            generation_from=m.hf_path or None, dtype=dtype)
 
     def export_weights(self, dtype: torch.dtype | None = None) -> Iterator[HFBucket]:
         """HF-named weight buckets for generators (collective; see `titan_ext.export`)."""

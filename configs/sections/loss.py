@@ -35,15 +35,44 @@ class PolicyLossConfig:
     dual_clip_c: float | None = option(
         None, doc="dual-clip bound c (> 1) for negative advantages; unset = off", gt=1.0
     )
-    tis_cap: float | None = option(
-        2.0, doc="truncated importance sampling cap C on exp(logp_old - logp_gen); unset = no TIS", gt=0.0
+    is_level: Literal["token", "sequence", "none"] = option(
+        "token",
+        doc="mismatch IS weight (DAPO): per-token ratio exp(logp_old - logp_gen), per-sequence product, or none",
+        choices=("token", "sequence", "none"),
     )
+    tis_cap: float | None = option(2.0, doc="upper truncation C_max of the IS weight; unset = not truncated above", gt=0.0)
+    tis_floor: float | None = option(None, doc="lower truncation C_min of the IS weight (TRL clip_min); unset = none", ge=0.0)
+    rs_level: Literal["none", "token", "sequence", "geometric"] = option(
+        "none",
+        doc="mismatch rejection (DAPO): mask tokens / sequences whose token ratio, sequence product or "
+        "geometric mean leaves [rs_min, rs_max]",
+        choices=("none", "token", "sequence", "geometric"),
+    )
+    rs_max: float = option(2.0, doc="rejection upper threshold on the ratio statistic", gt=0.0)
+    rs_min: float | None = option(None, doc="rejection lower threshold; unset = 1/rs_max (verl), 0 = no lower bound", ge=0.0)
+    rs_veto: float | None = option(
+        None, doc="drop a whole sequence holding a token with exp(logp_old - logp_gen) below this (verl veto)", gt=0.0
+    )
+    log_ratio_clamp: float | None = option(
+        20.0, doc="clamp log r to +-this before exp in the DAPO / DPPO ratio (verl: 20); unset = no clamp", gt=0.0
+    )
+    adv_tau: float = option(1.0, doc="PRIME-DPPO: temperature on the advantage term (0 = KL term only)", ge=0.0)
     dppo_delta_low: float = option(0.2, doc="PRIME-DPPO: mask A<0 tokens with p_train - p_inf < -delta_low", ge=0.0)
     dppo_delta_high: float = option(0.2, doc="PRIME-DPPO: mask A>0 tokens with p_train - p_inf > delta_high", ge=0.0)
     kl_tau: float = option(1e-3, doc="PRIME-DPPO: weight of the (log r)^2 mismatch KL term", ge=0.0)
     overlong_max_len: int = option(0, doc="DAPO soft overlong punishment L_max in tokens; 0 = off", ge=0)
     overlong_buffer: int = option(0, doc="DAPO soft overlong buffer L_buf in tokens (0 < L_buf <= L_max when on)", ge=0)
     dynamic_sampling: bool = option(True, doc="DAPO dynamic sampling: drop groups whose rewards are all equal")
+
+    def __post_init__(self) -> None:
+        if self.tis_floor is not None and self.tis_cap is not None and self.tis_floor > self.tis_cap:
+            raise ValueError(f"tis_floor ({self.tis_floor}) must be <= tis_cap ({self.tis_cap})")
+        if self.rs_min is not None and self.rs_min >= self.rs_max:
+            raise ValueError(f"rs_min ({self.rs_min}) must be < rs_max ({self.rs_max})")
+        if self.kind == "prime_dppo" and (self.rs_level != "none" or self.rs_veto is not None):
+            raise ValueError("rs_level / rs_veto apply to kind = 'dapo' (prime_dppo masks by its own delta_p rule)")
+        if self.kind == "dapo" and self.adv_tau != 1.0:
+            raise ValueError(f"adv_tau ({self.adv_tau}) applies to kind = 'prime_dppo' only")
 
 
 @dataclass(frozen=True)
@@ -58,15 +87,31 @@ class DistillLossConfig:
     taid_t_end: float = option(1.0, doc="TAID cap on t", gt=0.0, le=1.0)
     taid_alpha: float = option(5e-4, doc="TAID adaptive step size alpha", ge=0.0, le=1.0)
     taid_beta: float = option(0.99, doc="TAID momentum of the relative loss change", ge=0.0, lt=1.0)
+    taid_adaptive: bool = option(True, doc="TAID adaptive update of t; false = linear t_start -> t_end over the run's steps")
     eopd_h_max: float | None = option(None, doc="entropy-aware OPD entropy scale; unset = log(vocab)", gt=0.0)
 
 
 @dataclass(frozen=True)
 class PreferenceLossConfig:
-    kind: Literal["dpo", "simpo"] = option("dpo", doc="trace-replay preference loss", choices=("dpo", "simpo"))
-    dpo_beta: float = option(0.1, doc="DPO beta", gt=0.0)
+    kind: Literal["dpo", "ipo", "simpo"] = option(
+        "dpo", doc="trace-replay preference loss", choices=("dpo", "ipo", "simpo")
+    )
+    dpo_beta: float = option(0.1, doc="DPO beta; IPO's tau (its target margin is 1/(2 beta), as TRL's beta)", gt=0.0)
     simpo_beta: float = option(2.0, doc="SimPO beta (official default 2.0)", gt=0.0)
     simpo_gamma: float = option(0.5, doc="SimPO absolute margin gamma (TRL simpo_gamma)", ge=0.0)
+    label_smoothing: float = option(
+        0.0, doc="DPO / SimPO label smoothing eps (conservative DPO): preference flipped with probability eps", ge=0.0, lt=0.5
+    )
+    ipo_average: bool = option(True, doc="IPO on length-averaged logprobs (TRL); false = sequence sums (paper)")
+
+    def __post_init__(self) -> None:
+        if self.kind == "ipo" and self.label_smoothing:
+            raise ValueError("label_smoothing applies to kind 'dpo' and 'simpo', not 'ipo'")
+
+    @property
+    def needs_reference(self) -> bool:
+        """DPO and IPO score against a frozen reference policy."""
+        return self.kind in ("dpo", "ipo")
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ class LocalServerConfig:
 class ReplayConfig:
     """Trace replay: inputs, voting, output."""
 
-    traces: tuple[str, ...] = option((), doc="trace files (JSONL) to replay")
+    traces: tuple[str, ...] = option((), doc="trace files (JSONL) to replay; a directory stands for its *.jsonl files")
     trace_format: Literal["auto", "claude_code", "openai"] = option(
         "auto", doc="trace format; auto decides per file", choices=("auto", "claude_code", "openai")
     )

@@ -40,14 +40,38 @@ def run(args: argparse.Namespace) -> int:
             summary = run_replay(rc, tc, responder=responder, scorer=scorer)
         else:
             summary = _with_progress_bar(run_replay, rc, tc, responder, scorer)
-    except (FileNotFoundError, ValueError) as e:
+    except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    parse = summary["parse"]["total"]
+    print(parse_report(summary["parse"]["files"], parse, summary["states"]))
+    for warning in parse["warnings"]:
+        print(f"warning: {warning}", file=sys.stderr)
     brief = {k: summary[k] for k in ("states", "outcomes", "pairs_raw", "spend_usd", "budget_usd", "teacher_calls")}
     brief["dataset_records"] = summary["dataset"]["records_out"]
-    brief["failures"] = len(summary["failures"])
+    budget = sum(f["kind"] == "budget" for f in summary["failures"])
+    brief["failures"] = len(summary["failures"]) - budget
+    brief["budget_refusals"] = budget
+    for key in ("skipped", "dropped", "states_dropped", "warnings"):
+        brief[key] = parse[key]
     print(json.dumps(brief))
-    return 0
+    return 0 if summary["states"] else 1
+
+
+def parse_report(files: dict[str, dict], total: dict, states: int) -> str:
+    """Human summary of trace parsing: a row per file, then each reason with its count and first `file:line`s."""
+    lines = [f"traces: {len(files)} file(s), {total['lines']} lines ({total['parsed']} parsed), "
+             f"{total['traces']} traces, {total['states']} states built, {states} replayed"]
+    for path, f in files.items():
+        counts = f"{f['lines']} lines, {f['parsed']} parsed, {f['traces']} traces, {f['states']} states"
+        lines.append(f"  file {path}: {counts}")
+    for key, label in (("skipped", "skipped line"), ("dropped", "dropped record"),
+                       ("states_dropped", "dropped state"), ("notes", "kept, repaired")):
+        for reason, n in sorted(total[key].items()):
+            where = total["where"].get(reason, [])
+            more = ", ..." if n > len(where) else ""
+            lines.append(f"  {label:<15} {reason:<40} {n:>6}  at {', '.join(where)}{more}")
+    return "\n".join(lines)
 
 
 def _with_progress_bar(run_replay, rc, tc, responder, scorer):

@@ -8,6 +8,8 @@ same parameters (digest per rank), the parameters changed, and between syncs
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -58,8 +60,9 @@ def replicas(tiny_assets):
         groups.append(procs.spawn(f"trainer_{i}", DiLoCoTrainerActor, spec, cfg))
     for g in groups:
         g.setup.call().get()
+    start = list(groups[0].local_digest.call().get().values())
     for i, g in enumerate(groups):
-        g.join.call(manager.assign.call_one(i).get()).get()
+        g.join.call(manager.assign.call_one(i).get(), start).get()
     yield manager, groups
     manager.shutdown.call_one().get()
     for procs in meshes:
@@ -100,6 +103,25 @@ def test_two_groups_identical_after_every_outer_sync(replicas):
         assert rep["sync_bytes"] == [rep["sync_bytes"][0]] * ROUNDS
     params = sum(p.numel() for p in torch.nn.Module.parameters(_tiny_model()))
     assert status["replicas"][0]["sync_bytes"][0] == 4 * params
+
+
+def test_shutting_the_lighthouse_fails_a_waiting_sync_within_seconds(replicas):
+    """Runs last (it ends the groups' DiLoCo). Group 0 takes a round's steps alone, so its sync waits for
+    group 1, which never comes (quorum_timeout_s = 120 here, 600 by default). Shutting the lighthouse down,
+    what `mesh.replicas.run_groups` does when a group fails, fails that train_step inside the real trainer
+    process within heartbeat_timeout_ms (3 s) plus a probe."""
+    manager, groups = replicas
+    for h in range(H - 1):
+        groups[0].train_step.call(policy_batch(seed=900 + h)).get()
+    waiting = groups[0].train_step.call(policy_batch(seed=999))  # the round's last step: the sync
+    time.sleep(3)
+    start = time.monotonic()
+    manager.shutdown.call_one().get()
+    with pytest.raises(Exception, match="lighthouse") as info:
+        waiting.get()
+    seconds = time.monotonic() - start
+    assert seconds < 15, f"the waiting sync failed {seconds:.1f} s after the lighthouse stopped: {info.value}"
+    print(f"\ngroup 0's waiting sync failed {seconds:.2f} s after the lighthouse was shut down")
 
 
 def _tiny_model():

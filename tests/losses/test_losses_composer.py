@@ -163,6 +163,9 @@ def test_bad_inputs_are_named():
         compose_loss(prime, w, policy=dataclasses.replace(policy, gen_logprobs_BT=None))
     with pytest.raises(ValueError, match="ref_chosen"):
         compose_loss(ComposerConfig(), w, preference=dataclasses.replace(preference, ref_chosen_logps_P=None))
+    ipo = dataclasses.replace(ComposerConfig(), preference=dataclasses.replace(ComposerConfig().preference, kind="ipo"))
+    with pytest.raises(ValueError, match="ipo needs ref_chosen"):
+        compose_loss(ipo, w, preference=dataclasses.replace(preference, ref_rejected_logps_P=None))
     with pytest.raises(ValueError, match="aligned"):
         compose_loss(ComposerConfig(), w, distill=dataclasses.replace(distill, teacher_hidden_BTD=distill.teacher_hidden_BTD[:, :3]))
     with pytest.raises(ValueError, match="policy mask"):

@@ -142,6 +142,42 @@ def test_taid_schedule_monotone_capped_and_matches_reference():
     assert clone.update(1.0, 10, total) == sched.update(1.0, 10, total)
 
 
+def test_taid_linear_schedule_ignores_the_loss():
+    """adaptive off (TAID's disable_adaptive): t = t_start + (t_end − t_start)·step/total from the
+    first update on, whatever the loss does; capped at t_end past the last step."""
+    rng = random.Random(1)
+    sched = TAIDSchedule(t_start=0.2, t_end=0.8, alpha=0.5, beta=0.5, adaptive=False)
+    total = 40
+    for step in range(1, total + 6):
+        got = sched.update(rng.uniform(0.0, 5.0), step, total)
+        assert got == pytest.approx(min(0.8, 0.2 + 0.6 * step / total), abs=1e-12)
+    assert sched.t == 0.8
+    adaptive = TAIDSchedule(t_start=0.2, t_end=0.8, alpha=0.5, beta=0.5)
+    for step, loss in enumerate([3.0, 1.0, 0.5], start=1):
+        adaptive.update(loss, step, total)
+    assert adaptive.t > 0.2 + 0.6 * 3 / total  # the falling loss pushed t past the line
+
+
+def test_jsd_batchmean_is_the_channel_divided_by_sequences():
+    """TRL/OPSD `generalized_jsd_loss` without labels returns Σ_{b,t} jsd / B ("batchmean");
+    this channel divides by the count passed in (valid tokens): passing B as that count
+    reproduces TRL's unmasked value."""
+    from losses.composer import ComposerConfig, DistillInputs, compose_loss
+
+    g = torch.Generator().manual_seed(12)
+    B, T, Dm, Vm = 3, 7, 6, 19
+    h_s, h_t = torch.randn(B, T, Dm, generator=g), torch.randn(B, T, Dm, generator=g)
+    w = torch.randn(Vm, Dm, generator=g)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    trl_batchmean = jsd_ref(h_s @ w.T, h_t @ w.T, 0.5).sum() / B
+    for chunked in (False, True):
+        cfg = ComposerConfig(chunked=chunked, chunk_tokens=4)
+        per_token = compose_loss(cfg, w, distill=DistillInputs(h_s, h_t, mask, num_tokens=B * T)).loss
+        per_seq = compose_loss(cfg, w, distill=DistillInputs(h_s, h_t, mask, num_tokens=B)).loss
+        torch.testing.assert_close(per_seq.double(), trl_batchmean, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(per_seq, per_token * T, atol=1e-5, rtol=1e-5)
+
+
 def eopd_ref(s, t):
     ps, pt = s.double().softmax(-1), t.double().softmax(-1)
     h = -(pt * pt.log()).sum(-1)

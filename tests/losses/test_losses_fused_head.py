@@ -40,7 +40,9 @@ def _pairs(P, Tc, Tr, seed):
     return inputs
 
 
-def _ref_preference(inputs, w, kind, beta, gamma):
+def _ref_preference(inputs, w, kind, beta, gamma, eps=0.0, ipo_average=True):
+    """Mean per-pair loss from the published formulas: DPO / SimPO with label smoothing ε
+    (−(1−ε)·log σ(m) − ε·log σ(−m)), IPO (Δ − 1/(2β))² on length averages (TRL) or sums."""
     sums, lens = [], []
     for h, y, m in ((inputs.chosen_hidden_BTD, inputs.chosen_labels_BT, inputs.chosen_mask_BT),
                     (inputs.rejected_hidden_BTD, inputs.rejected_labels_BT, inputs.rejected_mask_BT)):
@@ -48,11 +50,15 @@ def _ref_preference(inputs, w, kind, beta, gamma):
         sums.append((lp * m).sum(-1))
         lens.append(m.sum(-1).clamp(min=1).double())
     (c, r), (nc, nr) = sums, lens
+    ref_c, ref_r = inputs.ref_chosen_logps_P.double(), inputs.ref_rejected_logps_P.double()
+    if kind == "ipo":
+        delta = (c - ref_c) / nc - (r - ref_r) / nr if ipo_average else (c - ref_c) - (r - ref_r)
+        return ((delta - 1 / (2 * beta)) ** 2).sum() / inputs.num_pairs
     if kind == "dpo":
-        margin = beta * ((c - inputs.ref_chosen_logps_P.double()) - (r - inputs.ref_rejected_logps_P.double()))
+        margin = beta * ((c - ref_c) - (r - ref_r))
     else:
         margin = beta * (c / nc - r / nr) - gamma
-    return -F.logsigmoid(margin).sum() / inputs.num_pairs
+    return (-(1 - eps) * F.logsigmoid(margin) - eps * F.logsigmoid(-margin)).sum() / inputs.num_pairs
 
 
 # (P, T_chosen, T_rejected), kind, chunk — chunk 3: fused pair by pair; 500: short pairs, recompute
@@ -81,6 +87,33 @@ def test_preference_paths_equal_reference(shape, kind, chunk):
     # which path ran: the fused one leaves its gradient in the head, the recompute one in a graph
     loss, _ = preference_channel(cfg, w, inputs, head=FusedHead(w))
     assert loss.requires_grad == (chunk == 500)
+
+
+# (P, T_chosen, T_rejected), kind, chunk, label smoothing, IPO on length averages
+OPTION_CASES = [
+    ((3, 6, 11), "dpo", 3, 0.2, True), ((4, 17, 5), "dpo", 500, 0.2, True),
+    ((3, 6, 11), "simpo", 3, 0.3, True), ((4, 17, 5), "simpo", 500, 0.1, True),
+    ((3, 6, 11), "ipo", 3, 0.0, True), ((4, 17, 5), "ipo", 500, 0.0, True),
+    ((3, 9, 4), "ipo", 3, 0.0, False), ((1, 9, 7), "ipo", 500, 0.0, False),
+]
+
+
+@pytest.mark.parametrize(("shape", "kind", "chunk", "eps", "ipo_average"), OPTION_CASES)
+def test_preference_options_equal_reference_on_both_paths(shape, kind, chunk, eps, ipo_average):
+    inputs = _pairs(*shape, seed=3 * sum(shape))
+    w = (torch.randn(V, D, generator=torch.Generator().manual_seed(4)) / D**0.5).requires_grad_()
+    cfg = ComposerConfig(chunk_tokens=chunk)
+    cfg = dataclasses.replace(cfg, preference=dataclasses.replace(
+        cfg.preference, kind=kind, dpo_beta=0.3, label_smoothing=eps, ipo_average=ipo_average))
+    beta = cfg.preference.simpo_beta if kind == "simpo" else 0.3
+    leaves = [w, inputs.chosen_hidden_BTD, inputs.rejected_hidden_BTD]
+    ref = _ref_preference(inputs, w, kind, beta, cfg.preference.simpo_gamma, eps, ipo_average)
+    out = compose_loss(cfg, w, preference=inputs)
+    torch.testing.assert_close(out.loss.double(), ref.detach(), atol=1e-5, rtol=1e-5)
+    for got, want in zip(torch.autograd.grad(out.loss, leaves), torch.autograd.grad(ref, leaves)):
+        torch.testing.assert_close(got.double(), want.double(), atol=1e-5, rtol=1e-5)
+    loss, _ = preference_channel(cfg, w, inputs, head=FusedHead(w))
+    assert loss.requires_grad == (chunk == 500)  # both paths ran
 
 
 def test_pair_gradient_sign_through_the_fused_path():

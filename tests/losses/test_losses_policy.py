@@ -14,8 +14,8 @@ from losses.policy import (
     grpo_advantages,
     overlong_penalty,
     prime_dppo_token_loss,
-    tis_weights,
 )
+from losses.mismatch import MismatchConfig, mismatch_weights
 
 SHAPES = [(2, 5), (3, 17), (4, 40)]
 
@@ -121,10 +121,10 @@ def test_dapo_token_loss_matches_reference(shape, dual, with_tis):
     old = logp + 0.5 * torch.randn(shape, generator=g)  # ratios well outside the clip range too
     gen = old + 0.3 * torch.randn(shape, generator=g)
     adv = torch.randn(shape, generator=g)
-    tis = tis_weights(old, gen, cap=2.0) if with_tis else None
+    tis = mismatch_weights(old.view(-1), gen.view(-1), None, MismatchConfig(is_cap=2.0)).weight.view(shape) if with_tis else None
     if with_tis:
         torch.testing.assert_close(tis.double(), (old.double() - gen.double()).exp().clamp(max=2.0))
-    terms = dapo_token_loss(logp, old, adv, eps_low=0.2, eps_high=0.28, dual_clip_c=dual, tis_weight=tis)
+    terms = dapo_token_loss(logp, old, adv, eps_low=0.2, eps_high=0.28, dual_clip_c=dual, mismatch_weight=tis)
     want = ref_dapo(logp, old, adv, 0.2, 0.28, dual, tis)
     torch.testing.assert_close(terms.loss.double(), want, atol=1e-5, rtol=1e-5)
     rho = (logp - old).exp()

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from losses.preference import dpo_loss, sequence_logprobs, sequence_mean_logprobs, simpo_loss
+from configs.loader import ConfigError, load_config
+from losses.preference import dpo_loss, ipo_loss, sequence_logprobs, sequence_mean_logprobs, simpo_loss
 
 SHAPES = [(2, 5), (3, 17), (5, 40)]  # (pairs, tokens)
 
@@ -81,3 +82,43 @@ def test_simpo_matches_reference_and_gradient_signs(shape, beta, gamma):
     torch.testing.assert_close(gw[mw], want[mw], atol=1e-6, rtol=1e-5)
     # a larger margin γ makes the loss larger
     assert (simpo_loss(aw, al, beta, gamma + 1.0)[0] > loss).all()
+
+
+def test_label_smoothing_and_ipo_formulas():
+    """cDPO: ε = 0 is plain DPO, the loss is minimal where σ(m) = 1−ε (not at m → ∞); IPO's
+    minimum is at Δ = 1/(2β); SimPO smoothing is the same mixture on SimPO's margin."""
+    g = torch.Generator().manual_seed(11)
+    pw, pl, rw, rl = (-torch.rand(6, generator=g, dtype=torch.float64) * 30 for _ in range(4))
+    plain, m = dpo_loss(pw, pl, rw, rl, 0.2)
+    assert torch.equal(dpo_loss(pw, pl, rw, rl, 0.2, 0.0)[0], plain)
+    eps = 0.15
+    smooth, _ = dpo_loss(pw, pl, rw, rl, 0.2, eps)
+    want = -(1 - eps) * torch.log(torch.sigmoid(m)) - eps * torch.log(torch.sigmoid(-m))
+    torch.testing.assert_close(smooth, want, rtol=1e-10, atol=1e-12)
+    best = math.log((1 - eps) / eps) / 0.2  # σ(βΔ*) = 1−ε
+    x = torch.tensor([best], dtype=torch.float64, requires_grad=True)
+    (gx,) = torch.autograd.grad(dpo_loss(x, torch.zeros(1), torch.zeros(1), torch.zeros(1), 0.2, eps)[0].sum(), x)
+    assert abs(gx.item()) < 1e-12
+    x = torch.tensor([1 / (2 * 0.2)], dtype=torch.float64, requires_grad=True)
+    loss, delta = ipo_loss(x, torch.zeros(1), torch.zeros(1), torch.zeros(1), 0.2)
+    assert loss.item() == 0.0 and delta.item() == pytest.approx(2.5)
+    (s_loss, s_m) = simpo_loss(pw / 7, pl / 9, 2.0, 0.5, 0.25)
+    torch.testing.assert_close(s_loss, -0.75 * torch.log(torch.sigmoid(s_m)) - 0.25 * torch.log(torch.sigmoid(-s_m)))
+    with pytest.raises(ValueError, match="label_smoothing"):
+        dpo_loss(pw, pl, rw, rl, 0.2, 0.5)
+
+
+@pytest.mark.parametrize(("overrides", "match"), [
+    (["--loss.preference.label_smoothing=0.5"], r"loss\.preference\.label_smoothing"),
+    (["--loss.preference.kind=orpo"], r"loss\.preference\.kind"),
+    (["--loss.preference.kind=ipo", "--loss.preference.label_smoothing=0.1"], r"\[loss\.preference\].*label_smoothing"),
+])
+def test_preference_keys_are_validated(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, overrides)
+
+
+def test_ipo_reaches_the_reference_policy():
+    job = load_config(None, ["--loss.preference.kind=ipo"])
+    assert job.loss.preference.needs_reference and not load_config(
+        None, ["--loss.preference.kind=simpo"]).loss.preference.needs_reference

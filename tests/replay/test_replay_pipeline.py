@@ -58,7 +58,7 @@ def pipeline_run(tmp_path_factory):
 def test_faults_are_retried_recorded_and_listed_without_crashing(pipeline_run):
     out, summary, log = pipeline_run
     states = summary["states"]
-    assert states == 14 and summary["outcomes"] == {"pair": states}
+    assert states == 16 and summary["outcomes"] == {"pair": states}  # 2 x (5 main + 1 sidechain) + 4 OpenAI
     kinds = Counter((f["teacher"], f["kind"]) for f in summary["failures"])
     assert kinds == {("r429", "rate_limited"): states, ("r500", "server_error"): states, ("rbad", "malformed"): states,
                      ("rdrop", "disconnect"): states, ("rslow", "timeout"): states}
@@ -72,9 +72,9 @@ def test_default_recipe_ran_on_pipeline_output_with_stats(pipeline_run):
     out, summary, _ = pipeline_run
     raw = [json.loads(line) for line in (out / "pairs_raw.jsonl").read_text().splitlines()]
     data = [json.loads(line) for line in (out / "dataset.jsonl").read_text().splitlines()]
-    assert len(raw) == summary["pairs_raw"] == 14
-    assert len({r["text"] for r in raw}) == 9  # the repeated session's 5 pairs are exact copies
-    assert summary["dataset"]["records_out"] == len(data) == 9
+    assert len(raw) == summary["pairs_raw"] == 16
+    assert len({r["text"] for r in raw}) == 10  # the repeated session's 6 pairs are exact copies
+    assert summary["dataset"]["records_out"] == len(data) == 10
     for rec in data:
         stats = rec["__dj__stats__"]
         assert stats["text_len"] == len(rec["text"])

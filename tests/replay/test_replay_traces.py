@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import json
-from collections import Counter
 from pathlib import Path
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from configs.records import ErrorKind
-from replay.traces import (
-    claude_code_trace, load_traces, parse_claude_code, parse_openai_chat, read_jsonl, trace_states,
-)
+from replay.claude_code import parse_claude_code
+from replay.trace_io import read_jsonl
+from replay.traces import load_traces, parse_openai_chat, trace_states
 
 FIXTURES = Path(__file__).parent / "fixtures"
 SESSION = FIXTURES / "claude_session.jsonl"
@@ -24,24 +23,27 @@ def _records(path: Path) -> list[dict]:
 
 def test_claude_session_main_thread_and_drops():
     traces, stats = parse_claude_code(SESSION)
-    assert len(traces) == 1 and traces[0].trace_id == "5b0c1e8a-3f7d-4c2e-9a61-2d8f4b7c9e10"
+    sid = "5b0c1e8a-3f7d-4c2e-9a61-2d8f4b7c9e10"
+    assert [t.trace_id for t in traces] == [sid, f"{sid}:sidechain:e3151288-62c3-4a4f-b774-eb5248db40af"]
     msgs = traces[0].messages
     assert [m["role"] for m in msgs] == [
-        "user", "assistant", "tool", "assistant", "tool", "assistant", "tool", "tool", "user", "assistant", "tool", "assistant",
+        "user", "assistant", "tool", "assistant", "tool", "assistant", "tool", "tool", "user", "user", "assistant",
+        "tool", "assistant",
     ]
     raw = _records(SESSION)
     # every record is accounted for: in the thread, or dropped with a reason
     kinds = {r.get("type") for r in raw}
     assert {"queue-operation", "file-history-snapshot", "summary", "system"} <= kinds
-    assert stats.dropped["sidechain"] == sum(1 for r in raw if r.get("isSidechain"))
-    assert stats.dropped["meta"] == sum(1 for r in raw if r.get("isMeta"))
+    assert stats.notes["meta"] == sum(1 for r in raw if r.get("isMeta")) == 1
+    assert msgs[8]["meta"] is True and msgs[8]["content"].startswith("Caveat:")  # the model was sent it
     assert stats.dropped["summary"] == 1 and stats.dropped["system"] == 1
     assert stats.dropped["queue-operation"] == 2 and stats.dropped["file-history-snapshot"] == 1
     assert stats.dropped["off_thread"] == 1 and stats.dropped["synthetic"] == 1  # the abandoned branch
     text = json.dumps(msgs)
     assert "subtract function" not in text and "API Error" not in text  # abandoned branch
-    assert "other uses of add()" not in text  # sidechain
-    assert "Caveat:" not in text  # meta
+    assert "other uses of add()" not in text  # the sidechain is its own trace
+    assert [m["role"] for m in traces[1].messages] == ["user", "assistant"]
+    assert traces[1].messages[0]["content"] == "Search the repo for other uses of add()"
 
 
 def test_split_assistant_lines_merge_into_one_message_with_thinking():
@@ -94,7 +96,8 @@ def test_truncated_last_line_and_corrupt_line_are_skipped_and_counted():
 def test_openai_chat_traces():
     traces, stats = parse_openai_chat(FIXTURES / "openai_traces.jsonl")
     assert [t.trace_id for t in traces] == ["oa-1", "openai_traces:2"]
-    assert stats.skipped == {"malformed_json": 1} and stats.dropped == {"not_a_trace": 1}
+    assert stats.skipped == {"malformed_json": 1} and stats.dropped == {"bad_role": 1}
+    assert stats.where["bad_role"] == [f"{FIXTURES / 'openai_traces.jsonl'}:3"]
     states = trace_states(traces[0])
     assert states[0].action["reasoning"] == "Look at the file and run tests."
     assert len(states[0].action["tool_calls"]) == 2
@@ -159,9 +162,20 @@ def test_compaction_starts_the_context_at_the_boundary_and_multi_result_records(
     ]
     path = tmp_path / "s.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in recs))
-    trace = parse_claude_code(path)[0][0]
-    assert [m["role"] for m in trace.messages] == ["user", "assistant"]
-    assert trace.messages[0]["content"].startswith("This session is being continued")
-    assert trace.messages[1] == {"role": "assistant", "content": "Continuing."}
-    pre = claude_code_trace(recs[:3], "pre", Counter())
+    pre, post = parse_claude_code(path)[0]
+    assert [m["role"] for m in post.messages] == ["user", "assistant"] and post.trace_id == "s"
+    assert post.messages[0]["content"].startswith("This session is being continued")
+    assert post.messages[0]["compact_summary"] is True
+    assert post.messages[1] == {"role": "assistant", "content": "Continuing."}
+    # the turns before /compact are what the model saw then: their own trace
+    assert pre.trace_id == "s:before-compact-1" and pre.messages[0] == {"role": "user", "content": "old task"}
     assert [m.get("tool_call_id") for m in pre.messages[2:]] == ["toolu_1", "toolu_2"]
+
+
+def test_openai_developer_role_is_read_as_system(tmp_path):
+    path = tmp_path / "dev.jsonl"
+    path.write_text(json.dumps({"id": "d", "messages": [
+        {"role": "developer", "content": "Be terse."}, {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"}]}) + "\n")
+    traces, stats = parse_openai_chat(path)
+    assert stats.dropped == {} and [m["role"] for m in traces[0].messages] == ["system", "user", "assistant"]

@@ -12,7 +12,8 @@ uses H = 500) the default momentum 0.9 overshoots: its steady-state step is
 lr/(1 − μ) = 7× the averaged pseudo-gradient, and at lr 0.7 / μ 0.9 the
 held-out loss is far above DDP's at these step counts (see docs/diloco.md).
 
-Measured (seed 0, torch threads = 1): DiLoCo 3.169, DDP 3.049 (ratio 1.039).
+Measured (seed 0, torch threads = 1): DiLoCo 3.071, DDP 3.049 (ratio 1.007; 3.169 / 1.039 before
+the first outer step averaged both replicas, see docs/diloco.md).
 """
 
 from __future__ import annotations

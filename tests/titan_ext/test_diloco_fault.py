@@ -54,8 +54,11 @@ def _zygote_main() -> None:
         print(json.dumps({"pid": pid}), flush=True)
 
 
-def _replica_main(index: int, lighthouse: str, out_dir: str, seed: int) -> None:
-    """One replica: fresh model (init `seed`), DiLoCo, train to SYNCS; progress and result under out_dir."""
+def _replica_main(index: int, lighthouse: str, out_dir: str, seed: int, start_digest: str | None) -> None:
+    """One replica: fresh model (init `seed`), DiLoCo, train to SYNCS; progress and result under out_dir.
+
+    `start_digest`: the first two replicas start together from the same init (checked at join); the restart
+    (different init) passes None and heals from its peer."""
     from datetime import timedelta
 
     from torch.distributed import TCPStore
@@ -75,7 +78,7 @@ def _replica_main(index: int, lighthouse: str, out_dir: str, seed: int) -> None:
     model.register_forward_pre_hook(lambda *_: time.sleep(STEP_SLEEP_S))
     optimizer = inner_optimizer(model, task)
     replica = DiLoCoReplica(cfg, model, optimizer, ReplicaAssignment(f"replica_{index}", index, lighthouse),
-                            store_addr="127.0.0.1", store_port=store.port)
+                            store_addr="127.0.0.1", store_port=store.port, start_digest=start_digest)
     progress = Path(out_dir) / f"replica{index}.progress"
     (Path(out_dir) / f"replica{index}.ready").touch()  # the manager heartbeats from here on
     while not (Path(out_dir) / "go").exists():  # both start together: the first quorum holds both
@@ -131,12 +134,17 @@ def _wait_for(cond, what: str, out: Path, timeout: float = 120) -> None:
 def test_sigkill_one_replica_then_restart_heals_from_peer(tmp_path):
     from torchft._torchft import LighthouseServer
 
+    from titan_ext.diloco import parameters_digest
+    from titan_ext.diloco_lm import build_lm
+
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=3000, heartbeat_timeout_ms=1000)
     zygote = Zygote()
     pids: list[int] = []
     try:
         addr = lighthouse.address()
-        pids = [zygote.fork(index=i, lighthouse=addr, out_dir=str(tmp_path), seed=0) for i in (0, 1)]
+        start = parameters_digest(build_lm(0))
+        pids = [zygote.fork(index=i, lighthouse=addr, out_dir=str(tmp_path), seed=0, start_digest=start)
+                for i in (0, 1)]
         _wait_for(lambda: all((tmp_path / f"replica{i}.ready").exists() for i in (0, 1)), "both replicas", tmp_path)
         (tmp_path / "go").touch()
         _wait_for(lambda: len(_progress(tmp_path, 1)) >= 2, "replica 1's second sync", tmp_path)
@@ -150,7 +158,7 @@ def test_sigkill_one_replica_then_restart_heals_from_peer(tmp_path):
         solo_step = max(p["step"] for p in _progress(tmp_path, 0))
         assert solo_step < SYNCS, "replica 0 finished before the restart could join; raise SYNCS"
         (tmp_path / "replica1.progress").unlink()
-        pids[1] = zygote.fork(index=1, lighthouse=addr, out_dir=str(tmp_path), seed=7)  # a different random init
+        pids[1] = zygote.fork(index=1, lighthouse=addr, out_dir=str(tmp_path), seed=7, start_digest=None)  # a different init
         codes = [zygote.wait(pid) for pid in pids]
         assert codes == [0, 0], [(tmp_path / f"replica{i}.log").read_text()[-3000:] for i in (0, 1)]
         r0, r1 = (json.loads((tmp_path / f"replica{i}.json").read_text()) for i in (0, 1))

@@ -223,7 +223,7 @@ def four_rank_run(hf_path: str) -> dict:
 def make_spec(args: dict[str, Any], out_dir: Path | None = None):
     """The TrainerSpec of a scenario: tiny flavour, three channels, DPO, Muon."""
     from configs.sections.checkpoint import CheckpointConfig
-    from configs.sections.loss import DistillLossConfig, LossConfig
+    from configs.sections.loss import DistillLossConfig, LossConfig, PolicyLossConfig
     from configs.sections.model import ModelConfig
     from configs.sections.optimizer import OptimizerConfig
     from configs.sections.parallelism import ParallelismConfig
@@ -237,8 +237,9 @@ def make_spec(args: dict[str, Any], out_dir: Path | None = None):
         trainer=TrainerConfig(steps=args.get("steps", 5), microbatches=args.get("microbatches", 2), grad_clip=1.0,
                               export_bucket_mib=args.get("bucket_mib", 256.0)),
         optimizer=OptimizerConfig(name=args.get("optimizer", "muon"), lr=0.02, adamw_lr=3e-3, warmup_steps=1),
-        loss=LossConfig(alpha=1.0, beta=1.0, chunk_tokens=16,
-                        distill=DistillLossConfig(kind=args.get("distill_kind", "jsd"), taid_alpha=0.5)),
+        loss=LossConfig(alpha=1.0, beta=1.0, chunk_tokens=16, policy=PolicyLossConfig(**args.get("policy", {})),
+                        distill=DistillLossConfig(kind=args.get("distill_kind", "jsd"), taid_alpha=0.5,
+                                                  taid_adaptive=args.get("taid_adaptive", True))),
         checkpoint=CheckpointConfig(**ckpt) if ckpt else CheckpointConfig(enabled=False),
         checkpoint_dir=str(out_dir / "ckpt") if ckpt else "",
     )

@@ -6,7 +6,8 @@ time (so packing, document masks, hint alignment and the global counts of the
 trainer are all checked against plain per-sequence code):
 
 - policy: DAPO at the current weights (ρ = 1, clip inactive) with truncated IS
-  weight min(exp(logπ − logπ_gen), 2): ℓ = −Â·ρ·w, Σ over policy tokens / N;
+  weight min(exp(logπ − logπ_gen), 2): ℓ = −Â·ρ·w, Σ over policy tokens / N
+  (or, `sequence_is`, w = Π_{t∈rollout} exp(logπ − logπ_gen) per packed rollout);
 - hint distillation: generalized JSD, β = 0.5, teacher = the same model on the
   hint-injected document without gradient, Σ over distilled tokens / N;
 - trace replay: DPO, β = 0.1, Σ over pairs / P;
@@ -28,7 +29,7 @@ def _kl(logp, logq):
     return (logp.exp() * (logp - logq)).sum(-1)
 
 
-def _reference(hf_dir):
+def _reference(hf_dir, sequence_is: bool = False):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
@@ -42,12 +43,20 @@ def _reference(hf_dir):
             logp_s = F.log_softmax(model(batch.tokens_BL[b : b + 1, lo : lo + doc_len]).logits[0], -1)
             with torch.no_grad():
                 logp_t = F.log_softmax(model(batch.hint_tokens_BH[b : b + 1, hlo : hlo + hint_doc]).logits[0], -1)
+            doc_log_m = []
+            for i in range(doc_len):
+                j = lo + i
+                if batch.policy_mask_BL[b, j]:
+                    doc_log_m.append(logp_s[i, batch.labels_BL[b, j]].detach() - batch.generator_logprobs_BL[b, j])
             for i in range(doc_len):
                 j = lo + i
                 if batch.policy_mask_BL[b, j]:
                     lp = logp_s[i, batch.labels_BL[b, j]]
                     ratio = (lp - lp.detach()).exp()
-                    tis = (lp.detach() - batch.generator_logprobs_BL[b, j]).exp().clamp(max=2.0)
+                    if sequence_is:  # one weight per rollout: the product of its token ratios
+                        tis = torch.stack(doc_log_m).sum().exp()
+                    else:
+                        tis = (lp.detach() - batch.generator_logprobs_BL[b, j]).exp().clamp(max=2.0)
                     policy_terms.append(-batch.advantages_BL[b, j] * ratio * tis)
                 if batch.distill_mask_BL[b, j]:
                     t = batch.hint_index_BL[b, j] - hlo
@@ -101,12 +110,29 @@ def test_every_step_has_three_active_channels(tiny_assets):
         assert min(abs(metrics[f"{c}/loss"]) for c in ("policy", "distill", "preference")) > 0
 
 
-def test_taid_schedule_advances_and_is_saved(tiny_assets, tmp_path):
+def test_sequence_level_is_weights_each_packed_rollout(tiny_assets, tmp_path):
+    """`is_level = "sequence"` on the trainer's path: two rollouts per packed row, each weighted
+    by its own ratio product (the trainer's sequence ids come from the positions)."""
     from test_trainer_harness import run_ranks
 
-    result = run_ranks("taid", 1, tmp_path, {"hf_path": str(tiny_assets.dense_dir), "optimizer": "adamw", "steps": 4})
+    configs = {"seq_is": {"optimizer": "adamw", "policy": {"is_level": "sequence", "tis_cap": None}}}
+    args = {"configs": configs, "steps": 1, "hf_path": str(tiny_assets.dense_dir)}
+    first = run_ranks("trajectory", 1, tmp_path, args)["history"]["seq_is"][0]
+    ref = _reference(tiny_assets.dense_dir, sequence_is=True)
+    assert first["policy/loss"] == pytest.approx(ref["policy"], abs=1e-5, rel=1e-4)
+    assert first["policy/loss"] != pytest.approx(_reference(tiny_assets.dense_dir)["policy"], abs=1e-5, rel=1e-4)
+
+
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_taid_schedule_advances_and_is_saved(tiny_assets, tmp_path, adaptive):
+    from test_trainer_harness import run_ranks
+
+    args = {"hf_path": str(tiny_assets.dense_dir), "optimizer": "adamw", "steps": 4, "taid_adaptive": adaptive}
+    result = run_ranks("taid", 1, tmp_path, args)
     t = result["t"]
-    assert t[0] == pytest.approx(0.4)  # t_start; the first update only records the loss
+    if not adaptive:  # `[loss.distill] taid_adaptive = false`: the line t_start -> t_end over the run's 4 steps
+        assert t == pytest.approx([0.4 + 0.6 * step / 4 for step in range(1, 5)])
+    assert t[0] == pytest.approx(0.4 if adaptive else 0.55)  # adaptive: the first update only records the loss
     assert all(b >= a for a, b in zip(t, t[1:])) and t[-1] > t[0] and t[-1] <= 1.0
     assert all(d > 0 for d in result["distill"])  # TAID's cross-entropy to the interpolated target
     assert result["saved"]["t"] == pytest.approx(t[-1])
