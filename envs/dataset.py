@@ -52,7 +52,9 @@ def load_rows(path: str, key: str, prompt_column: str) -> list[dict[str, Any]]:
     except Exception as e:  # datasets wraps parse errors in several types
         raise ValueError(f"{key} = {path!r}: cannot read it as {builder}: {str(e).splitlines()[0][:200]}") from None
     if prompt_column not in table.column_names:
-        raise ValueError(f"{path}: no column {prompt_column!r} (env.dataset.prompt_column); columns: {table.column_names}")
+        raise ValueError(
+            f"{path}: no column {prompt_column!r} (env.dataset.prompt_column); columns: {table.column_names}"
+        )
     rows = table.to_list()
     if not rows:
         raise ValueError(f"{key} = {path!r}: no rows")
@@ -83,7 +85,9 @@ class RewardFn:
             raise RuntimeError(f"reward function {self.spec!r} raised {type(e).__name__}: {e}") from e
         if not isinstance(out, (list, tuple)) or len(out) != 1:
             got = f"{type(out).__name__} of length {len(out)}" if isinstance(out, (list, tuple)) else type(out).__name__
-            raise ValueError(f"reward function {self.spec!r} returned {got}; expected a list with one reward per completion (1)")
+            raise ValueError(
+                f"reward function {self.spec!r} returned {got}; expected a list with one reward per completion (1)"
+            )
         value = out[0]
         if value is None:
             return None
@@ -154,7 +158,9 @@ def load_task(config: DatasetTaskConfig) -> DatasetTask:
     else:
         n_heldout = int(round(len(rows) * config.heldout_fraction))
         if n_heldout >= len(rows):
-            raise ValueError(f"env.dataset.heldout_fraction = {config.heldout_fraction} leaves no train row of {len(rows)}")
+            raise ValueError(
+                f"env.dataset.heldout_fraction = {config.heldout_fraction} leaves no train row of {len(rows)}"
+            )
         picked = set(_permutation(len(rows), config.shuffle_seed, -1)[len(rows) - n_heldout:])
         heldout = [r for i, r in enumerate(rows) if i in picked] or rows
         rows = [r for i, r in enumerate(rows) if i not in picked]
@@ -175,7 +181,8 @@ class DatasetEnv(Environment):
         prompt = self.row[self.task.config.prompt_column]
         if isinstance(prompt, str):
             system = self.task.config.system_prompt
-            messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+            messages = [{"role": "system", "content": system}] if system else []
+            messages.append({"role": "user", "content": prompt})
         else:
             messages = [dict(m) for m in prompt]
         return Observation(messages, info={"prompt": prompt})

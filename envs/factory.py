@@ -63,7 +63,9 @@ def plugin_factory(config: EnvConfig) -> Callable[[Split], Environment]:
     def build(split: Split) -> Environment:
         env = make(split=split, **kwargs)
         if not isinstance(env, Environment):
-            raise TypeError(f"env.plugin.entry_point = {spec!r} returned {type(env).__name__}, not an envs.base.Environment")
+            raise TypeError(
+                f"env.plugin.entry_point = {spec!r} returned {type(env).__name__}, not an envs.base.Environment"
+            )
         return env
 
     return build

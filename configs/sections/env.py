@@ -100,7 +100,8 @@ class DatasetTaskConfig:
         "prompt", doc="column with the prompt: a string (standard format) or a list of chat messages"
     )
     order: str = option(
-        "sequential", doc="row order: file order, or a fresh seeded permutation per epoch", choices=("sequential", "shuffle")
+        "sequential", doc="row order: file order, or a fresh seeded permutation per epoch",
+        choices=("sequential", "shuffle"),
     )
     shuffle_seed: int = option(0, doc="seed of the shuffle (and of the held-out fraction's split)", ge=0)
     rewards: tuple[str, ...] = option(

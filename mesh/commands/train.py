@@ -33,7 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs=argparse.REMAINDER, help="--section.key=value ...")
     parser.add_argument("--no-resume", action="store_true", help="start fresh even when a checkpoint exists (put it before CONFIG)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (put it before CONFIG)")
-    parser.add_argument("--debug", action="store_true", help="on failure, raise with the full (remote) traceback")
+    parser.add_argument("--debug", action="store_true",
+                        help="on failure, raise with the full (remote) traceback (put it before CONFIG)")
 
 
 def model_dir(job: Any) -> str:
