@@ -19,6 +19,8 @@ transformers (`actors.hf_engine`), one interface: `generate`, `load_weights`,
 from __future__ import annotations
 
 import importlib.util
+import json
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -30,6 +32,8 @@ from actors.shm_weights import SegmentLoader, host_label, pull_pieces
 from actors.weights import WeightManifest, check_coverage, read_manifest, weights_digest
 from configs.sections.env import EnvConfig
 from configs.sections.generator import GeneratorConfig
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -43,18 +47,39 @@ class GeneratorSpec:
     max_context_tokens: int = 512  # an episode never grows past this (the trainer's row length)
     device: str = "cpu"
     seed: int = 0
+    python_path: tuple[str, ...] = ()  # [job] python_path: where task plugins are imported from
 
 
-def select_engine(requested: str) -> Literal["hf", "vllm"]:
-    """The engine to build: `auto` is vLLM when importable, else HF."""
+def select_engine(requested: str, model_dir: str = "", max_model_len: int = 0) -> Literal["hf", "vllm"]:
+    """The engine to build: `auto` is vLLM when importable and the model's context holds `max_model_len`
+    (prompt rows + new tokens; vLLM refuses more than config.json's max_position_embeddings), else HF,
+    with the reason logged."""
     has_vllm = importlib.util.find_spec("vllm") is not None
     if requested == "auto":
-        return "vllm" if has_vllm else "hf"
+        if not has_vllm:
+            return "hf"
+        limit = _max_positions(model_dir)
+        if limit and max_model_len > limit:
+            logger.warning("generator.engine = 'auto': HF, not vLLM: trainer.max_seq_len + generator.max_new_tokens "
+                           "= %d exceeds max_position_embeddings %d of %s", max_model_len, limit, model_dir)
+            return "hf"
+        return "vllm"
     if requested == "vllm" and not has_vllm:
         raise ValueError("generator.engine = 'vllm' but vllm is not installed; use 'hf' or 'auto'")
     if requested not in ("hf", "vllm"):
         raise ValueError(f"unknown generator.engine {requested!r}; choose auto, vllm or hf")
     return requested  # type: ignore[return-value]
+
+
+def _max_positions(model_dir: str) -> int:
+    """`max_position_embeddings` of the HF checkpoint in `model_dir` (0 when unknown)."""
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return 0
+    value = config.get("max_position_embeddings", config.get("text_config", {}).get("max_position_embeddings", 0))
+    return int(value or 0)
 
 
 class GeneratorActor(Actor):
@@ -65,10 +90,13 @@ class GeneratorActor(Actor):
         from transformers import AutoTokenizer
 
         from actors.episodes import EpisodeRunner
-        from envs.factory import build_env
+        from envs.factory import env_factory
+        from envs.plugin import add_python_path
 
+        add_python_path(spec.python_path)
         self.spec = spec
-        self.engine_kind = select_engine(spec.generator.engine)
+        self.engine_kind = select_engine(spec.generator.engine, spec.model_dir,
+                                         spec.max_context_tokens + spec.generator.max_new_tokens)
         self.tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_dir or spec.model_dir)
         stops = [self.tokenizer.eos_token_id]
         if self.engine_kind == "vllm":
@@ -82,7 +110,7 @@ class GeneratorActor(Actor):
 
             self.engine = HFEngine(spec.model_dir, stops, device=spec.device)
         self.runner = EpisodeRunner(
-            self.engine, self.tokenizer, lambda split: build_env(spec.env, split),
+            self.engine, self.tokenizer, env_factory(spec.env),
             max_turns=spec.generator.max_turns, max_context_tokens=spec.max_context_tokens,
         )
         self.version = 0

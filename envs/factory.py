@@ -7,8 +7,10 @@ from typing import Callable
 
 from configs.sections.env import EnvConfig
 from envs.base import Environment
+from envs.dataset import DatasetEnv, load_task
 from envs.demo import DemoEnv, Split, stable_split
 from envs.feature_deletion import FeatureDeletionEnv, RepoTask, TaskStore, generate_tasks
+from envs.plugin import check_call, load_callable
 from envs.sandbox import Sandbox
 from envs.tool_loop import ToolLoopEnv
 
@@ -29,6 +31,11 @@ def env_factory(config: EnvConfig, store: TaskStore | None = None) -> Callable[[
     """
     if config.task == "demo":
         return lambda split: DemoEnv(config.demo, split)
+    if config.task == "dataset":
+        task = load_task(config.dataset)
+        return lambda split: DatasetEnv(task, split)
+    if config.task == "plugin":
+        return plugin_factory(config)
     fd = config.feature_deletion
     if not fd.repo:
         raise ValueError(f"env.task = {config.task!r} needs env.feature_deletion.repo (a local repository path)")
@@ -43,6 +50,33 @@ def env_factory(config: EnvConfig, store: TaskStore | None = None) -> Callable[[
     if config.task == "feature_deletion":
         return lambda split: FeatureDeletionEnv(by_split[split], sandbox)
     return lambda split: ToolLoopEnv(by_split[split], sandbox, config.tool_loop)
+
+
+def plugin_factory(config: EnvConfig) -> Callable[[Split], Environment]:
+    """`make(split)` calling `env.plugin.entry_point(split=split, **env.plugin.kwargs)`, checking what it returns."""
+    spec, kwargs = config.plugin.entry_point, dict(config.plugin.kwargs)
+    if not spec:
+        raise ValueError("env.task = 'plugin' needs env.plugin.entry_point ('package.module:make_env')")
+    make = load_callable(spec, "env.plugin.entry_point")
+    check_call(make, spec, "env.plugin.entry_point", 0, ["split", *kwargs])
+
+    def build(split: Split) -> Environment:
+        env = make(split=split, **kwargs)
+        if not isinstance(env, Environment):
+            raise TypeError(
+                f"env.plugin.entry_point = {spec!r} returned {type(env).__name__}, not an envs.base.Environment"
+            )
+        return env
+
+    return build
+
+
+def check_task(config: EnvConfig) -> None:
+    """Fail before any actor starts when a dataset or plugin task cannot load (one environment made per split)."""
+    if config.task in ("dataset", "plugin"):
+        make = env_factory(config)
+        for split in ("train", "heldout"):
+            make(split).close()
 
 
 def build_env(config: EnvConfig, split: Split = "train", store: TaskStore | None = None) -> Environment:

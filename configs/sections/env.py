@@ -2,13 +2,15 @@
 
 `task` picks the environment the generators drive: the CPU demo task (tiny
 arithmetic with a fixed answer format), feature deletion on a local Python
-repository, or the multi-turn tool loop over such a repository.
+repository, the multi-turn tool loop over such a repository, a prompt dataset
+scored by TRL-style reward functions (`dataset`), or a user's environment
+factory (`plugin`). docs/tasks.md shows each.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from configs.fields import option
 
@@ -89,11 +91,43 @@ class ToolLoopConfig:
 
 
 @dataclass(frozen=True)
+class DatasetTaskConfig:
+    """Single-turn task from a prompt file and reward functions with TRL GRPOTrainer's signature."""
+
+    train_file: str = option("", doc="prompt rows: a local .jsonl/.json/.parquet/.csv file (HF `datasets`)")
+    heldout_file: str = option("", doc="held-out rows from their own file ('' = split off heldout_fraction)")
+    heldout_fraction: float = option(
+        0.0, doc="share of train_file rows held out (the last rows after the seeded shuffle)", ge=0.0, lt=1.0
+    )
+    prompt_column: str = option(
+        "prompt", doc="column with the prompt: a string (standard format) or a list of chat messages"
+    )
+    order: str = option(
+        "sequential", doc="row order: file order, or a fresh seeded permutation per epoch",
+        choices=("sequential", "shuffle"),
+    )
+    shuffle_seed: int = option(0, doc="seed of the shuffle (and of the held-out fraction's split)", ge=0)
+    rewards: tuple[str, ...] = option(
+        (), doc="reward functions 'package.module:function', called as reward(completions, prompts=..., **columns)"
+    )
+    reward_weights: tuple[float, ...] = option((), doc="one weight per reward function (empty = all 1.0)")
+    system_prompt: str = option("", doc="system message put before string prompts ('' = none)")
+
+
+@dataclass(frozen=True)
+class PluginConfig:
+    """A user's environment: `entry_point(split=..., **kwargs)` returns an `envs.base.Environment`."""
+
+    entry_point: str = option("", doc="'package.module:make_env', importable in every actor process")
+    kwargs: dict[str, Any] = option(default_factory=dict, doc="keyword arguments passed to the entry point")
+
+
+@dataclass(frozen=True)
 class EnvConfig:
     """Which task generators drive, and how its code runs."""
 
-    task: Literal["demo", "feature_deletion", "tool_loop"] = option(
-        "demo", doc="environment for rollouts", choices=("demo", "feature_deletion", "tool_loop")
+    task: Literal["demo", "feature_deletion", "tool_loop", "dataset", "plugin"] = option(
+        "demo", doc="environment for rollouts", choices=("demo", "feature_deletion", "tool_loop", "dataset", "plugin")
     )
     sandbox: SandboxConfig = option(default_factory=SandboxConfig, doc="sandbox limits")
     demo: DemoTaskConfig = option(default_factory=DemoTaskConfig, doc="the CPU demo task")
@@ -101,3 +135,5 @@ class EnvConfig:
         default_factory=FeatureDeletionConfig, doc="feature-deletion task generation"
     )
     tool_loop: ToolLoopConfig = option(default_factory=ToolLoopConfig, doc="the multi-turn tool loop")
+    dataset: DatasetTaskConfig = option(default_factory=DatasetTaskConfig, doc="prompt dataset + reward functions")
+    plugin: PluginConfig = option(default_factory=PluginConfig, doc="a user's environment factory")

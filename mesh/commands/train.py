@@ -33,6 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs=argparse.REMAINDER, help="--section.key=value ...")
     parser.add_argument("--no-resume", action="store_true", help="start fresh even when a checkpoint exists (put it before CONFIG)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (put it before CONFIG)")
+    parser.add_argument("--debug", action="store_true",
+                        help="on failure, raise with the full (remote) traceback (put it before CONFIG)")
 
 
 def model_dir(job: Any) -> str:
@@ -114,11 +116,20 @@ def run(args: argparse.Namespace) -> int:
     job = load_job(args)
     if job is None:
         return 2
+    from mesh.errors import describe
+
     try:
         summary = train(job, resume=not args.no_resume, progress=not args.no_progress)
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError) as e:  # a recipe the controller refused before placing actors
+        if args.debug:
+            raise
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # an actor failed (Monarch ActorError) or the run broke: one line, --debug for all
+        if args.debug:
+            raise
+        print(f"error: {describe(e)}", file=sys.stderr)
+        return 1
     import json
 
     print(json.dumps(summary))
@@ -146,6 +157,11 @@ def train(job: Any, *, resume: bool = True, progress: bool = True) -> dict[str, 
     from titan_ext.hf_export import record_run_model
     from titan_ext.trainer import TrainerSpec
 
+    from envs.factory import check_task
+    from envs.plugin import add_python_path
+
+    add_python_path(job.job.python_path)
+    check_task(job.env)  # a plugin or dataset that cannot load fails here, before any actor starts
     run_dir = Path(job.job.output_dir) / job.job.name
     run_dir.mkdir(parents=True, exist_ok=True)
     weights = model_dir(job)
@@ -159,7 +175,8 @@ def train(job: Any, *, resume: bool = True, progress: bool = True) -> dict[str, 
     record_run_model(run_dir, job.model, checkpoints)  # what `composer-mesh export` rebuilds
     trainer_spec = TrainerSpec.from_job(job)
     gen_spec = GeneratorSpec(model_dir=weights, tokenizer_dir=job.model.tokenizer_path, generator=job.generator,
-                             env=job.env, max_context_tokens=job.trainer.max_seq_len, seed=job.job.seed)
+                             env=job.env, max_context_tokens=job.trainer.max_seq_len, seed=job.job.seed,
+                             python_path=job.job.python_path)
     server = None
     replay_spec = None
     if job.loss.beta > 0 and job.mesh.replay_procs > 0:

@@ -163,3 +163,36 @@ def test_reference_doc_is_generated_from_schema():
     from configs.reference import render_reference
 
     assert (REPO / "docs" / "configuration.md").read_text() == render_reference()
+
+
+# TRL GRPOConfig (trl 1.16) and TrainingArguments defaults, transcribed from their source.
+TRL_GRPO_DEFAULTS = {
+    "num_generations": 8, "max_completion_length": 512, "temperature": 1.0, "top_p": 1.0, "top_k": 0,
+    "learning_rate": 1e-6, "weight_decay": 0.0, "adam_beta1": 0.9, "adam_beta2": 0.999, "adam_epsilon": 1e-8,
+    "warmup_steps": 0, "max_grad_norm": 1.0, "beta": 0.0, "epsilon": 0.2, "epsilon_high": None,
+    "scale_rewards": "group", "loss_type": "dapo", "num_iterations": 1, "mask_truncated_completions": False,
+}
+
+
+def test_grpo_recipe_is_trl_defaults():
+    """configs/grpo.toml maps field for field onto TRL GRPOTrainer's defaults (and the installed TRL agrees)."""
+    job = load_config(REPO / "configs" / "grpo.toml")
+    g, o, p = job.generator, job.optimizer, job.loss.policy
+    ours = {
+        "num_generations": g.group_size, "max_completion_length": g.max_new_tokens, "temperature": g.temperature,
+        "top_p": g.top_p, "top_k": g.top_k, "learning_rate": o.lr, "weight_decay": o.weight_decay,
+        "adam_beta1": o.betas[0], "adam_beta2": o.betas[1], "adam_epsilon": o.eps, "warmup_steps": o.warmup_steps,
+        "max_grad_norm": job.trainer.grad_clip, "beta": job.loss.beta, "epsilon": p.eps_low,
+        "epsilon_high": None if p.eps_high == p.eps_low else p.eps_high, "scale_rewards": p.adv_scale,
+        "loss_type": p.kind, "num_iterations": 1 if job.trainer.mode == "sync" else None,
+        "mask_truncated_completions": p.overlong_max_len > 0,
+    }
+    assert ours == TRL_GRPO_DEFAULTS
+    assert o.name == "adamw" and o.decay_type == "linear" and o.min_lr_factor == 0.0 and p.tis_cap is None
+    assert p.adv_eps == 1e-4 and not p.dynamic_sampling and job.loss.alpha == 0.0
+    try:
+        from trl import GRPOConfig
+    except ImportError:  # the bench extra is not installed: the transcription above stands
+        return
+    live = GRPOConfig(output_dir="/tmp/unused", report_to=[], use_cpu=True, bf16=False)
+    assert {k: getattr(live, k) for k in TRL_GRPO_DEFAULTS} == TRL_GRPO_DEFAULTS
