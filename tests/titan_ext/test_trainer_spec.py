@@ -25,6 +25,6 @@ def test_bad_batches_fail_clearly_and_lose_nothing(tiny_assets, tmp_path):
     errors = result["errors"]
     assert "tokens_BL holds token id 2048 >= the model's vocabulary size 2048" in errors["token_out_of_vocab"]
     assert errors["nan_advantages"].startswith("FloatingPointError: non-finite gradient norm")
-    assert "DPO needs ref_chosen_logprobs_P" in errors["dpo_without_reference"]
+    assert "dpo needs ref_chosen_logprobs_P" in errors["dpo_without_reference"]
     assert result["unchanged"]  # weights and optimizer state as before the bad batches
     assert result["step"] == 2 and result["loss"] == result["loss"]  # a good batch still trains
