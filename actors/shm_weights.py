@@ -123,12 +123,10 @@ def clean_name(name: str) -> str:
 
 def shadow_model(model_cfg: Any, parallelism: Any) -> nn.Module:
     """The trainer's TorchTitan model built on the meta device (names and shapes only, no memory)."""
-    from dataclasses import replace
-
     from titan_ext.models import resolve_model
     from titan_ext.parallelize import prepare_model_config
 
-    spec = resolve_model(replace(model_cfg, hf_path="")).spec
+    spec = resolve_model(model_cfg).spec  # reads hf_path's config.json only (the shape may come from it)
     prepare_model_config(spec.model, parallelism)
     with torch.device("meta"):
         return spec.model.build()

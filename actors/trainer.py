@@ -137,6 +137,11 @@ class TrainerActor(Actor):
         return str(self._t().save_checkpoint())
 
     @endpoint
+    def save_hf(self, out_dir: str) -> str:
+        """Write the current weights as a servable HF directory (all ranks gather; rank 0 writes)."""
+        return str(self._t().save_hf_dir(out_dir))
+
+    @endpoint
     def load_checkpoint(self, step: int) -> int:
         t = self._t()
         t.load_checkpoint(step)

@@ -77,10 +77,11 @@ def _architecture(model_dir: Path) -> str:
     cfg = json.loads((model_dir / "config.json").read_text())
     if cfg.get("architectures"):
         return cfg["architectures"][0]
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(str(model_dir))
-    return AutoModelForCausalLM._model_mapping[type(config)].__name__
+    from titan_ext.hf_config import causal_lm_architecture
+
+    return causal_lm_architecture(AutoConfig.from_pretrained(str(model_dir)))
 
 
 # vLLM's fused MoE tensors -> per-expert HF projections: w13 [E, 2I, H] = [gate; up], w2 [E, H, I] = down.

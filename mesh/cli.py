@@ -13,7 +13,7 @@ import sys
 from typing import Sequence
 
 # Module names under mesh/commands, in the order `--help` lists them.
-COMMANDS: tuple[str, ...] = ("config", "assets", "replay", "serve_teachers", "tasks", "train")
+COMMANDS: tuple[str, ...] = ("config", "assets", "replay", "serve_teachers", "tasks", "train", "export")
 
 
 def build_parser() -> argparse.ArgumentParser:

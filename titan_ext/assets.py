@@ -37,7 +37,7 @@ from typing import Callable, Iterator
 
 from configs.sections.model import ModelConfig
 
-ASSETS_FORMAT = 1
+ASSETS_FORMAT = 2  # 2: config.json carries `architectures`
 CORPUS_PATH = Path(__file__).parent / "data" / "tokenizer_corpus.txt"
 TOKENIZER_VOCAB_SIZE = 2048
 
@@ -161,13 +161,15 @@ def _input_stamp(seed: int) -> str:
     import torchtitan
     import transformers
 
-    from titan_ext import hf_checkpoint, models
+    from titan_ext import hf_checkpoint, hf_config, hf_export, models
 
     h = hashlib.sha256()
     h.update(f"format={ASSETS_FORMAT} seed={seed}".encode())
     for lib in (torch, transformers, tokenizers, safetensors, torchtitan):
         h.update(f"{lib.__name__}={getattr(lib, '__version__', '?')}".encode())
-    for path in (CORPUS_PATH, Path(__file__), Path(models.__file__), Path(hf_checkpoint.__file__)):
+    for module in (models, hf_checkpoint, hf_config, hf_export):
+        h.update(Path(module.__file__).read_bytes())
+    for path in (CORPUS_PATH, Path(__file__)):
         h.update(path.read_bytes())
     return h.hexdigest()
 
@@ -190,19 +192,14 @@ def _file_lock(path: Path) -> Iterator[None]:
 
 
 def _write_model(out_dir: Path, flavour: str, seed: int, tokenizer_dir: Path) -> None:
-    from transformers import GenerationConfig
-
-    from titan_ext.hf_checkpoint import save_hf
+    from titan_ext.hf_export import write_hf_dir
     from titan_ext.models import build_model, resolve_model
     from titan_ext.platform import detect_platform
 
     cfg = ModelConfig(flavour=flavour, seed=seed, device="cpu")
     platform = detect_platform("cpu")
     model = build_model(cfg, device="cpu", platform=platform)
-    save_hf(model, out_dir, resolve_model(cfg, platform).hf_config)
-    GenerationConfig(**TOKEN_IDS).save_pretrained(out_dir)
-    for f in sorted(tokenizer_dir.iterdir()):
-        shutil.copy2(f, out_dir / f.name)
+    write_hf_dir(model, out_dir, resolve_model(cfg, platform).hf_config, tokenizer_dir=tokenizer_dir)
 
 
 def _write_assets(paths: AssetPaths, seed: int) -> None:
@@ -265,9 +262,10 @@ def hf_dir_for(model_cfg: ModelConfig) -> Path | None:
     """
     if model_cfg.hf_path:
         return Path(model_cfg.hf_path)
-    if model_cfg.flavour in TINY_FLAVOUR_DIRS:
+    flavour = model_cfg.registry_flavour()
+    if flavour in TINY_FLAVOUR_DIRS:
         paths = build_assets(cache_dir_for(model_cfg), seed=model_cfg.seed)
-        return getattr(paths, TINY_FLAVOUR_DIRS[model_cfg.flavour])
+        return getattr(paths, TINY_FLAVOUR_DIRS[flavour])
     return None
 
 
@@ -277,6 +275,6 @@ def tokenizer_dir_for(model_cfg: ModelConfig) -> Path:
         return Path(model_cfg.tokenizer_path)
     if model_cfg.hf_path:
         return Path(model_cfg.hf_path)
-    if model_cfg.flavour in TINY_FLAVOUR_DIRS:
+    if model_cfg.registry_flavour() in TINY_FLAVOUR_DIRS:
         return build_assets(cache_dir_for(model_cfg), seed=model_cfg.seed).tokenizer_dir
     raise ValueError(f"model flavour {model_cfg.flavour!r} needs model.tokenizer_path or model.hf_path")

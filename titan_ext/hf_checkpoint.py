@@ -4,8 +4,7 @@ Weight names and layouts are converted by TorchTitan's own state-dict adapters
 (`ModelSpec.state_dict_adapter`); this module adds the file handling around
 them: reading (sharded) safetensors directories, checking that every weight the
 model needs arrived, writing byte-deterministic safetensors, and deriving the
-HF `config.json` from a TorchTitan model config (Qwen3 dense and Qwen3-MoE,
-which are the families the tiny assets and the Qwen3 flavours use).
+HF `config.json` from a TorchTitan model config (`titan_ext.hf_config`).
 """
 
 from __future__ import annotations
@@ -53,19 +52,24 @@ def make_adapter(model: torch.nn.Module, hf_dir: str | Path | None = None) -> An
     return state_dict_adapter_class(model)(model.config, str(hf_dir) if sharded else None)
 
 
-def read_hf_state_dict(hf_dir: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of an HF checkpoint directory (single file or sharded with an index)."""
+def safetensors_files(hf_dir: str | Path) -> list[Path]:
+    """The safetensors files of an HF checkpoint directory (single file or sharded with an index)."""
     hf_dir = Path(hf_dir)
     index = hf_dir / SAFETENSORS_INDEX
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
     else:
-        files = sorted(p.name for p in hf_dir.glob("*.safetensors"))
-    if not files:
+        names = sorted(p.name for p in hf_dir.glob("*.safetensors"))
+    if not names:
         raise FileNotFoundError(f"no *.safetensors files in {hf_dir}")
+    return [hf_dir / name for name in names]
+
+
+def read_hf_state_dict(hf_dir: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of an HF checkpoint directory."""
     state_dict: dict[str, torch.Tensor] = {}
-    for name in files:
-        state_dict.update(load_file(hf_dir / name))
+    for path in safetensors_files(hf_dir):
+        state_dict.update(load_file(path))
     return state_dict
 
 
@@ -84,24 +88,33 @@ def titan_to_hf_state_dict(model: torch.nn.Module, adapter: Any = None) -> dict[
 
 
 def load_hf_into_titan(model: torch.nn.Module, hf_dir: str | Path, adapter: Any = None) -> None:
-    """Load an HF safetensors checkpoint into a plain or sharded TorchTitan model.
+    """Load an HF safetensors checkpoint directory into a plain or sharded TorchTitan model.
 
     Sharded means FSDP2 / HSDP / expert-parallel (TorchTitan's order: build on
     meta, parallelize, materialise, then load), possibly activation-checkpoint
-    wrapped; the call is then collective. Every rank reads the full tensors and
-    lays each one out like the model's own state-dict entry (`distribute_tensor`
-    with that mesh and those placements), so TorchTitan's fused-QKV load hook
-    receives DTensors. Every weight must be present except TorchTitan-only
-    buffers; missing, unexpected or mis-shaped weights raise a `ValueError`
-    that names them, before anything is copied.
+    wrapped; the call is then collective. See `load_hf_state_dict`.
     """
     adapter = adapter or make_adapter(model, hf_dir)
-    hf_state_dict = read_hf_state_dict(hf_dir)
+    load_hf_state_dict(model, read_hf_state_dict(hf_dir), str(hf_dir), adapter)
+
+
+def load_hf_state_dict(
+    model: torch.nn.Module, hf_state_dict: dict[str, torch.Tensor], source: str, adapter: Any = None
+) -> None:
+    """Load HF-named full tensors into a TorchTitan model (`source` names them in errors).
+
+    Every rank lays each full tensor out like the model's own state-dict entry
+    (`distribute_tensor` with that mesh and those placements), so TorchTitan's
+    fused-QKV load hook receives DTensors. Every weight must be present except
+    TorchTitan-only buffers; missing, unexpected or mis-shaped weights raise a
+    `ValueError` that names them, before anything is copied.
+    """
+    adapter = adapter or make_adapter(model)
     try:
         state_dict = adapter.from_hf(hf_state_dict)
     except (AssertionError, KeyError, StopIteration, RuntimeError) as e:
         raise ValueError(
-            f"HF checkpoint {hf_dir} cannot be converted for {type(model).__name__} "
+            f"HF checkpoint {source} cannot be converted for {type(model).__name__} "
             f"({type(e).__name__}: {e}); is it a checkpoint of this flavour?"
         ) from e
     current = model.state_dict()  # one call: on sharded models the fused-QKV hook gathers
@@ -109,14 +122,14 @@ def load_hf_into_titan(model: torch.nn.Module, hf_dir: str | Path, adapter: Any 
     unexpected = sorted(state_dict.keys() - current.keys())
     if missing or unexpected:
         raise ValueError(
-            f"HF checkpoint {hf_dir} does not match {type(model).__name__}: "
+            f"HF checkpoint {source} does not match {type(model).__name__}: "
             f"missing {missing[:8]}{'…' if len(missing) > 8 else ''}, "
             f"unexpected {unexpected[:8]}{'…' if len(unexpected) > 8 else ''}"
         )
     for key, value in current.items():
         if key in state_dict and tuple(state_dict[key].shape) != tuple(value.shape):
             raise ValueError(
-                f"HF checkpoint {hf_dir}: {key} has shape {tuple(state_dict[key].shape)}, "
+                f"HF checkpoint {source}: {key} has shape {tuple(state_dict[key].shape)}, "
                 f"the model expects {tuple(value.shape)}"
             )
     for key, value in state_dict.items():
@@ -137,7 +150,7 @@ def save_hf(
     """Write `model` as an HF directory: `config.json` + `model.safetensors`.
 
     hf_config: a transformers `PretrainedConfig`; derived with `hf_config_for`
-    when omitted. dtype: cast the weights (e.g. bf16 for serving). The output
+    when omitted; written complete for serving (`serving_config_json`). dtype: cast the weights (e.g. bf16 for serving). The output
     is byte-identical for identical weights. Call on every rank of a sharded
     model (the gather is collective); only rank 0 writes.
     """
@@ -147,66 +160,11 @@ def save_hf(
         tensors = {k: v.to(dtype) for k, v in tensors.items()}
     if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         return out_dir
+    from titan_ext.hf_config import hf_config_for, serving_config_json
+
     hf_config = hf_config if hf_config is not None else hf_config_for(model.config)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file({k: v.cpu() for k, v in tensors.items()}, out_dir / "model.safetensors", metadata={"format": "pt"})
-    hf_config.to_json_file(out_dir / "config.json")
+    saved_dtype = next(iter(tensors.values())).dtype
+    (out_dir / "config.json").write_text(serving_config_json(hf_config, saved_dtype))
     return out_dir
-
-
-def _qwen3_moe_fields(model_config: Any) -> dict[str, Any]:
-    moe_layers = [i for i, layer in enumerate(model_config.layers) if layer.moe is not None]
-    if not moe_layers:
-        return {}
-    moe = model_config.layers[moe_layers[0]].moe
-    router = moe.router
-    if moe.shared_experts is not None or router.score_func != "softmax" or router.route_scale != 1.0:
-        raise ValueError("this Qwen3 MoE config (shared experts / sigmoid / scaled routing) has no HF Qwen3-MoE equivalent")
-    dense_layers = [i for i in range(len(model_config.layers)) if i not in moe_layers]
-    return dict(
-        num_experts=moe.num_experts,
-        num_experts_per_tok=router.top_k,
-        norm_topk_prob=router.route_norm,
-        moe_intermediate_size=moe.routed_experts.inner_experts.hidden_dim,
-        decoder_sparse_step=1,
-        mlp_only_layers=dense_layers,
-    )
-
-
-def hf_config_for(model_config: Any, **token_ids: Any) -> Any:
-    """The transformers config of the same model as a TorchTitan Qwen3 config.
-
-    token_ids: bos_token_id / eos_token_id / pad_token_id to record.
-    Dense configs give a `Qwen3Config`, MoE configs a `Qwen3MoeConfig`.
-    """
-    from torchtitan.models.qwen3 import Qwen3Model
-    from transformers import Qwen3Config, Qwen3MoeConfig
-
-    if not isinstance(model_config, Qwen3Model.Config):
-        raise TypeError(f"hf_config_for derives Qwen3 configs only, got {type(model_config).__qualname__}")
-    attn = model_config.first_attention
-    rope = attn.rope
-    if rope.scaling not in (None, "none"):
-        raise ValueError(f"RoPE scaling {rope.scaling!r} is not mapped to an HF config")
-    dense = next((layer.feed_forward for layer in model_config.layers if layer.feed_forward is not None), None)
-    moe_fields = _qwen3_moe_fields(model_config)
-    common = dict(
-        vocab_size=model_config.vocab_size,
-        hidden_size=model_config.dim,
-        num_hidden_layers=len(model_config.layers),
-        num_attention_heads=attn.n_heads,
-        num_key_value_heads=attn.n_kv_heads or attn.n_heads,
-        head_dim=attn.head_dim or model_config.dim // attn.n_heads,
-        max_position_embeddings=rope.max_seq_len,
-        rms_norm_eps=model_config.norm.eps,
-        rope_parameters={"rope_type": "default", "rope_theta": float(rope.theta)},
-        tie_word_embeddings=model_config.enable_weight_tying,
-        attention_bias=False,
-        hidden_act="silu",
-        dtype="float32",
-        **token_ids,
-    )
-    if moe_fields:
-        intermediate = dense.w1.out_features if dense is not None else moe_fields["moe_intermediate_size"]
-        return Qwen3MoeConfig(intermediate_size=intermediate, **moe_fields, **common)
-    return Qwen3Config(intermediate_size=dense.w1.out_features, **common)

@@ -6,6 +6,8 @@ special-cases one. The two tiny flavours are registered into the Qwen3
 registry here (`composer_tiny`, `composer_tiny_moe`): a dense Qwen3 and a
 Qwen3-MoE (4 experts, top-2) small enough for CPU RL, with head_dim 32 (the
 smallest head size the vLLM CPU backend accepts) and exact HF equivalents.
+With flavour "auto" and `hf_path`, a Qwen3 / Qwen3-MoE / Llama model is
+derived from the checkpoint's config.json instead (`titan_ext.hf_config`).
 
 `resolve_model` then applies the platform's code paths to the config (masked
 SDPA attention and per-expert fp32 experts on CPU, see `titan_ext.platform`).
@@ -16,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,7 +28,16 @@ from torchtitan.protocols.model_spec import ModelSpec
 
 from configs.sections.model import ModelConfig
 from titan_ext.attention import use_masked_sdpa
-from titan_ext.hf_checkpoint import hf_config_for, load_hf_into_titan
+from titan_ext.hf_checkpoint import load_hf_into_titan
+from titan_ext.hf_config import (
+    architecture_signature,
+    check_supported,
+    hf_config_for,
+    read_checkpoint_config,
+    titan_config_from_hf,
+    titan_family,
+)
+from titan_ext.hf_parity import verify_hf_checkpoint
 from titan_ext.platform import Platform, detect_platform
 
 # Tiny flavours: shared constants, then one TinyShape per flavour.
@@ -171,10 +183,11 @@ class ResolvedModel:
 
     spec: TorchTitan's ModelSpec (model config with the platform's code paths
     applied, parallelize_fn, state_dict_adapter, ...); hf_config: the HF config
-    of the same model: the config.json of `hf_path` when set (checked against
-    the flavour for Qwen3), else derived from the TorchTitan config for Qwen3
-    flavours, else None (DeepSeek/Kimi/Llama without a checkpoint: no derivation
-    is implemented for them); platform: what it was resolved for.
+    of the same model: the config.json of `hf_path` when set (the model is
+    derived from it with flavour "auto", checked against a named Qwen3
+    flavour field by field), else derived from the TorchTitan config for
+    Qwen3 flavours, else None (DeepSeek/Kimi/Llama without a checkpoint: no
+    derivation is implemented for them); platform: what it was resolved for.
     """
 
     spec: ModelSpec
@@ -191,7 +204,7 @@ def flavour_entry(flavour: str) -> tuple[str, str]:
     if sep and family in FAMILIES and flavor:
         return family, flavor
     raise ValueError(
-        f"unknown model flavour {flavour!r}; expected one of {sorted(FLAVOURS)} or 'family:flavor' "
+        f"unknown model flavour {flavour!r}; expected \"auto\", one of {sorted(FLAVOURS)} or 'family:flavor' "
         f"with family in {FAMILIES}"
     )
 
@@ -199,59 +212,64 @@ def flavour_entry(flavour: str) -> tuple[str, str]:
 def resolve_model(model_cfg: ModelConfig, platform: Platform | None = None) -> ResolvedModel:
     """The one mapping from `[model]` to a TorchTitan ModelSpec (+ HF config)."""
     platform = platform or detect_platform(model_cfg.device)
-    family, flavor = flavour_entry(model_cfg.flavour)
-    if family == "qwen3":
-        register_tiny_flavours()
-    module = importlib.import_module(f"torchtitan.models.{family}")
     attention = platform.attention if model_cfg.attention == "auto" else model_cfg.attention
-    try:
-        spec = module.model_registry(flavor, attn_backend="flex" if attention == "sdpa" else attention)
-    except KeyError:
-        raise ValueError(f"TorchTitan's {family} registry has no flavor {flavor!r}") from None
+    backend = "flex" if attention == "sdpa" else attention
+    flavour = model_cfg.registry_flavour()
+    checkpoint = read_checkpoint_config(model_cfg.hf_path) if model_cfg.hf_path else None
+    if flavour is None:  # "auto" with hf_path: the shape is the checkpoint's
+        spec, hf_config = _derived_spec(checkpoint, backend, model_cfg.hf_path), checkpoint
+        family = spec.name
+    else:
+        family, flavor = flavour_entry(flavour)
+        if family == "qwen3":
+            register_tiny_flavours()
+        module = importlib.import_module(f"torchtitan.models.{family}")
+        try:
+            spec = module.model_registry(flavor, attn_backend=backend)
+        except KeyError:
+            raise ValueError(f"TorchTitan's {family} registry has no flavor {flavor!r}") from None
+        hf_config = hf_config_for(spec.model, **_tiny_token_ids(flavour)) if family == "qwen3" else None
+        if checkpoint is not None:
+            if hf_config is not None:
+                _check_same_model(model_cfg, hf_config, checkpoint)
+            hf_config = checkpoint
     if attention == "sdpa":
         use_masked_sdpa(spec.model)
     if platform.exact_experts:
         use_exact_experts(spec.model)
-    hf_config = hf_config_for(spec.model, **_tiny_token_ids(model_cfg)) if family == "qwen3" else None
-    if model_cfg.hf_path:
-        hf_config = _checkpoint_config(model_cfg, hf_config)
     return ResolvedModel(spec=spec, hf_config=hf_config, platform=platform, family=family)
 
 
-_ARCHITECTURE_FIELDS = (
-    "model_type",
-    "vocab_size",
-    "hidden_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "num_experts",
-    "num_experts_per_tok",
-    "moe_intermediate_size",
-    "tie_word_embeddings",
-)
+# A registry entry per derivable family, for what is not the model config (parallelize_fn, adapter, hooks).
+_BASE_SPECS = {"qwen3": "0.6B", "llama3": "debugmodel"}
 
 
-def _checkpoint_config(model_cfg: ModelConfig, derived: Any) -> Any:
-    """The config.json of hf_path; must agree with the flavour's derived config where there is one."""
-    from transformers import AutoConfig
-
-    loaded = AutoConfig.from_pretrained(model_cfg.hf_path)
-    if derived is not None:
-        for field in _ARCHITECTURE_FIELDS:
-            want, got = getattr(derived, field, None), getattr(loaded, field, None)
-            if want != got:
-                raise ValueError(
-                    f"model.hf_path {model_cfg.hf_path} is not a {model_cfg.flavour!r} checkpoint: "
-                    f"{field} is {got!r} there, the flavour has {want!r}"
-                )
-    return loaded
+def _derived_spec(checkpoint: Any, attn_backend: str, hf_path: str) -> ModelSpec:
+    """TorchTitan's ModelSpec of the checkpoint's family, with the model config derived from its config.json."""
+    source = f"{hf_path}/config.json"
+    family = titan_family(checkpoint, source)
+    model = titan_config_from_hf(checkpoint, attn_backend, source=source)
+    base = importlib.import_module(f"torchtitan.models.{family}").model_registry(_BASE_SPECS[family],
+                                                                                attn_backend=attn_backend)
+    return dataclasses.replace(base, flavor=f"hf:{Path(hf_path).name}", model=model)
 
 
-def _tiny_token_ids(model_cfg: ModelConfig) -> dict[str, int]:
+def _check_same_model(model_cfg: ModelConfig, derived: Any, loaded: Any) -> None:
+    """Refuse a checkpoint whose config.json differs from the named flavour, naming the first field."""
+    want = architecture_signature(derived)
+    got = architecture_signature(loaded) if loaded.model_type in ("qwen3", "qwen3_moe") else {"model_type": loaded.model_type}
+    for field, value in want.items():
+        if got.get(field) != value:
+            raise ValueError(
+                f"model.hf_path {model_cfg.hf_path} is not a {model_cfg.flavour!r} checkpoint: "
+                f"{field} is {got.get(field)!r} there, the flavour has {value!r}"
+            )
+    check_supported(loaded, f"{model_cfg.hf_path}/config.json")
+
+
+def _tiny_token_ids(flavour: str) -> dict[str, int]:
     """Special-token ids recorded in the tiny flavours' HF config."""
-    if model_cfg.flavour not in ("tiny", "tiny_moe"):
+    if flavour not in ("tiny", "tiny_moe"):
         return {}
     from titan_ext.assets import TOKEN_IDS
 
@@ -279,7 +297,8 @@ def build_model(
     """Build and initialize a model on one device; load `hf_path` when set.
 
     With no hf_path the weights are TorchTitan's init under `seed`; for the
-    tiny flavours on CPU that is exactly what the built assets hold. The
+    tiny flavours on CPU that is exactly what the built assets hold. A
+    checkpoint is first checked against transformers (`hf_parity`). The
     parallel trainer does the same steps with parallelization between
     the meta build and `init_model`: resolve_model -> build on meta ->
     parallelize -> init_model -> load_hf_into_titan.
@@ -290,5 +309,8 @@ def build_model(
         model = resolved.spec.model.build()
     init_model(model, device, model_cfg.seed)
     if model_cfg.hf_path:
+        verify_hf_checkpoint(model_cfg)
         load_hf_into_titan(model, model_cfg.hf_path)
-    return model.to(getattr(torch, model_cfg.dtype))
+    dtype = getattr(torch, model_cfg.dtype)
+    # Floating tensors only: `Module.to(dtype)` would also cast ComplexRoPE's complex cache to real (Llama).
+    return model._apply(lambda t: t.to(dtype) if t.is_floating_point() else t)

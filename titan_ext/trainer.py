@@ -60,6 +60,8 @@ from titan_ext.batch import TrainBatch
 from titan_ext.checkpoint import Checkpointer
 from titan_ext.export import HFBucket, iter_hf_buckets
 from titan_ext.hf_checkpoint import load_hf_into_titan
+from titan_ext.hf_export import write_hf_dir
+from titan_ext.hf_parity import verify_hf_checkpoint
 from titan_ext.models import init_model, resolve_model
 from titan_ext.muon import build_lr_scheduler, build_optimizer
 from titan_ext.parallelize import build_parallel_dims, parallelize_model, prepare_model_config
@@ -120,6 +122,7 @@ class Trainer:
         self.loss_cfg = ComposerConfig.from_section(spec.loss)
 
         resolved = resolve_model(spec.model, self.platform)
+        self._verify_checkpoint()
         self.model_spec = resolved.spec
         self.hf_config = resolved.hf_config
         prepare_model_config(self.model_spec.model, spec.parallelism)
@@ -147,6 +150,19 @@ class Trainer:
             resume = self.checkpointer.resume_step()
             if resume is not None:
                 self.load_checkpoint(resume)
+
+    def _verify_checkpoint(self) -> None:
+        """`hf_parity.verify_hf_checkpoint` on rank 0 only (a CPU copy of a few layers per host is enough);
+        every rank raises its error, so no rank waits in a collective for one that failed."""
+        error = [None]
+        if dist.get_rank() == 0:
+            try:
+                verify_hf_checkpoint(self.spec.model)
+            except ValueError as e:
+                error[0] = str(e)
+        dist.broadcast_object_list(error, src=0)
+        if error[0] is not None:
+            raise ValueError(error[0])
 
     def _build_model(self) -> torch.nn.Module:
         """Meta build → parallelize (FSDP2 / HSDP / EP) → seeded init → `hf_path` weights."""
@@ -390,6 +406,14 @@ class Trainer:
         if self.taid is not None and state["taid"] is not None:
             self.taid.load_state_dict(state["taid"])
         self.data_cursors = dict(state["data_cursors"])
+
+    def save_hf_dir(self, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
+        """The current weights as a servable HF directory (collective; see `titan_ext.hf_export`)."""
+        from titan_ext.assets import tokenizer_dir_for
+
+        m = self.spec.model
+        return write_hf_dir(self.model, out_dir, self.hf_config, tokenizer_dir=tokenizer_dir_for(m),
+                            generation_from=m.hf_path or None, dtype=dtype)
 
     def export_weights(self, dtype: torch.dtype | None = None) -> Iterator[HFBucket]:
         """HF-named weight buckets for generators (collective; see `titan_ext.export`)."""

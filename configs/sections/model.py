@@ -11,9 +11,10 @@ from configs.fields import option
 @dataclass(frozen=True)
 class ModelConfig:
     flavour: str = option(
-        "tiny",
-        doc='model flavour: "tiny", "tiny_moe", a named flavour such as "qwen3_8b" or '
-        '"qwen3_30b_a3b", or "family:flavor" for any TorchTitan registry entry (e.g. "qwen3:14B")',
+        "auto",
+        doc='model flavour: "auto" (the shape from hf_path\'s config.json; "tiny" without hf_path), '
+        '"tiny", "tiny_moe", a named flavour such as "qwen3_8b" or "qwen3_30b_a3b", or "family:flavor" for '
+        'any TorchTitan registry entry (e.g. "qwen3:14B"); a named flavour must match hf_path field by field',
     )
     hf_path: str = option(
         "",
@@ -40,3 +41,15 @@ class ModelConfig:
         doc="training attention: auto = masked SDPA on CPU, FlexAttention on CUDA",
         choices=("auto", "sdpa", "flex", "varlen"),
     )
+    verify_layers: int = option(
+        2,
+        doc="at load, the first N layers of hf_path (vocabulary cut to 4096 rows) run in TorchTitan and in "
+        "transformers on a few tokens; logits must agree to 1e-4 x max(1, |logit|) in fp32 or loading fails; 0: skip",
+        ge=0,
+    )
+
+    def registry_flavour(self) -> str | None:
+        """The registered flavour this section names; None when the model is derived from hf_path."""
+        if self.flavour != "auto":
+            return self.flavour
+        return None if self.hf_path else "tiny"

@@ -41,6 +41,10 @@ def model_dir(job: Any) -> str:
 
     from titan_ext.assets import cache_dir_for, hf_dir_for
 
+    if job.model.hf_path and job.model.registry_flavour() is None:  # refuse a config.json here, before any actor
+        from titan_ext.hf_config import check_supported, read_checkpoint_config
+
+        check_supported(read_checkpoint_config(job.model.hf_path), f"{job.model.hf_path}/config.json")
     weights = hf_dir_for(job.model)
     if weights is None:
         raise ValueError(f"model.flavour = {job.model.flavour!r} needs model.hf_path (generators load HF weights)")
@@ -136,8 +140,10 @@ def train(job: Any, *, resume: bool = True, progress: bool = True) -> dict[str, 
     from mesh.metrics import MetricsSink, plot_run
     from mesh.placement import place
     from mesh.supervision import ControllerState, Supervisor, install_fault_hook, load_state
+    from mesh.weight_sync_baseline import rank0
     from replay.hints import TemplateHintGenerator
     from replay.server import TeacherServer
+    from titan_ext.hf_export import record_run_model
     from titan_ext.trainer import TrainerSpec
 
     run_dir = Path(job.job.output_dir) / job.job.name
@@ -147,6 +153,7 @@ def train(job: Any, *, resume: bool = True, progress: bool = True) -> dict[str, 
                               checkpoint=dataclasses.replace(job.checkpoint, resume=job.checkpoint.resume and resume))
     if not job.checkpoint.resume:
         shutil.rmtree(run_dir / job.checkpoint.folder, ignore_errors=True)
+    record_run_model(run_dir, job.model, run_dir / job.checkpoint.folder)  # what `composer-mesh export` rebuilds
     trainer_spec = TrainerSpec.from_job(job)
     gen_spec = GeneratorSpec(model_dir=weights, tokenizer_dir=job.model.tokenizer_path, generator=job.generator,
                              env=job.env, max_context_tokens=job.trainer.max_seq_len, seed=job.job.seed)
@@ -209,6 +216,7 @@ def train(job: Any, *, resume: bool = True, progress: bool = True) -> dict[str, 
             history = controller.run()
         if job.checkpoint.enabled and history and history[-1].step % job.checkpoint.every_steps:
             placement.trainer.save_checkpoint.call().get()  # the last step, unless the trainer just saved it
+        hf_dir = rank0(placement.trainer.save_hf.call(str(run_dir / "hf")).get())  # the final weights, servable
         replay_status = placement.replay.status.call_one().get() if placement.replay is not None else None
         diloco_status = placement.manager.status.call_one().get() if job.diloco.enabled else None
     finally:
@@ -219,7 +227,8 @@ def train(job: Any, *, resume: bool = True, progress: bool = True) -> dict[str, 
     summary: dict[str, Any] = {"run_dir": str(run_dir), "start_step": start, "steps_run": len(history),
                                "final_step": history[-1].step if history else start, "replay": replay_status,
                                "restarts": [dataclasses.asdict(r) for r in (supervisor.restarts if supervisor else [])],
-                               "mesh_failures": len(fault_events)}  # Monarch supervision events seen
+                               "mesh_failures": len(fault_events),  # Monarch supervision events seen
+                               "hf": hf_dir}
     if diloco_status is not None:
         summary["diloco"] = diloco_status
     if job.metrics.jsonl and (run_dir / "metrics.jsonl").exists():

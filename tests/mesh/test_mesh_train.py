@@ -85,3 +85,14 @@ def test_train_command_runs_and_resumes(tmp_path, tiny_assets):
         assert r["preference/loss"] > 0 and r["preference/pairs"] == 2
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
     assert (run / "plot.png").read_bytes()[:4] == b"\x89PNG"
+
+    # The run's final weights as a servable HF directory, equal to the export of its last checkpoint.
+    from safetensors.torch import load_file
+
+    from mesh.cli import main
+
+    assert second["hf"] == str(run / "hf")
+    assert json.loads((run / "hf" / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
+    assert main(["export", str(run), str(tmp_path / "export")]) == 0
+    final, exported = load_file(run / "hf" / "model.safetensors"), load_file(tmp_path / "export" / "model.safetensors")
+    assert final.keys() == exported.keys() and all(final[k].equal(exported[k]) for k in final)

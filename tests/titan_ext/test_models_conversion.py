@@ -10,7 +10,8 @@ from safetensors.torch import load_file, save_file
 
 from configs.sections.model import ModelConfig
 from titan_ext.attention import attention_masks
-from titan_ext.hf_checkpoint import hf_config_for, load_hf_into_titan, save_hf, titan_to_hf_state_dict
+from titan_ext.hf_checkpoint import load_hf_into_titan, save_hf, titan_to_hf_state_dict
+from titan_ext.hf_config import hf_config_for
 from titan_ext.models import build_model, resolve_model
 
 TOL = 1e-4
@@ -152,4 +153,7 @@ def test_saved_checkpoint_is_hf_shaped(tmp_path):
     assert "lm_head.weight" not in tensors  # tied to the embedding, as HF saves it
     assert all(t.dtype == torch.bfloat16 for t in tensors.values())
     assert config["vocab_size"] == 2048 and config["num_hidden_layers"] == 2
-    assert config == json.loads(hf_config_for(model.config).to_json_string())
+    # Everything save_pretrained writes, with the dtype of the saved weights and the class vLLM needs to serve it.
+    expected = json.loads(hf_config_for(model.config).to_json_string())
+    expected.update(architectures=["Qwen3ForCausalLM"], dtype="bfloat16", torch_dtype="bfloat16")
+    assert config == expected
