@@ -18,7 +18,8 @@ bound + max_tokens exceeds it is trimmed (oldest messages first) or skipped
 before anything is reserved or sent, and a server's context-length 400 is a
 `context_length` skip, not a failure. A teacher whose first
 `stop_after_client_errors` calls all fail with the same client error (a wrong
-model name, a missing server flag) is stopped with that message.
+model name, a missing server flag) is stopped with that message; until that
+is settled its calls go one at a time.
 API keys are read from environment variables and never appear in errors or logs.
 """
 
@@ -156,7 +157,8 @@ class TeacherClient:
         self._http: dict[str, httpx.AsyncClient] = {}
         self._slots: dict[str, asyncio.Semaphore] = {}
         self._limit_locks: dict[str, asyncio.Lock] = {}
-        self._first_errors: dict[str, list[str] | None] = {}  # teacher -> its client errors until a success (None)
+        self._first_errors: dict[str, list[str] | None] = {}  # teacher -> its first client errors; None: settled
+        self._deciding_locks: dict[str, asyncio.Lock] = {}
         for spec in cfg.models:
             env = spec.api_key_env or cfg.api_key_env
             if env and env not in os.environ:
@@ -232,18 +234,26 @@ class TeacherClient:
                 return messages[:head] + rest
         return None
 
+    def _deciding(self, name: str) -> bool:
+        """Whether the stop rule is still open for this teacher (its calls so far: all client errors, fewer than N)."""
+        errors = self._first_errors.get(name, [])
+        return bool(self.cfg.stop_after_client_errors) and errors is not None and name not in self.stats.stopped
+
     def _note_outcome(self, name: str, error: TeacherError | None) -> None:
-        """Stop a teacher whose first N calls all failed with the same client error."""
+        """Stop a teacher whose first N calls all failed with the same client error; any other
+        answer or failure of the server (skips aside) settles it for good."""
         n = self.cfg.stop_after_client_errors
         errors = self._first_errors.setdefault(name, [])
-        if not n or errors is None or name in self.stats.stopped:
+        if not n or errors is None or name in self.stats.stopped or (error is not None and error.kind in SKIPS):
             return
         if error is None or error.kind != "client_error":
-            self._first_errors[name] = None if error is None else errors  # a success: healthy for good
+            self._first_errors[name] = None
             return
         errors.append(error.message)
-        if len(errors) >= n and len(set(errors[:n])) == 1:
-            self.stats.stopped[name] = errors[0]
+        if len(errors) >= n:
+            if len(set(errors[:n])) == 1:
+                self.stats.stopped[name] = errors[0]
+            self._first_errors[name] = None
 
     def _redact(self, text: str) -> str:
         for secret in self._secrets.values():
@@ -257,6 +267,17 @@ class TeacherClient:
 
     async def complete(self, teacher: str, messages: list[dict], tools: list[dict] | None = None) -> TeacherReply:
         """The teacher's next assistant message for `messages` (cached, budgeted, retried)."""
+        if self._deciding(teacher):  # one call at a time until the stop rule is settled: no burst of refusals
+            lock = self._deciding_locks.setdefault(teacher, asyncio.Lock())
+            await lock.acquire()
+            try:
+                if self._deciding(teacher):
+                    return await self._complete(teacher, messages, tools)
+            finally:
+                lock.release()  # settled while this call waited: it goes on concurrently
+        return await self._complete(teacher, messages, tools)
+
+    async def _complete(self, teacher: str, messages: list[dict], tools: list[dict] | None) -> TeacherReply:
         spec = self.teachers[teacher]
         if teacher in self.stats.stopped:
             self.stats.failures["stopped"] += 1
@@ -282,6 +303,7 @@ class TeacherClient:
         key = request_key(spec.name, spec.model, params, body["messages"])
         if self.cache is not None and (hit := self.cache.get(key)) is not None:
             self.stats.cache_hits += 1
+            self._note_outcome(teacher, None)  # it answered in an earlier run
             return TeacherReply(teacher, spec.model, hit.message, hit.usage, hit.cost_nusd / NANO, cached=True)
         worst = self.worst_case_nusd(spec, body)
         error: TeacherError | None = None

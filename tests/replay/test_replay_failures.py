@@ -66,12 +66,12 @@ def _replay(cfg: Path, capsys) -> tuple[int, list[str], str, dict]:
 def test_every_call_refused_stops_the_teacher_and_exits_nonzero(tmp_path, capsys):
     # the server serves other model names: every call is the same 404, as a wrong `model` key gives
     with TeacherServer(ConsensusResponder(), models=["served"]) as server:
-        cfg = _config(tmp_path / "r.toml", server.url, tmp_path / "out", concurrency=1)
+        cfg = _config(tmp_path / "r.toml", server.url, tmp_path / "out", concurrency=8)
         rc, lines, err, brief = _replay(cfg, capsys)
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert rc == 1 and "error: no pair made" in err
     assert brief["pairs_raw"] == 0 and brief["failures"] == brief["teacher_calls"] == 2 * brief["states"]
-    # one state at a time: exactly N requests per teacher went out, the rest were stopped unsent
+    # 8 states at once, yet a teacher's first calls go one at a time: exactly N requests per teacher went out
     assert summary["client"]["requests"] == 2 * 3
     assert summary["client"]["stopped"] == {t: f"HTTP 404: {json.dumps({'error': {'message': f'model {m!r} not found', 'type': 'not_found'}}, separators=(',', ':'))}"
                                             for t, m in zip("ab", MODELS)}
