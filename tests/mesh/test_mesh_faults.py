@@ -6,6 +6,10 @@
   is trained again). The run ends at the configured step, every requested
   prompt seed is trained exactly once, and per-step metrics and the final
   weights equal an uninterrupted run's bitwise.
+- Hung generator (same script): generator 1's process is SIGSTOPped during
+  step 2's work; its `generate` call outlives the deadline (floor 20 s), the
+  process is killed and replaced on a fresh one, the share re-issued: seeds
+  0–7 trained once, steps 1–2 bitwise equal to the uninterrupted run's.
 - Controller: `composer-mesh train` with the local teacher server, SIGKILLed
   between steps (no teacher call in flight), then run again: the step log is
   contiguous up to the configured count, the server's request log shows
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -41,10 +46,10 @@ def child_env(cache: Path) -> dict[str, str]:
                 **FAST_SUPERVISION)
 
 
-def drill(tmp_path: Path, tiny_assets, name: str, *flags: str) -> dict:
+def drill(tmp_path: Path, tiny_assets, name: str, *flags: str, steps: int = 4) -> dict:
     out = tmp_path / f"{name}.json"
     cmd = [sys.executable, str(DRILL), str(out), "--assets", str(tiny_assets.dense_dir), "--run", str(tmp_path / name),
-           "--steps", "4", *flags]
+           "--steps", str(steps), *flags]
     proc = subprocess.run(cmd, cwd=REPO, env=child_env(tiny_assets.root.parents[1]), capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -64,6 +69,35 @@ def runs(tmp_path_factory, tiny_assets):
 
 
 SLOW = pytest.mark.timeout(1500)  # two child runs in the fixture; a loaded 2-core box stretches them
+HANG_FLOOR_S = 20.0  # the deadline floor in the hung drill; the others keep the default (120 s)
+
+
+@SLOW
+def test_hung_generator_is_replaced_within_its_deadline(runs, tmp_path, tiny_assets):
+    base, _ = runs
+    hit = drill(tmp_path, tiny_assets, "hung", "--stop-generator-at", "1", "--hang-floor", str(HANG_FLOOR_S),
+                steps=2)
+    assert hit["restarts"] == ["generator"] and "ActorHung" in hit["restart_errors"][0], hit["restart_errors"]
+    stopped = hit["killed"]["stopped"]
+    assert stopped in hit["pids_before"]["generator"] and stopped not in hit["pids_after"]["generator"]
+    with pytest.raises(ProcessLookupError):  # killed, not left stopped
+        os.kill(stopped, 0)
+    (detected,) = hit["stop_to_restart_s"]
+    deadline = float(re.search(r"within its ([0-9.]+) s deadline", hit["restart_errors"][0]).group(1))
+    steps = last_per_step(hit)
+    # deadline = max(floor, tokens × max(bound, 4 × the slowest measured s/token)); the call was issued ≤ 0.3 s
+    # before the SIGSTOP, so the replacement begins at most one deadline after it
+    assert HANG_FLOOR_S <= deadline < 60 and detected <= deadline + 1.0, \
+        f"replacement began {detected:.1f} s after the SIGSTOP (deadline {deadline:.1f} s)"
+    print(f"hung generator: deadline {deadline:.1f} s, replacement began {detected:.1f} s after SIGSTOP, "
+          f"step 2 took {steps[2]['seconds']:.1f} s")
+    trained = [s for r in steps.values() for s in r["seeds"]]
+    assert sorted(trained) == list(range(2 * 4)), trained  # every seed once: none lost, none trained twice
+    ref = last_per_step(base)
+    for step in (1, 2):
+        assert steps[step]["seeds"] == ref[step]["seeds"]
+        assert steps[step]["metrics"] == ref[step]["metrics"], f"step {step} differs after the hang"
+    assert set(hit["generator_digests"]) == {hit["trainer_digest"]}
 
 
 @SLOW
@@ -72,6 +106,7 @@ def test_generator_sigkill_loses_no_rollout_group(runs):
     assert hit["restarts"].count("generator") == 1
     killed = hit["killed"]["generator"]
     assert killed in hit["pids_before"]["generator"] and killed not in hit["pids_after"]["generator"]
+    assert hit["processes_json"] == {"controller": hit["processes_json"]["controller"], **hit["pids_after"]}
     survivor = next(p for p in hit["pids_before"]["generator"] if p != killed)
     assert hit["pids_after"]["generator"] == [survivor, survivor]  # respawn = "live": on the surviving process
     steps = last_per_step(hit)
@@ -89,6 +124,7 @@ def test_generator_sigkill_loses_no_rollout_group(runs):
 def test_trainer_sigkill_resumes_bitwise(runs):
     base, hit = runs
     assert base["restarts"] == [] and hit["restarts"].count("trainer") == 1
+    assert base["threads"] == hit["threads"] == [1, 1, 1]  # [mesh] trainer_threads / generator_threads, respawns too
     assert hit["killed"]["trainer"] == hit["pids_before"]["trainer"][0] != hit["pids_after"]["trainer"][0]
     # checkpoints every 2 steps: killed after step 3, the trainer restarted from step 2 and trained step 3 again
     assert [r["step"] for r in hit["records"]] == [1, 2, 3, 3, 4]
@@ -101,6 +137,26 @@ def test_trainer_sigkill_resumes_bitwise(runs):
     assert hit["records"][2]["metrics"] == hit["records"][3]["metrics"]  # step 3 before the kill and after it
     assert hit["trainer_digest"] == base["trainer_digest"]
     assert set(hit["generator_digests"]) == {base["trainer_digest"]}
+
+
+@SLOW
+def test_dead_rank_of_a_two_rank_trainer_is_noticed_in_seconds(tmp_path, tiny_assets):
+    """FSDP over 2 gloo ranks, rank 1 SIGKILLed after step 3: rank 0's collective fails first (gloo: connection
+    closed, an ordinary error), the controller's liveness probe finds the dead rank, the trainer mesh restarts from
+    the step-2 checkpoint and step 3 is trained again bitwise."""
+    hit = drill(tmp_path, tiny_assets, "rank1", "--trainer-procs", "2", "--kill-trainer-at", "3",
+                "--kill-trainer-rank", "1")
+    assert hit["restarts"] == ["trainer"], hit["restart_errors"]
+    (noticed,) = hit["kill_to_trainer_restart_s"]
+    (rebuilt,) = hit["trainer_restart_build_s"]
+    print(f"2-rank trainer: restart began {noticed:.1f} s after the SIGKILL of rank 1, new mesh set up in {rebuilt:.1f} s")
+    assert noticed < 15, f"the dead rank was noticed {noticed:.1f} s after its SIGKILL"
+    killed = hit["killed"]["trainer"]
+    assert killed == hit["pids_before"]["trainer"][1] and killed not in hit["pids_after"]["trainer"]
+    assert [r["step"] for r in hit["records"]] == [1, 2, 3, 3, 4]
+    assert hit["records"][2]["seeds"] == hit["records"][3]["seeds"]
+    assert hit["records"][2]["metrics"] == hit["records"][3]["metrics"]  # from the step-2 checkpoint, bitwise
+    assert set(hit["generator_digests"]) == {hit["trainer_digest"]}
 
 
 def unresolved_intents(journal: Path) -> int:
@@ -203,3 +259,15 @@ def test_controller_state_file_is_replaced_atomically(tmp_path):
     state_path(tmp_path, 1).write_bytes(b"not a pickle of a state")
     with pytest.raises(Exception):
         load_state(tmp_path, 1)
+
+
+def test_deadline_grows_with_the_request_and_the_measured_speed():
+    from mesh.supervision import ActorHung, Deadline, is_actor_failure
+
+    d = Deadline(floor_s=20.0, s_per_token=0.05)
+    assert d.seconds(100, 0.0) == 20.0  # short call: the floor
+    assert d.seconds(1000, 0.0) == pytest.approx(50.0)  # the configured bound
+    assert d.seconds(1000, 0.1) == pytest.approx(400.0)  # 4x the slowest measured, when that is slower
+    hung = RuntimeError("step failed")
+    hung.__cause__ = ActorHung("generator 1 did not answer")
+    assert is_actor_failure(hung) and not is_actor_failure(TimeoutError("a slow HTTP call"))
