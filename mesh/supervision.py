@@ -81,20 +81,26 @@ def install_fault_hook(events: list[str]) -> None:
     monarch.actor.unhandled_fault_hook = record
 
 
-def is_alive(call: Any, timeout_s: float = 30.0) -> bool:
-    """Probe one actor with a cheap endpoint call (a `.call_one`/`.call` of an endpoint).
+def is_alive(call: Any, timeout_s: float = 30.0, retry_s: float = 2.0) -> bool:
+    """Probe one actor (or mesh) with a cheap endpoint call (a `.call_one`/`.call` of an endpoint).
 
-    A dead actor's call fails at once with `SupervisionError`; a busy one answers late, and one
-    that does not answer within `timeout_s` is taken as alive (busy), not dead."""
-    try:
-        call().get(timeout=timeout_s)
-    except TimeoutError:
+    A dead actor's call fails with `SupervisionError` once Monarch has noticed the death; a call sent to a process
+    that died before that waits far longer (measured ≈30 s on a 2-rank trainer), so the probe is re-sent every
+    `retry_s`: a fresh call after the supervision poll fails at once. One that no probe answers within `timeout_s`
+    is taken as alive (busy), not dead."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            call().get(timeout=max(0.01, min(retry_s, deadline - time.monotonic())))
+        except TimeoutError:
+            if time.monotonic() >= deadline:
+                return True
+            continue
+        except Exception as exc:
+            if is_actor_failure(exc):
+                return False
+            raise
         return True
-    except Exception as exc:
-        if is_actor_failure(exc):
-            return False
-        raise
-    return True
 
 
 @dataclass

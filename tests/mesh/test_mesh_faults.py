@@ -173,33 +173,74 @@ def unresolved_intents(journal: Path) -> int:
     return len(intents - results)
 
 
+def kill_between_teacher_calls(proc: subprocess.Popen, run: Path, after_rows: int, victim) -> tuple[int | None, int]:
+    """Once `after_rows` steps are logged, SIGKILL `victim(replay pid)` at a moment the replay process (the only
+    teacher client, frozen while checking) has no teacher call in flight. Returns (rows logged then, killed pid)."""
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and proc.poll() is None:
+        rows = (run / "metrics.jsonl").read_text().splitlines() if (run / "metrics.jsonl").exists() else []
+        if len(rows) >= after_rows:
+            replay_pid = json.loads((run / "processes.json").read_text())["replay"][0]
+            os.kill(replay_pid, signal.SIGSTOP)
+            if unresolved_intents(run / "replay" / "cache.jsonl") == 0:
+                pid = victim(replay_pid)
+                os.kill(pid, signal.SIGKILL)
+                return len(rows), pid
+            os.kill(replay_pid, signal.SIGCONT)
+        time.sleep(0.05)
+    return None, 0
+
+
+def teacher_cmd(tmp_path: Path, steps: int, log: Path) -> tuple[list[str], Path]:
+    """The train command of the short demo recipe with the local teacher server logging its requests to `log`."""
+    recipe = tmp_path / "demo.toml"
+    recipe.write_text(RECIPE.format(repo=REPO, out=tmp_path / "runs"))  # the train command test's short demo run
+    cmd = [sys.executable, "-m", "mesh.cli", "train", "--no-progress", str(recipe), f"--trainer.steps={steps}",
+           "--checkpoint.every_steps=1", f"--replay.local_server.request_log={log}",
+           "--replay.concurrency=1"]  # one state at a time: each step asks the teachers, no pairs pile up
+    return cmd, tmp_path / "runs" / "debug_cpu"
+
+
+@SLOW
+def test_replay_sigkill_respawns_restores_and_repeats_no_teacher_call(tmp_path, tiny_assets):
+    """The replay actor's process is SIGKILLed between teacher calls after step 2; the controller replaces it on a
+    fresh process, restores its queue and ready pairs from the last controller state, and the run ends at step 4
+    with no teacher request sent twice and processes.json naming the new replay process."""
+    steps = 4
+    log = tmp_path / "teacher_requests.jsonl"
+    cmd, run = teacher_cmd(tmp_path, steps, log)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(tiny_assets.root.parents[1]), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        killed_at, killed = kill_between_teacher_calls(proc, run, 2, lambda replay_pid: replay_pid)
+        out, err = proc.communicate(timeout=900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-4000:]
+    assert killed_at is not None and killed_at < steps
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert [r["role"] for r in summary["restarts"]] == ["replay"] and summary["final_step"] == steps
+    replay_pid = json.loads((run / "processes.json").read_text())["replay"][0]
+    assert replay_pid != killed  # rewritten after the restart
+    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert sorted({r["step"] for r in logged}) == list(range(1, steps + 1))
+    assert any(r["step"] > killed_at and r["preference/pairs"] > 0 for r in logged)  # the new actor makes pairs
+    requests = [json.loads(line) for line in log.read_text().splitlines()]
+    repeated = {k: n for k, n in Counter(r["key"] for r in requests).items() if n > 1}
+    assert repeated == {}, f"teacher requests sent twice after the replay restart: {repeated}"
+    print(f"replay drill: killed after {killed_at} logged steps; {len(requests)} teacher requests, none repeated")
+
+
 @SLOW
 def test_controller_sigkill_then_resume_loses_no_step_and_repeats_no_teacher_call(tmp_path, tiny_assets):
     steps, kill_after = 4, 2
     log = tmp_path / "teacher_requests.jsonl"
-    recipe = tmp_path / "demo.toml"
-    recipe.write_text(RECIPE.format(repo=REPO, out=tmp_path / "runs"))  # the train command test's short demo run
-    run = tmp_path / "runs" / "debug_cpu"
-    cmd = [sys.executable, "-m", "mesh.cli", "train", "--no-progress", str(recipe), f"--trainer.steps={steps}",
-           "--checkpoint.every_steps=1", f"--replay.local_server.request_log={log}",
-           "--replay.concurrency=1"]  # one state at a time: each step asks the teachers, no pairs pile up
+    cmd, run = teacher_cmd(tmp_path, steps, log)
     env = child_env(tiny_assets.root.parents[1])
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        deadline = time.monotonic() + 600
-        killed_at = None
-        while killed_at is None and time.monotonic() < deadline and proc.poll() is None:
-            rows = (run / "metrics.jsonl").read_text().splitlines() if (run / "metrics.jsonl").exists() else []
-            if len(rows) >= kill_after:
-                # freeze the replay process (the only teacher client), and kill only while no call is in flight
-                replay_pid = json.loads((run / "processes.json").read_text())["replay"][0]
-                os.kill(replay_pid, signal.SIGSTOP)
-                if unresolved_intents(run / "replay" / "cache.jsonl") == 0:
-                    killed_at = len(rows)
-                    os.kill(proc.pid, signal.SIGKILL)
-                else:
-                    os.kill(replay_pid, signal.SIGCONT)
-            time.sleep(0.05)
+        killed_at, _ = kill_between_teacher_calls(proc, run, kill_after, lambda replay_pid: proc.pid)
         assert proc.wait(timeout=60) == -signal.SIGKILL, proc.stderr.read().decode()[-4000:]
     finally:
         if proc.poll() is None:
