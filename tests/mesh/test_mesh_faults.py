@@ -213,6 +213,7 @@ def test_replay_sigkill_respawns_restores_and_repeats_no_teacher_call(tmp_path, 
                             stderr=subprocess.PIPE, text=True)
     try:
         killed_at, killed = kill_between_teacher_calls(proc, run, 2, lambda replay_pid: replay_pid)
+        kill_t = time.monotonic()  # CLOCK_MONOTONIC: the same clock as the controller's Restart.started
         out, err = proc.communicate(timeout=900)
     finally:
         if proc.poll() is None:
@@ -221,6 +222,9 @@ def test_replay_sigkill_respawns_restores_and_repeats_no_teacher_call(tmp_path, 
     assert killed_at is not None and killed_at < steps
     summary = json.loads(out.strip().splitlines()[-1])
     assert [r["role"] for r in summary["restarts"]] == ["replay"] and summary["final_step"] == steps
+    noticed, rebuilt = summary["restarts"][0]["started"] - kill_t, summary["restarts"][0]["seconds"]
+    # noticed at the controller's next call to the replay actor (once per step) plus the supervision poll
+    assert noticed < 60, f"the dead replay actor was noticed {noticed:.1f} s after its SIGKILL"
     replay_pid = json.loads((run / "processes.json").read_text())["replay"][0]
     assert replay_pid != killed  # rewritten after the restart
     logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -229,7 +233,8 @@ def test_replay_sigkill_respawns_restores_and_repeats_no_teacher_call(tmp_path, 
     requests = [json.loads(line) for line in log.read_text().splitlines()]
     repeated = {k: n for k, n in Counter(r["key"] for r in requests).items() if n > 1}
     assert repeated == {}, f"teacher requests sent twice after the replay restart: {repeated}"
-    print(f"replay drill: killed after {killed_at} logged steps; {len(requests)} teacher requests, none repeated")
+    print(f"replay drill: killed after {killed_at} logged steps, replacement began {noticed:.1f} s later and took "
+          f"{rebuilt:.1f} s; {len(requests)} teacher requests, none repeated")
 
 
 @SLOW
