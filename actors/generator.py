@@ -25,6 +25,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import torch
 from monarch.actor import Actor, current_rank, endpoint
 
 from actors.rollout import EpisodeRequest, RolloutGroup, SamplingParams
@@ -45,7 +46,8 @@ class GeneratorSpec:
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     max_context_tokens: int = 512  # an episode never grows past this (the trainer's row length)
-    device: str = "cpu"
+    torch_threads: int = 0  # intra-op threads of the generator process (mesh.placement.torch_threads); 0 = torch's
+    device: str = "cpu"  # "auto", "cpu" or "cuda" ([model] device); auto = CUDA when this process sees one
     seed: int = 0
     python_path: tuple[str, ...] = ()  # [job] python_path: where task plugins are imported from
 
@@ -95,6 +97,8 @@ class GeneratorActor(Actor):
 
         add_python_path(spec.python_path)
         self.spec = spec
+        if spec.torch_threads:
+            torch.set_num_threads(spec.torch_threads)
         self.engine_kind = select_engine(spec.generator.engine, spec.model_dir,
                                          spec.max_context_tokens + spec.generator.max_new_tokens)
         self.tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_dir or spec.model_dir)
@@ -103,12 +107,15 @@ class GeneratorActor(Actor):
             from actors.vllm_engine import VLLMEngine, VLLMEngineConfig
 
             self.engine = VLLMEngine(spec.model_dir, stops, VLLMEngineConfig(
-                gpu_memory_utilization=spec.generator.gpu_memory_utilization, seed=spec.seed,
+                dtype=spec.generator.dtype, gpu_memory_utilization=spec.generator.gpu_memory_utilization, seed=spec.seed,
                 max_model_len=spec.max_context_tokens + spec.generator.max_new_tokens))
         else:
             from actors.hf_engine import HFEngine
 
-            self.engine = HFEngine(spec.model_dir, stops, device=spec.device)
+            from titan_ext.platform import detect_platform
+
+            self.engine = HFEngine(spec.model_dir, stops, device=detect_platform(spec.device).device_type,
+                                   dtype=getattr(torch, spec.generator.dtype))
         self.runner = EpisodeRunner(
             self.engine, self.tokenizer, env_factory(spec.env),
             max_turns=spec.generator.max_turns, max_context_tokens=spec.max_context_tokens,
@@ -120,8 +127,9 @@ class GeneratorActor(Actor):
     @endpoint
     def info(self) -> dict:
         params = sum(p.numel() for p in self.engine.model.parameters())
+        dtype = str(next(self.engine.model.parameters()).dtype).removeprefix("torch.")
         return {"rank": self.rank, "pid": os.getpid(), "engine": self.engine_kind, "version": self.version,
-                "params": params}
+                "params": params, "threads": torch.get_num_threads(), "dtype": dtype}
 
     @endpoint
     def generate(self, requests: list[EpisodeRequest], sampling: SamplingParams | None = None) -> list[RolloutGroup]:

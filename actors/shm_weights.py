@@ -132,9 +132,28 @@ def shadow_model(model_cfg: Any, parallelism: Any) -> nn.Module:
         return spec.model.build()
 
 
+def _path_safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+
+
 def host_dir(root: str | os.PathLike, host: str) -> Path:
     """The folder of `host`'s slots (host labels are made path-safe: one folder, no traversal)."""
-    return Path(root) / "".join(c if c.isalnum() or c in "-_." else "_" for c in host)
+    return Path(root) / _path_safe(host)
+
+
+def failure_path(root: str | os.PathLike, host: str, version: int, token: str) -> Path:
+    """Where a failed pull of `version` (sync `token`) onto `host` leaves its error, for the loads waiting there."""
+    return host_dir(root, host) / f"failed-v{version:08d}-{_path_safe(token)}.txt"
+
+
+def mark_failed(root: str | os.PathLike, host: str, version: int, token: str, exc: BaseException) -> None:
+    """Record that `version` will never be sealed on `host`: `PinnedSegment.open` then raises at once instead of
+    waiting out its `timeout_s`."""
+    path = failure_path(root, host, version, token)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(f"{type(exc).__name__}: {exc}"[:500])
+    os.replace(tmp, path)
 
 
 def slot_path(root: str | os.PathLike, host: str, slot: int) -> Path:
@@ -461,6 +480,10 @@ class PinnedSegment(_SlotHold):
                 pinned = PinnedSegment._try(path, version, token)
                 if pinned is not None:
                     return pinned
+            failed = failure_path(root, host, version, token) if token is not None else None
+            if failed is not None and failed.exists():
+                raise RuntimeError(f"weights v{version} will not reach {host}: its pull failed "
+                                   f"({failed.read_text()})")
             if time.monotonic() >= deadline:
                 raise FileNotFoundError(f"weights v{version} are not published on {host} under {root} "
                                         "(not sealed yet, or its slot was reused by a newer version)")
@@ -599,20 +622,24 @@ def pull_pieces(root: str, host: str, version: int, token: str, layout: SegmentL
 
     start = time.perf_counter()
     transferred = 0
-    with SegmentWriter(root, host, version, token, layout, keep) as writer:
-        action, pending = RDMAAction(), 0
-        for source in sources:
-            if len(source.buffers) != len(source.pieces):
-                raise ValueError(f"trainer rank {source.rank} exposed {len(source.buffers)} buffers "
-                                 f"for {len(source.pieces)} runs")
-            for piece, buf in zip(source.pieces, source.buffers):
-                action.read_remote(writer.payload[piece.offset : piece.offset + piece.nbytes], buf)
-                transferred += piece.nbytes  # the transfer layer's count of bytes entering this host
-                pending += piece.nbytes
-                if pending >= bucket_bytes:
-                    action.submit(timeout=600).get()
-                    action, pending = RDMAAction(), 0
-        if pending:
-            action.submit(timeout=600).get()
-        published = writer.done(parties)
+    try:
+        with SegmentWriter(root, host, version, token, layout, keep) as writer:
+            action, pending = RDMAAction(), 0
+            for source in sources:
+                if len(source.buffers) != len(source.pieces):
+                    raise ValueError(f"trainer rank {source.rank} exposed {len(source.buffers)} buffers "
+                                     f"for {len(source.pieces)} runs")
+                for piece, buf in zip(source.pieces, source.buffers):
+                    action.read_remote(writer.payload[piece.offset : piece.offset + piece.nbytes], buf)
+                    transferred += piece.nbytes  # the transfer layer's count of bytes entering this host
+                    pending += piece.nbytes
+                    if pending >= bucket_bytes:
+                        action.submit(timeout=600).get()
+                        action, pending = RDMAAction(), 0
+            if pending:
+                action.submit(timeout=600).get()
+            published = writer.done(parties)
+    except BaseException as exc:  # the host's loads wait for this version: tell them it is not coming
+        mark_failed(root, host, version, token, exc)
+        raise
     return {"bytes_remote": transferred, "published": published, "pull_s": time.perf_counter() - start}

@@ -91,9 +91,12 @@ class TrainerActor(Actor):
         import torch.distributed as dist
 
         if self.trainer is None:
+            if self.spec.torch_threads:
+                torch.set_num_threads(self.spec.torch_threads)
             self.trainer = Trainer(self.spec)
         return {
             "rank": dist.get_rank(), "world": dist.get_world_size(), "step": self.trainer.step, "pid": os.getpid(),
+            "threads": torch.get_num_threads(),
             "params": sum(p.numel() for p in self.trainer.model.parameters()),
         }
 

@@ -20,7 +20,8 @@ Plain Python in the launching process, holding actor meshes. One step:
    generator used.
 
 Supervision (`mesh.supervision`, docs/supervision.md): with a `Supervisor`, a
-generator that dies is replaced and its in-flight requests are re-issued
+generator that dies, or hangs past its call's `Deadline` (its process is then
+killed), is replaced and its in-flight requests are re-issued
 (same group id and seed; a group whose id is no longer outstanding is dropped,
 so none is trained twice) after the replacement loaded the newest published
 weights; a dead replay actor is replaced and restored; a dead trainer mesh is
@@ -47,7 +48,7 @@ from configs.sections.loss import PolicyLossConfig
 from mesh.packing import PairTokens, make_hint, pack_batch, pair_tokens, select_rollouts
 from mesh.rollout_exchange import shard_points, train_step_sharded
 from mesh.supervision import (
-    ControllerState, Supervisor, is_actor_failure, is_alive, load_state, oldest_checkpoint, save_state,
+    ActorHung, ControllerState, Deadline, Supervisor, is_actor_failure, is_alive, load_state, oldest_checkpoint, save_state,
 )
 from mesh.weight_sync import Publication, TopologySync
 from mesh.weight_sync_baseline import rank0
@@ -68,6 +69,8 @@ class ControllerConfig:
     dpo_reference: bool = True  # score pairs with the trainer's π_ref (DPO; TrainerActor.score(reference=True))
     sampling: SamplingParams | None = None  # None: each generator's configured sampling
     state_dir: str = ""  # where a ControllerState is saved each step (beside the trainer checkpoints); "" = memory only
+    deadline: Deadline | None = None  # per `generate` call: past it the generator is taken as hung; None = no bound
+    tokens_per_request: int = 0  # sampled tokens one request can cost: group_size × max_new_tokens × max_turns
 
 
 @dataclass
@@ -164,6 +167,7 @@ class Controller:
         self._wsync_lock = threading.RLock()  # async workers re-plan it after a respawn while the controller publishes
         self._shards: list | None = None  # the trainer's (mesh point, rank, world), kept until it restarts
         self._last_state: ControllerState | None = None
+        self._s_per_token = 0.0  # the slowest answered `generate` call's seconds per token (feeds the deadline)
         if state is not None:
             if state.version != self.version:
                 raise ValueError(f"controller state is for version {state.version}, the trainer is at {self.version}")
@@ -213,8 +217,10 @@ class Controller:
                 exc = again
 
     def _replace_dead(self, exc: BaseException) -> None:
-        if self.supervisor is None or not is_actor_failure(exc):
+        if self.supervisor is None:
             raise exc
+        if not is_actor_failure(exc) and is_alive(self.trainer.policy_version.call):
+            raise exc  # a real error; when a trainer rank dies its peers' collectives raise one first (probed here)
         if self.replay is not None and not is_alive(self.replay.info.call_one):
             self.replay = self.supervisor.replace("replay", 0, exc)
         for i, g in enumerate(self.generators):
@@ -243,6 +249,21 @@ class Controller:
         k = len(self.generators)
         return [n // k + (1 if i < n % k else 0) for i in range(k)]
 
+    def _answer(self, index: int, future: Any, requests: int, issued: float) -> list[RolloutGroup]:
+        """Generator `index`'s groups for a `generate` call of `requests` requests issued at `issued`
+        (time.monotonic); raises `ActorHung` when the call outlives its deadline (cfg.deadline)."""
+        tokens = requests * self.cfg.tokens_per_request
+        if self.cfg.deadline is None or tokens == 0:
+            return future.get()
+        limit = self.cfg.deadline.seconds(tokens, self._s_per_token)
+        try:
+            groups = future.get(timeout=max(0.01, issued + limit - time.monotonic()))
+        except TimeoutError as exc:
+            raise ActorHung(f"generator {index} did not answer {requests} requests ({tokens} tokens) "
+                            f"within its {limit:.1f} s deadline") from exc
+        self._s_per_token = max(self._s_per_token, (time.monotonic() - issued) / tokens)
+        return groups
+
     def _generate_sync(self) -> list[RolloutGroup]:
         """This step's groups. A dead generator's share is re-issued, unchanged, to its replacement:
         the same batch with the same weights and seed samples the same rollouts."""
@@ -254,11 +275,12 @@ class Controller:
                 at += n
         groups: list[RolloutGroup] = []
         while shares:
+            issued = time.monotonic()
             calls = [(i, share, self.generators[i].generate.call_one(share, self.cfg.sampling)) for i, share in shares]
             lost = []
             for i, share, future in calls:
                 try:
-                    groups += self.prompts.accept(future.get())
+                    groups += self.prompts.accept(self._answer(i, future, len(share), issued))
                 except Exception as exc:
                     self._replace_generator(i, exc)
                     self.prompts.lose(share)
@@ -422,7 +444,9 @@ class Controller:
                     if publication is not None and publication.version != loaded and self._sealed(index, publication):
                         loaded = self._load(index, publication)
                     requests = self.prompts.take(n)
-                    out.put(self.prompts.accept(gen.generate.call_one(requests, self.cfg.sampling).get()))
+                    issued = time.monotonic()
+                    future = gen.generate.call_one(requests, self.cfg.sampling)
+                    out.put(self.prompts.accept(self._answer(index, future, len(requests), issued)))
                 except Exception as exc:
                     self.prompts.lose(requests)
                     self._replace_generator(index, exc)

@@ -29,6 +29,10 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
+import os
+import signal
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,7 +56,10 @@ class Placement:
     generator_procs: list[Any] = field(default_factory=list)  # per generator: its single-process proc mesh (view)
     generator_hosts: list[Any] = field(default_factory=list)  # per generator: the host mesh of its host
     trainer_procs: Any = None
+    generator_pids: list[int] = field(default_factory=list)  # per generator: its OS pid (a hung one cannot say)
+    retired_pids: set[int] = field(default_factory=set)  # processes killed as hung
     _names: Any = field(default_factory=itertools.count)
+    _pids_written: int | None = None  # the restart count processes.json was last written at
 
     def stop(self) -> None:
         for procs in self.proc_meshes:
@@ -66,6 +73,16 @@ class Placement:
         if self.replay is not None:
             out["replay"] = [self.replay.info.call_one().get()["pid"]]
         return out
+
+    def write_pids(self, path: Any, restarts: int = 0) -> None:
+        """Write `{"controller": [pid], role: [pids]}` to `path` (processes.json) when `restarts` (the supervisor's
+        count so far) differs from the last write's, so the file names the live processes after a replacement."""
+        if self._pids_written == restarts:
+            return
+        tmp = Path(path).with_suffix(".tmp")
+        tmp.write_text(json.dumps({"controller": [os.getpid()], **self.pids()}))
+        os.replace(tmp, path)
+        self._pids_written = restarts
 
     def _fresh_proc(self, hosts: Any) -> Any:
         procs = hosts.spawn_procs(per_host={"gpus": 1})
@@ -81,13 +98,31 @@ class Placement:
         procs = None
         if self.cfg.respawn == "live":
             live = [j for j, g in enumerate(self.generators)
-                    if j != index and is_alive(g.policy_version.call_one, timeout_s=5.0)]
+                    if j != index and self.generator_pids[j] not in self.retired_pids
+                    and is_alive(g.policy_version.call_one, timeout_s=5.0)]
             procs = self.generator_procs[live[0]] if live else None
         if procs is None:
             procs = self._fresh_proc(self.generator_hosts[index])
         actor = procs.spawn(f"generator-r{next(self._names)}", GeneratorActor, self.specs["generator"])
         self.generators[index], self.generator_procs[index] = actor, procs
+        self.generator_pids[index] = actor.info.call_one().get()["pid"]
         return actor
+
+    def retire_generator(self, index: int) -> None:
+        """Kill hung generator `index`'s process (SIGKILL also ends a stopped one); Monarch then reports it dead
+        like any other. On a cluster backend the process is on another host: its proc mesh is stopped instead."""
+        pid = self.generator_pids[index]
+        self.retired_pids.add(pid)
+        if self.cfg.backend == "local":
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            return
+        try:
+            self.generator_procs[index].stop().get(timeout=30)
+        except Exception:  # noqa: BLE001 — a wedged host agent: the replacement goes ahead regardless
+            pass
 
     def restart_trainer(self) -> Any:
         """Stop the trainer mesh and start a new one resumed from the newest complete checkpoint."""
@@ -113,6 +148,21 @@ class Placement:
         self.replay = procs.spawn(f"teacher_replay-r{next(self._names)}", TeacherReplayActor, self.specs["replay"],
                                   self.trainer)
         return self.replay
+
+
+def torch_threads(cfg: MeshConfig, role: str, cpus: int) -> int:
+    """Torch threads per `role` ("trainer" | "generator") process: the configured count, else the host's `cpus`
+    shared by the processes placed on it (on `local` every role shares this host; two trainer threads were
+    measured 2-4x slower than one on an oversubscribed 2-core box). Hosts are taken as alike."""
+    configured = cfg.trainer_threads if role == "trainer" else cfg.generator_threads
+    if configured:
+        return configured
+    if cfg.backend == "local":
+        gens = cfg.generator_procs if cfg.placement == "disaggregated" else 0
+        share = cfg.trainer_procs + gens + cfg.replay_procs
+    else:
+        share = cfg.trainer_procs if role == "trainer" or cfg.placement == "colocated" else cfg.generator_procs
+    return max(1, cpus // share)
 
 
 def host_meshes(cfg: MeshConfig) -> tuple[Any, Any]:
@@ -193,4 +243,5 @@ def place(cfg: MeshConfig, trainer_spec: Any, generator_spec: Any, replay_spec: 
     generators, procs, gen_hosts = spawn_generators(cfg, [trainer_procs], generator_spec, meshes)
     replay = spawn_replay(cfg, replay_spec, trainer, meshes)
     specs = {"trainer": trainer_spec, "generator": generator_spec, "replay": replay_spec}
-    return Placement(trainer, generators, replay, setup, meshes, cfg, specs, procs, gen_hosts, trainer_procs)
+    pids = [g.info.call_one().get()["pid"] for g in generators]
+    return Placement(trainer, generators, replay, setup, meshes, cfg, specs, procs, gen_hosts, trainer_procs, pids)

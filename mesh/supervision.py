@@ -10,6 +10,11 @@ whose default `monarch.actor.unhandled_fault_hook` exits the controller:
 `install_fault_hook` replaces it with one that records the event, so the
 controller decides at the call site what to restart.
 
+A hung actor (alive, not answering: SIGSTOP, a wedged kernel) raises nothing;
+the controller bounds each `generate` call by a `Deadline` derived from the
+request and raises `ActorHung` past it, which counts as an actor failure: the
+supervisor kills the hung process (`retire_generator`) before replacing it.
+
 `Supervisor` holds the restart budget (`[mesh] max_restarts` per role) and the
 functions that make replacements (`mesh.placement.Placement`).
 `ControllerState` is what the controller needs to continue from a trainer
@@ -35,12 +40,32 @@ from actors.rollout import EpisodeRequest, RolloutGroup
 ROLES = ("generator", "trainer", "replay")
 
 
+class ActorHung(TimeoutError):
+    """An actor's call outlived its deadline: taken as dead (its process is killed, then it is replaced)."""
+
+
+@dataclass(frozen=True)
+class Deadline:
+    """How long a `generate` call of `tokens` sampled tokens may take before its generator counts as hung:
+    max(floor_s, tokens × max(s_per_token, slack × the slowest seconds per token measured in this run)).
+
+    The floor covers fixed costs (first-call warm-up, a weight load queued before the call); the per-token
+    term lets long requests run. Measured figures: docs/supervision.md ("Hung generators")."""
+
+    floor_s: float
+    s_per_token: float
+    slack: float = 4.0
+
+    def seconds(self, tokens: int, measured_s_per_token: float) -> float:
+        return max(self.floor_s, tokens * max(self.s_per_token, self.slack * measured_s_per_token))
+
+
 def is_actor_failure(exc: BaseException) -> bool:
-    """True when `exc` (or what it wraps) says an actor or its process died, not that its code raised."""
+    """True when `exc` (or what it wraps) says an actor or its process died or hung, not that its code raised."""
     from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
 
     while exc is not None:
-        if isinstance(exc, SupervisionError):
+        if isinstance(exc, (SupervisionError, ActorHung)):
             return True
         exc = exc.__cause__  # type: ignore[assignment]
     return False
@@ -56,20 +81,26 @@ def install_fault_hook(events: list[str]) -> None:
     monarch.actor.unhandled_fault_hook = record
 
 
-def is_alive(call: Any, timeout_s: float = 30.0) -> bool:
-    """Probe one actor with a cheap endpoint call (a `.call_one`/`.call` of an endpoint).
+def is_alive(call: Any, timeout_s: float = 30.0, retry_s: float = 2.0) -> bool:
+    """Probe one actor (or mesh) with a cheap endpoint call (a `.call_one`/`.call` of an endpoint).
 
-    A dead actor's call fails at once with `SupervisionError`; a busy one answers late, and one
-    that does not answer within `timeout_s` is taken as alive (busy), not dead."""
-    try:
-        call().get(timeout=timeout_s)
-    except TimeoutError:
+    A dead actor's call fails with `SupervisionError` once Monarch has noticed the death; a call sent to a process
+    that died before that waits far longer (measured ≈30 s on a 2-rank trainer), so the probe is re-sent every
+    `retry_s`: a fresh call after the supervision poll fails at once. One that no probe answers within `timeout_s`
+    is taken as alive (busy), not dead."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            call().get(timeout=max(0.01, min(retry_s, deadline - time.monotonic())))
+        except TimeoutError:
+            if time.monotonic() >= deadline:
+                return True
+            continue
+        except Exception as exc:
+            if is_actor_failure(exc):
+                return False
+            raise
         return True
-    except Exception as exc:
-        if is_actor_failure(exc):
-            return False
-        raise
-    return True
 
 
 @dataclass
@@ -79,7 +110,8 @@ class Restart:
     role: str
     index: int
     error: str
-    seconds: float
+    seconds: float  # building the replacement
+    started: float = 0.0  # time.monotonic() when the replacement began (a drill's detection time)
 
 
 @dataclass
@@ -89,13 +121,15 @@ class Supervisor:
     respawn_generator(i) → a new generator actor (weights not yet loaded);
     restart_trainer() → a new, set-up trainer mesh resumed from its newest checkpoint
     (None: the run has no checkpoints, a trainer failure ends it);
-    respawn_replay() → a new teacher-replay actor (state not yet restored).
+    respawn_replay() → a new teacher-replay actor (state not yet restored);
+    retire_generator(i) → kill generator i's process, called before its replacement when it hung.
     """
 
     max_restarts: int
     respawn_generator: Callable[[int], Any]
     restart_trainer: Callable[[], Any] | None = None
     respawn_replay: Callable[[], Any] | None = None
+    retire_generator: Callable[[int], None] | None = None
     restarts: list[Restart] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -115,10 +149,12 @@ class Supervisor:
             raise RuntimeError(f"the {role} died and cannot be restarted in this run") from exc
         with self.lock:
             self._charge(role, exc)
-            start = time.perf_counter()
+            start, started = time.perf_counter(), time.monotonic()
+            if role == "generator" and isinstance(exc, ActorHung) and self.retire_generator is not None:
+                self.retire_generator(index)  # a hung process would hold its memory (and its late answers)
             actor = make()
             error = f"{type(exc).__name__}: {exc}"[:300]
-            self.restarts.append(Restart(role, index, error, time.perf_counter() - start))
+            self.restarts.append(Restart(role, index, error, time.perf_counter() - start, started))
         return actor
 
 

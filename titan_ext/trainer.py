@@ -82,6 +82,7 @@ class TrainerSpec:
     loss: LossConfig = field(default_factory=LossConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     checkpoint_dir: str = ""
+    torch_threads: int = 0  # intra-op threads of each trainer process (mesh.placement.torch_threads); 0 = torch's
 
     @classmethod
     def from_job(cls, job: "JobConfig") -> "TrainerSpec":
@@ -116,6 +117,10 @@ class Trainer:
     """
 
     def __init__(self, spec: TrainerSpec, platform: Platform | None = None) -> None:
+        if spec.model.dtype != "float32":
+            raise ValueError(
+                f"model.dtype = {spec.model.dtype!r}: the trainer keeps float32 master weights (optimizer states and "
+                "updates in float32); for bfloat16 compute set parallelism.param_dtype = 'bfloat16' instead")
         self.spec = spec
         self.platform = platform or detect_platform(spec.model.device)
         self.device = ensure_process_group(self.platform)
@@ -224,6 +229,7 @@ class Trainer:
                 f"non-finite gradient norm ({float(grad_norm)}) at step {self.step + 1}; the step was skipped, "
                 "weights and optimizer state are unchanged (check the batch's advantages and logprobs)"
             )
+        lr = float(self.lr_scheduler.schedulers[0].get_last_lr()[0])  # this step's own (the scheduler moves next)
         self.optimizer.step()
         self.lr_scheduler.step()
         self.step += 1
@@ -233,7 +239,7 @@ class Trainer:
         metrics.update(
             step=float(self.step),
             grad_norm=float(grad_norm),
-            lr=float(self.lr_scheduler.schedulers[0].get_last_lr()[0]),
+            lr=lr,
         )
         metrics["time/step_s"] = time.perf_counter() - start
         if self.taid is not None:

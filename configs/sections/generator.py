@@ -16,4 +16,8 @@ class GeneratorConfig:
     temperature: float = option(1.0, ge=0.0, doc="Sampling temperature (0 = greedy).")
     top_p: float = option(1.0, gt=0.0, le=1.0, doc="Nucleus sampling mass.")
     top_k: int = option(0, ge=0, doc="Top-k sampling; 0 disables.")
+    dtype: str = option(
+        "float32", choices=("float32", "bfloat16"),
+        doc="Serving dtype of the engine's weights (HF and vLLM); the trainer's float32 export is cast on load.",
+    )
     gpu_memory_utilization: float = option(0.5, gt=0.0, le=1.0, doc="vLLM KV-cache share of GPU memory.")

@@ -24,3 +24,17 @@ class MeshConfig:
         "fresh", choices=("fresh", "live"),
         doc="Where a dead generator restarts: a fresh process or a live generator process (replay: always fresh).",
     )
+    trainer_threads: int = option(
+        0, ge=0, doc="torch intra-op threads per trainer process; 0 = the host's CPUs / the processes placed on it.",
+    )
+    generator_threads: int = option(
+        0, ge=0, doc="torch intra-op threads per generator process; 0 = the host's CPUs / the processes placed on it.",
+    )
+    hang_floor_s: float = option(
+        120.0, gt=0.0, doc="Least time a generate call gets before its generator counts as hung (killed, replaced).",
+    )
+    hang_s_per_token: float = option(
+        0.05, ge=0.0,
+        doc="Seconds per sampled token a generate call may take (group_size x max_new_tokens x max_turns per "
+            "request); the controller also allows 4x the slowest measured. Deadline = max(floor, tokens x bound).",
+    )

@@ -31,7 +31,9 @@ class ModelConfig:
     )
     seed: int = option(0, doc="seed of the random init and of the tiny assets", ge=0)
     dtype: Literal["float32", "bfloat16"] = option(
-        "float32", doc="parameter dtype of the built model", choices=("float32", "bfloat16")
+        "float32", choices=("float32", "bfloat16"),
+        doc="parameter dtype of a model built outside the trainer (conversion, assets); the trainer keeps float32 "
+        "master weights and refuses bfloat16 (use parallelism.param_dtype for bf16 compute)",
     )
     device: Literal["auto", "cpu", "cuda"] = option(
         "auto", doc="device kind; auto picks CUDA when visible", choices=("auto", "cpu", "cuda")

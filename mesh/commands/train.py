@@ -108,6 +108,33 @@ def resume_at_logged_step(trainer: Any, start: int, run_dir: Any, job: Any, stat
     return int(rank0(trainer.load_checkpoint.call(older[-1]).get()))
 
 
+def generator_spec(job: Any, weights: str) -> Any:
+    """The generators' `GeneratorSpec`: the recipe's weights, sampling, environment and device
+    (`[model] device`; "auto" resolves in each generator process)."""
+    from actors.generator import GeneratorSpec
+    from mesh.placement import torch_threads
+
+    return GeneratorSpec(model_dir=weights, tokenizer_dir=job.model.tokenizer_path, generator=job.generator,
+                         env=job.env, max_context_tokens=job.trainer.max_seq_len, device=job.model.device,
+                         seed=job.job.seed, torch_threads=torch_threads(job.mesh, "generator", os.cpu_count() or 1),
+                         python_path=job.job.python_path)
+
+
+def trainer_spec_for(job: Any, *, preference_pairs: bool) -> Any:
+    """The trainer's `TrainerSpec`; without a preference channel that can run (no replay actor, DiLoCo) the
+    frozen DPO reference — one more parameter copy per rank — is not built (`dpo_reference = "policy"`)."""
+    import dataclasses
+
+    from titan_ext.trainer import TrainerSpec
+
+    from mesh.placement import torch_threads
+
+    if not preference_pairs and job.trainer.dpo_reference == "frozen":
+        job = dataclasses.replace(job, trainer=dataclasses.replace(job.trainer, dpo_reference="policy"))
+    threads = torch_threads(job.mesh, "trainer", os.cpu_count() or 1)
+    return dataclasses.replace(TrainerSpec.from_job(job), torch_threads=threads)
+
+
 def run(args: argparse.Namespace) -> int:
     import sys
 
@@ -144,18 +171,16 @@ def train(job: Any, *, resume: bool = True, progress: bool = True) -> dict[str, 
     from transformers import AutoTokenizer
 
     from actors.episodes import ChatTokens
-    from actors.generator import GeneratorSpec
     from actors.teacher_replay import ReplaySpec
     from mesh.commands.serve_teachers import build_responder
     from mesh.controller import Controller, ControllerConfig
     from mesh.metrics import MetricsSink, plot_run
     from mesh.placement import place
-    from mesh.supervision import ControllerState, Supervisor, install_fault_hook, load_state
+    from mesh.supervision import ControllerState, Deadline, Supervisor, install_fault_hook, load_state
     from mesh.weight_sync_baseline import rank0
     from replay.hints import TemplateHintGenerator
     from replay.server import TeacherServer
     from titan_ext.hf_export import record_run_model
-    from titan_ext.trainer import TrainerSpec
 
     from envs.factory import check_task
     from envs.plugin import add_python_path
@@ -173,10 +198,7 @@ def train(job: Any, *, resume: bool = True, progress: bool = True) -> dict[str, 
     if job.diloco.enabled:  # each replica group checkpoints under replica_<g> (mesh.replicas); export group 0's
         checkpoints = checkpoints / "replica_0"
     record_run_model(run_dir, job.model, checkpoints)  # what `composer-mesh export` rebuilds
-    trainer_spec = TrainerSpec.from_job(job)
-    gen_spec = GeneratorSpec(model_dir=weights, tokenizer_dir=job.model.tokenizer_path, generator=job.generator,
-                             env=job.env, max_context_tokens=job.trainer.max_seq_len, seed=job.job.seed,
-                             python_path=job.job.python_path)
+    gen_spec = generator_spec(job, weights)
     server = None
     replay_spec = None
     if job.loss.beta > 0 and job.mesh.replay_procs > 0:
@@ -189,6 +211,7 @@ def train(job: Any, *, resume: bool = True, progress: bool = True) -> dict[str, 
             teachers = dataclasses.replace(teachers, base_url=server.url)
         replay = dataclasses.replace(job.replay, output_dir=str(run_dir / "replay"))
         replay_spec = ReplaySpec(replay, teachers, tokenizer_dir=job.model.tokenizer_path or weights)
+    trainer_spec = trainer_spec_for(job, preference_pairs=replay_spec is not None)
     weight_dir = str(weight_dir_for(job.job.name))
     supervised = not job.diloco.enabled  # DiLoCo replica groups (mesh.replicas) run without supervision
     state_dir = str(run_dir / job.checkpoint.folder / "controller") if job.checkpoint.enabled and supervised else ""
@@ -205,7 +228,7 @@ def train(job: Any, *, resume: bool = True, progress: bool = True) -> dict[str, 
         start = placement.trainer_setup[0]["step"]
         if state_dir and job.metrics.jsonl:
             start = resume_at_logged_step(placement.trainer, start, run_dir, job, state_dir)
-        (run_dir / "processes.json").write_text(json.dumps({"controller": [os.getpid()], **placement.pids()}))
+        placement.write_pids(run_dir / "processes.json")
         state = (load_state(state_dir, start) if state_dir else None) or ControllerState(
             start, start, start * job.trainer.prompts_per_step)  # a checkpoint from before controller states
         cfg = ControllerConfig(
@@ -215,15 +238,23 @@ def train(job: Any, *, resume: bool = True, progress: bool = True) -> dict[str, 
             weight_dir=weight_dir,
             pairs_per_step=job.trainer.prompts_per_step if placement.replay is not None else 0,
             dpo_reference=job.loss.preference.needs_reference, state_dir=state_dir,
+            deadline=Deadline(job.mesh.hang_floor_s, job.mesh.hang_s_per_token),
+            tokens_per_request=job.generator.group_size * job.generator.max_new_tokens * job.generator.max_turns,
         )
         supervisor = None
         if job.mesh.max_restarts > 0 and supervised:
             supervisor = Supervisor(job.mesh.max_restarts, placement.respawn_generator,
                                     placement.restart_trainer if state_dir else None,
-                                    placement.respawn_replay if placement.replay is not None else None)
+                                    placement.respawn_replay if placement.replay is not None else None,
+                                    placement.retire_generator)
         chat = ChatTokens(AutoTokenizer.from_pretrained(job.model.tokenizer_path or weights))
         metrics_cfg = dataclasses.replace(job.metrics, progress_bar=job.metrics.progress_bar and progress)
-        with MetricsSink(metrics_cfg, run_dir, job.trainer.steps, start) as sink:
+        with MetricsSink(metrics_cfg, run_dir, job.trainer.steps, start) as metrics_sink:
+            def sink(record: Any) -> None:  # each step: log it; after a replacement, name the new processes
+                metrics_sink(record)
+                if supervisor is not None:
+                    placement.write_pids(run_dir / "processes.json", len(supervisor.restarts))
+
             if job.diloco.enabled:
                 from mesh.replicas import ReplicaController
 

@@ -110,3 +110,21 @@ def test_generate_is_seeded_and_greedy_logprobs_are_zero(local_generator):
     g = local_generator.generate.call_one(requests, greedy).get()[0].rollouts
     assert g[0].token_ids == g[1].token_ids == g[2].token_ids  # greedy: one answer per prompt
     assert all(lp == 0.0 for r in g for lp in r.logprobs)
+
+
+def test_bf16_serving_dtype(generator_spec, tiny_assets):
+    """`[generator] dtype = "bfloat16"`: the engine holds bf16 weights and its logprobs are those of the bf16 model
+    (teacher-forced reference in bf16; bf16 rounding between cached and full forwards bounds the tolerance)."""
+    import dataclasses
+
+    from monarch.actor import this_proc
+    from transformers import AutoModelForCausalLM
+
+    from actors.generator import GeneratorActor
+
+    spec = dataclasses.replace(generator_spec, generator=dataclasses.replace(generator_spec.generator, dtype="bfloat16"))
+    gen = this_proc().spawn("gen_bf16", GeneratorActor, spec)
+    assert gen.info.call_one().get()["dtype"] == "bfloat16"
+    groups = gen.generate.call_one([EpisodeRequest(group_id=0, seed=5)], SAMPLING).get()
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_assets.dense_dir), dtype=torch.bfloat16).eval()
+    assert check_logprobs(model, [r for g in groups for r in g.rollouts], SAMPLING, tol=0.1) > 10

@@ -1,12 +1,14 @@
 """One supervised controller run for the fault drills (tests/mesh/test_mesh_faults.py), in a process of its own.
 
     python tests/mesh/fault_drill.py RESULT.json --assets DIR --run DIR --steps N \
-        [--kill-generator-at STEP] [--kill-trainer-at STEP] [--respawn fresh|live]
+        [--kill-generator-at STEP] [--stop-generator-at STEP] [--kill-trainer-at STEP] [--respawn fresh|live]
 
 Places a one-process trainer (checkpoints every 2 steps) and two generator
 processes, runs the sync controller with a `Supervisor`, and — when asked —
 SIGKILLs the OS process of generator 1 (pid from its `info` endpoint, 0.3 s
-after its step is recorded, so the kill lands in the next step's work) and of
+after its step is recorded, so the kill lands in the next step's work), SIGSTOPs
+it the same way (a hung generator: the controller's per-call deadline, floor
+`--hang-floor` seconds, must notice it) and SIGKILLs the OS process of
 the trainer (pid from `setup`, as its step is recorded). Writes
 per-step records (step, iteration, seeds, metrics), restarts, pids and final
 weight digests as JSON. Its own process so the supervision poll interval
@@ -20,6 +22,7 @@ import json
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 
 
@@ -31,6 +34,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--kill-generator-at", type=int, default=0, help="kill generator 1 after this step (0: never)")
     ap.add_argument("--kill-trainer-at", type=int, default=0, help="kill the trainer after this step (0: never)")
+    ap.add_argument("--stop-generator-at", type=int, default=0, help="SIGSTOP generator 1 after this step (0: never)")
+    ap.add_argument("--hang-floor", type=float, default=120.0, help="deadline floor of a generate call (seconds)")
+    ap.add_argument("--trainer-procs", type=int, default=1, help="trainer ranks (FSDP over gloo)")
+    ap.add_argument("--kill-trainer-rank", type=int, default=0, help="which trainer rank --kill-trainer-at kills")
     ap.add_argument("--respawn", choices=("fresh", "live"), default="fresh")
     args = ap.parse_args()
 
@@ -48,7 +55,7 @@ def main() -> None:
     from configs.sections.trainer import TrainerConfig
     from mesh.controller import Controller, ControllerConfig
     from mesh.placement import place
-    from mesh.supervision import Supervisor, install_fault_hook
+    from mesh.supervision import Deadline, Supervisor, install_fault_hook
     from mesh.weight_sync_baseline import rank0
     from replay.hints import TemplateHintGenerator
     from titan_ext.trainer import TrainerSpec
@@ -63,26 +70,38 @@ def main() -> None:
         optimizer=OptimizerConfig(name="adamw", lr=3e-3, weight_decay=0.0),
         loss=LossConfig(alpha=1.0, beta=0.0, policy=policy),
         checkpoint=CheckpointConfig(every_steps=2, keep_last=2), checkpoint_dir=str(run / "checkpoints"),
+        torch_threads=1,
     )
-    gen_spec = GeneratorSpec(model_dir=args.assets, max_context_tokens=160,
+    gen_spec = GeneratorSpec(model_dir=args.assets, max_context_tokens=160, torch_threads=1,
                              generator=GeneratorConfig(engine="hf", group_size=3, max_new_tokens=8, max_turns=2))
-    mesh = MeshConfig(trainer_procs=1, generator_procs=2, replay_procs=0, respawn=args.respawn)
+    mesh = MeshConfig(trainer_procs=args.trainer_procs, generator_procs=2, replay_procs=0, respawn=args.respawn)
     placement = place(mesh, spec, gen_spec)
     try:
-        supervisor = Supervisor(2, placement.respawn_generator, placement.restart_trainer)
+        supervisor = Supervisor(2, placement.respawn_generator, placement.restart_trainer,
+                                retire_generator=placement.retire_generator)
         cfg = ControllerConfig(steps=args.steps, prompts_per_step=4, max_seq_len=160, policy=policy,
                                weight_dir=str(run / "weights"), sampling=SamplingParams(1.0, max_new_tokens=8, seed=0),
-                               state_dir=str(run / "checkpoints" / "controller"))
+                               state_dir=str(run / "checkpoints" / "controller"),
+                               deadline=Deadline(args.hang_floor, mesh.hang_s_per_token), tokens_per_request=3 * 8 * 2)
         pids = placement.pids()
         killed: dict[str, int] = {}
 
+        run.mkdir(parents=True, exist_ok=True)
+        placement.write_pids(run / "processes.json")
+
         def on_step(record) -> None:
+            placement.write_pids(run / "processes.json", len(supervisor.restarts))  # as `train` does
             if record.step == args.kill_trainer_at and "trainer" not in killed:
-                killed["trainer"] = placement.trainer_setup[0]["pid"]
+                killed["trainer"] = placement.trainer_setup[args.kill_trainer_rank]["pid"]
+                killed["trainer_at"] = time.monotonic()
                 os.kill(killed["trainer"], signal.SIGKILL)
             if record.step == args.kill_generator_at and "generator" not in killed:
                 killed["generator"] = placement.generators[1].info.call_one().get()["pid"]
                 threading.Timer(0.3, os.kill, (killed["generator"], signal.SIGKILL)).start()
+            if record.step == args.stop_generator_at and "stopped" not in killed:
+                killed["stopped"] = placement.generators[1].info.call_one().get()["pid"]
+                killed["stopped_at"] = time.monotonic() + 0.3
+                threading.Timer(0.3, os.kill, (killed["stopped"], signal.SIGSTOP)).start()
 
         chat = ChatTokens(AutoTokenizer.from_pretrained(args.assets))
         ctl = Controller(cfg, placement.trainer, placement.generators, chat, hinter=TemplateHintGenerator(),
@@ -92,11 +111,19 @@ def main() -> None:
             "records": [{"step": h.step, "iteration": h.iteration, "seeds": h.seeds, "seconds": h.seconds,
                          "metrics": {k: v for k, v in h.metrics.items() if not k.startswith("time/")}}
                         for h in history],
-            "restarts": [r.role for r in supervisor.restarts], "pids_before": pids, "killed": killed,
-            "pids_after": placement.pids(),
+            "restarts": [r.role for r in supervisor.restarts], "restart_errors": [r.error for r in supervisor.restarts],
+            "kill_to_trainer_restart_s": [r.started - killed["trainer_at"] for r in supervisor.restarts
+                                          if r.role == "trainer"],
+            "trainer_restart_build_s": [r.seconds for r in supervisor.restarts if r.role == "trainer"],
+            "stop_to_restart_s": [r.started - killed["stopped_at"] for r in supervisor.restarts
+                                  if "stopped_at" in killed and r.started > killed["stopped_at"]],
+            "pids_before": pids, "killed": killed,
+            "pids_after": placement.pids(), "processes_json": json.loads((run / "processes.json").read_text()),
             "trainer_digest": rank0(ctl.trainer.weights_digest.call().get()),
             "generator_digests": [g.weights_digest.call_one().get() for g in ctl.generators],
             "fault_events": len(events),
+            "threads": [placement.trainer_setup[0]["threads"]] + [g.info.call_one().get()["threads"]
+                                                                  for g in ctl.generators],
         }
     finally:
         placement.stop()

@@ -6,6 +6,10 @@
   is trained again). The run ends at the configured step, every requested
   prompt seed is trained exactly once, and per-step metrics and the final
   weights equal an uninterrupted run's bitwise.
+- Hung generator (same script): generator 1's process is SIGSTOPped during
+  step 2's work; its `generate` call outlives the deadline (floor 20 s), the
+  process is killed and replaced on a fresh one, the share re-issued: seeds
+  0–7 trained once, steps 1–2 bitwise equal to the uninterrupted run's.
 - Controller: `composer-mesh train` with the local teacher server, SIGKILLed
   between steps (no teacher call in flight), then run again: the step log is
   contiguous up to the configured count, the server's request log shows
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -41,10 +46,10 @@ def child_env(cache: Path) -> dict[str, str]:
                 **FAST_SUPERVISION)
 
 
-def drill(tmp_path: Path, tiny_assets, name: str, *flags: str) -> dict:
+def drill(tmp_path: Path, tiny_assets, name: str, *flags: str, steps: int = 4) -> dict:
     out = tmp_path / f"{name}.json"
     cmd = [sys.executable, str(DRILL), str(out), "--assets", str(tiny_assets.dense_dir), "--run", str(tmp_path / name),
-           "--steps", "4", *flags]
+           "--steps", str(steps), *flags]
     proc = subprocess.run(cmd, cwd=REPO, env=child_env(tiny_assets.root.parents[1]), capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -64,6 +69,35 @@ def runs(tmp_path_factory, tiny_assets):
 
 
 SLOW = pytest.mark.timeout(1500)  # two child runs in the fixture; a loaded 2-core box stretches them
+HANG_FLOOR_S = 20.0  # the deadline floor in the hung drill; the others keep the default (120 s)
+
+
+@SLOW
+def test_hung_generator_is_replaced_within_its_deadline(runs, tmp_path, tiny_assets):
+    base, _ = runs
+    hit = drill(tmp_path, tiny_assets, "hung", "--stop-generator-at", "1", "--hang-floor", str(HANG_FLOOR_S),
+                steps=2)
+    assert hit["restarts"] == ["generator"] and "ActorHung" in hit["restart_errors"][0], hit["restart_errors"]
+    stopped = hit["killed"]["stopped"]
+    assert stopped in hit["pids_before"]["generator"] and stopped not in hit["pids_after"]["generator"]
+    with pytest.raises(ProcessLookupError):  # killed, not left stopped
+        os.kill(stopped, 0)
+    (detected,) = hit["stop_to_restart_s"]
+    deadline = float(re.search(r"within its ([0-9.]+) s deadline", hit["restart_errors"][0]).group(1))
+    steps = last_per_step(hit)
+    # deadline = max(floor, tokens × max(bound, 4 × the slowest measured s/token)); the call was issued ≤ 0.3 s
+    # before the SIGSTOP, so the replacement begins at most one deadline after it
+    assert HANG_FLOOR_S <= deadline < 60 and detected <= deadline + 1.0, \
+        f"replacement began {detected:.1f} s after the SIGSTOP (deadline {deadline:.1f} s)"
+    print(f"hung generator: deadline {deadline:.1f} s, replacement began {detected:.1f} s after SIGSTOP, "
+          f"step 2 took {steps[2]['seconds']:.1f} s")
+    trained = [s for r in steps.values() for s in r["seeds"]]
+    assert sorted(trained) == list(range(2 * 4)), trained  # every seed once: none lost, none trained twice
+    ref = last_per_step(base)
+    for step in (1, 2):
+        assert steps[step]["seeds"] == ref[step]["seeds"]
+        assert steps[step]["metrics"] == ref[step]["metrics"], f"step {step} differs after the hang"
+    assert set(hit["generator_digests"]) == {hit["trainer_digest"]}
 
 
 @SLOW
@@ -72,6 +106,7 @@ def test_generator_sigkill_loses_no_rollout_group(runs):
     assert hit["restarts"].count("generator") == 1
     killed = hit["killed"]["generator"]
     assert killed in hit["pids_before"]["generator"] and killed not in hit["pids_after"]["generator"]
+    assert hit["processes_json"] == {"controller": hit["processes_json"]["controller"], **hit["pids_after"]}
     survivor = next(p for p in hit["pids_before"]["generator"] if p != killed)
     assert hit["pids_after"]["generator"] == [survivor, survivor]  # respawn = "live": on the surviving process
     steps = last_per_step(hit)
@@ -89,6 +124,7 @@ def test_generator_sigkill_loses_no_rollout_group(runs):
 def test_trainer_sigkill_resumes_bitwise(runs):
     base, hit = runs
     assert base["restarts"] == [] and hit["restarts"].count("trainer") == 1
+    assert base["threads"] == hit["threads"] == [1, 1, 1]  # [mesh] trainer_threads / generator_threads, respawns too
     assert hit["killed"]["trainer"] == hit["pids_before"]["trainer"][0] != hit["pids_after"]["trainer"][0]
     # checkpoints every 2 steps: killed after step 3, the trainer restarted from step 2 and trained step 3 again
     assert [r["step"] for r in hit["records"]] == [1, 2, 3, 3, 4]
@@ -101,6 +137,26 @@ def test_trainer_sigkill_resumes_bitwise(runs):
     assert hit["records"][2]["metrics"] == hit["records"][3]["metrics"]  # step 3 before the kill and after it
     assert hit["trainer_digest"] == base["trainer_digest"]
     assert set(hit["generator_digests"]) == {base["trainer_digest"]}
+
+
+@SLOW
+def test_dead_rank_of_a_two_rank_trainer_is_noticed_in_seconds(tmp_path, tiny_assets):
+    """FSDP over 2 gloo ranks, rank 1 SIGKILLed after step 3: rank 0's collective fails first (gloo: connection
+    closed, an ordinary error), the controller's liveness probe finds the dead rank, the trainer mesh restarts from
+    the step-2 checkpoint and step 3 is trained again bitwise."""
+    hit = drill(tmp_path, tiny_assets, "rank1", "--trainer-procs", "2", "--kill-trainer-at", "3",
+                "--kill-trainer-rank", "1")
+    assert hit["restarts"] == ["trainer"], hit["restart_errors"]
+    (noticed,) = hit["kill_to_trainer_restart_s"]
+    (rebuilt,) = hit["trainer_restart_build_s"]
+    print(f"2-rank trainer: restart began {noticed:.1f} s after the SIGKILL of rank 1, new mesh set up in {rebuilt:.1f} s")
+    assert noticed < 15, f"the dead rank was noticed {noticed:.1f} s after its SIGKILL"
+    killed = hit["killed"]["trainer"]
+    assert killed == hit["pids_before"]["trainer"][1] and killed not in hit["pids_after"]["trainer"]
+    assert [r["step"] for r in hit["records"]] == [1, 2, 3, 3, 4]
+    assert hit["records"][2]["seeds"] == hit["records"][3]["seeds"]
+    assert hit["records"][2]["metrics"] == hit["records"][3]["metrics"]  # from the step-2 checkpoint, bitwise
+    assert set(hit["generator_digests"]) == {hit["trainer_digest"]}
 
 
 def unresolved_intents(journal: Path) -> int:
@@ -117,33 +173,79 @@ def unresolved_intents(journal: Path) -> int:
     return len(intents - results)
 
 
+def kill_between_teacher_calls(proc: subprocess.Popen, run: Path, after_rows: int, victim) -> tuple[int | None, int]:
+    """Once `after_rows` steps are logged, SIGKILL `victim(replay pid)` at a moment the replay process (the only
+    teacher client, frozen while checking) has no teacher call in flight. Returns (rows logged then, killed pid)."""
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and proc.poll() is None:
+        rows = (run / "metrics.jsonl").read_text().splitlines() if (run / "metrics.jsonl").exists() else []
+        if len(rows) >= after_rows:
+            replay_pid = json.loads((run / "processes.json").read_text())["replay"][0]
+            os.kill(replay_pid, signal.SIGSTOP)
+            if unresolved_intents(run / "replay" / "cache.jsonl") == 0:
+                pid = victim(replay_pid)
+                os.kill(pid, signal.SIGKILL)
+                return len(rows), pid
+            os.kill(replay_pid, signal.SIGCONT)
+        time.sleep(0.05)
+    return None, 0
+
+
+def teacher_cmd(tmp_path: Path, steps: int, log: Path) -> tuple[list[str], Path]:
+    """The train command of the short demo recipe with the local teacher server logging its requests to `log`."""
+    recipe = tmp_path / "demo.toml"
+    recipe.write_text(RECIPE.format(repo=REPO, out=tmp_path / "runs"))  # the train command test's short demo run
+    cmd = [sys.executable, "-m", "mesh.cli", "train", "--no-progress", str(recipe), f"--trainer.steps={steps}",
+           "--checkpoint.every_steps=1", f"--replay.local_server.request_log={log}",
+           "--replay.concurrency=1"]  # one state at a time: each step asks the teachers, no pairs pile up
+    return cmd, tmp_path / "runs" / "debug_cpu"
+
+
+@SLOW
+def test_replay_sigkill_respawns_restores_and_repeats_no_teacher_call(tmp_path, tiny_assets):
+    """The replay actor's process is SIGKILLed between teacher calls after step 2; the controller replaces it on a
+    fresh process, restores its queue and ready pairs from the last controller state, and the run ends at step 4
+    with no teacher request sent twice and processes.json naming the new replay process."""
+    steps = 4
+    log = tmp_path / "teacher_requests.jsonl"
+    cmd, run = teacher_cmd(tmp_path, steps, log)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(tiny_assets.root.parents[1]), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        killed_at, killed = kill_between_teacher_calls(proc, run, 2, lambda replay_pid: replay_pid)
+        kill_t = time.monotonic()  # CLOCK_MONOTONIC: the same clock as the controller's Restart.started
+        out, err = proc.communicate(timeout=900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-4000:]
+    assert killed_at is not None and killed_at < steps
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert [r["role"] for r in summary["restarts"]] == ["replay"] and summary["final_step"] == steps
+    noticed, rebuilt = summary["restarts"][0]["started"] - kill_t, summary["restarts"][0]["seconds"]
+    # noticed at the controller's next call to the replay actor (once per step) plus the supervision poll
+    assert noticed < 60, f"the dead replay actor was noticed {noticed:.1f} s after its SIGKILL"
+    replay_pid = json.loads((run / "processes.json").read_text())["replay"][0]
+    assert replay_pid != killed  # rewritten after the restart
+    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert sorted({r["step"] for r in logged}) == list(range(1, steps + 1))
+    assert any(r["step"] > killed_at and r["preference/pairs"] > 0 for r in logged)  # the new actor makes pairs
+    requests = [json.loads(line) for line in log.read_text().splitlines()]
+    repeated = {k: n for k, n in Counter(r["key"] for r in requests).items() if n > 1}
+    assert repeated == {}, f"teacher requests sent twice after the replay restart: {repeated}"
+    print(f"replay drill: killed after {killed_at} logged steps, replacement began {noticed:.1f} s later and took "
+          f"{rebuilt:.1f} s; {len(requests)} teacher requests, none repeated")
+
+
 @SLOW
 def test_controller_sigkill_then_resume_loses_no_step_and_repeats_no_teacher_call(tmp_path, tiny_assets):
     steps, kill_after = 4, 2
     log = tmp_path / "teacher_requests.jsonl"
-    recipe = tmp_path / "demo.toml"
-    recipe.write_text(RECIPE.format(repo=REPO, out=tmp_path / "runs"))  # the train command test's short demo run
-    run = tmp_path / "runs" / "debug_cpu"
-    cmd = [sys.executable, "-m", "mesh.cli", "train", "--no-progress", str(recipe), f"--trainer.steps={steps}",
-           "--checkpoint.every_steps=1", f"--replay.local_server.request_log={log}",
-           "--replay.concurrency=1"]  # one state at a time: each step asks the teachers, no pairs pile up
+    cmd, run = teacher_cmd(tmp_path, steps, log)
     env = child_env(tiny_assets.root.parents[1])
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        deadline = time.monotonic() + 600
-        killed_at = None
-        while killed_at is None and time.monotonic() < deadline and proc.poll() is None:
-            rows = (run / "metrics.jsonl").read_text().splitlines() if (run / "metrics.jsonl").exists() else []
-            if len(rows) >= kill_after:
-                # freeze the replay process (the only teacher client), and kill only while no call is in flight
-                replay_pid = json.loads((run / "processes.json").read_text())["replay"][0]
-                os.kill(replay_pid, signal.SIGSTOP)
-                if unresolved_intents(run / "replay" / "cache.jsonl") == 0:
-                    killed_at = len(rows)
-                    os.kill(proc.pid, signal.SIGKILL)
-                else:
-                    os.kill(replay_pid, signal.SIGCONT)
-            time.sleep(0.05)
+        killed_at, _ = kill_between_teacher_calls(proc, run, kill_after, lambda replay_pid: proc.pid)
         assert proc.wait(timeout=60) == -signal.SIGKILL, proc.stderr.read().decode()[-4000:]
     finally:
         if proc.poll() is None:
@@ -203,3 +305,15 @@ def test_controller_state_file_is_replaced_atomically(tmp_path):
     state_path(tmp_path, 1).write_bytes(b"not a pickle of a state")
     with pytest.raises(Exception):
         load_state(tmp_path, 1)
+
+
+def test_deadline_grows_with_the_request_and_the_measured_speed():
+    from mesh.supervision import ActorHung, Deadline, is_actor_failure
+
+    d = Deadline(floor_s=20.0, s_per_token=0.05)
+    assert d.seconds(100, 0.0) == 20.0  # short call: the floor
+    assert d.seconds(1000, 0.0) == pytest.approx(50.0)  # the configured bound
+    assert d.seconds(1000, 0.1) == pytest.approx(400.0)  # 4x the slowest measured, when that is slower
+    hung = RuntimeError("step failed")
+    hung.__cause__ = ActorHung("generator 1 did not answer")
+    assert is_actor_failure(hung) and not is_actor_failure(TimeoutError("a slow HTTP call"))

@@ -96,3 +96,35 @@ def test_train_command_runs_and_resumes(tmp_path, tiny_assets):
     assert main(["export", str(run), str(tmp_path / "export")]) == 0
     final, exported = load_file(run / "hf" / "model.safetensors"), load_file(tmp_path / "export" / "model.safetensors")
     assert final.keys() == exported.keys() and all(final[k].equal(exported[k]) for k in final)
+
+
+def test_role_specs_follow_the_recipe():
+    """The generators get `[model] device` (they stayed on CPU on GPU hosts); the frozen DPO reference — one more
+    parameter copy per trainer rank — is built only when a preference channel can run (a replay actor)."""
+    from configs.loader import load_config
+    from mesh.commands.train import generator_spec, trainer_spec_for
+
+    for device in ("auto", "cpu", "cuda"):
+        job = load_config(REPO / "configs" / "debug_cpu.toml", [f"--model.device={device}"])
+        assert generator_spec(job, "/weights").device == device
+    job = load_config(REPO / "configs" / "debug_cpu.toml", ["--trainer.dpo_reference=frozen"])
+    assert job.loss.beta > 0 and job.loss.preference.kind == "dpo"
+    assert trainer_spec_for(job, preference_pairs=True).trainer.dpo_reference == "frozen"
+    without = trainer_spec_for(job, preference_pairs=False)
+    assert without.trainer.dpo_reference == "policy" and without.trainer.steps == job.trainer.steps
+    assert without.loss == job.loss and without.model == job.model
+
+
+def test_torch_threads_share_the_host():
+    """0 = the host's CPUs over the processes placed on it (local: all roles share this host); set = as set."""
+    from configs.sections.mesh import MeshConfig
+    from mesh.placement import torch_threads
+
+    local = MeshConfig(trainer_procs=2, generator_procs=3, replay_procs=1)
+    assert [torch_threads(local, r, 12) for r in ("trainer", "generator")] == [2, 2]
+    assert torch_threads(local, "trainer", 2) == 1  # never 0
+    colocated = MeshConfig(placement="colocated", trainer_procs=2, replay_procs=0)
+    assert torch_threads(colocated, "generator", 8) == 4
+    cluster = MeshConfig(backend="slurm", trainer_procs=8, generator_procs=2)
+    assert [torch_threads(cluster, r, 64) for r in ("trainer", "generator")] == [8, 32]
+    assert torch_threads(MeshConfig(trainer_threads=3, generator_threads=5), "generator", 64) == 5

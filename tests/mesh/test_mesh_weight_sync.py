@@ -291,3 +291,35 @@ def test_rollout_exchange_sends_each_rank_only_its_shard(meshes):
     points = shard_points(trainer)
     assert sorted(r for _, r, _ in points) == [0, 1] and {w for _, _, w in points} == {2}
     assert batch.shard(0, 2).tokens_BL.shape[0] == 3  # each rank gets 3 of 5 (padded) rows, not 5
+
+
+def test_failed_pull_fails_waiting_loads_in_seconds(tmp_path):
+    """A pull that fails (here: a trainer rank's buffers do not match its runs) marks its version as not coming,
+    so a load waiting on that host raises within moments naming the cause instead of after `timeout_s`."""
+    import threading
+
+    from actors.shm_weights import Piece, RemoteSource, pull_pieces
+
+    root, layout = str(tmp_path), _layout(n=2, rows=4)
+    outcome: dict = {}
+
+    def load() -> None:
+        start = time.monotonic()
+        try:
+            PinnedSegment.open(root, "h", 3, "tok3", timeout_s=120)
+        except Exception as exc:  # noqa: BLE001 — the test inspects it
+            outcome["error"] = exc
+        outcome["waited_s"] = time.monotonic() - start
+
+    waiting = threading.Thread(target=load)
+    waiting.start()
+    time.sleep(0.3)  # the load is waiting for v3 when the pull fails
+    bad = RemoteSource(rank=1, pieces=[Piece(0, 64), Piece(64, 64)], buffers=[object()])
+    with pytest.raises(ValueError, match="exposed 1 buffers for 2 runs"):
+        pull_pieces(root, "h", 3, "tok3", layout, [bad], parties=1, keep=2, bucket_bytes=1 << 20)
+    waiting.join(timeout=30)
+    assert not waiting.is_alive()
+    assert isinstance(outcome["error"], RuntimeError) and "exposed 1 buffers" in str(outcome["error"])
+    assert outcome["waited_s"] < 5, f"the waiting load noticed the failed pull after {outcome['waited_s']:.1f} s"
+    with pytest.raises(FileNotFoundError):  # another sync's token is not affected: it waits out its timeout
+        PinnedSegment.open(root, "h", 3, "other", timeout_s=0.05)

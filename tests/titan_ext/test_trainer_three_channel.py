@@ -110,6 +110,17 @@ def test_every_step_has_three_active_channels(tiny_assets):
         assert min(abs(metrics[f"{c}/loss"]) for c in ("policy", "distill", "preference")) > 0
 
 
+def test_logged_lr_is_the_steps_own(tiny_assets):
+    """Each step logs the LR its optimizer step ran at: warmup_steps = 1 and a linear decay to 0 over the
+    D = STEPS − 1 steps after it (the [optimizer] docs: step s runs at factor 1 − (s − W) / D after warmup)."""
+    from test_trainer_harness import STEPS
+
+    history = single_run(str(tiny_assets.dense_dir))["history"]["single_adamw"]
+    warmup, decay = 1, STEPS - 1
+    expected = [0.02 * (1.0 if s < warmup else 1.0 - (s - warmup) / decay) for s in range(STEPS)]
+    assert [m["lr"] for m in history] == pytest.approx(expected, rel=1e-6)
+
+
 def test_sequence_level_is_weights_each_packed_rollout(tiny_assets, tmp_path):
     """`is_level = "sequence"` on the trainer's path: two rollouts per packed row, each weighted
     by its own ratio product (the trainer's sequence ids come from the positions)."""
@@ -136,3 +147,13 @@ def test_taid_schedule_advances_and_is_saved(tiny_assets, tmp_path, adaptive):
     assert all(b >= a for a, b in zip(t, t[1:])) and t[-1] > t[0] and t[-1] <= 1.0
     assert all(d > 0 for d in result["distill"])  # TAID's cross-entropy to the interpolated target
     assert result["saved"]["t"] == pytest.approx(t[-1])
+
+
+def test_bf16_master_weights_are_refused_naming_the_key():
+    """`[model] dtype` is not the trainer's master-weight dtype: bfloat16 there is refused before anything is built,
+    with the key to use instead (its masters stay float32; FSDP computes in `parallelism.param_dtype`)."""
+    from configs.sections.model import ModelConfig
+    from titan_ext.trainer import Trainer, TrainerSpec
+
+    with pytest.raises(ValueError, match=r"model\.dtype = 'bfloat16'.*parallelism\.param_dtype"):
+        Trainer(TrainerSpec(model=ModelConfig(flavour="tiny", device="cpu", dtype="bfloat16")))
