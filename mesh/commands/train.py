@@ -102,6 +102,14 @@ def resume_at_logged_step(trainer: Any, start: int, run_dir: Any, job: Any, stat
     return int(rank0(trainer.load_checkpoint.call(older[-1]).get()))
 
 
+def heldout_line(heldout: dict[str, dict[str, float]]) -> str:
+    """The summary's one-line held-out before/after."""
+    b, a = heldout["before"], heldout["after"]
+    return (f"held-out reward: greedy {b['eval/heldout_greedy']:.3f} -> {a['eval/heldout_greedy']:.3f}, "
+            f"sampled {b['eval/heldout_sampled']:.3f} -> {a['eval/heldout_sampled']:.3f} "
+            f"(step {b['step']} -> {a['step']})")
+
+
 def run(args: argparse.Namespace) -> int:
     import sys
 
@@ -125,14 +133,17 @@ def train(job: Any, *, resume: bool = True, progress: bool = True) -> dict[str, 
     """The whole run; returns the summary written to `<run dir>/summary.json`."""
     import dataclasses
     import json
+    import sys
 
     from transformers import AutoTokenizer
 
     from actors.episodes import ChatTokens
     from actors.generator import GeneratorSpec
+    from actors.rollout import SamplingParams
     from actors.teacher_replay import ReplaySpec
     from mesh.commands.serve_teachers import build_responder
     from mesh.controller import Controller, ControllerConfig
+    from mesh.evaluation import EvalConfig
     from mesh.metrics import MetricsSink, plot_run
     from mesh.placement import place
     from mesh.supervision import ControllerState, Supervisor, install_fault_hook, load_state
@@ -140,6 +151,9 @@ def train(job: Any, *, resume: bool = True, progress: bool = True) -> dict[str, 
     from replay.server import TeacherServer
     from titan_ext.trainer import TrainerSpec
 
+    if job.diloco.enabled and job.trainer.eval_every > 0:
+        raise ValueError("trainer.eval_every > 0 is not supported with diloco.enabled (the replica loop has no "
+                         "held-out evaluation yet); set trainer.eval_every = 0")
     run_dir = Path(job.job.output_dir) / job.job.name
     run_dir.mkdir(parents=True, exist_ok=True)
     weights = model_dir(job)
@@ -188,6 +202,8 @@ def train(job: Any, *, resume: bool = True, progress: bool = True) -> dict[str, 
             weight_dir=weight_dir,
             pairs_per_step=job.trainer.prompts_per_step if placement.replay is not None else 0,
             dpo_reference=job.loss.preference.needs_reference, state_dir=state_dir,
+            eval=EvalConfig(job.trainer.eval_every, job.trainer.eval_samples,
+                            SamplingParams.from_config(job.generator, seed=job.job.seed)),
         )
         supervisor = None
         if job.mesh.max_restarts > 0 and supervised:
@@ -207,6 +223,9 @@ def train(job: Any, *, resume: bool = True, progress: bool = True) -> dict[str, 
                                         hinter=TemplateHintGenerator(), replay=placement.replay, on_step=sink,
                                         supervisor=supervisor, state=state)
             history = controller.run()
+            evals = getattr(controller, "evals", [])  # (step, metrics); the DiLoCo replica loop has none
+            if evals:
+                sink.scalars(*evals[0])  # the baseline (the later ones are in their steps' rows)
         if job.checkpoint.enabled and history and history[-1].step % job.checkpoint.every_steps:
             placement.trainer.save_checkpoint.call().get()  # the last step, unless the trainer just saved it
         replay_status = placement.replay.status.call_one().get() if placement.replay is not None else None
@@ -222,6 +241,10 @@ def train(job: Any, *, resume: bool = True, progress: bool = True) -> dict[str, 
                                "mesh_failures": len(fault_events)}  # Monarch supervision events seen
     if diloco_status is not None:
         summary["diloco"] = diloco_status
+    if evals:
+        summary["heldout"] = {"before": {"step": evals[0][0], **evals[0][1]},
+                              "after": {"step": evals[-1][0], **evals[-1][1]}}
+        print(heldout_line(summary["heldout"]), file=sys.stderr)
     if job.metrics.jsonl and (run_dir / "metrics.jsonl").exists():
         if job.metrics.plot:
             summary["plot"] = str(plot_run(run_dir / "metrics.jsonl", run_dir / "plot.png"))
