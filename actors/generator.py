@@ -132,12 +132,14 @@ class GeneratorActor(Actor):
                 "params": params, "threads": torch.get_num_threads(), "dtype": dtype}
 
     @endpoint
-    def generate(self, requests: list[EpisodeRequest], sampling: SamplingParams | None = None) -> list[RolloutGroup]:
-        """`group_size` rollouts for each request (one batch per turn)."""
+    def generate(self, requests: list[EpisodeRequest], sampling: SamplingParams | None = None,
+                 group_size: int | None = None) -> list[RolloutGroup]:
+        """`group_size` rollouts for each request (one batch per turn); None: the configured group size
+        (held-out greedy evaluation asks for 1, mesh.evaluation)."""
         if sampling is None:  # a fresh, reproducible stream per call (request seeds are unique within a run)
             sampling = SamplingParams.from_config(
                 self.spec.generator, seed=self.spec.seed * 1_000_003 + (requests[0].seed if requests else 0))
-        return self.runner.run(list(requests), self.spec.generator.group_size, sampling, self.version)
+        return self.runner.run(list(requests), group_size or self.spec.generator.group_size, sampling, self.version)
 
     @endpoint
     def update_weights(self, manifest: WeightManifest) -> dict:

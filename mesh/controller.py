@@ -45,6 +45,7 @@ import torch
 from actors.episodes import ChatTokens
 from actors.rollout import EpisodeRequest, RolloutGroup, SamplingParams
 from configs.sections.loss import PolicyLossConfig
+from mesh.evaluation import EvalConfig, evaluate
 from mesh.packing import PairTokens, make_hint, pack_batch, pair_tokens, select_rollouts
 from mesh.rollout_exchange import shard_points, train_step_sharded
 from mesh.supervision import (
@@ -71,6 +72,7 @@ class ControllerConfig:
     state_dir: str = ""  # where a ControllerState is saved each step (beside the trainer checkpoints); "" = memory only
     deadline: Deadline | None = None  # per `generate` call: past it the generator is taken as hung; None = no bound
     tokens_per_request: int = 0  # sampled tokens one request can cost: group_size × max_new_tokens × max_turns
+    eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evaluation (mesh.evaluation); every=0: off
 
 
 @dataclass
@@ -168,6 +170,7 @@ class Controller:
         self._shards: list | None = None  # the trainer's (mesh point, rank, world), kept until it restarts
         self._last_state: ControllerState | None = None
         self._s_per_token = 0.0  # the slowest answered `generate` call's seconds per token (feeds the deadline)
+        self.evals: list[tuple[int, dict[str, float]]] = []  # (trainer version, held-out metrics), oldest first
         if state is not None:
             if state.version != self.version:
                 raise ValueError(f"controller state is for version {state.version}, the trainer is at {self.version}")
@@ -350,6 +353,22 @@ class Controller:
             self._sync_all()
         return record
 
+    # ---- held-out evaluation (mesh.evaluation) -------------------------------------------------
+
+    def _eval_before(self) -> None:
+        """A fresh run's held-out baseline, with the weights the run starts from (generators synced)."""
+        if self.cfg.eval.every > 0 and self.iteration == 0:
+            self.evals.append((self.version, evaluate(self.generators, self.cfg.eval)))
+
+    def _eval_after(self, record: StepRecord, end: int) -> None:
+        """Every `eval.every` iterations and after the last: held-out metrics into `record.metrics`
+        (sync: the weights just trained; async: those the generators loaded, at most `max_staleness` behind)."""
+        every = self.cfg.eval.every
+        if every > 0 and (self.iteration % every == 0 or self.iteration == end):
+            metrics = evaluate(self.generators, self.cfg.eval)
+            self.evals.append((self.version, metrics))
+            record.metrics.update(metrics)
+
     # ---- loops -------------------------------------------------------------------------------
 
     def run(self) -> list[StepRecord]:
@@ -373,6 +392,7 @@ class Controller:
             self._sync_all()  # generators may hold older weights than a resumed trainer
         except Exception as exc:
             self._recover(exc, self._sync_all)
+        self._eval_before()
         while self.iteration < end:
             start = time.perf_counter()
             record = None
@@ -380,6 +400,7 @@ class Controller:
                 groups = self._generate_sync()
                 record = self._train(groups, [self.version - g.policy_version for g in groups], 0, start)
                 self._sync_all()
+                self._eval_after(record, end)
             except Exception as exc:
                 self._recover(exc, self._sync_all)
                 if not self._kept(record):
@@ -493,6 +514,7 @@ class Controller:
             self._publish()  # the workers load the trainer's current weights before their first call
         except Exception as exc:
             self._recover(exc, self._publish)
+        self._eval_before()
         workers, out, stop = self._start_workers()
         failed = True
         try:
@@ -503,6 +525,7 @@ class Controller:
                     groups, dropped = self._collect(out)
                     record = self._train(groups, [self.version - g.policy_version for g in groups], dropped, start)
                     self._publish()
+                    self._eval_after(record, end)  # the weights each generator holds (eval/policy_version: oldest)
                 except Exception as exc:
                     self._stop_workers(workers, stop, 0)
                     self._recover(exc, self._publish)

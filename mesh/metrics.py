@@ -18,6 +18,7 @@ from typing import Any
 from configs.sections.metrics import MetricsConfig
 
 CHANNEL_LOSSES = ("policy/loss", "distill/loss", "preference/loss")
+HELDOUT = ("eval/heldout_greedy", "eval/heldout_sampled")  # mesh.evaluation, on the steps it ran
 
 
 class MetricsSink:
@@ -58,15 +59,19 @@ class MetricsSink:
             if self.jsonl is not None:
                 self.jsonl.write(json.dumps(row) + "\n")
                 self.jsonl.flush()
-            if self.tb is not None:
-                for name, value in record.metrics.items():
-                    if isinstance(value, (int, float)) and math.isfinite(value):
-                        self.tb.add_scalar(name, value, record.step)
-                self.tb.flush()
+            self.scalars(record.step, record.metrics)
         if self.progress is not None:
             m = record.metrics
             self.progress.update(self.task, completed=record.step, reward=m.get("reward/mean", 0.0),
                                  **{c.split("/")[0]: m.get(c, 0.0) for c in CHANNEL_LOSSES})
+
+    def scalars(self, step: int, metrics: dict[str, Any]) -> None:
+        """TensorBoard scalars of `step` (the finite numbers in `metrics`)."""
+        if self.tb is not None:
+            for name, value in metrics.items():
+                if isinstance(value, (int, float)) and math.isfinite(value):
+                    self.tb.add_scalar(name, value, step)
+            self.tb.flush()
 
     def close(self) -> None:
         if self.progress is not None:
@@ -115,7 +120,7 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
 
 
 def plot_run(metrics_path: str | Path, out_png: str | Path) -> Path:
-    """Reward and each channel's loss per step, one panel each, as a PNG."""
+    """Reward (training, and held-out where evaluated) and each channel's loss per step, one panel each, as a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -124,13 +129,17 @@ def plot_run(metrics_path: str | Path, out_png: str | Path) -> Path:
     rows = read_metrics(metrics_path)
     if not rows:
         raise ValueError(f"{metrics_path}: no metrics to plot")
-    names = ("reward/mean", *CHANNEL_LOSSES)
-    fig, axes = plt.subplots(1, len(names), figsize=(4 * len(names), 3.2))
-    for ax, name in zip(axes, names):
-        points = [(r["step"], r[name]) for r in rows if name in r]
-        if points:
-            ax.plot(*zip(*points), marker=".")
-        ax.set_title(name)
+    panels = [("reward/mean",)] + ([HELDOUT] if any(HELDOUT[0] in r for r in rows) else [])
+    panels += [(c,) for c in CHANNEL_LOSSES]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))
+    for ax, names in zip(axes, panels):
+        for name in names:
+            points = [(r["step"], r[name]) for r in rows if name in r]
+            if points:
+                ax.plot(*zip(*points), marker=".", label=name.split("_")[-1] if len(names) > 1 else None)
+        if len(names) > 1:
+            ax.legend()
+        ax.set_title("held-out reward" if len(names) > 1 else names[0])
         ax.set_xlabel("step")
     fig.tight_layout()
     out_png = Path(out_png)

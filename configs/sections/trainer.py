@@ -16,6 +16,11 @@ class TrainerConfig:
     grad_clip: float = option(1.0, ge=0.0, doc="Max global grad norm; 0 disables clipping.")
     mode: str = option("sync", choices=("sync", "async"), doc="sync = on-policy; async = generator runs ahead up to max_staleness.")
     max_staleness: int = option(0, ge=0, doc="Async mode: drop samples older than this many policy versions.")
+    eval_every: int = option(
+        0, ge=0, doc="Held-out evaluation every N steps, before the first and after the last (greedy and sampled reward "
+        "on the environment's held-out split; never trained on); 0 = off.",
+    )
+    eval_samples: int = option(8, ge=1, doc="Held-out problems per evaluation (the same fixed set every time).")
     dpo_reference: str = option(
         "frozen", choices=("frozen", "policy"),
         doc="DPO's reference π_ref: frozen = the initial weights, kept by the trainer (one more parameter copy, "

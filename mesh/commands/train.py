@@ -135,6 +135,14 @@ def trainer_spec_for(job: Any, *, preference_pairs: bool) -> Any:
     return dataclasses.replace(TrainerSpec.from_job(job), torch_threads=threads)
 
 
+def heldout_line(heldout: dict[str, dict[str, float]]) -> str:
+    """The summary's one-line held-out before/after."""
+    b, a = heldout["before"], heldout["after"]
+    return (f"held-out reward: greedy {b['eval/heldout_greedy']:.3f} -> {a['eval/heldout_greedy']:.3f}, "
+            f"sampled {b['eval/heldout_sampled']:.3f} -> {a['eval/heldout_sampled']:.3f} "
+            f"(step {b['step']} -> {a['step']})")
+
+
 def run(args: argparse.Namespace) -> int:
     import sys
 
@@ -167,13 +175,16 @@ def train(job: Any, *, resume: bool = True, progress: bool = True) -> dict[str, 
     """The whole run; returns the summary written to `<run dir>/summary.json`."""
     import dataclasses
     import json
+    import sys
 
     from transformers import AutoTokenizer
 
     from actors.episodes import ChatTokens
+    from actors.rollout import SamplingParams
     from actors.teacher_replay import ReplaySpec
     from mesh.commands.serve_teachers import build_responder
     from mesh.controller import Controller, ControllerConfig
+    from mesh.evaluation import EvalConfig
     from mesh.metrics import MetricsSink, plot_run
     from mesh.placement import place
     from mesh.supervision import ControllerState, Deadline, Supervisor, install_fault_hook, load_state
@@ -187,6 +198,10 @@ def train(job: Any, *, resume: bool = True, progress: bool = True) -> dict[str, 
 
     add_python_path(job.job.python_path)
     check_task(job.env)  # a plugin or dataset that cannot load fails here, before any actor starts
+
+    if job.diloco.enabled and job.trainer.eval_every > 0:
+        raise ValueError("trainer.eval_every > 0 is not supported with diloco.enabled (the replica loop has no "
+                         "held-out evaluation yet); set trainer.eval_every = 0")
     run_dir = Path(job.job.output_dir) / job.job.name
     run_dir.mkdir(parents=True, exist_ok=True)
     weights = model_dir(job)
@@ -240,6 +255,8 @@ def train(job: Any, *, resume: bool = True, progress: bool = True) -> dict[str, 
             dpo_reference=job.loss.preference.needs_reference, state_dir=state_dir,
             deadline=Deadline(job.mesh.hang_floor_s, job.mesh.hang_s_per_token),
             tokens_per_request=job.generator.group_size * job.generator.max_new_tokens * job.generator.max_turns,
+            eval=EvalConfig(job.trainer.eval_every, job.trainer.eval_samples,
+                            SamplingParams.from_config(job.generator, seed=job.job.seed)),
         )
         supervisor = None
         if job.mesh.max_restarts > 0 and supervised:
@@ -265,6 +282,9 @@ def train(job: Any, *, resume: bool = True, progress: bool = True) -> dict[str, 
                                         hinter=TemplateHintGenerator(), replay=placement.replay, on_step=sink,
                                         supervisor=supervisor, state=state)
             history = controller.run()
+            evals = getattr(controller, "evals", [])  # (step, metrics); the DiLoCo replica loop has none
+            if evals:
+                metrics_sink.scalars(*evals[0])  # the baseline (the later ones are in their steps' rows)
         if job.checkpoint.enabled and history and history[-1].step % job.checkpoint.every_steps:
             for trainer in placement.groups if job.diloco.enabled else [placement.trainer]:  # DiLoCo: every group
                 trainer.save_checkpoint.call().get()  # the last step, unless the trainer just saved it
@@ -283,6 +303,10 @@ def train(job: Any, *, resume: bool = True, progress: bool = True) -> dict[str, 
                                "hf": hf_dir}
     if diloco_status is not None:
         summary["diloco"] = diloco_status
+    if evals:
+        summary["heldout"] = {"before": {"step": evals[0][0], **evals[0][1]},
+                              "after": {"step": evals[-1][0], **evals[-1][1]}}
+        print(heldout_line(summary["heldout"]), file=sys.stderr)
     if job.metrics.jsonl and (run_dir / "metrics.jsonl").exists():
         if job.metrics.plot:
             summary["plot"] = str(plot_run(run_dir / "metrics.jsonl", run_dir / "plot.png"))
