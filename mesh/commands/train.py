@@ -199,6 +199,10 @@ def train(job: Any, *, resume: bool = True, progress: bool = True) -> dict[str, 
     add_python_path(job.job.python_path)
     check_task(job.env)  # a plugin or dataset that cannot load fails here, before any actor starts
 
+    ds = job.env.dataset
+    if job.env.task == "dataset" and job.trainer.eval_every > 0 and not ds.heldout_file and ds.heldout_fraction == 0:
+        raise ValueError("trainer.eval_every > 0 needs held-out rows: set env.dataset.heldout_file or "
+                         "env.dataset.heldout_fraction (or trainer.eval_every = 0)")
     if job.diloco.enabled and job.trainer.eval_every > 0:
         raise ValueError("trainer.eval_every > 0 is not supported with diloco.enabled (the replica loop has no "
                          "held-out evaluation yet); set trainer.eval_every = 0")

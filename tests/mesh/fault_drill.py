@@ -7,8 +7,8 @@ Places a one-process trainer (checkpoints every 2 steps) and two generator
 processes, runs the sync controller with a `Supervisor`, and — when asked —
 SIGKILLs the OS process of generator 1 (pid from its `info` endpoint, 0.3 s
 after its step is recorded, so the kill lands in the next step's work), SIGSTOPs
-it the same way (a hung generator: the controller's per-call deadline, floor
-`--hang-floor` seconds, must notice it) and SIGKILLs the OS process of
+it as its step is recorded (a hung generator: the controller's per-call
+deadline, floor `--hang-floor` seconds, must notice it) and SIGKILLs the OS process of
 the trainer (pid from `setup`, as its step is recorded). Writes
 per-step records (step, iteration, seeds, metrics), restarts, pids and final
 weight digests as JSON. Its own process so the supervision poll interval
@@ -99,9 +99,11 @@ def main() -> None:
                 killed["generator"] = placement.generators[1].info.call_one().get()["pid"]
                 threading.Timer(0.3, os.kill, (killed["generator"], signal.SIGKILL)).start()
             if record.step == args.stop_generator_at and "stopped" not in killed:
+                # at once, before the next step's calls are issued: a step can take < 0.3 s on a quiet box, and a
+                # delayed SIGSTOP then lands after the run's last call (nothing hangs, nothing to detect)
                 killed["stopped"] = placement.generators[1].info.call_one().get()["pid"]
-                killed["stopped_at"] = time.monotonic() + 0.3
-                threading.Timer(0.3, os.kill, (killed["stopped"], signal.SIGSTOP)).start()
+                killed["stopped_at"] = time.monotonic()
+                os.kill(killed["stopped"], signal.SIGSTOP)
 
         chat = ChatTokens(AutoTokenizer.from_pretrained(args.assets))
         ctl = Controller(cfg, placement.trainer, placement.generators, chat, hinter=TemplateHintGenerator(),

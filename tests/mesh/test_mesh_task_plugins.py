@@ -31,6 +31,7 @@ python_path = ["{plugins}"]
 [trainer]
 prompts_per_step = 2
 mode = "sync"
+eval_every = 0  # training only: the rewards' call log and the env's splits are asserted (tests/mesh/test_mesh_eval.py)
 
 [generator]
 group_size = 4
@@ -191,3 +192,25 @@ def test_actor_failure_prints_one_line(tmp_path, tiny_assets):
     assert last.startswith("error: generator actor: RuntimeError: reward function 'bad_rewards:explode' raised KeyError"), last
     assert "(at envs/dataset.py:" in last
     assert "Traceback" not in out.stderr.split("error: generator actor")[-1]
+
+
+def test_heldout_evaluation_without_heldout_rows_is_refused(tmp_path):
+    """`eval_every > 0` on a dataset with neither heldout_file nor heldout_fraction would score training rows as
+    held-out: refused before any actor starts, naming the keys."""
+    import pytest
+
+    from configs.loader import load_config
+    from mesh.commands.train import train
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Say {w}.", "answer": w}) + "\n" for w in ("cat", "dog", "sun")))
+    (tmp_path / "plugins").mkdir()
+    (tmp_path / "plugins" / "my_rewards.py").write_text(REWARDS)
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(COMMON.format(repo=REPO, out=tmp_path / "runs", plugins=tmp_path / "plugins", max_turns=1)
+                      + f'\n[env]\ntask = "dataset"\n\n[env.dataset]\ntrain_file = "{data}"\n'
+                        'rewards = ["my_rewards:exact"]\n')
+    job = load_config(recipe, ["--trainer.eval_every=5"])
+    with pytest.raises(ValueError, match=r"eval_every > 0 needs held-out rows.*env\.dataset\.heldout_file"):
+        train(job)
+    assert not (tmp_path / "runs").exists()  # refused before the run directory or any actor
