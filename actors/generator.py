@@ -85,7 +85,7 @@ def _max_positions(model_dir: str) -> int:
 
 
 class GeneratorActor(Actor):
-    """Endpoints: generate, update_weights, weights_digest, policy_version, info; topology-aware sync:
+    """Endpoints: generate, complete, update_weights, weights_digest, policy_version, info; topology-aware sync:
     host_info, load_segment, pull_weights."""
 
     def __init__(self, spec: GeneratorSpec) -> None:
@@ -140,6 +140,17 @@ class GeneratorActor(Actor):
             sampling = SamplingParams.from_config(
                 self.spec.generator, seed=self.spec.seed * 1_000_003 + (requests[0].seed if requests else 0))
         return self.runner.run(list(requests), group_size or self.spec.generator.group_size, sampling, self.version)
+
+    @endpoint
+    def complete(self, conversations: list[list[dict]], sampling: SamplingParams) -> list[str]:
+        """One completion per chat conversation with the current weights (the public API's `Run.generate`):
+        rendered by the chat template with the assistant turn opened, decoded without special tokens."""
+        from actors.episodes import ChatTokens
+
+        chat = ChatTokens(self.tokenizer)
+        prompts = [chat.encode(chat.render(c, generation=True)) for c in conversations]
+        return [self.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+                for c in self.engine.generate(prompts, sampling)]
 
     @endpoint
     def update_weights(self, manifest: WeightManifest) -> dict:

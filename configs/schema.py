@@ -42,3 +42,14 @@ class JobConfig:
     mesh: MeshConfig = field(default_factory=MeshConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+    def __post_init__(self) -> None:
+        """Checks that span sections (each section validates its own keys)."""
+        ds = self.env.dataset
+        if (self.env.task == "dataset" and self.trainer.eval_every > 0 and not ds.heldout_file
+                and ds.heldout_fraction == 0):  # it would score training rows as held-out
+            raise ValueError("trainer.eval_every > 0 needs held-out rows: set env.dataset.heldout_file or "
+                             "env.dataset.heldout_fraction (or trainer.eval_every = 0)")
+        if self.diloco.enabled and self.trainer.eval_every > 0:
+            raise ValueError("trainer.eval_every > 0 is not supported with diloco.enabled (the replica loop has no "
+                             "held-out evaluation yet); set trainer.eval_every = 0")

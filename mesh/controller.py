@@ -88,6 +88,7 @@ class StepRecord:
     seconds: float
     seeds: list[int] = field(default_factory=list)  # prompt seeds of the groups this step consumed
     iteration: int = 0  # controller steps done after this one
+    pair_keys: list[str] = field(default_factory=list)  # "trace_id#step" of the preference pairs this step trained on
 
 
 class _Requests:
@@ -171,6 +172,7 @@ class Controller:
         self._last_state: ControllerState | None = None
         self._s_per_token = 0.0  # the slowest answered `generate` call's seconds per token (feeds the deadline)
         self.evals: list[tuple[int, dict[str, float]]] = []  # (trainer version, held-out metrics), oldest first
+        self._begun = False  # sync mode: begin() ran
         if state is not None:
             if state.version != self.version:
                 raise ValueError(f"controller state is for version {state.version}, the trainer is at {self.version}")
@@ -292,13 +294,15 @@ class Controller:
             shares = [(i, self.prompts.take(n)) for i, n in lost]  # re-queued requests come out first, in order
         return sorted(groups, key=lambda g: g.group_id)
 
-    def _pairs(self) -> tuple[list[PairTokens], tuple[torch.Tensor, torch.Tensor] | None]:
+    def _pairs(self) -> tuple[list[PairTokens], tuple[torch.Tensor, torch.Tensor] | None, list[str]]:
+        """This step's preference pairs from the replay actor, their frozen-reference scores (DPO) and keys."""
         if self.replay is None or self.cfg.pairs_per_step == 0:
-            return [], None
+            return [], None, []
         raw = self.replay.next_pairs.call_one(self.cfg.pairs_per_step).get()
         pairs = [pair_tokens(self.chat, p.context, p.chosen, p.rejected) for p in raw]
+        keys = [f"{p.trace_id}#{p.step}" for p in raw]
         if not pairs or not self.cfg.dpo_reference:
-            return pairs, None
+            return pairs, None, keys
         from actors.trainer import ScoreBatch
         from mesh.packing import pair_rows
 
@@ -309,7 +313,7 @@ class Controller:
                 rows[f"{side}_tokens_PS"], rows[f"{side}_positions_PS"], rows[f"{side}_labels_PS"],
             ), reference=True).get())
             refs.append(scored.logprob_sums_N)
-        return pairs, (refs[0], refs[1])
+        return pairs, (refs[0], refs[1]), keys
 
     def _train(self, groups: list[RolloutGroup], staleness: list[int], dropped: int, start: float) -> StepRecord:
         selection = select_rollouts(groups, self.cfg.policy)
@@ -321,7 +325,7 @@ class Controller:
                     hints[i] = hint
         if self.replay is not None:  # channel 3 live: the run's own failed turns go to the teachers
             self.replay.add_rollouts.call_one([r for g in groups for r in g.rollouts]).get()
-        pairs, ref = self._pairs()
+        pairs, ref, pair_keys = self._pairs()
         rewards = [r.reward for g in groups for r in g.rollouts]
         trains = bool(selection.policy_rollouts or hints or pairs)
         self._save_state(self.version + int(trains), self.iteration + 1)  # a checkpoint of this step resumes with it
@@ -341,7 +345,7 @@ class Controller:
             "async/max_staleness": float(max(staleness, default=0)), "async/dropped_stale": float(dropped),
         })
         return StepRecord(self.version, metrics, metrics["reward/mean"], staleness, dropped, len(groups),
-                          time.perf_counter() - start, [g.seed for g in groups], self.iteration)
+                          time.perf_counter() - start, [g.seed for g in groups], self.iteration, pair_keys=pair_keys)
 
     def step(self, *, sync_generators: bool = True) -> StepRecord:
         """One sync-mode step: generate with the generators' current weights, train, then sync them
@@ -373,8 +377,17 @@ class Controller:
 
     def run(self) -> list[StepRecord]:
         """Run `cfg.steps` controller steps from the current iteration; returns their records."""
-        self._save_state(self.version, self.iteration)  # a trainer restart before the first checkpoint rolls back here
-        return self._run_sync() if self.cfg.mode == "sync" else self._run_async()
+        if self.cfg.mode == "async":
+            self._save_state(self.version, self.iteration)  # a trainer restart before the first checkpoint rolls back here
+            return self._run_async()
+        history: list[StepRecord] = []
+        end = self.iteration + self.cfg.steps
+        self.begin()
+        while self.iteration < end:
+            record = self.advance(end)
+            if record is not None:
+                self._emit(record, history)
+        return history
 
     def _emit(self, record: StepRecord, history: list[StepRecord]) -> None:
         history.append(record)
@@ -385,28 +398,36 @@ class Controller:
         """After a recovery: did the failed step's training survive (the rollback landed after it)?"""
         return record is not None and record.iteration == self.iteration and record.step == self.version
 
-    def _run_sync(self) -> list[StepRecord]:
-        history: list[StepRecord] = []
-        end = self.iteration + self.cfg.steps
+    def begin(self) -> None:
+        """Sync mode, once before the first step (later calls do nothing): save the state a trainer restart
+        before the first checkpoint rolls back to, bring the generators to the trainer's weights (a resumed
+        trainer is ahead of them) and take the held-out baseline."""
+        if self._begun:
+            return
+        self._begun = True
+        self._save_state(self.version, self.iteration)
         try:
-            self._sync_all()  # generators may hold older weights than a resumed trainer
+            self._sync_all()
         except Exception as exc:
             self._recover(exc, self._sync_all)
         self._eval_before()
-        while self.iteration < end:
-            start = time.perf_counter()
-            record = None
-            try:
-                groups = self._generate_sync()
-                record = self._train(groups, [self.version - g.policy_version for g in groups], 0, start)
-                self._sync_all()
-                self._eval_after(record, end)
-            except Exception as exc:
-                self._recover(exc, self._sync_all)
-                if not self._kept(record):
-                    continue
-            self._emit(record, history)
-        return history
+
+    def advance(self, end: int) -> StepRecord | None:
+        """One sync-mode step: generate, train, sync the generators, evaluate when due (`end`: the run's last
+        iteration, evaluated after), replacing dead actors on the way. None when a recovery rolled the step
+        back (the caller runs it again); `begin()` must have run."""
+        start = time.perf_counter()
+        record = None
+        try:
+            groups = self._generate_sync()
+            record = self._train(groups, [self.version - g.policy_version for g in groups], 0, start)
+            self._sync_all()
+            self._eval_after(record, end)
+        except Exception as exc:
+            self._recover(exc, self._sync_all)
+            if not self._kept(record):
+                return None
+        return record
 
     # ---- weight sync (mesh.weight_sync, docs/weight_sync.md) ------------------------------------
 

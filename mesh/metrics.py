@@ -54,7 +54,7 @@ class MetricsSink:
     def __call__(self, record: Any) -> None:
         """Log one `mesh.controller.StepRecord`."""
         row = {"step": record.step, "seconds": record.seconds, "groups": record.groups,
-               "staleness": record.staleness, **record.metrics}
+               "staleness": record.staleness, "pair_keys": record.pair_keys, **record.metrics}
         if record.step % self.cfg.log_every == 0:
             if self.jsonl is not None:
                 self.jsonl.write(json.dumps(row) + "\n")

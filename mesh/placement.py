@@ -165,6 +165,28 @@ def torch_threads(cfg: MeshConfig, role: str, cpus: int) -> int:
     return max(1, cpus // share)
 
 
+def generator_spec(job: Any, weights: str) -> Any:
+    """The generators' `GeneratorSpec`: the recipe's weights, sampling, environment and device
+    (`[model] device`; "auto" resolves in each generator process)."""
+    from actors.generator import GeneratorSpec
+
+    return GeneratorSpec(model_dir=weights, tokenizer_dir=job.model.tokenizer_path, generator=job.generator,
+                         env=job.env, max_context_tokens=job.trainer.max_seq_len, device=job.model.device,
+                         seed=job.job.seed, torch_threads=torch_threads(job.mesh, "generator", os.cpu_count() or 1),
+                         python_path=job.job.python_path)
+
+
+def trainer_spec_for(job: Any, *, preference_pairs: bool) -> Any:
+    """The trainer's `TrainerSpec`; without a preference channel that can run (no replay actor, DiLoCo) the
+    frozen DPO reference — one more parameter copy per rank — is not built (`dpo_reference = "policy"`)."""
+    from titan_ext.trainer import TrainerSpec
+
+    if not preference_pairs and job.trainer.dpo_reference == "frozen":
+        job = dataclasses.replace(job, trainer=dataclasses.replace(job.trainer, dpo_reference="policy"))
+    threads = torch_threads(job.mesh, "trainer", os.cpu_count() or 1)
+    return dataclasses.replace(TrainerSpec.from_job(job), torch_threads=threads)
+
+
 def host_meshes(cfg: MeshConfig) -> tuple[Any, Any]:
     """(trainer hosts, generator hosts) for the backend."""
     if cfg.backend == "local":

@@ -205,7 +205,8 @@ def teacher_cmd(tmp_path: Path, steps: int, log: Path) -> tuple[list[str], Path]
 def test_replay_sigkill_respawns_restores_and_repeats_no_teacher_call(tmp_path, tiny_assets):
     """The replay actor's process is SIGKILLed between teacher calls after step 2; the controller replaces it on a
     fresh process, restores its queue and ready pairs from the last controller state, and the run ends at step 4
-    with no teacher request sent twice and processes.json naming the new replay process."""
+    with no teacher request sent twice, no preference pair trained twice or lost, and processes.json naming the
+    new replay process."""
     steps = 4
     log = tmp_path / "teacher_requests.jsonl"
     cmd, run = teacher_cmd(tmp_path, steps, log)
@@ -233,8 +234,17 @@ def test_replay_sigkill_respawns_restores_and_repeats_no_teacher_call(tmp_path, 
     requests = [json.loads(line) for line in log.read_text().splitlines()]
     repeated = {k: n for k, n in Counter(r["key"] for r in requests).items() if n > 1}
     assert repeated == {}, f"teacher requests sent twice after the replay restart: {repeated}"
+    # pairs: none trained twice, none lost — every pair the replay actors made (the restored counter continues the
+    # dead actor's) was trained in a logged step or is still ready at the end
+    trained = [key for r in logged for key in r["pair_keys"]]
+    twice = {k: n for k, n in Counter(trained).items() if n > 1}
+    assert twice == {}, f"preference pairs trained twice across the replay restart: {twice}"
+    status = summary["replay"]
+    assert trained and len(trained) + status["pairs_ready"] == status["pairs_made"], (
+        f"{status['pairs_made']} pairs made, {len(trained)} trained + {status['pairs_ready']} ready: pairs lost")
     print(f"replay drill: killed after {killed_at} logged steps, replacement began {noticed:.1f} s later and took "
-          f"{rebuilt:.1f} s; {len(requests)} teacher requests, none repeated")
+          f"{rebuilt:.1f} s; {len(requests)} teacher requests, none repeated; {len(trained)} pairs trained once each, "
+          f"{status['pairs_ready']} ready, {status['pairs_made']} made")
 
 
 @SLOW

@@ -196,11 +196,11 @@ def test_actor_failure_prints_one_line(tmp_path, tiny_assets):
 
 def test_heldout_evaluation_without_heldout_rows_is_refused(tmp_path):
     """`eval_every > 0` on a dataset with neither heldout_file nor heldout_fraction would score training rows as
-    held-out: refused before any actor starts, naming the keys."""
+    held-out: the loader refuses the recipe (so `config show` does too), naming the keys; and eval with DiLoCo."""
     import pytest
 
-    from configs.loader import load_config
-    from mesh.commands.train import train
+    from configs.loader import ConfigError, load_config
+    from mesh.cli import main
 
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"Say {w}.", "answer": w}) + "\n" for w in ("cat", "dog", "sun")))
@@ -210,7 +210,10 @@ def test_heldout_evaluation_without_heldout_rows_is_refused(tmp_path):
     recipe.write_text(COMMON.format(repo=REPO, out=tmp_path / "runs", plugins=tmp_path / "plugins", max_turns=1)
                       + f'\n[env]\ntask = "dataset"\n\n[env.dataset]\ntrain_file = "{data}"\n'
                         'rewards = ["my_rewards:exact"]\n')
-    job = load_config(recipe, ["--trainer.eval_every=5"])
-    with pytest.raises(ValueError, match=r"eval_every > 0 needs held-out rows.*env\.dataset\.heldout_file"):
-        train(job)
+    with pytest.raises(ConfigError, match=r"eval_every > 0 needs held-out rows.*env\.dataset\.heldout_file"):
+        load_config(recipe, ["--trainer.eval_every=5"])
+    assert main(["train", str(recipe), "--trainer.eval_every=5"]) == 2
     assert not (tmp_path / "runs").exists()  # refused before the run directory or any actor
+    assert load_config(recipe, ["--trainer.eval_every=5", "--env.dataset.heldout_fraction=0.34"]).trainer.eval_every == 5
+    with pytest.raises(ConfigError, match=r"eval_every > 0 is not supported with diloco\.enabled"):
+        load_config(REPO / "configs" / "diloco_cpu.toml", ["--trainer.eval_every=5"])

@@ -102,7 +102,7 @@ def test_role_specs_follow_the_recipe():
     """The generators get `[model] device` (they stayed on CPU on GPU hosts); the frozen DPO reference — one more
     parameter copy per trainer rank — is built only when a preference channel can run (a replay actor)."""
     from configs.loader import load_config
-    from mesh.commands.train import generator_spec, trainer_spec_for
+    from mesh.placement import generator_spec, trainer_spec_for
 
     for device in ("auto", "cpu", "cuda"):
         job = load_config(REPO / "configs" / "debug_cpu.toml", [f"--model.device={device}"])
