@@ -2,6 +2,7 @@
 
     python tests/mesh/fault_drill.py RESULT.json --assets DIR --run DIR --steps N \
         [--kill-generator-at STEP] [--stop-generator-at STEP] [--kill-trainer-at STEP] [--respawn fresh|live]
+        [--mode sync|async --max-staleness K]
 
 Places a one-process trainer (checkpoints every 2 steps) and two generator
 processes, runs the sync controller with a `Supervisor`, and — when asked —
@@ -39,6 +40,8 @@ def main() -> None:
     ap.add_argument("--trainer-procs", type=int, default=1, help="trainer ranks (FSDP over gloo)")
     ap.add_argument("--kill-trainer-rank", type=int, default=0, help="which trainer rank --kill-trainer-at kills")
     ap.add_argument("--respawn", choices=("fresh", "live"), default="fresh")
+    ap.add_argument("--mode", choices=("sync", "async"), default="sync")
+    ap.add_argument("--max-staleness", type=int, default=0, help="async: oldest policy a trained group may come from")
     args = ap.parse_args()
 
     from transformers import AutoTokenizer
@@ -80,6 +83,7 @@ def main() -> None:
         supervisor = Supervisor(2, placement.respawn_generator, placement.restart_trainer,
                                 retire_generator=placement.retire_generator)
         cfg = ControllerConfig(steps=args.steps, prompts_per_step=4, max_seq_len=160, policy=policy,
+                               mode=args.mode, max_staleness=args.max_staleness,
                                weight_dir=str(run / "weights"), sampling=SamplingParams(1.0, max_new_tokens=8, seed=0),
                                state_dir=str(run / "checkpoints" / "controller"),
                                deadline=Deadline(args.hang_floor, mesh.hang_s_per_token), tokens_per_request=3 * 8 * 2)
@@ -111,6 +115,7 @@ def main() -> None:
         history = ctl.run()
         result = {
             "records": [{"step": h.step, "iteration": h.iteration, "seeds": h.seeds, "seconds": h.seconds,
+                         "staleness": h.staleness, "dropped_stale": h.dropped_stale,
                          "metrics": {k: v for k, v in h.metrics.items() if not k.startswith("time/")}}
                         for h in history],
             "restarts": [r.role for r in supervisor.restarts], "restart_errors": [r.error for r in supervisor.restarts],
