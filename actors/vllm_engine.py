@@ -131,8 +131,10 @@ class VLLMEngine:
         )
         self.model: torch.nn.Module = self.llm.apply_model(lambda m: m)[0]
         self.tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
+        self._hf_experts: dict[str, torch.Tensor] = {}  # CPU MoE: param name -> the HF-layout copy the views show
         if self.on_cpu:
             self._keep_hf_layout_on_cpu(LinearBase)
+            self._pack_cpu_experts()
         self._check_views()
 
     # --- sampling ---------------------------------------------------------------------------
@@ -191,6 +193,7 @@ class VLLMEngine:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(batch.items())})
         if self.on_cpu:
             self._unpack_cpu_heads()
+            self._pack_cpu_experts()
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
         return n
 
@@ -204,7 +207,8 @@ class VLLMEngine:
             module_prefix, _, module_name = prefix.rpartition(".")
             parts = packed.get(module_name)
             if leaf in _EXPERT_VIEWS and ".experts" in prefix:
-                out.update(_expert_views(prefix[: prefix.index(".experts") + len(".experts")], leaf, param.data))
+                data = self._hf_experts.get(name, param.data)  # CPU: the kernel's parameter is prepacked
+                out.update(_expert_views(prefix[: prefix.index(".experts") + len(".experts")], leaf, data))
             elif parts and len(parts) > 1:
                 sizes = list(modules[prefix].output_partition_sizes)
                 if len(sizes) != len(parts) or sum(sizes) != param.shape[0]:
@@ -253,6 +257,24 @@ class VLLMEngine:
             if hasattr(module, "cpu_linear") and getattr(module, "weight", None) is not None \
                     and module.weight.dim() == 2 and module.weight.numel():
                 module.cpu_linear = torch.nn.functional.linear
+
+    def _pack_cpu_experts(self) -> None:
+        """CPU fused MoE: vLLM's CPU expert kernel (`cpu_fused_moe`) reads `w13_weight` / `w2_weight` in a
+        prepacked layout, but a reload (ours, in place) leaves them in the checkpoint's layout — the kernel then
+        computes garbage experts (measured 0.097 nats per token against HF before this). After every load: keep
+        the HF-layout bytes as the copy the views and digests read, and repack the parameter for the kernel."""
+        from vllm._custom_ops import cpu_prepack_moe_weight
+
+        for name, module in self.model.named_modules():
+            isa = getattr(getattr(getattr(module, "quant_method", None), "experts_cls", None), "isa", None)
+            if isa is None or not hasattr(module, "w13_weight"):
+                continue
+            for leaf in _EXPERT_VIEWS:
+                param = getattr(module, leaf)
+                key = f"{name}.{leaf}"
+                hf = self._hf_experts.setdefault(key, torch.empty_like(param.data))
+                hf.copy_(param.data)  # the layout the loader just wrote
+                param.data.copy_(cpu_prepack_moe_weight(hf, isa))
 
     def _check_views(self) -> None:
         """Refuse to run on a layout whose HF views are not the tensors the forward reads."""
