@@ -156,6 +156,43 @@ def mark_failed(root: str | os.PathLike, host: str, version: int, token: str, ex
     os.replace(tmp, path)
 
 
+def puller_path(root: str | os.PathLike, host: str, version: int, token: str) -> Path:
+    """Where the process pulling `version` (sync `token`) onto `host` leaves its pid while it pulls."""
+    return host_dir(root, host) / f"pulling-v{version:08d}-{_path_safe(token)}.pid"
+
+
+@contextmanager
+def pulling(root: str | os.PathLike, host: str, version: int, token: str) -> Iterator[None]:
+    """This process pulls `version` onto `host` for the block's duration. A pull that raises marks the version
+    failed; one whose process dies (SIGKILL, the OOM killer) leaves its pid behind, and the loads waiting there
+    see that process gone and fail at once (`PinnedSegment.open`) instead of waiting out their `timeout_s`."""
+    marker = puller_path(root, host, version, token)
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text(str(os.getpid()))
+    try:
+        yield
+    except BaseException as exc:  # the host's loads wait for this version: tell them it is not coming
+        mark_failed(root, host, version, token, exc)
+        raise
+    finally:
+        marker.unlink(missing_ok=True)
+
+
+def _dead_puller(root: str | os.PathLike, host: str, version: int, token: str) -> int | None:
+    """The pid of a process that was pulling `version` onto `host` and is gone, else None."""
+    try:
+        pid = int(puller_path(root, host, version, token).read_text())
+    except (FileNotFoundError, ValueError):  # no pull running, or its pid half-written
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return pid
+    except PermissionError:  # alive, someone else's
+        pass
+    return None
+
+
 def slot_path(root: str | os.PathLike, host: str, slot: int) -> Path:
     return host_dir(root, host) / f"slot{slot:03d}.seg"
 
@@ -484,6 +521,14 @@ class PinnedSegment(_SlotHold):
             if failed is not None and failed.exists():
                 raise RuntimeError(f"weights v{version} will not reach {host}: its pull failed "
                                    f"({failed.read_text()})")
+            dead = _dead_puller(root, host, version, token) if token is not None else None
+            if dead is not None:  # sealed just before it died? look once more
+                for path in sorted(host_dir(root, host).glob("slot*.seg")):
+                    pinned = PinnedSegment._try(path, version, token)
+                    if pinned is not None:
+                        return pinned
+                raise RuntimeError(f"weights v{version} will not reach {host}: the process pulling them "
+                                   f"(pid {dead}) died mid-pull")
             if time.monotonic() >= deadline:
                 raise FileNotFoundError(f"weights v{version} are not published on {host} under {root} "
                                         "(not sealed yet, or its slot was reused by a newer version)")
@@ -622,24 +667,20 @@ def pull_pieces(root: str, host: str, version: int, token: str, layout: SegmentL
 
     start = time.perf_counter()
     transferred = 0
-    try:
-        with SegmentWriter(root, host, version, token, layout, keep) as writer:
-            action, pending = RDMAAction(), 0
-            for source in sources:
-                if len(source.buffers) != len(source.pieces):
-                    raise ValueError(f"trainer rank {source.rank} exposed {len(source.buffers)} buffers "
-                                     f"for {len(source.pieces)} runs")
-                for piece, buf in zip(source.pieces, source.buffers):
-                    action.read_remote(writer.payload[piece.offset : piece.offset + piece.nbytes], buf)
-                    transferred += piece.nbytes  # the transfer layer's count of bytes entering this host
-                    pending += piece.nbytes
-                    if pending >= bucket_bytes:
-                        action.submit(timeout=600).get()
-                        action, pending = RDMAAction(), 0
-            if pending:
-                action.submit(timeout=600).get()
-            published = writer.done(parties)
-    except BaseException as exc:  # the host's loads wait for this version: tell them it is not coming
-        mark_failed(root, host, version, token, exc)
-        raise
+    with pulling(root, host, version, token), SegmentWriter(root, host, version, token, layout, keep) as writer:
+        action, pending = RDMAAction(), 0
+        for source in sources:
+            if len(source.buffers) != len(source.pieces):
+                raise ValueError(f"trainer rank {source.rank} exposed {len(source.buffers)} buffers "
+                                 f"for {len(source.pieces)} runs")
+            for piece, buf in zip(source.pieces, source.buffers):
+                action.read_remote(writer.payload[piece.offset : piece.offset + piece.nbytes], buf)
+                transferred += piece.nbytes  # the transfer layer's count of bytes entering this host
+                pending += piece.nbytes
+                if pending >= bucket_bytes:
+                    action.submit(timeout=600).get()
+                    action, pending = RDMAAction(), 0
+        if pending:
+            action.submit(timeout=600).get()
+        published = writer.done(parties)
     return {"bytes_remote": transferred, "published": published, "pull_s": time.perf_counter() - start}

@@ -14,7 +14,9 @@ newer versions into the reused slots.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -323,3 +325,57 @@ def test_failed_pull_fails_waiting_loads_in_seconds(tmp_path):
     assert outcome["waited_s"] < 5, f"the waiting load noticed the failed pull after {outcome['waited_s']:.1f} s"
     with pytest.raises(FileNotFoundError):  # another sync's token is not affected: it waits out its timeout
         PinnedSegment.open(root, "h", 3, "other", timeout_s=0.05)
+
+
+PULLER = """
+import sys, time
+from actors.shm_weights import SegmentLayout, SegmentWriter, pulling
+root, layout = sys.argv[1], SegmentLayout.from_json(sys.argv[2].encode())
+with pulling(root, "h", 3, "tok3"), SegmentWriter(root, "h", 3, "tok3", layout, keep=2) as writer:
+    writer.payload[:64].fill_(7)  # part of the version written, then the process hangs in its pull
+    print("pulling", flush=True)
+    time.sleep(120)
+"""
+
+
+def test_puller_killed_mid_pull_fails_waiting_loads_in_seconds(tmp_path):
+    """The host's reader is SIGKILLed (as by the OOM killer) in the middle of a pull: it can neither seal nor mark
+    the version failed, but the pid it left while pulling is gone, so a load waiting for that version raises
+    within moments naming the dead process (not after `timeout_s`), and the slot is free for the next sync."""
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    root, layout = str(tmp_path), _layout(n=2, rows=4)
+    repo = Path(__file__).resolve().parents[2]
+    child = subprocess.Popen([sys.executable, "-c", PULLER, root, layout.to_json().decode()], cwd=repo,
+                             env=dict(os.environ, PYTHONPATH=str(repo)), stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "pulling"
+        outcome: dict = {}
+
+        def load() -> None:
+            try:
+                PinnedSegment.open(root, "h", 3, "tok3", timeout_s=120)
+            except Exception as exc:  # noqa: BLE001 — the test inspects it
+                outcome["error"] = exc
+            outcome["done"] = time.monotonic()
+
+        waiting = threading.Thread(target=load)
+        waiting.start()
+        time.sleep(0.3)  # the load is waiting for v3
+        killed = time.monotonic()
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(timeout=30)
+        waiting.join(timeout=30)
+        assert not waiting.is_alive()
+        waited = outcome["done"] - killed
+        assert isinstance(outcome["error"], RuntimeError) and f"pid {child.pid}" in str(outcome["error"])
+        assert waited < 5, f"the waiting load noticed the dead puller {waited:.1f} s after its SIGKILL"
+        print(f"dead puller noticed {waited:.2f} s after its SIGKILL")
+        with SegmentWriter(root, "h", 6, "tok6", layout, keep=2, timeout_s=5):  # v6 reuses v3's slot: not held
+            pass
+    finally:
+        if child.poll() is None:
+            child.kill()
