@@ -33,7 +33,6 @@ per step, before `train_step`.
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -91,21 +90,35 @@ class StepRecord:
     pair_keys: list[str] = field(default_factory=list)  # "trace_id#step" of the preference pairs this step trained on
 
 
+class StaleWorker(Exception):
+    """An async worker started before a rollback touched the request ledger: it must stop, not hand anything in."""
+
+
 class _Requests:
     """Thread-safe source of episode requests: re-queued ones first, then fresh prompts from the cursor.
 
     Fresh request i is group id i with problem seed `seed * 1_000_003 + i`. An issued request stays
     outstanding until its group is accepted; a lost one (its generator died) is re-queued with the same
     group id and seed, and a group whose id is not outstanding (a late or repeated answer) is dropped.
+    `restore` (a rollback) starts a new epoch: a call made with an older `epoch` raises `StaleWorker`, so an
+    async worker of the rolled-back attempt, whose `generate` call outlives the rollback, can neither take the
+    restored requests nor accept (and so swallow) groups the new workers were asked for.
     """
 
     def __init__(self, seed: int, start: int = 0) -> None:
         self.seed, self.next, self.lock = seed, start, threading.Lock()
         self.requeued: list[EpisodeRequest] = []
         self.outstanding: dict[int, EpisodeRequest] = {}
+        self.epoch = 0
 
-    def take(self, n: int) -> list[EpisodeRequest]:
+    def _check(self, epoch: int | None) -> None:
+        if epoch is not None and epoch != self.epoch:
+            raise StaleWorker(f"request epoch {epoch} is over (now {self.epoch})")
+
+    def take(self, n: int, epoch: int | None = None) -> list[EpisodeRequest]:
+        """`n` requests; `epoch` (None: the current one) is the caller's, checked under the lock."""
         with self.lock:
+            self._check(epoch)
             out, self.requeued = self.requeued[:n], self.requeued[n:]
             fresh = range(self.next, self.next + n - len(out))
             self.next += len(fresh)
@@ -113,22 +126,27 @@ class _Requests:
             self.outstanding.update((r.group_id, r) for r in out)
         return out
 
-    def accept(self, groups: list[RolloutGroup]) -> list[RolloutGroup]:
+    def accept(self, groups: list[RolloutGroup], epoch: int | None = None) -> list[RolloutGroup]:
         with self.lock:
+            self._check(epoch)
             return [g for g in groups if self.outstanding.pop(g.group_id, None) is not None]
 
-    def lose(self, requests: list[EpisodeRequest]) -> None:
+    def lose(self, requests: list[EpisodeRequest], epoch: int | None = None) -> None:
         with self.lock:
+            self._check(epoch)
             back = [r for r in requests if self.outstanding.pop(r.group_id, None) is not None]
             self.requeued = sorted(self.requeued + back, key=lambda r: r.group_id)
 
-    def pending(self) -> list[EpisodeRequest]:
+    def position(self) -> tuple[int, list[EpisodeRequest]]:
+        """(cursor, pending) read together: a `take` between two separate reads would issue its requests twice
+        after a restore."""
         with self.lock:
-            return sorted(self.requeued + list(self.outstanding.values()), key=lambda r: r.group_id)
+            return self.next, sorted(self.requeued + list(self.outstanding.values()), key=lambda r: r.group_id)
 
     def restore(self, cursor: int, pending: list[EpisodeRequest]) -> None:
         with self.lock:
             self.next, self.requeued, self.outstanding = cursor, sorted(pending, key=lambda r: r.group_id), {}
+            self.epoch += 1
 
 
 class Controller:
@@ -166,6 +184,10 @@ class Controller:
         self.version = rank0(trainer.policy_version.call().get())
         self.iteration = 0
         self.buffer: list[RolloutGroup] = []  # async: generated, not yet trained
+        # async: guards `buffer`; a worker accepts its groups and adds them to the buffer under it, so a snapshot
+        # (taken under it too) sees every generated group either outstanding or buffered, never in between
+        self._arrived = threading.Condition()
+        self._worker_error: BaseException | None = None  # async: a worker's failure, raised by `_collect`
         self._wsync: TopologySync | None = None  # built on first use (DiLoCo replica controllers never sync)
         self._wsync_lock = threading.RLock()  # async workers re-plan it after a respawn while the controller publishes
         self._shards: list | None = None  # the trainer's (mesh point, rank, world), kept until it restarts
@@ -182,8 +204,9 @@ class Controller:
 
     def _snapshot(self, version: int, iteration: int) -> ControllerState:
         replay = self.replay.snapshot.call_one().get() if self.replay is not None else None
-        return ControllerState(version, iteration, self.prompts.next, self.prompts.pending(), list(self.buffer),
-                               replay)
+        with self._arrived:
+            cursor, pending = self.prompts.position()
+            return ControllerState(version, iteration, cursor, pending, list(self.buffer), replay)
 
     def _save_state(self, version: int, iteration: int) -> None:
         """Remember (and, with `state_dir`, write atomically) the state a checkpoint at `version` resumes with."""
@@ -193,8 +216,9 @@ class Controller:
             save_state(self.cfg.state_dir, self._last_state, keep_from=keep_from)
 
     def _restore(self, state: ControllerState) -> None:
-        self.prompts.restore(state.prompt_cursor, state.pending)
-        self.buffer = list(state.buffer)
+        with self._arrived:
+            self.prompts.restore(state.prompt_cursor, state.pending)
+            self.buffer = list(state.buffer)
         self.iteration = state.iteration
         if self.replay is not None and state.replay is not None:
             self.replay.restore.call_one(state.replay).get()
@@ -472,11 +496,11 @@ class Controller:
         publication.check([publication.load(self.generators[index]).get()])
         return publication.version
 
-    def _worker(self, index: int, n: int, out: "queue.Queue[Any]", stop: threading.Event) -> None:
-        """Async generation: load the newest published weights, generate, hand the groups over, repeat.
+    def _worker(self, index: int, n: int, stop: threading.Event, epoch: int) -> None:
+        """Async generation: load the newest published weights, generate, add the groups to the buffer, repeat.
 
         A generator that dies is replaced (under the supervisor's budget), loads the newest published weights,
-        and its requests are re-queued."""
+        and its requests are re-queued. A worker whose request `epoch` a rollback ended returns quietly."""
         loaded = -1
         try:
             while not stop.is_set():
@@ -485,26 +509,38 @@ class Controller:
                     publication = self._published()
                     if publication is not None and publication.version != loaded and self._sealed(index, publication):
                         loaded = self._load(index, publication)
-                    requests = self.prompts.take(n)
+                    requests = self.prompts.take(n, epoch)
                     issued = time.monotonic()
                     future = gen.generate.call_one(requests, self.cfg.sampling)
-                    out.put(self.prompts.accept(self._answer(index, future, len(requests), issued)))
+                    groups = self._answer(index, future, len(requests), issued)
+                    with self._arrived:
+                        self.buffer.extend(self.prompts.accept(groups, epoch))
+                        self._arrived.notify_all()
+                except StaleWorker:
+                    raise
                 except Exception as exc:
-                    self.prompts.lose(requests)
+                    self.prompts.lose(requests, epoch)
                     self._replace_generator(index, exc)
                     loaded = self._load(index, self._covering(index))
+        except StaleWorker:
+            return
         except BaseException as exc:  # surfaces in the controller thread
-            out.put(exc)
+            with self._arrived:
+                if epoch == self.prompts.epoch:
+                    self._worker_error = exc
+                    self._arrived.notify_all()
 
-    def _start_workers(self) -> tuple[list[threading.Thread], "queue.Queue[Any]", threading.Event]:
-        out: "queue.Queue[Any]" = queue.Queue()
+    def _start_workers(self) -> tuple[list[threading.Thread], threading.Event]:
         stop = threading.Event()
         per = max(1, self.cfg.prompts_per_step // len(self.generators))
-        workers = [threading.Thread(target=self._worker, args=(i, per, out, stop), daemon=True)
+        with self._arrived:
+            self._worker_error = None
+            epoch = self.prompts.epoch  # after any rollback: this attempt's workers
+        workers = [threading.Thread(target=self._worker, args=(i, per, stop, epoch), daemon=True)
                    for i in range(len(self.generators))]
         for w in workers:
             w.start()
-        return workers, out, stop
+        return workers, stop
 
     @staticmethod
     def _stop_workers(workers: list[threading.Thread], stop: threading.Event, wait_s: float) -> None:
@@ -512,20 +548,21 @@ class Controller:
         for w in workers:  # after a failure, leave the daemon workers rather than wait on a stuck call
             w.join(timeout=wait_s)
 
-    def _collect(self, out: "queue.Queue[Any]") -> tuple[list[RolloutGroup], int]:
-        """This step's groups from the buffer (refilled from the workers); and how many stale ones were dropped."""
+    def _collect(self) -> tuple[list[RolloutGroup], int]:
+        """This step's groups from the buffer (waiting for the workers to fill it); and how many stale ones
+        were dropped."""
         dropped = 0
-        while True:
-            fresh = [g for g in self.buffer if self.version - g.policy_version <= self.cfg.max_staleness]
-            dropped += len(self.buffer) - len(fresh)
-            self.buffer = fresh
-            if len(self.buffer) >= self.cfg.prompts_per_step:
-                break
-            item = out.get()
-            if isinstance(item, BaseException):
-                raise RuntimeError("a generator worker failed") from item
-            self.buffer.extend(item)
-        groups, self.buffer = self.buffer[: self.cfg.prompts_per_step], self.buffer[self.cfg.prompts_per_step :]
+        with self._arrived:
+            while True:
+                fresh = [g for g in self.buffer if self.version - g.policy_version <= self.cfg.max_staleness]
+                dropped += len(self.buffer) - len(fresh)
+                self.buffer = fresh
+                if len(self.buffer) >= self.cfg.prompts_per_step:
+                    break
+                if self._worker_error is not None:
+                    raise RuntimeError("a generator worker failed") from self._worker_error
+                self._arrived.wait()
+            groups, self.buffer = self.buffer[: self.cfg.prompts_per_step], self.buffer[self.cfg.prompts_per_step :]
         return groups, dropped
 
     def _run_async(self) -> list[StepRecord]:
@@ -536,21 +573,21 @@ class Controller:
         except Exception as exc:
             self._recover(exc, self._publish)
         self._eval_before()
-        workers, out, stop = self._start_workers()
+        workers, stop = self._start_workers()
         failed = True
         try:
             while self.iteration < end:
                 start = time.perf_counter()
                 record = None
                 try:
-                    groups, dropped = self._collect(out)
+                    groups, dropped = self._collect()
                     record = self._train(groups, [self.version - g.policy_version for g in groups], dropped, start)
                     self._publish()
                     self._eval_after(record, end)  # the weights each generator holds (eval/policy_version: oldest)
                 except Exception as exc:
                     self._stop_workers(workers, stop, 0)
                     self._recover(exc, self._publish)
-                    workers, out, stop = self._start_workers()
+                    workers, stop = self._start_workers()
                     if not self._kept(record):
                         continue
                 self._emit(record, history)

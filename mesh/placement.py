@@ -260,6 +260,9 @@ def spawn_replay(cfg: MeshConfig, spec: Any | None, trainer: Any, meshes: list[A
 
 def place(cfg: MeshConfig, trainer_spec: Any, generator_spec: Any, replay_spec: Any | None = None) -> Placement:
     """Spawn the trainer mesh (set up), the generators and the replay actor (on a process of its own)."""
+    from mesh.supervision import configure_supervision
+
+    configure_supervision(cfg.supervision_poll_s, cfg.state_query_s)  # before the first process is spawned
     meshes: list[Any] = []
     trainer, trainer_procs, setup = _spawn_trainer(cfg, trainer_spec, meshes)
     generators, procs, gen_hosts = spawn_generators(cfg, [trainer_procs], generator_spec, meshes)

@@ -81,6 +81,20 @@ def install_fault_hook(events: list[str]) -> None:
     monarch.actor.unhandled_fault_hook = record
 
 
+def configure_supervision(poll_s: float, state_query_s: float) -> None:
+    """Monarch's supervision poll period and state-query timeout for this process and the processes it spawns
+    (they inherit the environment): `[mesh] supervision_poll_s` and `state_query_s`.
+
+    A dead process is reported when a poll finds it gone, or when the process agent does not answer the poll's
+    state query within `state_query_s`: measured, 1 in 5–8 trainer SIGKILLs took the second path and was noticed
+    30 s later with Monarch's defaults, 4 s with a 4 s timeout."""
+    from monarch._rust_bindings.monarch_hyperactor.config import reload_config_from_env
+
+    os.environ["HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY"] = f"{round(poll_s * 1000)}ms"
+    os.environ["HYPERACTOR_MESH_GET_ACTOR_STATE_MAX_IDLE"] = f"{round(state_query_s * 1000)}ms"
+    reload_config_from_env()
+
+
 def is_alive(call: Any, timeout_s: float = 30.0, retry_s: float = 2.0) -> bool:
     """Probe one actor (or mesh) with a cheap endpoint call (a `.call_one`/`.call` of an endpoint).
 

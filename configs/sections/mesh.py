@@ -30,6 +30,16 @@ class MeshConfig:
     generator_threads: int = option(
         0, ge=0, doc="torch intra-op threads per generator process; 0 = the host's CPUs / the processes placed on it.",
     )
+    supervision_poll_s: float = option(
+        1.0, gt=0.0,
+        doc="How often Monarch checks each actor process is alive (Monarch's default: about 10 s); a SIGKILLed "
+            "process is noticed within about this long.",
+    )
+    state_query_s: float = option(
+        5.0, gt=0.0,
+        doc="How long Monarch's supervision waits for a process agent's answer before counting the process dead "
+            "(Monarch's default: 30 s, the time some SIGKILLs were noticed in; docs/supervision.md).",
+    )
     hang_floor_s: float = option(
         120.0, gt=0.0, doc="Least time a generate call gets before its generator counts as hung (killed, replaced).",
     )

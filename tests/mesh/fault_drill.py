@@ -12,8 +12,8 @@ it as its step is recorded (a hung generator: the controller's per-call
 deadline, floor `--hang-floor` seconds, must notice it) and SIGKILLs the OS process of
 the trainer (pid from `setup`, as its step is recorded). Writes
 per-step records (step, iteration, seeds, metrics), restarts, pids and final
-weight digests as JSON. Its own process so the supervision poll interval
-(HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY) applies from the first mesh.
+weight digests as JSON. Its own process, like a run: `place` applies the
+[mesh] supervision settings (poll 1 s, state query 5 s) before the first mesh.
 """
 
 from __future__ import annotations
@@ -126,6 +126,8 @@ def main() -> None:
                                   if "stopped_at" in killed and r.started > killed["stopped_at"]],
             "pids_before": pids, "killed": killed,
             "pids_after": placement.pids(), "processes_json": json.loads((run / "processes.json").read_text()),
+            # async: groups generated or requested but not trained when the run ended (the workers have stopped)
+            "unused_at_end": sorted([g.seed for g in ctl.buffer] + [r.seed for r in ctl.prompts.position()[1]]),
             "trainer_digest": rank0(ctl.trainer.weights_digest.call().get()),
             "generator_digests": [g.weights_digest.call_one().get() for g in ctl.generators],
             "fault_events": len(events),
