@@ -28,6 +28,7 @@ from typing import Any, Literal
 import torch
 from monarch.actor import Actor, current_rank, endpoint
 
+from actors.chaos import kill_point
 from actors.rollout import EpisodeRequest, RolloutGroup, SamplingParams
 from actors.shm_weights import SegmentLoader, host_label, pull_pieces
 from actors.weights import WeightManifest, check_coverage, read_manifest, weights_digest
@@ -95,6 +96,7 @@ class GeneratorActor(Actor):
         from envs.factory import env_factory
         from envs.plugin import add_python_path
 
+        kill_point("generator", "setup")
         add_python_path(spec.python_path)
         self.spec = spec
         if spec.torch_threads:
@@ -136,6 +138,7 @@ class GeneratorActor(Actor):
                  group_size: int | None = None) -> list[RolloutGroup]:
         """`group_size` rollouts for each request (one batch per turn); None: the configured group size
         (held-out greedy evaluation asks for 1, mesh.evaluation)."""
+        kill_point("generator", "generate")
         if sampling is None:  # a fresh, reproducible stream per call (request seeds are unique within a run)
             sampling = SamplingParams.from_config(
                 self.spec.generator, seed=self.spec.seed * 1_000_003 + (requests[0].seed if requests else 0))
@@ -193,6 +196,7 @@ class GeneratorActor(Actor):
 
         shadow: (ModelConfig, ParallelismConfig) of the trainer, to name and lay out the tensors as its export does.
         """
+        kill_point("generator", "first_load")
         result = self.segments.load(self.engine, root, host_label(), version, shadow, bucket_bytes, timeout_s, token)
         self.version = version
         names = result.pop("names")

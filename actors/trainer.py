@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from monarch.actor import Actor, endpoint
 
+from actors.chaos import kill_point
 from actors.shm_weights import Piece, SegmentLayout, SegmentWriter, host_label, write_shards
 from actors.weights import WeightManifest, publish_buckets, weights_digest
 from titan_ext.batch import IGNORE_INDEX, TrainBatch
@@ -90,6 +91,7 @@ class TrainerActor(Actor):
         """Join the process group and build model, optimizer and schedule (resumes from a checkpoint if one exists)."""
         import torch.distributed as dist
 
+        kill_point("trainer", "setup")
         if self.trainer is None:
             if self.spec.torch_threads:
                 torch.set_num_threads(self.spec.torch_threads)
@@ -196,6 +198,7 @@ class TrainerActor(Actor):
         import torch.distributed as dist
 
         t = self._t()
+        kill_point("trainer", "first_sync")
         start = time.perf_counter()
         with SegmentWriter(root, host_label(), t.step, token, SegmentLayout.from_model(t.model), keep) as writer:
             pieces = write_shards(t.model, writer)
@@ -217,4 +220,5 @@ class TrainerActor(Actor):
     @endpoint
     def train_step_shard(self, shard: TrainBatch) -> dict[str, float]:
         """`train_step` on a batch that is already this rank's data-parallel shard (`mesh.rollout_exchange`)."""
+        kill_point("trainer", "step")
         return self._t().train_step(shard)

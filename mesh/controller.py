@@ -44,6 +44,7 @@ import torch
 from actors.episodes import ChatTokens
 from actors.rollout import EpisodeRequest, RolloutGroup, SamplingParams
 from configs.sections.loss import PolicyLossConfig
+from mesh.errors import phase
 from mesh.evaluation import EvalConfig, evaluate
 from mesh.packing import PairTokens, make_hint, pack_batch, pair_tokens, select_rollouts
 from mesh.rollout_exchange import shard_points, train_step_sharded
@@ -88,6 +89,11 @@ class StepRecord:
     seeds: list[int] = field(default_factory=list)  # prompt seeds of the groups this step consumed
     iteration: int = 0  # controller steps done after this one
     pair_keys: list[str] = field(default_factory=list)  # "trace_id#step" of the preference pairs this step trained on
+
+
+# the run's phases an actor death is reported in (mesh.errors.phase); placement names "setup"
+GENERATION, TRAIN_STEP, WEIGHT_SYNC, EVALUATION = ("generation", "a train step (or its checkpoint)", "a weight sync",
+                                                  "held-out evaluation")
 
 
 class StaleWorker(Exception):
@@ -386,14 +392,16 @@ class Controller:
     def _eval_before(self) -> None:
         """A fresh run's held-out baseline, with the weights the run starts from (generators synced)."""
         if self.cfg.eval.every > 0 and self.iteration == 0:
-            self.evals.append((self.version, evaluate(self.generators, self.cfg.eval)))
+            with phase(EVALUATION):
+                self.evals.append((self.version, evaluate(self.generators, self.cfg.eval)))
 
     def _eval_after(self, record: StepRecord, end: int) -> None:
         """Every `eval.every` iterations and after the last: held-out metrics into `record.metrics`
         (sync: the weights just trained; async: those the generators loaded, at most `max_staleness` behind)."""
         every = self.cfg.eval.every
         if every > 0 and (self.iteration % every == 0 or self.iteration == end):
-            metrics = evaluate(self.generators, self.cfg.eval)
+            with phase(EVALUATION):
+                metrics = evaluate(self.generators, self.cfg.eval)
             self.evals.append((self.version, metrics))
             record.metrics.update(metrics)
 
@@ -430,10 +438,11 @@ class Controller:
             return
         self._begun = True
         self._save_state(self.version, self.iteration)
-        try:
-            self._sync_all()
-        except Exception as exc:
-            self._recover(exc, self._sync_all)
+        with phase("the first weight sync"):
+            try:
+                self._sync_all()
+            except Exception as exc:
+                self._recover(exc, self._sync_all)
         self._eval_before()
 
     def advance(self, end: int) -> StepRecord | None:
@@ -443,9 +452,12 @@ class Controller:
         start = time.perf_counter()
         record = None
         try:
-            groups = self._generate_sync()
-            record = self._train(groups, [self.version - g.policy_version for g in groups], 0, start)
-            self._sync_all()
+            with phase(GENERATION):
+                groups = self._generate_sync()
+            with phase(TRAIN_STEP):
+                record = self._train(groups, [self.version - g.policy_version for g in groups], 0, start)
+            with phase(WEIGHT_SYNC):
+                self._sync_all()
             self._eval_after(record, end)
         except Exception as exc:
             self._recover(exc, self._sync_all)
@@ -580,9 +592,13 @@ class Controller:
                 start = time.perf_counter()
                 record = None
                 try:
-                    groups, dropped = self._collect()
-                    record = self._train(groups, [self.version - g.policy_version for g in groups], dropped, start)
-                    self._publish()
+                    with phase(GENERATION):
+                        groups, dropped = self._collect()
+                    with phase(TRAIN_STEP):
+                        record = self._train(groups, [self.version - g.policy_version for g in groups], dropped,
+                                             start)
+                    with phase(WEIGHT_SYNC):
+                        self._publish()
                     self._eval_after(record, end)  # the weights each generator holds (eval/policy_version: oldest)
                 except Exception as exc:
                     self._stop_workers(workers, stop, 0)

@@ -27,6 +27,7 @@ Replacements for dead actors (`respawn_generator`, `restart_trainer`,
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -260,13 +261,20 @@ def spawn_replay(cfg: MeshConfig, spec: Any | None, trainer: Any, meshes: list[A
 
 def place(cfg: MeshConfig, trainer_spec: Any, generator_spec: Any, replay_spec: Any | None = None) -> Placement:
     """Spawn the trainer mesh (set up), the generators and the replay actor (on a process of its own)."""
+    from mesh.errors import phase
     from mesh.supervision import configure_supervision
 
     configure_supervision(cfg.supervision_poll_s, cfg.state_query_s)  # before the first process is spawned
     meshes: list[Any] = []
-    trainer, trainer_procs, setup = _spawn_trainer(cfg, trainer_spec, meshes)
-    generators, procs, gen_hosts = spawn_generators(cfg, [trainer_procs], generator_spec, meshes)
-    replay = spawn_replay(cfg, replay_spec, trainer, meshes)
+    try:
+        with phase("setup"):
+            trainer, trainer_procs, setup = _spawn_trainer(cfg, trainer_spec, meshes)
+            generators, procs, gen_hosts = spawn_generators(cfg, [trainer_procs], generator_spec, meshes)
+            replay = spawn_replay(cfg, replay_spec, trainer, meshes)
+            pids = [g.info.call_one().get()["pid"] for g in generators]
+    except BaseException:
+        with contextlib.suppress(Exception):  # the processes spawned before the failure; its error is the news
+            Placement(None, [], None, proc_meshes=meshes).stop()
+        raise
     specs = {"trainer": trainer_spec, "generator": generator_spec, "replay": replay_spec}
-    pids = [g.info.call_one().get()["pid"] for g in generators]
     return Placement(trainer, generators, replay, setup, meshes, cfg, specs, procs, gen_hosts, trainer_procs, pids)

@@ -126,6 +126,7 @@ class Restart:
     error: str
     seconds: float  # building the replacement
     started: float = 0.0  # time.monotonic() when the replacement began (a drill's detection time)
+    at: float = 0.0  # time.time() then (compared with a kill's time by drills in another process)
 
 
 @dataclass
@@ -163,12 +164,12 @@ class Supervisor:
             raise RuntimeError(f"the {role} died and cannot be restarted in this run") from exc
         with self.lock:
             self._charge(role, exc)
-            start, started = time.perf_counter(), time.monotonic()
+            start, started, at = time.perf_counter(), time.monotonic(), time.time()
             if role == "generator" and isinstance(exc, ActorHung) and self.retire_generator is not None:
                 self.retire_generator(index)  # a hung process would hold its memory (and its late answers)
             actor = make()
             error = f"{type(exc).__name__}: {exc}"[:300]
-            self.restarts.append(Restart(role, index, error, time.perf_counter() - start, started))
+            self.restarts.append(Restart(role, index, error, time.perf_counter() - start, started, at))
         return actor
 
 
