@@ -19,6 +19,8 @@ import signal
 from pathlib import Path
 from typing import Iterator
 
+from mesh.supervision import UNANSWERED
+
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 _ROLES = {"generator": "generator", "episodes": "generator", "hf_engine": "generator", "vllm_engine": "generator",
           "trainer": "trainer", "teacher_replay": "teacher_replay", "diloco": "trainer"}
@@ -60,7 +62,7 @@ def _how(text: str) -> str:
         return f"killed by signal {num} ({name}{oom})"
     if m := _EXIT.search(text):
         return f"its process exited with code {m.group(1)}"
-    if "timeout waiting for message from proc mesh agent" in text:
+    if UNANSWERED in text:
         return "its process stopped answering Monarch's supervision (taken as dead)"
     lines = [ln.strip() for ln in text.splitlines()[1:] if ln.strip()]
     return lines[0] if lines else "its process failed"

@@ -60,6 +60,20 @@ class Deadline:
         return max(self.floor_s, tokens * max(self.s_per_token, self.slack * measured_s_per_token))
 
 
+# Monarch's report of a process whose agent did not answer the supervision poll within `[mesh] state_query_s`:
+# dead, or frozen (SIGSTOP, a wedged host) — a frozen one still holds its memory and must be killed
+UNANSWERED = "timeout waiting for message from proc mesh agent"
+
+
+def is_unanswered(exc: BaseException) -> bool:
+    """True when `exc` (or what it wraps) is Monarch's report of a process that stopped answering."""
+    while exc is not None:
+        if UNANSWERED in str(exc):
+            return True
+        exc = exc.__cause__  # type: ignore[assignment]
+    return False
+
+
 def is_actor_failure(exc: BaseException) -> bool:
     """True when `exc` (or what it wraps) says an actor or its process died or hung, not that its code raised."""
     from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
@@ -165,7 +179,8 @@ class Supervisor:
         with self.lock:
             self._charge(role, exc)
             start, started, at = time.perf_counter(), time.monotonic(), time.time()
-            if role == "generator" and isinstance(exc, ActorHung) and self.retire_generator is not None:
+            if role == "generator" and (isinstance(exc, ActorHung) or is_unanswered(exc)) \
+                    and self.retire_generator is not None:
                 self.retire_generator(index)  # a hung process would hold its memory (and its late answers)
             actor = make()
             error = f"{type(exc).__name__}: {exc}"[:300]
