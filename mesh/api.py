@@ -47,6 +47,7 @@ class Run:
         self.history: list[StepRecord] = []  # the steps this Run took, oldest first
         self.summary: dict[str, Any] | None = None  # set by run()
         self.fault_events: list[str] = []  # Monarch supervision events seen (dead actors are handled in place)
+        self.memory: Any = None  # mesh.memory.MemoryEstimate of the recipe on this host (None: not checked)
         self._placement: Any = None
         self._controller: Any = None
         self._sink: Any = None
@@ -110,6 +111,7 @@ class Run:
         from envs.plugin import add_python_path
         from mesh.controller import Controller, ControllerConfig
         from mesh.evaluation import EvalConfig
+        from mesh.memory import check as memory_check
         from mesh.metrics import MetricsSink
         from mesh.placement import generator_spec, place, trainer_spec_for
         from mesh.supervision import ControllerState, Deadline, Supervisor, install_fault_hook, load_state
@@ -121,6 +123,7 @@ class Run:
         check_task(job.env)  # a plugin or dataset that cannot load fails here, before any actor starts
         self.run_dir.mkdir(parents=True, exist_ok=True)
         weights = _model_dir(job)
+        self.memory = memory_check(job, weights)  # refuses a recipe the host cannot hold, before any actor
         job = self.job = dataclasses.replace(
             job, model=dataclasses.replace(job.model, hf_path=weights),
             checkpoint=dataclasses.replace(job.checkpoint, resume=job.checkpoint.resume and self.resume))

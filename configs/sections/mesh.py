@@ -40,6 +40,11 @@ class MeshConfig:
         doc="How long Monarch's supervision waits for a process agent's answer before counting the process dead "
             "(Monarch's default: 30 s, the time some SIGKILLs were noticed in; docs/supervision.md).",
     )
+    memory_check: str = option(
+        "refuse", choices=("refuse", "warn", "off"),
+        doc="Start-up memory budget (local backend): the recipe's estimated memory per role and /dev/shm slots "
+            "(mesh.memory, measured multiples) against the host's; refuse with the numbers, warn, or skip.",
+    )
     hang_floor_s: float = option(
         120.0, gt=0.0, doc="Least time a generate call gets before its generator counts as hung (killed, replaced).",
     )

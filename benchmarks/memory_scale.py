@@ -1,0 +1,214 @@
+"""Memory per role and per parameter: `composer-mesh train` on Qwen3 shapes from tiny up to the 0.6B shape.
+
+Each shape is a Qwen3 checkpoint made with transformers (random init, the
+project's tiny ChatML tokenizer, so the vocabulary is small and the layers
+hold nearly all parameters), run for 2 steps of the main recipe
+(`configs/debug_cpu.toml`: all three loss channels, AdamW, fp32, checkpoint
+at step 2, final `hf/` export; warm start and held-out evaluation off) in its
+own process. A sampler reads every process of the run each 0.2 s:
+anonymous RSS (`RssAnon`: private memory; shared-memory slots are counted
+once, as /dev/shm use) and the bytes the run holds in /dev/shm. Phases are
+told apart by the files the run writes: `load` (spawn and setup, until
+processes.json), `steps` (until the last metrics row), `finish` (final
+checkpoint, export, exit).
+
+    python benchmarks/memory_scale.py --quick    # tiny, 8M and a 4-layer cut of the 0.6B shape
+
+Prints, per shape and role, the peak anonymous RSS and bytes per parameter,
+and ends with one JSON line: `trainer_bytes_per_param`,
+`generator_bytes_per_param`, `shm_bytes_per_param`, `host_bytes_per_param`
+(peak of everything on the host) for the largest shape run, plus the slope
+and intercept of each role's peak against the parameter count over the
+shapes (what `mesh.memory` budgets with).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+# name -> (hidden, intermediate, layers, heads, kv heads, head_dim); Qwen3-0.6B is 1024/3072/28/16/8/128
+SHAPES = {
+    "tiny": (64, 192, 2, 4, 2, 16),
+    "8M": (256, 768, 8, 4, 2, 64),
+    "0.6B-4L": (1024, 3072, 4, 16, 8, 128),
+    "0.6B-12L": (1024, 3072, 12, 16, 8, 128),
+    "0.6B": (1024, 3072, 28, 16, 8, 128),
+}
+QUICK = ("tiny", "8M", "0.6B-4L")
+ROLES = ("controller", "trainer", "generator", "replay")
+
+
+def make_model(root: Path, shape: tuple[int, ...]) -> tuple[Path, int]:
+    """A random-init Qwen3 of `shape` saved with transformers; (its directory, its parameter count)."""
+    import torch
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    from titan_ext.assets import build_assets, default_cache_dir
+
+    hidden, inter, layers, heads, kv, head_dim = shape
+    tok = AutoTokenizer.from_pretrained(build_assets(default_cache_dir(), seed=0).tokenizer_dir)
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=len(tok), hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim, max_position_embeddings=1024,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=True,
+        bos_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    )
+    model = Qwen3ForCausalLM(config)
+    out = root / "model"
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out, sum(p.numel() for p in model.parameters())
+
+
+def _descendants(pid: int) -> list[int]:
+    children = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+def _rss_anon(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _shm_bytes(name: str) -> int:
+    total = 0
+    for folder in Path("/dev/shm").glob(f"composer-mesh-{name}-*"):
+        for f in folder.rglob("*"):
+            try:
+                total += f.stat().st_blocks * 512 if f.is_file() else 0
+            except OSError:
+                pass
+    return total
+
+
+class Sampler(threading.Thread):
+    """Peak anonymous RSS per role and /dev/shm bytes per phase of one run (every 0.2 s)."""
+
+    def __init__(self, proc: subprocess.Popen, run_dir: Path, name: str) -> None:
+        super().__init__(daemon=True)
+        self.proc, self.run_dir, self.name = proc, run_dir, name
+        self.peaks: dict[str, dict[str, int]] = {}  # phase -> role -> bytes ("host": everything)
+
+    def _phase(self, rows: int, steps: int) -> str:
+        if not (self.run_dir / "processes.json").exists():
+            return "load"
+        return "steps" if rows < steps else "finish"
+
+    def run(self) -> None:
+        steps = 2
+        while self.proc.poll() is None:
+            metrics = self.run_dir / "metrics.jsonl"
+            rows = len(metrics.read_text().splitlines()) if metrics.exists() else 0
+            phase = self._phase(rows, steps)
+            roles: dict[str, int] = {}
+            pids_file = self.run_dir / "processes.json"
+            named = {}
+            if pids_file.exists():
+                try:
+                    named = {pid: role for role, pids in json.loads(pids_file.read_text()).items() for pid in pids}
+                except (OSError, ValueError):
+                    named = {}
+            every = _descendants(self.proc.pid)
+            for pid in every:
+                role = named.get(pid, "controller" if pid == self.proc.pid else "other")
+                roles[role] = roles.get(role, 0) + _rss_anon(pid)
+            roles["shm"] = _shm_bytes(self.name)
+            roles["host"] = sum(roles.values())
+            peak = self.peaks.setdefault(phase, {})
+            for role, b in roles.items():
+                peak[role] = max(peak.get(role, 0), b)
+            time.sleep(0.2)
+
+
+def run_shape(name: str, shape: tuple[int, ...], tmp: Path) -> dict:
+    root = tmp / name
+    root.mkdir()
+    model_dir, params = make_model(root, shape)
+    job = f"mem-{name}".replace(".", "_")
+    env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
+    cmd = [sys.executable, "-m", "mesh.cli", "train", "--no-progress", str(REPO / "configs/debug_cpu.toml"),
+           f"--job.name={job}", f"--job.output_dir={root / 'runs'}", f"--model.hf_path={model_dir}",
+           "--trainer.steps=2", "--trainer.prompts_per_step=2", "--trainer.eval_every=0",
+           "--generator.max_new_tokens=8", "--checkpoint.every_steps=2", "--env.demo.warm_start_steps=0",
+           "--mesh.max_restarts=0"]
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    sampler = Sampler(proc, root / "runs" / job, job)
+    sampler.start()
+    out, err = proc.communicate()
+    sampler.join()
+    if proc.returncode:
+        raise SystemExit(f"{name}: train exited {proc.returncode}:\n{err[-3000:]}")
+    peaks = {role: max(p.get(role, 0) for p in sampler.peaks.values()) for role in (*ROLES, "shm", "host")}
+    return {"params": params, "wall_s": time.perf_counter() - start, "peaks": peaks, "phases": sampler.peaks}
+
+
+def fit(xs: list[int], ys: list[int]) -> tuple[float, float]:
+    """Least-squares (slope bytes/param, intercept bytes)."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
+    return slope, my - slope * mx
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help=f"shapes {', '.join(QUICK)}")
+    p.add_argument("--shapes", nargs="*", choices=sorted(SHAPES), help="shapes to run (default: all)")
+    a = p.parse_args()
+    names = list(QUICK) if a.quick else (a.shapes or list(SHAPES))
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="memory_scale-") as tmp:
+        for name in names:
+            results[name] = run_shape(name, SHAPES[name], Path(tmp))
+            r = results[name]
+            print(f"{name}: {r['params'] / 1e6:.1f}M params, {r['wall_s']:.0f} s", file=sys.stderr)
+    gib = 1 << 30
+    print(f"{'shape':10} {'params':>8} {'phase':7} " + " ".join(f"{r:>10}" for r in (*ROLES, "shm", "host"))
+          + "   (peak anonymous RSS / shm, GiB)")
+    for name, r in results.items():
+        for phase, peak in r["phases"].items():
+            print(f"{name:10} {r['params'] / 1e6:7.1f}M {phase:7} "
+                  + " ".join(f"{peak.get(role, 0) / gib:10.3f}" for role in (*ROLES, "shm", "host")))
+    big = results[names[-1]]
+    per_param = {f"{role}_bytes_per_param": big["peaks"][role] / big["params"]
+                 for role in ("trainer", "generator", "shm", "host")}
+    xs = [r["params"] for r in results.values()]
+    fits = {role: fit(xs, [r["peaks"][role] for r in results.values()]) for role in (*ROLES, "shm", "host")}
+    print(f"{'role':10} {'bytes/param (slope)':>20} {'fixed GiB (intercept)':>22}")
+    for role, (slope, icpt) in fits.items():
+        print(f"{role:10} {slope:20.2f} {icpt / gib:22.3f}")
+    print(json.dumps({**per_param, "largest": names[-1], "params": big["params"],
+                      "fit": {role: {"bytes_per_param": s, "fixed_bytes": i} for role, (s, i) in fits.items()}}))
+
+
+if __name__ == "__main__":
+    main()
