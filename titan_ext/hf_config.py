@@ -32,14 +32,22 @@ class UnsupportedHFConfig(ValueError):
 
 
 def read_checkpoint_config(hf_path: str) -> Any:
-    """The transformers config of an HF checkpoint directory (`FileNotFoundError` naming it when absent)."""
+    """The transformers config of an HF checkpoint directory (`FileNotFoundError` naming it when absent;
+    `ValueError` naming the file and transformers' reason when transformers refuses it)."""
     from pathlib import Path
 
     from transformers import AutoConfig
 
     if not (Path(hf_path) / "config.json").is_file():
         raise FileNotFoundError(f"model.hf_path {hf_path}: no config.json there")
-    return AutoConfig.from_pretrained(hf_path)
+    try:
+        return AutoConfig.from_pretrained(hf_path)
+    except Exception as e:  # transformers' checks: ValueError, KeyError, TypeError, its strict-dataclass validators
+        if not isinstance(e, (ValueError, KeyError, TypeError)) and "Validation" not in type(e).__name__:
+            raise
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ValueError(f"model.hf_path {hf_path}/config.json: transformers refuses it "
+                         f"({type(e).__name__}: {reason})") from e
 
 
 def _rope_parameters(hf_config: Any) -> dict[str, Any]:

@@ -212,6 +212,14 @@ def test_train_refuses_an_unsupported_checkpoint_in_one_line(tmp_path, capsys):
     assert main(["train", "--no-progress", str(recipe), f"--model.hf_path={tmp_path / 'none'}",
                  f"--job.output_dir={tmp_path / 'runs'}"]) == 2
     assert "no config.json there" in capsys.readouterr().err
+    # a config.json transformers itself refuses (layer_types shorter than the layers): exit 2, the file named
+    bad = _config_only(tmp_path / "bad", "qwen3", DENSE)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "layer_types": ["full_attention"]}))
+    assert main(["train", "--no-progress", str(recipe), f"--model.hf_path={bad}",
+                 f"--job.output_dir={tmp_path / 'runs'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: model.hf_path {bad}/config.json: transformers refuses it ("), err
 
 
 def _verify_on_rank(rank: int, port: int, hf_dir: str, out_dir: str) -> None:
