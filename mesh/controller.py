@@ -51,7 +51,7 @@ from mesh.rollout_exchange import shard_points, train_step_sharded
 from mesh.supervision import (
     ActorHung, ControllerState, Deadline, Supervisor, is_actor_failure, is_alive, load_state, oldest_checkpoint, save_state,
 )
-from mesh.weight_sync import Publication, TopologySync
+from mesh.weight_sync import Publication, TopologySync, sync_keep
 from mesh.weight_sync_baseline import rank0
 
 
@@ -474,7 +474,7 @@ class Controller:
         with self._wsync_lock:
             if self._wsync is None:
                 self._wsync = TopologySync(self.trainer, self.generators, self.cfg.weight_dir,
-                                           keep=2 + self.cfg.max_staleness)
+                                           keep=sync_keep(self.cfg.max_staleness))
             return self._wsync
 
     def _sync_all(self) -> None:

@@ -19,7 +19,7 @@ import signal
 from pathlib import Path
 from typing import Iterator
 
-from mesh.supervision import UNANSWERED
+from mesh.supervision import UNANSWERED, causes
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 _ROLES = {"generator": "generator", "episodes": "generator", "hf_engine": "generator", "vllm_engine": "generator",
@@ -45,12 +45,6 @@ def phase(name: str) -> Iterator[None]:
         raise
 
 
-def _chain(error: BaseException | None) -> Iterator[BaseException]:
-    while error is not None:
-        yield error
-        error = error.__cause__
-
-
 def _how(text: str) -> str:
     if m := _SIGNAL.search(text):
         num = int(m.group(1))
@@ -73,7 +67,7 @@ def describe_death(error: BaseException) -> str | None:
     report of a dead actor process; None otherwise."""
     from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
 
-    chain = list(_chain(error))
+    chain = list(causes(error))
     dead = next((e for e in chain if isinstance(e, SupervisionError)), None)
     if dead is None:
         return None

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from configs.schema import JobConfig
+from mesh.weight_sync import sync_keep
 
 logger = logging.getLogger(__name__)
 
@@ -72,12 +73,7 @@ def parameter_count(model_dir: str) -> int:
     config = AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    seen, total = set(), 0
-    for p in model.parameters():  # tied weights once
-        if id(p) not in seen:
-            seen.add(id(p))
-            total += p.numel()
-    return total
+    return sum(p.numel() for p in model.parameters())  # parameters() yields a tied weight once
 
 
 def estimate(job: JobConfig, params: int) -> MemoryEstimate:
@@ -85,7 +81,10 @@ def estimate(job: JobConfig, params: int) -> MemoryEstimate:
     mesh, gen = job.mesh, job.generator
     trainer_procs = mesh.trainer_procs
     shard = params / trainer_procs  # FSDP over every trainer rank of the host
-    reference = 4 if (job.loss.beta > 0 and mesh.replay_procs > 0 and job.loss.preference.needs_reference) else 0
+    replay = job.loss.beta > 0 and mesh.replay_procs > 0  # the preference channel runs (mesh.api: a replay actor)
+    # the trainer builds the frozen reference only then (mesh.placement.trainer_spec_for, titan_ext.trainer)
+    frozen = replay and job.trainer.dpo_reference == "frozen" and job.loss.preference.needs_reference
+    reference = 4 if frozen else 0
     optimizer = OPTIMIZER_BYTES_PER_PARAM[job.optimizer.name]
     trainer_bpp = 4 + 4 + optimizer + reference + TRAINER_REST_BYTES_PER_PARAM
     serving = DTYPE_BYTES.get(gen.dtype, 4)
@@ -99,10 +98,10 @@ def estimate(job: JobConfig, params: int) -> MemoryEstimate:
     colocated = mesh.placement == "colocated"
     processes = {"controller": 1, "trainer": trainer_procs,
                  "generator": 0 if colocated else mesh.generator_procs,
-                 "replay": 1 if (job.loss.beta > 0 and mesh.replay_procs > 0) else 0}
+                 "replay": 1 if replay else 0}
     if colocated:  # a generator in each trainer process
         per_process["trainer"] += per_process["generator"] - FIXED_BYTES["generator"]
-    slots = 2 + job.trainer.max_staleness + 1
+    slots = sync_keep(job.trainer.max_staleness) + 1  # the ring the controller's TopologySync keeps
     terms = {"trainer": f"{trainer_bpp:.1f} B/param of a 1/{trainer_procs} shard + fixed",
              "generator": f"{generator_bpp:.1f} B/param ({gen.dtype}) + fixed"}
     return MemoryEstimate(params, per_process, processes, int(slots * 4 * params), terms)

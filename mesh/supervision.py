@@ -33,7 +33,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from actors.rollout import EpisodeRequest, RolloutGroup
 
@@ -65,24 +65,23 @@ class Deadline:
 UNANSWERED = "timeout waiting for message from proc mesh agent"
 
 
+def causes(exc: BaseException | None) -> Iterator[BaseException]:
+    """`exc` and what it wraps (`raise ... from`), outermost first."""
+    while exc is not None:
+        yield exc
+        exc = exc.__cause__
+
+
 def is_unanswered(exc: BaseException) -> bool:
     """True when `exc` (or what it wraps) is Monarch's report of a process that stopped answering."""
-    while exc is not None:
-        if UNANSWERED in str(exc):
-            return True
-        exc = exc.__cause__  # type: ignore[assignment]
-    return False
+    return any(UNANSWERED in str(e) for e in causes(exc))
 
 
 def is_actor_failure(exc: BaseException) -> bool:
     """True when `exc` (or what it wraps) says an actor or its process died or hung, not that its code raised."""
     from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
 
-    while exc is not None:
-        if isinstance(exc, (SupervisionError, ActorHung)):
-            return True
-        exc = exc.__cause__  # type: ignore[assignment]
-    return False
+    return any(isinstance(e, (SupervisionError, ActorHung)) for e in causes(exc))
 
 
 def install_fault_hook(events: list[str]) -> None:

@@ -143,6 +143,12 @@ class PendingSync:
         )
 
 
+def sync_keep(max_staleness: int) -> int:
+    """Sealed versions a run's TopologySync keeps readable per host: the newest, the one a slow generator may
+    still be reading, and one per step of allowed staleness (its ring holds this + 1 slots)."""
+    return 2 + max_staleness
+
+
 class TopologySync:
     """Weight sync for one trainer mesh and a list of generator actors, routed by their topology.
 
