@@ -246,10 +246,10 @@ class ShardedMuon(Optimizer):
     def step(self, closure=None):  # type: ignore[override]
         loss = _run_closure(closure)
         self.stats = MuonStepStats()
-        pending: list[tuple[torch.Tensor, dict, torch.Tensor]] = []  # (param, group, local update)
+        pending: list[tuple[torch.Tensor, dict]] = []  # (param, group) of every Muon parameter with a gradient
         for group in self.param_groups:
             if group["use_muon"]:
-                pending.extend((p, group, self._momentum(p, group)) for p in group["params"] if p.grad is not None)
+                pending.extend((p, group) for p in group["params"] if p.grad is not None)
             else:
                 self._adamw(group)
         self._orthogonalize_and_apply(pending)
@@ -268,40 +268,45 @@ class ShardedMuon(Optimizer):
         buf.lerp_(grad, 1 - group["momentum"])
         return grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf.clone()
 
-    def _orthogonalize_and_apply(self, pending: list[tuple[torch.Tensor, dict, torch.Tensor]]) -> None:
+    def _orthogonalize_and_apply(self, pending: list[tuple[torch.Tensor, dict]]) -> None:
         """NS every update once, then θ ← θ(1 − lr·wd) − adjusted_lr·O on the local shard.
 
         Exchange rounds are pipelined: the next round's shards travel while
         this rank orthogonalises the current round (and, first, its local
-        matrices such as EP experts).
+        matrices such as EP experts). A matrix that needs no exchange is
+        updated, orthogonalised and applied one at a time, so its update and
+        result never coexist with the others' (an fp32 model's worth each).
         """
         rounds: dict[tuple[Any, int, torch.dtype], list[tuple[int, torch.Tensor, dict, torch.Tensor]]] = {}
-        for i, (p, group, update) in enumerate(pending):
+        for i, (p, group) in enumerate(pending):
             layout = self._layouts[p]
             if layout.kind == "owner":
+                update = self._momentum(p, group)
                 rounds.setdefault((layout.group, layout.bucket, update.dtype), []).append((i, p, group, update))
         exchanges = [_Exchange(pg, items, self._layouts) for (pg, _, _), items in rounds.items()]
-        results: dict[int, torch.Tensor] = {}
         if exchanges:
             exchanges[0].send_to_owners()
-        for i, (p, group, update) in enumerate(pending):
+        for p, group in pending:
             kind = self._layouts[p].kind
             if kind == "local":
-                results[i] = self._ns(update, group)
+                self._apply(p, group, self._ns(self._momentum(p, group), group))
             elif kind == "gather":
-                results[i] = self._gather_ns(p, update, group)
+                self._apply(p, group, self._gather_ns(p, self._momentum(p, group), group))
         for k, ex in enumerate(exchanges):
             if k + 1 < len(exchanges):
                 exchanges[k + 1].send_to_owners()
             ex.orthogonalize_and_return(self._ns_batched)
         for ex in exchanges:
-            results.update(ex.results())
+            for i, result in ex.results().items():
+                self._apply(*pending[i], result)
             self.stats.collectives += 2
             self.stats.comm_numel += ex.sent_numel
-        for i, (p, group, _) in enumerate(pending):
-            p_local = _local(p)
-            p_local.mul_(1 - group["lr"] * group["weight_decay"])
-            p_local.add_(results[i], alpha=-adjusted_lr(group["lr"], group["lr_adjust"], p.shape[-2], p.shape[-1]))
+
+    @staticmethod
+    def _apply(p: torch.Tensor, group: dict, ortho: torch.Tensor) -> None:
+        p_local = _local(p)
+        p_local.mul_(1 - group["lr"] * group["weight_decay"])
+        p_local.add_(ortho, alpha=-adjusted_lr(group["lr"], group["lr_adjust"], p.shape[-2], p.shape[-1]))
 
     def _ns(self, update: torch.Tensor, group: dict) -> torch.Tensor:
         if update.numel() == 0:
