@@ -22,19 +22,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from titan_ext.hf_checkpoint import make_adapter
+from titan_ext.hf_checkpoint import make_adapter, model_units
 
 HFBucket = list[tuple[str, torch.Tensor]]
-
-
-def _units(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """(prefix, module) for each top-level child, transformer blocks one by one."""
-    for name, child in model.named_children():
-        if name == "layers":
-            for block_name, block in child.named_children():
-                yield f"layers.{block_name}", block
-        else:
-            yield name, child
 
 
 def _full_bytes(t: torch.Tensor, dtype: torch.dtype | None) -> int:
@@ -60,7 +50,7 @@ def iter_hf_buckets(
     pending: dict[str, torch.Tensor] = {}
     pending_bytes = 0
     seen: set[int] = set()  # tied parameters (embedding = head) appear under two names
-    for prefix, unit in _units(model):
+    for prefix, unit in model_units(model):
         for key, tensor in unit.state_dict(prefix=f"{prefix}.", keep_vars=True).items():
             if isinstance(tensor, nn.Parameter):  # live objects: ids are stable (hook outputs are not)
                 if id(tensor) in seen:

@@ -9,12 +9,18 @@ HF `config.json` from a TorchTitan model config (`titan_ext.hf_config`).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
+import shutil
+import struct
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 # TorchTitan-only state with no HF counterpart: the aux-loss-free load-balancing
@@ -66,7 +72,7 @@ def safetensors_files(hf_dir: str | Path) -> list[Path]:
 
 
 def read_hf_state_dict(hf_dir: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of an HF checkpoint directory."""
+    """All tensors of an HF checkpoint directory, in memory (tests and small models; loading streams)."""
     state_dict: dict[str, torch.Tensor] = {}
     for path in safetensors_files(hf_dir):
         state_dict.update(load_file(path))
@@ -87,58 +93,158 @@ def titan_to_hf_state_dict(model: torch.nn.Module, adapter: Any = None) -> dict[
     return {k: v.detach().contiguous() for k, v in hf_state_dict.items()}
 
 
+# safetensors dtype codes -> torch dtypes (the header's "dtype" field)
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+    "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}
+
+
+class SafetensorsDir(Mapping[str, torch.Tensor]):
+    """The tensors of an HF checkpoint directory, each read from its file only when asked for.
+
+    Loading goes through this instead of a dict of every tensor, so a model is
+    never held twice (once as the file's tensors, once as parameters): at most
+    one layer's tensors are in memory beside the model. `meta(name)` gives shape
+    and dtype from the file header without reading data.
+    """
+
+    def __init__(self, hf_dir: str | Path) -> None:
+        self._files: dict[str, Any] = {}
+        for path in safetensors_files(hf_dir):
+            handle = safe_open(str(path), framework="pt")
+            for name in handle.keys():
+                self._files[name] = handle
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._files[name].get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._files)
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+    def meta(self, name: str) -> torch.Tensor:
+        piece = self._files[name].get_slice(name)
+        dtype = _SAFETENSORS_DTYPES.get(piece.get_dtype())
+        if dtype is None:
+            raise ValueError(f"{name}: safetensors dtype {piece.get_dtype()} is not supported")
+        return torch.empty(piece.get_shape(), dtype=dtype, device="meta")
+
+
+def model_units(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
+    """(prefix, module) for each top-level child, transformer blocks one by one: the unit of streaming."""
+    for name, child in model.named_children():
+        if name == "layers":
+            for block_name, block in child.named_children():
+                yield f"layers.{block_name}", block
+        else:
+            yield name, child
+
+
+def _unit_of(titan_key: str) -> str:
+    head, _, rest = titan_key.partition(".")
+    return f"layers.{rest.partition('.')[0]}" if head == "layers" else head
+
+
+def _hf_groups(names: list[str]) -> list[list[str]]:
+    """HF names grouped by decoder layer (a layer's QKV and experts convert together), non-layer names first."""
+    groups: dict[int, list[str]] = {}
+    for name in sorted(names):
+        m = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
+        groups.setdefault(int(m.group(1)) if m else -1, []).append(name)
+    return [groups[k] for k in sorted(groups)]
+
+
 def load_hf_into_titan(model: torch.nn.Module, hf_dir: str | Path, adapter: Any = None) -> None:
     """Load an HF safetensors checkpoint directory into a plain or sharded TorchTitan model.
 
     Sharded means FSDP2 / HSDP / expert-parallel (TorchTitan's order: build on
     meta, parallelize, materialise, then load), possibly activation-checkpoint
-    wrapped; the call is then collective. See `load_hf_state_dict`.
+    wrapped; the call is then collective. Streams one decoder layer at a time
+    (`SafetensorsDir`); see `load_hf_state_dict`.
     """
     adapter = adapter or make_adapter(model, hf_dir)
-    load_hf_state_dict(model, read_hf_state_dict(hf_dir), str(hf_dir), adapter)
+    load_hf_state_dict(model, SafetensorsDir(hf_dir), str(hf_dir), adapter)
 
 
-def load_hf_state_dict(
-    model: torch.nn.Module, hf_state_dict: dict[str, torch.Tensor], source: str, adapter: Any = None
-) -> None:
-    """Load HF-named full tensors into a TorchTitan model (`source` names them in errors).
-
-    Every rank lays each full tensor out like the model's own state-dict entry
-    (`distribute_tensor` with that mesh and those placements), so TorchTitan's
-    fused-QKV load hook receives DTensors. Every weight must be present except
-    TorchTitan-only buffers; missing, unexpected or mis-shaped weights raise a
-    `ValueError` that names them, before anything is copied.
-    """
-    adapter = adapter or make_adapter(model)
+def _convert(adapter: Any, hf_state_dict: dict[str, torch.Tensor], source: str, model: torch.nn.Module) -> dict:
+    """`adapter.from_hf` with its errors named; also on one layer's group of a tied-embedding model (the adapter
+    asserts the embedding is present whenever lm_head is absent: a placeholder head is converted and dropped)."""
+    placeholder = (getattr(adapter.model_config, "enable_weight_tying", False)
+                   and not {"lm_head.weight", "model.embed_tokens.weight"} & hf_state_dict.keys())
     try:
-        state_dict = adapter.from_hf(hf_state_dict)
+        if placeholder:
+            converted = adapter.from_hf({**hf_state_dict, "lm_head.weight": torch.empty(0, device="meta")})
+            del converted[adapter.from_hf_map["lm_head.weight"]]
+            return converted
+        return adapter.from_hf(hf_state_dict)
     except (AssertionError, KeyError, StopIteration, RuntimeError) as e:
         raise ValueError(
             f"HF checkpoint {source} cannot be converted for {type(model).__name__} "
             f"({type(e).__name__}: {e}); is it a checkpoint of this flavour?"
         ) from e
-    current = model.state_dict()  # one call: on sharded models the fused-QKV hook gathers
-    missing = sorted(k for k in current.keys() - state_dict.keys() if not k.endswith(_TITAN_ONLY_SUFFIXES))
-    unexpected = sorted(state_dict.keys() - current.keys())
+
+
+def load_hf_state_dict(
+    model: torch.nn.Module, hf_state_dict: Mapping[str, torch.Tensor], source: str, adapter: Any = None
+) -> None:
+    """Load HF-named full tensors into a TorchTitan model (`source` names them in errors).
+
+    First every name and shape is checked on the meta device (from the file
+    headers when `hf_state_dict` is a `SafetensorsDir`): every weight must be
+    present except TorchTitan-only buffers; missing, unexpected or mis-shaped
+    weights raise a `ValueError` that names them, before anything is copied.
+    Then one decoder layer at a time is read, converted by the adapter, laid
+    out like the model's own state-dict entry (`distribute_tensor` with that
+    mesh and those placements, so TorchTitan's fused-QKV load hook receives
+    DTensors) and copied in. Collective on sharded models (same order on all ranks).
+    """
+    adapter = adapter or make_adapter(model)
+    meta_of = getattr(hf_state_dict, "meta", None) or (
+        lambda k: torch.empty(hf_state_dict[k].shape, dtype=hf_state_dict[k].dtype, device="meta"))
+    expected = {  # one unit's state dict at a time: on sharded models the fused-QKV hook gathers
+        key: tuple(value.shape)
+        for prefix, unit in model_units(model)
+        for key, value in unit.state_dict(prefix=f"{prefix}.").items()
+    }
+    converted = _convert(adapter, {k: meta_of(k) for k in hf_state_dict}, source, model)
+    missing = sorted(k for k in expected.keys() - converted.keys() if not k.endswith(_TITAN_ONLY_SUFFIXES))
+    unexpected = sorted(converted.keys() - expected.keys())
     if missing or unexpected:
         raise ValueError(
             f"HF checkpoint {source} does not match {type(model).__name__}: "
             f"missing {missing[:8]}{'…' if len(missing) > 8 else ''}, "
             f"unexpected {unexpected[:8]}{'…' if len(unexpected) > 8 else ''}"
         )
-    for key, value in current.items():
-        if key in state_dict and tuple(state_dict[key].shape) != tuple(value.shape):
+    for key, value in converted.items():
+        if tuple(value.shape) != expected[key]:
             raise ValueError(
-                f"HF checkpoint {source}: {key} has shape {tuple(state_dict[key].shape)}, "
-                f"the model expects {tuple(value.shape)}"
+                f"HF checkpoint {source}: {key} has shape {tuple(value.shape)}, the model expects {expected[key]}"
             )
-    for key, value in state_dict.items():
-        target = current[key]
-        value = value.to(device=target.device, dtype=target.dtype)
+    units = dict(model_units(model))
+    for names in _hf_groups(list(hf_state_dict)):
+        _load_group(model, units, _convert(adapter, {k: hf_state_dict[k] for k in names}, source, model), source)
+
+
+def _load_group(model: torch.nn.Module, units: dict[str, torch.nn.Module], state_dict: dict[str, torch.Tensor],
+                source: str) -> None:
+    """Copy one converted group (TorchTitan names) into `model`; its tensors are freed on return."""
+    targets: dict[str, torch.Tensor] = {}
+    for prefix in sorted({_unit_of(k) for k in state_dict}):
+        targets.update(units[prefix].state_dict(prefix=f"{prefix}."))
+    for key in sorted(state_dict):
+        target = targets[key]
+        value = state_dict[key].to(device=target.device, dtype=target.dtype)
         if isinstance(target, DTensor):  # shard the full tensor like the model's own entry
             value = distribute_tensor(value, target.device_mesh, target.placements)
         state_dict[key] = value
-    model.load_state_dict(state_dict, strict=False)
+    del targets
+    result = model.load_state_dict(state_dict, strict=False)
+    if result.unexpected_keys:
+        raise ValueError(f"HF checkpoint {source}: {type(model).__name__} did not take {result.unexpected_keys[:8]}")
 
 
 def save_hf(
@@ -152,19 +258,61 @@ def save_hf(
     hf_config: a transformers `PretrainedConfig`; derived with `hf_config_for`
     when omitted; written complete for serving (`serving_config_json`). dtype: cast the weights (e.g. bf16 for serving). The output
     is byte-identical for identical weights. Call on every rank of a sharded
-    model (the gather is collective); only rank 0 writes.
+    model (the gathers are collective); only rank 0 writes. Streams the export's
+    buckets (`write_safetensors`): no rank holds more than one bucket beside the model.
     """
+    from titan_ext.export import iter_hf_buckets
+
     out_dir = Path(out_dir)
-    tensors = titan_to_hf_state_dict(model)
-    if dtype is not None:
-        tensors = {k: v.to(dtype) for k, v in tensors.items()}
-    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+    rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    if rank0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    buckets = iter_hf_buckets(model, SAVE_BUCKET_BYTES, dtype=dtype)
+    saved_dtype = write_safetensors(out_dir / "model.safetensors", buckets, write=rank0)
+    if not rank0:
         return out_dir
     from titan_ext.hf_config import hf_config_for, serving_config_json
 
     hf_config = hf_config if hf_config is not None else hf_config_for(model.config)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.cpu() for k, v in tensors.items()}, out_dir / "model.safetensors", metadata={"format": "pt"})
-    saved_dtype = next(iter(tensors.values())).dtype
     (out_dir / "config.json").write_text(serving_config_json(hf_config, saved_dtype))
     return out_dir
+
+
+SAVE_BUCKET_BYTES = 64 << 20
+_DTYPE_CODES = {dtype: code for code, dtype in _SAFETENSORS_DTYPES.items()}
+
+
+def write_safetensors(path: Path, buckets: Iterable[list[tuple[str, torch.Tensor]]], write: bool = True) -> torch.dtype:
+    """Write `(name, tensor)` buckets as one safetensors file, a bucket at a time; returns the first tensor's dtype.
+
+    The data goes to a side file as the buckets arrive (their names and shapes
+    are not known before), then the header (sorted names, `{"format": "pt"}`,
+    padded to 8 bytes as the format asks) and the data are joined into `path`.
+    `write=False` consumes the buckets without writing (the other ranks of a
+    collective export).
+    """
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    first: torch.dtype | None = None
+    offset = 0
+    data_path = path.with_name(f".{path.name}.data")
+    with open(data_path, "wb") if write else contextlib.nullcontext() as data:
+        for bucket in buckets:
+            for name, tensor in bucket:
+                first = first or tensor.dtype
+                if not write:
+                    continue
+                raw = tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
+                data.write(memoryview(raw))
+                header[name] = {"dtype": _DTYPE_CODES[tensor.dtype], "shape": list(tensor.shape),
+                                "data_offsets": [offset, offset + raw.nbytes]}
+                offset += raw.nbytes
+    if first is None:
+        raise ValueError(f"{path}: no tensors to write")
+    if write:
+        encoded = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+        encoded += b" " * (-len(encoded) % 8)
+        with open(path, "wb") as out, open(data_path, "rb") as data:
+            out.write(struct.pack("<Q", len(encoded)) + encoded)
+            shutil.copyfileobj(data, out, 16 << 20)
+        data_path.unlink()
+    return first

@@ -24,13 +24,15 @@ optimizer and LR-scheduler step, the TAID schedule, metrics reduced over ranks.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import math
 import os
 import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator
 
 import torch
 import torch.distributed as dist
@@ -136,7 +138,7 @@ class Trainer:
         # DPO's π_ref: the initial weights, frozen (built before any checkpoint is loaded into the policy).
         self.reference: torch.nn.Module | None = None
         if spec.trainer.dpo_reference == "frozen" and spec.loss.beta > 0 and spec.loss.preference.needs_reference:
-            self.reference = self._build_model().requires_grad_(False).eval()
+            self.reference = self._build_model(copy_of=model).requires_grad_(False).eval()
 
         self.optimizer = build_optimizer(model, spec.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, spec.optimizer, spec.trainer.steps)
@@ -150,6 +152,8 @@ class Trainer:
         )
         self.step = 0
         self.data_cursors: dict[str, Any] = {}
+        # a context per named phase of a step (the actor's peak-memory accounting, actors.phase_memory)
+        self.phase: Callable[[str], ContextManager[None]] = lambda name: contextlib.nullcontext()
         # state of wrappers around model + optimizer (DiLoCo), saved in the checkpoint beside the trainer's
         self.wrappers: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
         self._wrapper_state: dict[str, Any] = {}  # loaded from a checkpoint before its wrapper registered
@@ -172,13 +176,19 @@ class Trainer:
         if error[0] is not None:
             raise ValueError(error[0])
 
-    def _build_model(self) -> torch.nn.Module:
-        """Meta build → parallelize (FSDP2 / HSDP / EP) → seeded init → `hf_path` weights."""
+    def _build_model(self, copy_of: torch.nn.Module | None = None) -> torch.nn.Module:
+        """Meta build → parallelize (FSDP2 / HSDP / EP) → seeded init → `hf_path` weights, or a copy of the
+        weights of `copy_of` (built the same way: same shards, so each rank copies its own; no second file read)."""
         with torch.device("meta"):
             model = self.model_spec.model.build()
         parallelize_model(model, self.model_spec, self.parallel_dims, self.spec.parallelism, self.platform)
         init_model(model, self.device, self.spec.model.seed)
-        if self.spec.model.hf_path:
+        if copy_of is not None:
+            with torch.no_grad():
+                for mine, theirs in zip(itertools.chain(model.parameters(), model.buffers()),
+                                        itertools.chain(copy_of.parameters(), copy_of.buffers()), strict=True):
+                    mine.copy_(theirs)  # parameters, not state-dict entries: the fused-QKV hook returns copies
+        elif self.spec.model.hf_path:
             load_hf_into_titan(model, self.spec.model.hf_path)
         model._skip_lm_head = True  # forward returns final hidden states; the loss applies the head
         return model
@@ -245,7 +255,8 @@ class Trainer:
         if self.taid is not None:
             metrics["distill/taid_t"] = self.taid.t
         if self.checkpointer is not None and self.checkpointer.should_save(self.step):
-            self.save_checkpoint()
+            with self.phase("checkpoint"):
+                self.save_checkpoint()
         return metrics
 
     def _check_batch(self, batch: TrainBatch) -> None:

@@ -257,3 +257,89 @@ def test_trainer_ranks_share_the_rank0_check(tmp_path):
     for rank in range(2):
         assert (tmp_path / f"rank{rank}.txt").read_text().startswith(
             f"refused: model.hf_path {hf_dir}: TorchTitan's logits differ from transformers'")
+
+
+class _TrackedDir:
+    """A `SafetensorsDir` that records the bytes of tensors read from disk and still alive, at their peak."""
+
+    def __init__(self, hf_dir: Path) -> None:
+        from titan_ext.hf_checkpoint import SafetensorsDir
+
+        self.inner, self.live, self.peak, self.read = SafetensorsDir(hf_dir), 0, 0, 0
+
+    def meta(self, name):
+        return self.inner.meta(name)
+
+    def __iter__(self):
+        return iter(self.inner)
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __getitem__(self, name):
+        import weakref
+
+        tensor = self.inner[name]
+        nbytes = tensor.numel() * tensor.element_size()
+        self.live += nbytes
+        self.read += nbytes
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(tensor, self._freed, nbytes)
+        return tensor
+
+    def _freed(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_loading_streams_one_layer_at_a_time(checkpoints, kind):
+    """The file's tensors are read once each, at most one decoder layer (or the embeddings) alive at a time,
+    and the loaded model equals the all-in-memory reading of the file."""
+    from titan_ext.hf_checkpoint import load_hf_state_dict, read_hf_state_dict, titan_to_hf_state_dict
+    from titan_ext.models import init_model
+
+    hf_dir = checkpoints[kind]
+    everything = read_hf_state_dict(hf_dir)
+    total = sum(t.numel() * t.element_size() for t in everything.values())
+    per_layer: dict[str, int] = {}
+    for name, t in everything.items():
+        group = name.split(".")[2] if name.startswith("model.layers.") else "other"
+        per_layer[group] = per_layer.get(group, 0) + t.numel() * t.element_size()
+    resolved = resolve_model(ModelConfig(hf_path=str(hf_dir), device="cpu"), CPU)
+    with torch.device("meta"):
+        model = resolved.spec.model.build()
+    init_model(model, "cpu", seed=0)
+    tracked = _TrackedDir(hf_dir)
+    load_hf_state_dict(model, tracked, str(hf_dir))
+    assert tracked.read == total, "every tensor is read exactly once"
+    assert tracked.peak <= max(per_layer.values()), (tracked.peak, per_layer)
+    assert tracked.peak < total / 2
+    assert tracked.live == 0
+    loaded = titan_to_hf_state_dict(model)
+    for name, t in everything.items():
+        torch.testing.assert_close(loaded[name], t, rtol=0, atol=0, msg=name)
+
+
+def test_streamed_safetensors_round_trip_and_are_deterministic(tmp_path):
+    """`write_safetensors` (bucket by bucket) writes what safetensors itself reads back bit for bit, every dtype
+    the exports use, and the same bytes twice."""
+    from safetensors.torch import load_file
+
+    from titan_ext.hf_checkpoint import write_safetensors
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = {
+        "b.bf16": torch.randn(3, 5, generator=gen).bfloat16(), "a.f32": torch.randn(7, generator=gen),
+        "c.i64": torch.arange(6).reshape(2, 3), "d.bool": torch.rand(4, generator=gen) > 0.5,
+        "e.empty": torch.zeros(0, 4), "f.f16": torch.randn(2, 2, generator=gen).half(),
+        "g.strided": torch.randn(4, 6, generator=gen).t(),
+    }
+    buckets = [list(tensors.items())[:3], list(tensors.items())[3:]]
+    write_safetensors(tmp_path / "one.safetensors", buckets)
+    write_safetensors(tmp_path / "two.safetensors", buckets)
+    back = load_file(tmp_path / "one.safetensors")
+    assert back.keys() == tensors.keys()
+    for name, t in tensors.items():
+        assert back[name].dtype == t.dtype and torch.equal(back[name], t), name
+    assert (tmp_path / "one.safetensors").read_bytes() == (tmp_path / "two.safetensors").read_bytes()
+    assert not list(tmp_path.glob(".*.data"))
