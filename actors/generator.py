@@ -29,6 +29,7 @@ import torch
 from monarch.actor import Actor, current_rank, endpoint
 
 from actors.chaos import kill_point
+from actors.phase_memory import PhaseMemory, bound_malloc_retention
 from actors.rollout import EpisodeRequest, RolloutGroup, SamplingParams
 from actors.shm_weights import SegmentLoader, host_label, pull_pieces
 from actors.weights import WeightManifest, check_coverage, read_manifest, weights_digest
@@ -97,6 +98,9 @@ class GeneratorActor(Actor):
         from envs.plugin import add_python_path
 
         kill_point("generator", "setup")
+        self.memory = PhaseMemory()
+        bound_malloc_retention()
+        self.memory.begin()
         add_python_path(spec.python_path)
         self.spec = spec
         if spec.torch_threads:
@@ -125,6 +129,7 @@ class GeneratorActor(Actor):
         self.version = 0
         self.rank = current_rank().rank
         self.segments = SegmentLoader()
+        self.memory.end("load")
 
     @endpoint
     def info(self) -> dict:
@@ -142,7 +147,9 @@ class GeneratorActor(Actor):
         if sampling is None:  # a fresh, reproducible stream per call (request seeds are unique within a run)
             sampling = SamplingParams.from_config(
                 self.spec.generator, seed=self.spec.seed * 1_000_003 + (requests[0].seed if requests else 0))
-        return self.runner.run(list(requests), group_size or self.spec.generator.group_size, sampling, self.version)
+        with self.memory.phase("generate"):
+            return self.runner.run(list(requests), group_size or self.spec.generator.group_size, sampling,
+                                   self.version)
 
     @endpoint
     def complete(self, conversations: list[list[dict]], sampling: SamplingParams) -> list[str]:
@@ -164,23 +171,28 @@ class GeneratorActor(Actor):
         return {"version": self.version, "digest": self._digest(manifest.names)}
 
     @endpoint
-    def weights_digest(self, names: list[str] | None = None) -> str:
-        """Digest of the engine's weights under `names`; None: one name per tensor (tied weights
-        under their first name in state-dict order, as the trainer's export names them)."""
+    def weights_digest(self, names: list[str] | None = None, dtype: str | None = None) -> str:
+        """Digest of the engine's weights under `names`, cast to `dtype` when given; None: one name per tensor
+        (tied weights under their first name in state-dict order, as the trainer's export names them)."""
         if names is None:
             first: dict[int, str] = {}
             for name, t in self.engine.named_weights().items():
                 first.setdefault(t.data_ptr(), name)
             names = list(first.values())
-        return self._digest(names)
+        return self._digest(names, getattr(torch, dtype) if dtype else None)
 
-    def _digest(self, names: list[str]) -> str:
+    def _digest(self, names: list[str], dtype: torch.dtype | None = None) -> str:
         state = self.engine.named_weights()
-        return weights_digest((n, state[n]) for n in names)
+        return weights_digest((n, state[n] if dtype is None else state[n].to(dtype)) for n in names)
 
     @endpoint
     def policy_version(self) -> int:
         return self.version
+
+    @endpoint
+    def memory_phases(self) -> dict[str, dict[str, int]]:
+        """This process's peak memory per phase so far (`actors.phase_memory`)."""
+        return self.memory.report()
 
     # ---- topology-aware weight sync (mesh.weight_sync) ----------------------------------------
 
@@ -197,7 +209,9 @@ class GeneratorActor(Actor):
         shadow: (ModelConfig, ParallelismConfig) of the trainer, to name and lay out the tensors as its export does.
         """
         kill_point("generator", "first_load")
-        result = self.segments.load(self.engine, root, host_label(), version, shadow, bucket_bytes, timeout_s, token)
+        with self.memory.phase("sync" if "first_sync" in self.memory.peaks else "first_sync"):
+            result = self.segments.load(self.engine, root, host_label(), version, shadow, bucket_bytes, timeout_s,
+                                        token)
         self.version = version
         names = result.pop("names")
         result["digest"] = self._digest(names) if digest else None

@@ -77,12 +77,15 @@ class SegmentLayout:
     nbytes: int
 
     @staticmethod
-    def from_model(model: nn.Module) -> "SegmentLayout":
+    def from_model(model: nn.Module, dtype: torch.dtype | None = None) -> "SegmentLayout":
+        """Every parameter of `model` in `dtype` (the generators' serving dtype; None: the parameter's own):
+        writers cast as they copy, so a bf16-serving run moves and keeps half the bytes of fp32 slots."""
         slots, offset = [], 0
         for name, p in model.named_parameters():  # deduplicated: tied weights once, under their first name
             name = clean_name(name)
-            nbytes = p.numel() * p.element_size()
-            slots.append(Slot(name, str(p.dtype).removeprefix("torch."), tuple(p.shape), offset, nbytes))
+            slot_dtype = dtype or p.dtype
+            nbytes = p.numel() * slot_dtype.itemsize
+            slots.append(Slot(name, str(slot_dtype).removeprefix("torch."), tuple(p.shape), offset, nbytes))
             offset += _round_up(nbytes, ALIGN)
         return SegmentLayout(tuple(slots), offset)
 
@@ -465,7 +468,7 @@ def write_shards(model: nn.Module, writer: SegmentWriter) -> list[Piece]:
             local, index = part
             if local.numel() == 0:
                 continue
-            full[index].copy_(local)  # device-to-host on GPU
+            full[index].copy_(local)  # device-to-host on GPU; casts to the slot's (serving) dtype
             pieces += _runs(slot, full, index)
     return coalesce(pieces)
 

@@ -23,6 +23,7 @@ import torch
 from monarch.actor import Actor, endpoint
 
 from actors.chaos import kill_point
+from actors.phase_memory import PhaseMemory, bound_malloc_retention
 from actors.shm_weights import Piece, SegmentLayout, SegmentWriter, host_label, write_shards
 from actors.weights import WeightManifest, publish_buckets, weights_digest
 from titan_ext.batch import IGNORE_INDEX, TrainBatch
@@ -80,6 +81,8 @@ class TrainerActor(Actor):
         self.spec = spec
         self.trainer: Trainer | None = None
         self._exposed: dict[int, tuple[SegmentWriter, list]] = {}  # version -> mapping + RDMA buffers kept alive
+        self.memory = PhaseMemory()
+        bound_malloc_retention()
 
     def _t(self) -> Trainer:
         if self.trainer is None:
@@ -95,7 +98,9 @@ class TrainerActor(Actor):
         if self.trainer is None:
             if self.spec.torch_threads:
                 torch.set_num_threads(self.spec.torch_threads)
-            self.trainer = Trainer(self.spec)
+            with self.memory.phase("load"):
+                self.trainer = Trainer(self.spec)
+            self.trainer.phase = self.memory.phase  # a checkpoint inside a step is a phase of its own
         return {
             "rank": dist.get_rank(), "world": dist.get_world_size(), "step": self.trainer.step, "pid": os.getpid(),
             "threads": torch.get_num_threads(),
@@ -108,7 +113,8 @@ class TrainerActor(Actor):
         import torch.distributed as dist
 
         t = self._t()
-        return t.train_step(batch.shard(dist.get_rank(), dist.get_world_size()))
+        with self.memory.phase("step"):
+            return t.train_step(batch.shard(dist.get_rank(), dist.get_world_size()))
 
     @endpoint
     def score(self, batch: ScoreBatch, reference: bool = False) -> ScoreResult:
@@ -139,12 +145,19 @@ class TrainerActor(Actor):
 
     @endpoint
     def save_checkpoint(self) -> str:
-        return str(self._t().save_checkpoint())
+        with self.memory.phase("checkpoint"):
+            return str(self._t().save_checkpoint())
 
     @endpoint
     def save_hf(self, out_dir: str) -> str:
         """Write the current weights as a servable HF directory (all ranks gather; rank 0 writes)."""
-        return str(self._t().save_hf_dir(out_dir))
+        with self.memory.phase("export"):
+            return str(self._t().save_hf_dir(out_dir))
+
+    @endpoint
+    def memory_phases(self) -> dict[str, dict[str, int]]:
+        """This rank's peak memory per phase so far (`actors.phase_memory`)."""
+        return self.memory.report()
 
     @endpoint
     def load_checkpoint(self, step: int) -> int:
@@ -169,9 +182,11 @@ class TrainerActor(Actor):
         return manifest
 
     @endpoint
-    def weights_digest(self) -> str:
-        """Digest of the full HF-named weights as exported (collective), for checks against generators."""
-        return weights_digest(kv for bucket in self._t().export_weights() for kv in bucket)
+    def weights_digest(self, dtype: str | None = None) -> str:
+        """Digest of the full HF-named weights as exported (collective), cast to `dtype` when given (a serving
+        dtype), for checks against generators."""
+        cast = getattr(torch, dtype) if dtype else None
+        return weights_digest(kv for bucket in self._t().export_weights(cast) for kv in bucket)
 
     @endpoint
     def policy_version(self) -> int:
@@ -189,10 +204,10 @@ class TrainerActor(Actor):
 
     @endpoint
     def publish_shards(self, root: str, token: str, parties: dict[str, int], keep: int = 2,
-                       expose: tuple[int, ...] = ()) -> ShardReport:
+                       expose: tuple[int, ...] = (), dtype: str = "float32") -> ShardReport:
         """Copy this rank's shards of the current weights into this host's segment for version `step`
-        (no collective); the last of `parties[host]` writers seals it. Ranks in `expose` keep RDMA
-        buffers over their runs for readers on other hosts (until `keep` newer versions exist)."""
+        (no collective), cast to the serving `dtype`; the last of `parties[host]` writers seals it. Ranks in
+        `expose` keep RDMA buffers over their runs for readers on other hosts (until `keep` newer versions exist)."""
         import time
 
         import torch.distributed as dist
@@ -200,11 +215,14 @@ class TrainerActor(Actor):
         t = self._t()
         kill_point("trainer", "first_sync")
         start = time.perf_counter()
-        with SegmentWriter(root, host_label(), t.step, token, SegmentLayout.from_model(t.model), keep) as writer:
+        self.memory.begin()
+        with SegmentWriter(root, host_label(), t.step, token, SegmentLayout.from_model(t.model, getattr(torch, dtype)),
+                           keep) as writer:
             pieces = write_shards(t.model, writer)
             if torch.device(t.device).type == "cuda":  # the device-to-host copies are done before the seal
                 torch.cuda.synchronize()
             published = writer.done(parties[host_label()])
+        self.memory.end("sync" if "first_sync" in self.memory.peaks else "first_sync")
         buffers: list = []
         if dist.get_rank() in expose:
             from monarch.rdma import RDMABuffer
@@ -221,4 +239,5 @@ class TrainerActor(Actor):
     def train_step_shard(self, shard: TrainBatch) -> dict[str, float]:
         """`train_step` on a batch that is already this rank's data-parallel shard (`mesh.rollout_exchange`)."""
         kill_point("trainer", "step")
-        return self._t().train_step(shard)
+        with self.memory.phase("step"):
+            return self._t().train_step(shard)

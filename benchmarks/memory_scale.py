@@ -3,9 +3,9 @@
 Each shape is a Qwen3 checkpoint made with transformers (random init, the
 project's tiny ChatML tokenizer, so the vocabulary is small and the layers
 hold nearly all parameters), run for 2 steps of the main recipe
-(`configs/debug_cpu.toml`: all three loss channels, AdamW, fp32, checkpoint
-at step 2, final `hf/` export; warm start and held-out evaluation off) in its
-own process. A sampler reads every process of the run each 0.2 s:
+(`configs/debug_cpu.toml`: all three loss channels, Muon with fp32
+Newton–Schulz, fp32, checkpoint at the last step, final `hf/` export; warm
+start and held-out evaluation off) in its own process. A sampler reads every process of the run each 0.2 s:
 anonymous RSS (`RssAnon`: private memory; shared-memory slots are counted
 once, as /dev/shm use) and the bytes the run holds in /dev/shm. Phases are
 told apart by the files the run writes: `load` (spawn and setup, until
@@ -17,7 +17,9 @@ checkpoint, export, exit).
 Prints, per shape and role, the peak anonymous RSS and bytes per parameter,
 and ends with one JSON line: `trainer_bytes_per_param`,
 `generator_bytes_per_param`, `shm_bytes_per_param`, `host_bytes_per_param`
-(peak of everything on the host) for the largest shape run, plus the slope
+(peak of everything on the host) for the largest shape run, each actor's own
+peak per phase (`phase_bytes_per_param`: load, first_sync, step,
+checkpoint, export; generator load, first_sync, generate, sync), plus the slope
 and intercept of each role's peak against the parameter count over the
 shapes (what `mesh.memory` budgets with).
 """
@@ -111,9 +113,9 @@ def _shm_bytes(name: str) -> int:
 class Sampler(threading.Thread):
     """Peak anonymous RSS per role and /dev/shm bytes per phase of one run (every 0.2 s)."""
 
-    def __init__(self, proc: subprocess.Popen, run_dir: Path, name: str) -> None:
+    def __init__(self, proc: subprocess.Popen, run_dir: Path, name: str, steps: int) -> None:
         super().__init__(daemon=True)
-        self.proc, self.run_dir, self.name = proc, run_dir, name
+        self.proc, self.run_dir, self.name, self.steps = proc, run_dir, name, steps
         self.peaks: dict[str, dict[str, int]] = {}  # phase -> role -> bytes ("host": everything)
 
     def _phase(self, rows: int, steps: int) -> str:
@@ -122,7 +124,7 @@ class Sampler(threading.Thread):
         return "steps" if rows < steps else "finish"
 
     def run(self) -> None:
-        steps = 2
+        steps = self.steps
         while self.proc.poll() is None:
             metrics = self.run_dir / "metrics.jsonl"
             rows = len(metrics.read_text().splitlines()) if metrics.exists() else 0
@@ -147,7 +149,7 @@ class Sampler(threading.Thread):
             time.sleep(0.2)
 
 
-def run_shape(name: str, shape: tuple[int, ...], tmp: Path) -> dict:
+def run_shape(name: str, shape: tuple[int, ...], tmp: Path, steps: int = 2, overrides: tuple[str, ...] = ()) -> dict:
     root = tmp / name
     root.mkdir()
     model_dir, params = make_model(root, shape)
@@ -155,19 +157,24 @@ def run_shape(name: str, shape: tuple[int, ...], tmp: Path) -> dict:
     env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
     cmd = [sys.executable, "-m", "mesh.cli", "train", "--no-progress", str(REPO / "configs/debug_cpu.toml"),
            f"--job.name={job}", f"--job.output_dir={root / 'runs'}", f"--model.hf_path={model_dir}",
-           "--trainer.steps=2", "--trainer.prompts_per_step=2", "--trainer.eval_every=0",
-           "--generator.max_new_tokens=8", "--checkpoint.every_steps=2", "--env.demo.warm_start_steps=0",
-           "--mesh.max_restarts=0"]
+           f"--trainer.steps={steps}", "--trainer.prompts_per_step=2", "--trainer.eval_every=0",
+           "--generator.max_new_tokens=8", f"--checkpoint.every_steps={steps}", "--env.demo.warm_start_steps=0",
+           "--mesh.max_restarts=0",
+           # fp32 Newton–Schulz: on this CPU (AVX2, no bf16 units) one bf16 NS of a 1024 x 3072 matrix takes 50 s,
+           # fp32 1 s (titan_ext.muon.zeropower_via_newtonschulz, 1 thread); memory is the same either way
+           "--optimizer.ns_dtype=float32", *overrides]
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    sampler = Sampler(proc, root / "runs" / job, job)
+    sampler = Sampler(proc, root / "runs" / job, job, steps)
     sampler.start()
     out, err = proc.communicate()
     sampler.join()
     if proc.returncode:
         raise SystemExit(f"{name}: train exited {proc.returncode}:\n{err[-3000:]}")
     peaks = {role: max(p.get(role, 0) for p in sampler.peaks.values()) for role in (*ROLES, "shm", "host")}
-    return {"params": params, "wall_s": time.perf_counter() - start, "peaks": peaks, "phases": sampler.peaks}
+    memory = json.loads((root / "runs" / job / "summary.json").read_text())["memory"]
+    return {"params": params, "wall_s": time.perf_counter() - start, "peaks": peaks, "phases": sampler.peaks,
+            "actor_phases": {"trainer": memory["trainer"][0], "generator": memory["generator"][0]}}
 
 
 def fit(xs: list[int], ys: list[int]) -> tuple[float, float]:
@@ -183,12 +190,15 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help=f"shapes {', '.join(QUICK)}")
     p.add_argument("--shapes", nargs="*", choices=sorted(SHAPES), help="shapes to run (default: all)")
+    p.add_argument("--steps", type=int, default=2, help="training steps per shape (checkpoint at the last)")
+    p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override for every run, e.g. optimizer.ns_dtype=float32")
     a = p.parse_args()
     names = list(QUICK) if a.quick else (a.shapes or list(SHAPES))
     results = {}
     with tempfile.TemporaryDirectory(prefix="memory_scale-") as tmp:
         for name in names:
-            results[name] = run_shape(name, SHAPES[name], Path(tmp))
+            results[name] = run_shape(name, SHAPES[name], Path(tmp), a.steps, tuple(f"--{o}" for o in a.override))
             r = results[name]
             print(f"{name}: {r['params'] / 1e6:.1f}M params, {r['wall_s']:.0f} s", file=sys.stderr)
     gib = 1 << 30
@@ -199,6 +209,14 @@ def main() -> None:
             print(f"{name:10} {r['params'] / 1e6:7.1f}M {phase:7} "
                   + " ".join(f"{peak.get(role, 0) / gib:10.3f}" for role in (*ROLES, "shm", "host")))
     big = results[names[-1]]
+    print(f"\n{names[-1]}: each actor's own peak per phase (VmHWM reset at the phase's start; actors/phase_memory.py)")
+    print(f"{'role':10} {'phase':11} {'peak RSS GiB':>12} {'private GiB':>12} {'private B/param':>16}")
+    phase_bpp: dict[str, dict[str, float]] = {}
+    for role, phases in big["actor_phases"].items():
+        for phase, peak in phases.items():
+            phase_bpp.setdefault(role, {})[phase] = round(peak["private"] / big["params"], 2)
+            print(f"{role:10} {phase:11} {peak['peak_rss'] / gib:12.3f} {peak['private'] / gib:12.3f} "
+                  f"{peak['private'] / big['params']:16.2f}")
     per_param = {f"{role}_bytes_per_param": big["peaks"][role] / big["params"]
                  for role in ("trainer", "generator", "shm", "host")}
     xs = [r["params"] for r in results.values()]
@@ -206,7 +224,7 @@ def main() -> None:
     print(f"{'role':10} {'bytes/param (slope)':>20} {'fixed GiB (intercept)':>22}")
     for role, (slope, icpt) in fits.items():
         print(f"{role:10} {slope:20.2f} {icpt / gib:22.3f}")
-    print(json.dumps({**per_param, "largest": names[-1], "params": big["params"],
+    print(json.dumps({**per_param, "largest": names[-1], "params": big["params"], "phase_bytes_per_param": phase_bpp,
                       "fit": {role: {"bytes_per_param": s, "fixed_bytes": i} for role, (s, i) in fits.items()}}))
 
 

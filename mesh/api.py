@@ -161,7 +161,7 @@ class Run:
             steps=self._end - state.iteration, prompts_per_step=job.trainer.prompts_per_step,
             max_seq_len=job.trainer.max_seq_len, policy=job.loss.policy, mode=job.trainer.mode,
             max_staleness=job.trainer.max_staleness, seed=job.job.seed, hints=job.loss.alpha > 0,
-            weight_dir=self._weight_dir,
+            weight_dir=self._weight_dir, serving_dtype=job.generator.dtype,
             pairs_per_step=job.trainer.prompts_per_step if placement.replay is not None else 0,
             dpo_reference=job.loss.preference.needs_reference, state_dir=state_dir,
             deadline=Deadline(job.mesh.hang_floor_s, job.mesh.hang_s_per_token),
@@ -286,6 +286,10 @@ class Run:
             "restarts": [dataclasses.asdict(r) for r in (self._supervisor.restarts if self._supervisor else [])],
             "mesh_failures": len(self.fault_events),
             "hf": rank0(placement.trainer.save_hf.call(str(self.run_dir / "hf")).get()),  # the final weights
+        }
+        summary["memory"] = {  # peak bytes per phase and process (actors.phase_memory)
+            "trainer": list(placement.trainer.memory_phases.call().get().values()),
+            "generator": [g.memory_phases.call_one().get() for g in placement.generators],
         }
         if job.diloco.enabled:
             summary["diloco"] = placement.manager.status.call_one().get()

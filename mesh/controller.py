@@ -64,6 +64,7 @@ class ControllerConfig:
     mode: Literal["sync", "async"] = "sync"
     max_staleness: int = 0
     weight_dir: str = "/dev/shm/composer-mesh-weights"  # shared-memory segment slots (mesh.weight_sync)
+    serving_dtype: str = "float32"  # the slots' dtype: generator.dtype
     seed: int = 0
     hints: bool = True  # channel 2: hint the first error site of each failed rollout
     pairs_per_step: int = 0  # channel 3: preference pairs drawn from the replay actor per step
@@ -474,7 +475,7 @@ class Controller:
         with self._wsync_lock:
             if self._wsync is None:
                 self._wsync = TopologySync(self.trainer, self.generators, self.cfg.weight_dir,
-                                           keep=sync_keep(self.cfg.max_staleness))
+                                           keep=sync_keep(self.cfg.max_staleness), dtype=self.cfg.serving_dtype)
             return self._wsync
 
     def _sync_all(self) -> None:

@@ -10,8 +10,8 @@ with the per-parameter and fixed costs measured by
   the measured rest (export and checkpoint buffers, the loss's temporaries);
 - generator, per process: the weights in the serving dtype plus the measured
   rest (the engine, the shadow model it loads through);
-- /dev/shm: the weight-sync ring, `keep + 1` fp32 slots of the whole model
-  (keep = 2 + max_staleness);
+- /dev/shm: the weight-sync ring, `keep + 1` slots of the whole model in
+  the serving dtype (keep = 2 + max_staleness);
 - every process: a fixed cost (Python, torch, Monarch, the role's imports).
 
 `check` compares the host's sum with `MemAvailable` and the slots with
@@ -35,12 +35,12 @@ logger = logging.getLogger(__name__)
 
 GIB = 1 << 30
 # Measured with `python benchmarks/memory_scale.py --quick` (0.2M, 6.8M and 65M-parameter Qwen3 shapes, debug
-# recipe: Muon, DPO reference, fp32, 2 cores; 2026-11-24): peak anonymous RSS = fixed + slope x params, least
-# squares. Trainer slope 29.8 B/param = 16 (params, grads, Muon state, reference) + the rest below; generator
-# slope 4.9 = 4 (fp32 weights) + the rest.
-TRAINER_REST_BYTES_PER_PARAM = 13.8  # beyond params, grads, optimizer state and the reference (copies: #21)
-GENERATOR_REST_BYTES_PER_PARAM = 0.9  # beyond the serving-dtype weights
-FIXED_BYTES = {"controller": 470 << 20, "trainer": 481 << 20, "generator": 453 << 20, "replay": 349 << 20}
+# recipe: Muon, DPO reference, fp32, 2 cores; 2026-11-25): peak anonymous RSS = fixed + slope x params, least
+# squares. Trainer slope 18.1 B/param = 16 (params, grads, Muon state, reference) + the rest below (the step's
+# transients); generator slope 4.4 = 4 (fp32 weights) + the rest.
+TRAINER_REST_BYTES_PER_PARAM = 2.1  # beyond params, grads, optimizer state and the reference
+GENERATOR_REST_BYTES_PER_PARAM = 0.4  # beyond the serving-dtype weights
+FIXED_BYTES = {"controller": 445 << 20, "trainer": 478 << 20, "generator": 425 << 20, "replay": 333 << 20}
 OPTIMIZER_BYTES_PER_PARAM = {"adamw": 8, "muon": 4}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -104,7 +104,7 @@ def estimate(job: JobConfig, params: int) -> MemoryEstimate:
     slots = sync_keep(job.trainer.max_staleness) + 1  # the ring the controller's TopologySync keeps
     terms = {"trainer": f"{trainer_bpp:.1f} B/param of a 1/{trainer_procs} shard + fixed",
              "generator": f"{generator_bpp:.1f} B/param ({gen.dtype}) + fixed"}
-    return MemoryEstimate(params, per_process, processes, int(slots * 4 * params), terms)
+    return MemoryEstimate(params, per_process, processes, int(slots * serving * params), terms)  # serving-dtype slots
 
 
 def available() -> tuple[int, int]:

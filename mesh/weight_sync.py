@@ -160,11 +160,13 @@ class TopologySync:
     """
 
     def __init__(self, trainer: Any, generators: Sequence[Any], root: str = DEFAULT_ROOT, *, keep: int = 2,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, verify: bool = True, timeout_s: float = 300.0) -> None:
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, verify: bool = True, timeout_s: float = 300.0,
+                 dtype: str = "float32") -> None:
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         self.trainer, self.generators = trainer, list(generators)
         self.root, self.keep, self.bucket_bytes, self.verify, self.timeout_s = root, keep, bucket_bytes, verify, timeout_s
+        self.dtype = dtype  # the slots' dtype: the generators' serving dtype
         self.topology: Topology = probe(trainer, self.generators)
         self.plan: RoutePlan = plan_routes(self.topology)
         self.shadow = next(iter(trainer.host_info.call().get().values()))["shadow"]
@@ -185,7 +187,7 @@ class TopologySync:
         token = uuid.uuid4().hex[:12]
         parties = {h: self.plan.parties_on(h) for h in set(self.plan.source_hosts) | {r.host for r in self.plan.routes}}
         reports = list(self.trainer.publish_shards.call(
-            self.root, token, parties, self.keep, self.plan.remote_ranks).get().values())
+            self.root, token, parties, self.keep, self.plan.remote_ranks, self.dtype).get().values())
         publish_s = time.perf_counter() - start
         version = {r.version for r in reports}
         if len(version) != 1:

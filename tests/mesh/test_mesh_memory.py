@@ -35,7 +35,7 @@ def test_estimate_is_the_documented_formula():
     generator = memory.FIXED_BYTES["generator"] + (2 + memory.GENERATOR_REST_BYTES_PER_PARAM) * params
     assert est.per_process["trainer"] == int(trainer) and est.per_process["generator"] == int(generator)
     assert est.processes == {"controller": 1, "trainer": 2, "generator": 1, "replay": 1}
-    assert est.shm == (2 + 1 + 1) * 4 * params  # keep = 2 + max_staleness, a ring of keep + 1 fp32 slots
+    assert est.shm == (2 + 1 + 1) * 2 * params  # keep = 2 + max_staleness, a ring of keep + 1 bf16 (serving) slots
     assert est.host == (memory.FIXED_BYTES["controller"] + 2 * int(trainer) + int(generator)
                         + memory.FIXED_BYTES["replay"] + est.shm)
 
@@ -43,6 +43,7 @@ def test_estimate_is_the_documented_formula():
     assert muon.per_process["trainer"] == int(memory.FIXED_BYTES["trainer"]
                                               + (4 + 4 + 4 + memory.TRAINER_REST_BYTES_PER_PARAM) * params)
     assert muon.processes["replay"] == 0  # no preference channel: no replay process, no reference
+    assert muon.shm == (2 + 0 + 1) * 4 * params  # float32 serving: fp32 slots
 
 
 def test_parameter_count_equals_transformers(tiny_assets):

@@ -75,6 +75,11 @@ def test_train_command_runs_and_resumes(tmp_path, tiny_assets):
     assert first["start_step"] == 0 and first["final_step"] == 2
     assert (run / "checkpoints" / "step-00000002" / "COMPLETE").is_file()
     assert first["replay"]["pairs_made"] > 0 and 0 < first["replay"]["spend_usd"] <= 0.5
+    trainer_memory, generator_memory = first["memory"]["trainer"][0], first["memory"]["generator"][0]
+    assert {"load", "first_sync", "step", "sync", "checkpoint", "export"} <= trainer_memory.keys()
+    assert {"load", "first_sync", "generate"} <= generator_memory.keys()
+    for peak in (*trainer_memory.values(), *generator_memory.values()):
+        assert 0 < peak["private"] <= peak["peak_rss"] < 8 << 30  # a tiny model: well under 8 GiB per process
 
     second = train(recipe, 3, cache)
     assert second["start_step"] == 2 and second["steps_run"] == 1 and second["final_step"] == 3

@@ -244,6 +244,25 @@ def test_sync_matches_trainer_digest_while_next_step_runs(meshes, tmp_path):
         assert sorted(p.name for p in host_dir(tmp_path, host).glob("*.seg")) == ["slot001.seg", "slot002.seg"]
 
 
+def test_serving_dtype_slots_halve_the_bytes_and_load_the_rounded_weights(meshes, tmp_path):
+    """bf16 slots (`[generator] dtype`): each byte that crosses a host or sits in /dev/shm is half the fp32
+    one, and every generator holds exactly the trainer's export rounded to bf16, not anything else."""
+    from mesh.weight_sync import TopologySync
+    from mesh.weight_sync_baseline import rank0
+
+    trainer, gens = meshes
+    trainer.train_step.call(_batch(4)).get()
+    fp32 = TopologySync(trainer, gens, str(tmp_path / "fp32"), keep=1).sync()
+    bf16 = TopologySync(trainer, gens, str(tmp_path / "bf16"), keep=1, dtype="bfloat16").sync()
+    assert bf16.version == fp32.version and bf16.model_bytes * 2 == fp32.model_bytes
+    assert bf16.cross_host_bytes * 2 == fp32.cross_host_bytes > 0
+    rounded = rank0(trainer.weights_digest.call("bfloat16").get())
+    assert {g.weights_digest.call_one(dtype="bfloat16").get() for g in gens} == {rounded}
+    assert {g.weights_digest.call_one().get() for g in gens} != {fp32.digest}  # the fp32 engines hold rounded values
+    slot = next(host_dir(tmp_path / "bf16", "generator_0").glob("*.seg")).stat().st_size
+    assert slot < next(host_dir(tmp_path / "fp32", "generator_0").glob("*.seg")).stat().st_size * 0.51 + 8192
+
+
 def test_publish_then_load_one_generator_at_a_time(meshes, tmp_path):
     """What the controller's async workers and respawns do: publish once, then a generator loads alone once its
     host holds the version whole, checked against the first load's digest; a generator respawned on a host the

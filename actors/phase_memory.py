@@ -1,0 +1,112 @@
+"""Peak memory of this process per phase (load, first sync, step, checkpoint, export, generate).
+
+Linux keeps a process's peak resident set (`VmHWM`) and lets the process
+reset it to the current size (`5` into `/proc/self/clear_refs`), so each
+phase's own peak is exact, not a sampler's guess: the phase resets it on
+entry and reads it on exit. Resident memory counts the shared-memory pages a
+process touched (the weight-sync slots it wrote or read) and its mapped
+libraries; `private` subtracts both as they stand at the end of the phase.
+Actors keep one `PhaseMemory` and return `report()` from a `memory_phases`
+endpoint; the run writes them to summary.json (`memory`) and
+`benchmarks/memory_scale.py` prints them. Without /proc the phases record nothing.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+_PROC = Path("/proc/self")
+
+
+def _status() -> dict[str, int]:
+    """The memory lines of /proc/self/status, in bytes."""
+    out = {}
+    for line in (_PROC / "status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmHWM", "VmRSS", "RssAnon", "RssFile", "RssShmem"):
+            out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+class PhaseMemory:
+    """Per phase name: the largest peak resident set seen (bytes), and the private part of it.
+
+    Phases nest (a checkpoint inside a step): entering an inner phase first
+    keeps the enclosing phase's peak so far, and the enclosing phase resumes
+    from a fresh reset when the inner one ends, so each gets its own peak.
+    """
+
+    def __init__(self) -> None:
+        self.peaks: dict[str, dict[str, int]] = {}
+        self._open: list[dict[str, int]] = []  # per open phase: the /proc status at its highest peak so far
+        self.enabled = (_PROC / "clear_refs").exists()
+
+    def _reset(self) -> None:
+        try:
+            (_PROC / "clear_refs").write_text("5")
+        except OSError:
+            self.enabled = False
+
+    def begin(self) -> None:
+        """Start a phase: the peak resident set is reset to the current one."""
+        if not self.enabled:
+            return
+        if self._open:
+            self._open[-1] = max(self._open[-1], _status(), key=lambda s: s["VmHWM"])
+        self._open.append({"VmHWM": 0})
+        self._reset()
+
+    def end(self, name: str) -> None:
+        """End the innermost phase as `name`: keep its peak if it is the largest of that name so far."""
+        if not self.enabled or not self._open:
+            return
+        s = max(self._open.pop(), _status(), key=lambda s: s["VmHWM"])
+        peak = {"peak_rss": s["VmHWM"], "private": max(0, s["VmHWM"] - s["RssFile"] - s["RssShmem"]),
+                "shmem": s["RssShmem"]}
+        old = self.peaks.get(name)
+        if old is None or peak["peak_rss"] > old["peak_rss"]:
+            self.peaks[name] = peak
+        if self._open:
+            self._reset()
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        self.begin()
+        try:
+            yield
+        finally:
+            self.end(name)
+
+    def report(self) -> dict[str, dict[str, int]]:
+        return {name: dict(peak) for name, peak in self.peaks.items()}
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters (malloc.h)
+MMAP_THRESHOLD_BYTES = 1 << 20
+
+
+def bound_malloc_retention(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
+    """Serve every allocation of `threshold` bytes or more with its own mapping, returned on free.
+
+    glibc raises its mmap threshold each time a mapped block is freed (up to
+    32 MiB), after which tensors below it come from the heap and their pages
+    stay with the process once freed: measured on the 65M-parameter shape
+    (benchmarks/memory_scale.py), 8–12 of the trainer's bytes per parameter
+    were such freed-but-kept memory. Fixing the threshold (which turns the
+    adjustment off) and the trim threshold gives them back. Called once in
+    each actor process; False where glibc is not the allocator.
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        mallopt = libc.mallopt if libc is not None else None
+    except (OSError, AttributeError):
+        return False
+    if mallopt is None:
+        return False
+    return bool(mallopt(M_MMAP_THRESHOLD, threshold)) and bool(mallopt(M_TRIM_THRESHOLD, threshold))
