@@ -289,7 +289,7 @@ class Run:
         }
         summary["memory"] = {  # peak bytes per phase and process (actors.phase_memory)
             "trainer": list(placement.trainer.memory_phases.call().get().values()),
-            "generator": [g.memory_phases.call_one().get() for g in placement.generators],
+            "generator": [_memory_phases(g) for g in placement.generators],
         }
         if job.diloco.enabled:
             summary["diloco"] = placement.manager.status.call_one().get()
@@ -423,3 +423,12 @@ def _resume_at_logged_step(trainer: Any, start: int, run_dir: Path, job: JobConf
     if not older:
         return start  # nothing older kept: resume where the trainer is (the log misses those rows)
     return int(rank0(trainer.load_checkpoint.call(older[-1]).get()))
+
+
+def _memory_phases(generator: Any) -> dict[str, dict[str, int]] | None:
+    """A generator's peak memory per phase, or None when it cannot answer (it died after the last step: the run's
+    result does not depend on it)."""
+    try:
+        return generator.memory_phases.call_one().get(timeout=30)
+    except Exception:  # noqa: BLE001 — any failure to reach it: the summary says None instead of failing the run
+        return None

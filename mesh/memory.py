@@ -35,11 +35,12 @@ logger = logging.getLogger(__name__)
 
 GIB = 1 << 30
 # Measured with `python benchmarks/memory_scale.py --quick` (0.2M, 6.8M and 65M-parameter Qwen3 shapes, debug
-# recipe: Muon, DPO reference, fp32, 2 cores; 2026-11-25): peak anonymous RSS = fixed + slope x params, least
-# squares. Trainer slope 18.1 B/param = 16 (params, grads, Muon state, reference) + the rest below (the step's
-# transients); generator slope 4.4 = 4 (fp32 weights) + the rest.
-TRAINER_REST_BYTES_PER_PARAM = 2.1  # beyond params, grads, optimizer state and the reference
-GENERATOR_REST_BYTES_PER_PARAM = 0.4  # beyond the serving-dtype weights
+# recipe: Muon, DPO reference, fp32, 2 cores, [mesh] malloc_mmap_threshold_mib = 4; 2026-11-25): peak anonymous
+# RSS = fixed + slope x params, least squares. Trainer slope 20.1 B/param = 16 (params, grads, Muon state,
+# reference) + the rest below (the step's transients, freed tensors under the mmap threshold); generator slope
+# 4.7 = 4 (fp32 weights) + the rest.
+TRAINER_REST_BYTES_PER_PARAM = 4.1  # beyond params, grads, optimizer state and the reference
+GENERATOR_REST_BYTES_PER_PARAM = 0.7  # beyond the serving-dtype weights
 FIXED_BYTES = {"controller": 445 << 20, "trainer": 478 << 20, "generator": 425 << 20, "replay": 333 << 20}
 OPTIMIZER_BYTES_PER_PARAM = {"adamw": 8, "muon": 4}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

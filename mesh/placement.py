@@ -38,6 +38,7 @@ from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any
 
+from actors.phase_memory import MMAP_THRESHOLD_ENV
 from configs.sections.mesh import MeshConfig
 
 
@@ -278,6 +279,7 @@ def place(cfg: MeshConfig, trainer_spec: Any, generator_spec: Any, replay_spec: 
     from mesh.supervision import configure_supervision
 
     configure_supervision(cfg.supervision_poll_s, cfg.state_query_s)  # before the first process is spawned
+    os.environ[MMAP_THRESHOLD_ENV] = str(int(cfg.malloc_mmap_threshold_mib * (1 << 20)))  # the actors inherit it
     meshes: list[Any] = []
     try:
         with phase("setup"):  # every role's processes start (import, build, load) at once

@@ -62,7 +62,7 @@ _RETENTION = """
 import sys, torch
 from actors.phase_memory import bound_malloc_retention
 if sys.argv[1] == "bounded":
-    assert bound_malloc_retention()
+    assert bound_malloc_retention(1 << 20)
 def anon():
     for line in open("/proc/self/status"):
         if line.startswith("RssAnon:"):
@@ -82,3 +82,11 @@ def test_bounded_malloc_gives_freed_tensors_back():
     kept_bounded = int(_run(_RETENTION.replace("sys.argv[1]", '"bounded"')))
     assert kept_default > 200 * MIB, f"default glibc kept {kept_default / MIB:.0f} MiB (the effect is gone?)"
     assert kept_bounded < 20 * MIB, f"bounded kept {kept_bounded / MIB:.0f} MiB"
+
+
+def test_zero_threshold_leaves_glibc_alone(monkeypatch):
+    """`[mesh] malloc_mmap_threshold_mib = 0` reaches the actors as 0 in the environment: nothing is set."""
+    from actors.phase_memory import MMAP_THRESHOLD_ENV, bound_malloc_retention
+
+    monkeypatch.setenv(MMAP_THRESHOLD_ENV, "0")
+    assert bound_malloc_retention() is False
