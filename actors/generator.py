@@ -209,7 +209,7 @@ class GeneratorActor(Actor):
         shadow: (ModelConfig, ParallelismConfig) of the trainer, to name and lay out the tensors as its export does.
         """
         kill_point("generator", "first_load")
-        with self.memory.phase("sync" if "first_sync" in self.memory.peaks else "first_sync"):
+        with self.memory.phase(self.memory.first_or("first_sync", "sync")):
             result = self.segments.load(self.engine, root, host_label(), version, shadow, bucket_bytes, timeout_s,
                                         token)
         self.version = version

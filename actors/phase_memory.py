@@ -26,7 +26,7 @@ def _status() -> dict[str, int]:
     out = {}
     for line in (_PROC / "status").read_text().splitlines():
         key, _, value = line.partition(":")
-        if key in ("VmHWM", "VmRSS", "RssAnon", "RssFile", "RssShmem"):
+        if key in ("VmHWM", "RssFile", "RssShmem"):
             out[key] = int(value.split()[0]) * 1024
     return out
 
@@ -80,6 +80,10 @@ class PhaseMemory:
         finally:
             self.end(name)
 
+    def first_or(self, first: str, later: str) -> str:
+        """`first` until a phase of that name has been recorded, then `later` (a first sync, then syncs)."""
+        return later if first in self.peaks else first
+
     def report(self) -> dict[str, dict[str, int]]:
         return {name: dict(peak) for name, peak in self.peaks.items()}
 
@@ -113,11 +117,10 @@ def bound_malloc_retention(threshold: int | None = None) -> bool:
     import ctypes.util
 
     name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-        mallopt = libc.mallopt if libc is not None else None
-    except (OSError, AttributeError):
+    if not name:
         return False
-    if mallopt is None:
+    try:
+        mallopt = ctypes.CDLL(name).mallopt
+    except (OSError, AttributeError):
         return False
     return bool(mallopt(M_MMAP_THRESHOLD, threshold)) and bool(mallopt(M_TRIM_THRESHOLD, threshold))

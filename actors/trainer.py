@@ -222,7 +222,7 @@ class TrainerActor(Actor):
             if torch.device(t.device).type == "cuda":  # the device-to-host copies are done before the seal
                 torch.cuda.synchronize()
             published = writer.done(parties[host_label()])
-        self.memory.end("sync" if "first_sync" in self.memory.peaks else "first_sync")
+        self.memory.end(self.memory.first_or("first_sync", "sync"))
         buffers: list = []
         if dist.get_rank() in expose:
             from monarch.rdma import RDMABuffer
