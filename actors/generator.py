@@ -219,7 +219,9 @@ class GeneratorActor(Actor):
 
     @endpoint
     def pull_weights(self, root: str, version: int, token: str, layout: Any, sources: list, parties: int,
-                     keep: int = 2, bucket_bytes: int = 64 << 20) -> dict:
-        """This host's reader: RDMA-read every remote trainer rank's runs into this host's segment (which the
-        local generators then read); returns {"bytes_remote", "published", "pull_s"}."""
-        return pull_pieces(root, host_label(), version, token, layout, sources, parties, keep, bucket_bytes)
+                     keep: int = 2, bucket_bytes: int = 64 << 20, use_delta: bool = False) -> dict:
+        """This host's reader: RDMA-read every remote trainer rank's runs (or, `use_delta`, their deltas against
+        the host's copy of the base version) into this host's segment (which the local generators then read);
+        returns {"bytes_remote", "published", "pull_s", "delta", "crc_mismatches"}."""
+        return pull_pieces(root, host_label(), version, token, layout, sources, parties, keep, bucket_bytes,
+                           use_delta)

@@ -9,7 +9,12 @@ importance correction compares the trainer's logprobs against). A row stops at
 an end-of-turn token or after `max_new_tokens`.
 
 `load_weights` copies HF-named tensors into the live parameters (no new model,
-no restart), which is how generators receive new policy versions.
+no restart), which is how generators receive new policy versions. Names are
+those of the checkpoint on disk (what the trainer's export writes): a MoE
+layer that transformers holds as fused 3-D expert tensors
+(`mlp.experts.gate_up_proj` [E, 2I, D], `mlp.experts.down_proj` [E, D, I]:
+the inverse of transformers' own qwen2_moe conversion) is addressed by each
+expert's `gate_proj` / `up_proj` / `down_proj` weight, as views.
 """
 
 from __future__ import annotations
@@ -130,7 +135,7 @@ class HFEngine:
         Raises KeyError for a name the model does not have and ValueError for a shape
         mismatch (before copying that tensor).
         """
-        state = self.model.state_dict()
+        state = self.named_weights()
         n = 0
         for name, tensor in named:
             if name not in state:
@@ -143,5 +148,23 @@ class HFEngine:
         return n
 
     def named_weights(self) -> dict[str, torch.Tensor]:
-        """HF names → live tensors (tied weights appear under each of their names)."""
-        return dict(self.model.state_dict())
+        """Checkpoint names → live tensors (tied weights appear under each of their names; fused expert
+        tensors as one view per expert and projection)."""
+        return dict(_per_expert(self.model.state_dict()))
+
+
+def _per_expert(state: dict[str, torch.Tensor]) -> Iterable[tuple[str, torch.Tensor]]:
+    """`state` with transformers' fused MoE expert tensors split into the per-expert views checkpoints name."""
+    for name, t in state.items():
+        prefix, _, leaf = name.rpartition("mlp.experts.")
+        if not prefix or t.dim() != 3 or leaf not in ("gate_up_proj", "down_proj"):
+            yield name, t
+            continue
+        experts = f"{prefix}mlp.experts."
+        for e in range(t.shape[0]):
+            if leaf == "down_proj":  # [E, D, I]
+                yield f"{experts}{e}.down_proj.weight", t[e]
+            else:  # [E, 2I, D]: gate rows, then up rows
+                half = t.shape[1] // 2
+                yield f"{experts}{e}.gate_proj.weight", t[e, :half]
+                yield f"{experts}{e}.up_proj.weight", t[e, half:]

@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 from monarch.actor import Actor, endpoint
 
 from actors.chaos import kill_point
 from actors.phase_memory import PhaseMemory, bound_malloc_retention
-from actors.shm_weights import Piece, SegmentLayout, SegmentWriter, host_label, write_shards
+from actors.shm_weights import Piece, SegmentLayout, SegmentWriter, coalesce, host_label, write_shards
+from actors.weight_delta import Delta, DeltaBase
 from actors.weights import WeightManifest, publish_buckets, weights_digest
 from titan_ext.batch import IGNORE_INDEX, TrainBatch
 from titan_ext.trainer import Trainer, TrainerSpec
@@ -71,6 +73,9 @@ class ShardReport:
     buffers: list  # monarch.rdma.RDMABuffer per piece, or [] when not exposed
     published: bool  # this rank sealed the host's segment
     write_s: float
+    delta: Delta | None = None  # exposed ranks with deltas on: changes since this rank's previous publication
+    delta_buffer: Any = None  # RDMABuffer over the delta's bytes (None without a delta or with zero bytes)
+    delta_s: float = 0.0  # encoding the delta and refreshing the base, inside write_s
 
 
 class TrainerActor(Actor):
@@ -81,6 +86,7 @@ class TrainerActor(Actor):
         self.spec = spec
         self.trainer: Trainer | None = None
         self._exposed: dict[int, tuple[SegmentWriter, list]] = {}  # version -> mapping + RDMA buffers kept alive
+        self._delta_base = DeltaBase()  # exposed ranks with deltas on: the serving-dtype runs published last
         self.memory = PhaseMemory()
         bound_malloc_retention()
 
@@ -204,10 +210,15 @@ class TrainerActor(Actor):
 
     @endpoint
     def publish_shards(self, root: str, token: str, parties: dict[str, int], keep: int = 2,
-                       expose: tuple[int, ...] = (), dtype: str = "float32") -> ShardReport:
+                       expose: tuple[int, ...] = (), dtype: str = "float32",
+                       delta: Literal["off", "anchor", "delta"] = "off") -> ShardReport:
         """Copy this rank's shards of the current weights into this host's segment for version `step`
         (no collective), cast to the serving `dtype`; the last of `parties[host]` writers seals it. Ranks in
-        `expose` keep RDMA buffers over their runs for readers on other hosts (until `keep` newer versions exist)."""
+        `expose` keep RDMA buffers over their runs for readers on other hosts (until `keep` newer versions exist).
+
+        delta (exposed ranks; `actors.weight_delta`): "delta" also encodes the runs against this rank's previous
+        publication (when it has one) for readers to apply; "anchor" only keeps this version as the next base;
+        "off" keeps no base (its memory is freed)."""
         import time
 
         import torch.distributed as dist
@@ -218,22 +229,41 @@ class TrainerActor(Actor):
         self.memory.begin()
         with SegmentWriter(root, host_label(), t.step, token, SegmentLayout.from_model(t.model, getattr(torch, dtype)),
                            keep) as writer:
-            pieces = write_shards(t.model, writer)
+            runs = write_shards(t.model, writer)
             if torch.device(t.device).type == "cuda":  # the device-to-host copies are done before the seal
                 torch.cuda.synchronize()
             published = writer.done(parties[host_label()])
-        self.memory.end(self.memory.first_or("first_sync", "sync"))
+        pieces = coalesce(runs)
         buffers: list = []
+        encoded, delta_buffer, delta_start = None, None, time.perf_counter()
         if dist.get_rank() in expose:
             from monarch.rdma import RDMABuffer
 
+            # the sealed version stays unchanged here: its slot is reused only `keep` versions later
+            encoded = self._delta(writer.payload, runs, t.step, token, getattr(torch, dtype).itemsize, delta)
             buffers = [RDMABuffer(writer.payload[p.offset : p.offset + p.nbytes]) for p in pieces]
+            if encoded is not None and encoded[0].nbytes:
+                delta_buffer = RDMABuffer(encoded[1])
+                buffers.append(delta_buffer)  # dropped with the version's other buffers
             self._exposed[t.step] = (writer, buffers)
             for old in sorted(self._exposed)[:-keep]:
                 for buf in self._exposed.pop(old)[1]:
                     buf.drop().get()
-        return ShardReport(dist.get_rank(), host_label(), t.step, writer.layout, pieces, buffers, published,
-                           time.perf_counter() - start)
+        delta_s = time.perf_counter() - delta_start
+        self.memory.end(self.memory.first_or("first_sync", "sync"))
+        return ShardReport(dist.get_rank(), host_label(), t.step, writer.layout, pieces,
+                           buffers[: len(pieces)], published, time.perf_counter() - start,
+                           encoded[0] if encoded is not None else None, delta_buffer, delta_s)
+
+    def _delta(self, payload_U8: torch.Tensor, runs: list[Piece], version: int, token: str, itemsize: int,
+               mode: str) -> tuple[Delta, torch.Tensor] | None:
+        """This rank's delta against its base (mode "delta", when it has one), then this version as the base."""
+        if mode == "off":
+            self._delta_base.drop()
+            return None
+        if mode not in ("anchor", "delta"):
+            raise ValueError(f"delta must be 'off', 'anchor' or 'delta', got {mode!r}")
+        return self._delta_base.advance(payload_U8, runs, version, token, itemsize, encode=mode == "delta")
 
     @endpoint
     def train_step_shard(self, shard: TrainBatch) -> dict[str, float]:

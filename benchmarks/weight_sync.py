@@ -23,11 +23,25 @@ median over the repetitions, all measured in this run:
   file every process mapped before (a bare memcpy: the floor). Each raw
   figure is the faster of 1 and 2 torch threads per process.
 
+Delta sync (`actors.weight_delta`), on two Monarch `ProcessJob` fake hosts
+(trainer mesh on one, a bf16 generator on the other, so every byte it gets
+crosses hosts): the tiny model trained with AdamW at lr 1e-6, 1e-5 and 1e-4
+(`--quick`: 1e-6 only) for `--delta-steps` steps, each step synced with deltas (after one anchor),
+then as many steps synced whole. Per lr: the fraction of bf16 elements that
+changed per step, bytes crossing hosts with deltas ÷ without (also with an
+anchor every 10 syncs, the default), sync time with ÷ without, and the
+encodings' sizes on those very versions (read back from the fake host's
+slots): XOR + zstd (used) against bitmask + values and int32 index + values.
+The sync-time ratio is measured again on the benchmark shape at lr 1e-6,
+where copying, not call overhead, dominates.
+
     python benchmarks/weight_sync.py --quick
 
-Prints a table, then one JSON line {"vs_raw_shm": ..., "vs_endpoint": ...}
-(topology throughput ÷ raw shm (fresh file), ÷ endpoint; also ÷ the other
-raw variants and the baseline).
+Prints tables, then one JSON line {"vs_raw_shm": ..., "vs_endpoint": ...,
+"delta_bytes_ratio": ..., "delta_time_ratio": ...} (topology throughput ÷ raw
+shm (fresh file), ÷ endpoint; also ÷ the other raw variants and the baseline;
+delta_bytes_ratio at lr 1e-6 on the tiny model, delta_time_ratio on the
+benchmark shape; per-lr figures under "delta").
 """
 
 from __future__ import annotations
@@ -183,6 +197,170 @@ class RawShm:
 
 # ---- the run ---------------------------------------------------------------------------------------
 
+# ---- delta sync on two fake hosts ----------------------------------------------------------------
+
+DELTA_LRS = (1e-6, 1e-5, 1e-4)
+
+
+def _codec(root: str, host: str, version: int) -> dict:
+    """Sizes (÷ the bf16 bytes) and encode rates (GB/s of input) of three delta encodings between `host`'s sealed
+    slots of `version` − 1 and `version` (the whole payload as one run)."""
+    import numpy as np
+    import zstandard
+
+    from actors.shm_weights import PinnedSegment
+    from actors.weight_delta import encode_run
+
+    with PinnedSegment.open(root, host, version - 1) as old, PinnedSegment.open(root, host, version) as new:
+        a, b = old.payload.clone(), new.payload.clone()
+    n = a.numel()
+    start = time.perf_counter()
+    mask = a.view(torch.int16) != b.view(torch.int16)
+    bits, values = np.packbits(mask.numpy()), b.view(torch.int16)[mask]
+    mask_s = time.perf_counter() - start
+    start = time.perf_counter()
+    changed = a.view(torch.int16) != b.view(torch.int16)
+    index, values = torch.nonzero(changed).flatten().to(torch.int32), b.view(torch.int16)[changed]
+    index_s = time.perf_counter() - start
+    start = time.perf_counter()
+    _, _, packed = encode_run(b, a, 2, zstandard.ZstdCompressor(level=1))  # a becomes b (the sender's base)
+    xor_s = time.perf_counter() - start
+    return {"xor_zstd": len(packed) / n, "bitmask_values": (bits.nbytes + values.numel() * 2) / n,
+            "index_values": (index.numel() * 4 + values.numel() * 2) / n,
+            "xor_zstd_gbps": n / xor_s / 1e9, "bitmask_gbps": n / mask_s / 1e9, "index_gbps": n / index_s / 1e9}
+
+
+def delta_run(state, trainer_cls, trainer_args: tuple, gen_cls, gen_args: tuple, work: Path, steps: int,
+              vocab: int, codec: bool) -> dict:
+    """One trainer mesh (host "trainer") and one bf16 generator (host "generator"): `steps` steps synced with
+    deltas after an anchor, then `steps` synced whole; the generator's weights are checked at the end."""
+    import statistics
+
+    from monarch.spmd import setup_torch_elastic_env
+
+    from mesh.weight_sync import TopologySync
+    from mesh.weight_sync_baseline import rank0
+    from titan_ext.batch import TrainBatch
+
+    procs = state.trainer.spawn_procs(per_host={"gpus": 2})
+    setup_torch_elastic_env(procs)
+    trainer = procs.spawn("trainer", trainer_cls, *trainer_args)
+    gen_procs = state.generator.spawn_procs(per_host={"gpus": 1})
+    gen = gen_procs.spawn("generator", gen_cls, *gen_args)
+    trainer.setup.call().get()
+    try:
+        root = str(work / "delta")
+        sync = TopologySync(trainer, [gen], root, keep=2, dtype="bfloat16", anchor_every=10**9, verify=False)
+        host = next(r.host for r in sync.plan.routes if r.reader is not None)
+        model_bytes = sync.sync().model_bytes  # the anchor
+        delta_bytes, changed, delta_s, publish_s, codecs, parts = [], [], [], [], [], []
+        for step in range(1, steps + 1):
+            trainer.train_step.call(TrainBatch.synthetic(step, vocab)).get()
+            report = sync.sync()
+            if not report.delta.get(host):
+                raise SystemExit(f"step {step}: the generator host got full weights, not a delta")
+            delta_bytes.append(report.cross_host_bytes)
+            changed.append(report.changed / report.elements)
+            delta_s.append(report.total_s)
+            publish_s.append(report.publish_s)
+            parts.append((report.write_s, report.pull_s[host], report.load_s))
+            if codec:
+                codecs.append(_codec(root, host, report.version))
+        full = TopologySync(trainer, [gen], str(work / "full"), keep=2, dtype="bfloat16", verify=False)
+        full.sync()
+        full_s, full_publish_s = [], []
+        for step in range(steps + 1, 2 * steps + 1):
+            trainer.train_step.call(TrainBatch.synthetic(step, vocab)).get()
+            report = full.sync()
+            full_s.append(report.total_s)
+            full_publish_s.append(report.publish_s)
+            parts.append((report.write_s, report.pull_s[host], report.load_s))
+        if rank0(trainer.weights_digest.call("bfloat16").get()) != gen.weights_digest.call_one(dtype="bfloat16").get():
+            raise SystemExit("delta sync left the generator with other weights than the trainer's")
+    finally:
+        procs.stop().get()
+        gen_procs.stop().get()
+    ratio = sum(delta_bytes) / (steps * model_bytes)
+    every = 10  # [mesh] weight_sync_anchor_every's default: one anchor, nine deltas
+    return {
+        "model_mb": round(model_bytes / 1e6, 2), "steps": steps,
+        "changed_fraction": round(statistics.mean(changed), 4), "changed_max": round(max(changed), 4),
+        "bytes_ratio": round(ratio, 4), "bytes_ratio_anchor10": round((1 + (every - 1) * ratio) / every, 4),
+        "time_ratio": round(statistics.median(delta_s) / statistics.median(full_s), 3),
+        "delta_sync_s": round(statistics.median(delta_s), 4), "full_sync_s": round(statistics.median(full_s), 4),
+        "delta_publish_s": round(statistics.median(publish_s), 4),
+        "full_publish_s": round(statistics.median(full_publish_s), 4),
+        "write_pull_load_s": {kind: [round(statistics.median(p[i] for p in half), 4) for i in range(3)]
+                              for kind, half in (("delta", parts[:steps]), ("full", parts[steps:]))},
+        "codec": {k: round(statistics.mean(c[k] for c in codecs), 4) for k in codecs[0]} if codecs else {},
+    }
+
+
+def delta_figures(work: Path, tiny, bench_hf: Path, bench_model, shape: dict, steps: int, bench_steps: int,
+                  lrs: tuple[float, ...]) -> dict:
+    """`delta_run` for each of `lrs` on the tiny model, then at lr 1e-6 on the benchmark shape."""
+    from monarch.job import ProcessJob
+
+    import benchmarks.weight_sync as bench
+    from actors.generator import GeneratorSpec
+    from configs.sections.generator import GeneratorConfig
+    from configs.sections.model import ModelConfig
+    from configs.sections.optimizer import OptimizerConfig
+    from configs.sections.trainer import TrainerConfig
+    from titan_ext.trainer import TrainerSpec
+
+    def spec(model, lr: float, folder: str) -> TrainerSpec:
+        return TrainerSpec(model=model, trainer=TrainerConfig(steps=10_000, microbatches=1),
+                           optimizer=OptimizerConfig(name="adamw", lr=lr, weight_decay=0.0, decay_ratio=0.0),
+                           checkpoint_dir=str(work / folder))
+
+    job = ProcessJob({"trainer": 1, "generator": 1})
+    out: dict = {"tiny": {}}
+    try:
+        state = job.state(cached_path=None)
+        tiny_model = ModelConfig(flavour="tiny", device="cpu", hf_path=str(tiny.dense_dir))
+        tiny_gen = GeneratorSpec(model_dir=str(tiny.dense_dir),
+                                 generator=GeneratorConfig(engine="hf", dtype="bfloat16"))
+        vocab = vocab_size(tiny.dense_dir)
+        for lr in lrs:
+            out["tiny"][f"{lr:g}"] = delta_run(state, TrainerActor, (spec(tiny_model, lr, f"ckpt_{lr:g}"),),
+                                               GeneratorActor, (tiny_gen,), work / f"tiny_{lr:g}", steps, vocab,
+                                               codec=True)
+            print(f"  delta lr {lr:g}: {out['tiny'][f'{lr:g}']}", flush=True)
+        bench_gen = GeneratorSpec(model_dir=str(bench_hf), tokenizer_dir=str(tiny.dense_dir),
+                                  generator=GeneratorConfig(engine="hf", dtype="bfloat16"))
+        out["bench"] = delta_run(state, bench.BenchTrainer, (spec(bench_model, 1e-6, "ckpt_b"), shape),
+                                 bench.BenchGenerator, (bench_gen, shape), work / "bench", bench_steps,
+                                 vocab_size(bench_hf), codec=False)
+        print(f"  delta bench shape: {out['bench']}", flush=True)
+    finally:
+        job.kill()
+    return out
+
+
+def vocab_size(model_dir: Path) -> int:
+    """The vocabulary size of an HF checkpoint folder (config.json)."""
+    return json.loads((model_dir / "config.json").read_text())["vocab_size"]
+
+
+def print_delta_table(deltas: dict) -> None:
+    print("\ndelta sync, bf16 serving, AdamW, 2 fake hosts (trainer host → generator host)")
+    print(f"{'model / lr':18s} {'changed':>8s} {'bytes ratio':>11s} {'w/ anchor/10':>12s} {'time ratio':>10s} "
+          f"{'delta s':>8s} {'full s':>8s} {'publish Δ/full':>15s}")
+    rows = [(f"tiny {lr}", row) for lr, row in deltas["tiny"].items()] + [("bench 1e-06", deltas["bench"])]
+    for name, row in rows:
+        print(f"{name:18s} {row['changed_fraction']:8.4f} {row['bytes_ratio']:11.4f} "
+              f"{row['bytes_ratio_anchor10']:12.4f} {row['time_ratio']:10.3f} {row['delta_sync_s']:8.4f} "
+              f"{row['full_sync_s']:8.4f} {row['delta_publish_s']:7.4f}/{row['full_publish_s']:.4f}")
+    print("\nencodings on the same versions (bytes ÷ bf16 bytes; encode GB/s, one thread)")
+    print(f"{'lr':8s} {'xor+zstd':>9s} {'bitmask+v':>10s} {'index+v':>8s} {'xor GB/s':>9s} {'mask GB/s':>10s} "
+          f"{'index GB/s':>10s}")
+    for lr, row in deltas["tiny"].items():
+        c = row["codec"]
+        print(f"{lr:8s} {c['xor_zstd']:9.4f} {c['bitmask_values']:10.4f} {c['index_values']:8.4f} "
+              f"{c['xor_zstd_gbps']:9.2f} {c['bitmask_gbps']:10.2f} {c['index_gbps']:10.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="3 repetitions (endpoint path: 1)")
@@ -190,6 +368,9 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--ffn", type=int, default=2816)
+    parser.add_argument("--delta-steps", type=int, default=None,
+                        help="steps per lr synced with deltas, then as many whole (default 10; the benchmark "
+                             "shape: 4 with --quick, which also runs lr 1e-6 only)")
     args = parser.parse_args()
     reps = 3 if args.quick else args.reps
     shape = dict(dim=args.dim, n_layers=args.layers, n_heads=16, n_kv_heads=8, head_dim=64, hidden_dim=args.ffn)
@@ -229,8 +410,8 @@ def main() -> None:
                                       TrainerSpec(model=model_cfg, checkpoint_dir=str(work / "ckpt")), shape)
         gen_spec = GeneratorSpec(model_dir=str(hf_dir), tokenizer_dir=str(tiny.dense_dir),
                                  generator=GeneratorConfig(engine="hf"))
-        gen_mesh = this_host().spawn_procs(per_host={"gpus": 2}).spawn("generator", bench.BenchGenerator, gen_spec,
-                                                                         shape)
+        gen_procs = this_host().spawn_procs(per_host={"gpus": 2})
+        gen_mesh = gen_procs.spawn("generator", bench.BenchGenerator, gen_spec, shape)
         trainer.setup.call().get()
         gens = [gen_mesh.slice(**point) for point, _ in gen_mesh.info.call().get().items()]
         print(f"setup {time.perf_counter() - t0:.1f}s", flush=True)
@@ -274,7 +455,12 @@ def main() -> None:
                 sync_weights(trainer, g, str(work / f"base{i}"))
             baseline_s.append(time.perf_counter() - start)
         trainer_procs.stop().get()
+        gen_procs.stop().get()
         print(f"timed sync paths {time.perf_counter() - t0:.1f}s", flush=True)
+        deltas = delta_figures(work, tiny, hf_dir, model_cfg, shape, args.delta_steps or 10,
+                               args.delta_steps or (4 if args.quick else 10),
+                               DELTA_LRS[:1] if args.quick else DELTA_LRS)
+        print(f"delta sync {time.perf_counter() - t0:.1f}s", flush=True)
     finally:
         if raw_shm is not None:
             raw_shm.close()
@@ -300,6 +486,14 @@ def main() -> None:
         "vs_baseline": round(gbps["topology (shm segments)"] / gbps["baseline (rank-0 safetensors)"], 2),
         "topology_gbps": round(gbps["topology (shm segments)"], 3), "model_mb": round(model_bytes / 1e6, 1),
     }
+    print_delta_table(deltas)
+    at_1e6 = deltas["tiny"]["1e-06"]
+    figures.update(
+        delta_bytes_ratio=at_1e6["bytes_ratio"], delta_time_ratio=deltas["bench"]["time_ratio"],
+        delta_changed_fraction=at_1e6["changed_fraction"],
+        delta={lr: {k: v for k, v in row.items() if k != "codec"} for lr, row in deltas["tiny"].items()},
+        delta_bench=deltas["bench"],
+    )
     print(json.dumps(figures))
 
 

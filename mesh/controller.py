@@ -65,6 +65,7 @@ class ControllerConfig:
     max_staleness: int = 0
     weight_dir: str = "/dev/shm/composer-mesh-weights"  # shared-memory segment slots (mesh.weight_sync)
     serving_dtype: str = "float32"  # the slots' dtype: generator.dtype
+    anchor_every: int = 1  # cross-host deltas with a full anchor every this many syncs; 1 = always full
     seed: int = 0
     hints: bool = True  # channel 2: hint the first error site of each failed rollout
     pairs_per_step: int = 0  # channel 3: preference pairs drawn from the replay actor per step
@@ -475,7 +476,8 @@ class Controller:
         with self._wsync_lock:
             if self._wsync is None:
                 self._wsync = TopologySync(self.trainer, self.generators, self.cfg.weight_dir,
-                                           keep=sync_keep(self.cfg.max_staleness), dtype=self.cfg.serving_dtype)
+                                           keep=sync_keep(self.cfg.max_staleness), dtype=self.cfg.serving_dtype,
+                                           anchor_every=self.cfg.anchor_every)
             return self._wsync
 
     def _sync_all(self) -> None:

@@ -53,6 +53,9 @@ class TopologySyncReport:
     write_s: float  # the slowest trainer rank's copy into the segment, inside the actor
     load_s: float  # the slowest generator's load into its engine, inside the actor
     pull_s: dict[str, float] = field(default_factory=dict)  # per reader host
+    delta: dict[str, bool] = field(default_factory=dict)  # per reader host: it applied a delta (else full runs)
+    changed: int = 0  # elements of the pulled ranks' runs that changed since their last publication (deltas on)
+    elements: int = 0  # elements of those runs (0: no delta was encoded, e.g. an anchor)
 
 
 def check_loads(version: int, results: list[dict], verify: bool, digest: str | None = None) -> str | None:
@@ -83,6 +86,8 @@ class Publication:
     publish_s: float
     write_s: float
     shadow: tuple  # the trainer's (ModelConfig, ParallelismConfig), to name the tensors as its export does
+    changed: int  # see TopologySyncReport
+    elements: int
     bucket_bytes: int
     timeout_s: float
     verify: bool
@@ -140,6 +145,7 @@ class PendingSync:
             pub.version, len(results), digest, pub.model_bytes, sum(p["bytes_remote"] for p in pulled.values()),
             pub.publish_s, time.perf_counter() - pub.start, pub.write_s,
             max((r["load_s"] for r in results), default=0.0), {h: p["pull_s"] for h, p in pulled.items()},
+            {h: p["delta"] for h, p in pulled.items()}, pub.changed, pub.elements,
         )
 
 
@@ -156,14 +162,22 @@ class TopologySync:
     keep: sealed versions readable per host (a ring of keep + 1 slots; >= 2 lets a slow generator finish v
     while v+1 lands; a writer waits for the readers of the slot it reuses);
     bucket_bytes: RDMA batch and HF bucket size; verify: generators report digests (sha256 of the
-    weights; costs one pass over them).
+    weights; costs one pass over them);
+    anchor_every: cross-host pulls carry deltas (`actors.weight_delta`) with a full anchor every this many
+    publications, on the first, and for a host whose reader is new (`replaced`); a host that does not hold a
+    delta's base version gets the full runs too; 1 = always full (the trainer keeps no base copy).
     """
 
     def __init__(self, trainer: Any, generators: Sequence[Any], root: str = DEFAULT_ROOT, *, keep: int = 2,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, verify: bool = True, timeout_s: float = 300.0,
-                 dtype: str = "float32") -> None:
+                 dtype: str = "float32", anchor_every: int = 1) -> None:
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
+        if anchor_every < 1:
+            raise ValueError(f"anchor_every must be >= 1, got {anchor_every}")
+        self.anchor_every = anchor_every
+        self._publications = 0  # by this sync: the first is an anchor
+        self._anchor_hosts: set[str] = set()  # hosts whose reader is new: their next pull is full
         self.trainer, self.generators = trainer, list(generators)
         self.root, self.keep, self.bucket_bytes, self.verify, self.timeout_s = root, keep, bucket_bytes, verify, timeout_s
         self.dtype = dtype  # the slots' dtype: the generators' serving dtype
@@ -186,8 +200,10 @@ class TopologySync:
         start = time.perf_counter()
         token = uuid.uuid4().hex[:12]
         parties = {h: self.plan.parties_on(h) for h in set(self.plan.source_hosts) | {r.host for r in self.plan.routes}}
+        mode = self._delta_mode()
         reports = list(self.trainer.publish_shards.call(
-            self.root, token, parties, self.keep, self.plan.remote_ranks, self.dtype).get().values())
+            self.root, token, parties, self.keep, self.plan.remote_ranks, self.dtype, mode).get().values())
+        self._publications += 1
         publish_s = time.perf_counter() - start
         version = {r.version for r in reports}
         if len(version) != 1:
@@ -198,13 +214,25 @@ class TopologySync:
         for route in self.plan.routes:
             if route.reader is None:
                 continue
-            sources = [RemoteSource(r, by_rank[r].pieces, by_rank[r].buffers) for r in route.remote_sources]
+            sources = [RemoteSource(r, by_rank[r].pieces, by_rank[r].buffers, by_rank[r].delta,
+                                    by_rank[r].delta_buffer) for r in route.remote_sources]
+            use_delta = mode == "delta" and route.host not in self._anchor_hosts
             pulls[route.host] = self.generators[route.reader].pull_weights.call_one(
-                self.root, version_, token, reports[0].layout, sources, route.parties, self.keep, self.bucket_bytes)
+                self.root, version_, token, reports[0].layout, sources, route.parties, self.keep, self.bucket_bytes,
+                use_delta)
+            self._anchor_hosts.discard(route.host)
+        deltas = [r.delta for r in reports if r.delta is not None]
         self.published = Publication(
             version_, token, self.root, frozenset(parties), pulls, reports[0].layout.model_bytes, start, publish_s,
-            max(r.write_s for r in reports), self.shadow, self.bucket_bytes, self.timeout_s, self.verify)
+            max(r.write_s for r in reports), self.shadow, sum(d.changed for d in deltas),
+            sum(d.elements for d in deltas), self.bucket_bytes, self.timeout_s, self.verify)
         return self.published
+
+    def _delta_mode(self) -> str:
+        """What the trainer ranks pulled from other hosts do this publication (`TrainerActor.publish_shards`)."""
+        if self.anchor_every == 1 or not self.plan.remote_ranks:  # nothing crosses hosts: keep no base copy
+            return "off"
+        return "anchor" if self._publications % self.anchor_every == 0 else "delta"
 
     def start(self) -> PendingSync:
         """Snapshot the trainer's shards (returns when they are in host memory) and launch the reads."""
@@ -221,6 +249,7 @@ class TopologySync:
         procs = list(self.topology.generators.procs)
         procs[index] = ProcInfo(index, info["host"], info["pid"])
         new = copy.copy(self)
+        new._anchor_hosts = self._anchor_hosts | {info["host"]}  # a new reader: its host's next pull is an anchor
         new.generators = [*self.generators[:index], generator, *self.generators[index + 1:]]
         new.topology = Topology(self.topology.trainer, MeshTopology(tuple(procs)))
         new.plan = plan_routes(new.topology)

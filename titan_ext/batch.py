@@ -82,6 +82,21 @@ class TrainBatch:
 
     # ---- views -------------------------------------------------------------------------------
 
+    @staticmethod
+    def synthetic(seed: int, vocab: int, rows: int = 5, seq: int = 16) -> "TrainBatch":
+        """A policy-gradient batch of random tokens and advantages (seeded), for tests and benchmarks that
+        need the weights to move; 5 rows over 2 ranks make the shards pad, as real batches do."""
+        g = torch.Generator().manual_seed(seed)
+        tokens = torch.randint(3, vocab, (rows, seq), generator=g)
+        labels = torch.full((rows, seq), IGNORE_INDEX)
+        labels[:, 3:-1] = tokens[:, 4:]
+        mask = labels != IGNORE_INDEX
+        return TrainBatch(
+            tokens_BL=tokens, positions_BL=torch.arange(seq).expand(rows, seq).clone(), labels_BL=labels,
+            policy_mask_BL=mask, advantages_BL=torch.randn(rows, 1, generator=g).expand(rows, seq).clone(),
+            generator_logprobs_BL=torch.full((rows, seq), -2.0) * mask, policy_tokens=int(mask.sum()),
+        )
+
     @property
     def has_distill(self) -> bool:
         return self.hint_tokens_BH is not None

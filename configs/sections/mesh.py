@@ -46,6 +46,12 @@ class MeshConfig:
             "returned on free (glibc's own threshold drifts up to 32 MiB, after which freed tensors stay resident); "
             "1 saves ~2 more B/param but slowed small models ~13 %; 0 = glibc's default (docs/cluster.md).",
     )
+    weight_sync_anchor_every: int = option(
+        10, ge=1,
+        doc="Weights crossing hosts go as deltas (XOR + zstd of the serving-dtype bits) with a full anchor every "
+            "this many syncs, after any restart and for a new reader; 1 = always full. Each trainer rank read "
+            "from another host keeps one serving-dtype copy of its shard for it (docs/weight_sync.md).",
+    )
     memory_check: str = option(
         "refuse", choices=("refuse", "warn", "off"),
         doc="Start-up memory budget (local backend): the recipe's estimated memory per role and /dev/shm slots "

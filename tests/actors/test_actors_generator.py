@@ -128,3 +128,26 @@ def test_bf16_serving_dtype(generator_spec, tiny_assets):
     groups = gen.generate.call_one([EpisodeRequest(group_id=0, seed=5)], SAMPLING).get()
     model = AutoModelForCausalLM.from_pretrained(str(tiny_assets.dense_dir), dtype=torch.bfloat16).eval()
     assert check_logprobs(model, [r for g in groups for r in g.rollouts], SAMPLING, tol=0.1) > 10
+
+
+def test_hf_engine_addresses_fused_moe_experts_by_checkpoint_names(tiny_assets):
+    """transformers holds a MoE layer's experts fused ([E, 2I, D] gate|up, [E, D, I] down); the engine names
+    them as the checkpoint does, per expert, as live views: every checkpoint tensor maps to exactly one view
+    holding its values, and a load through those names changes what the model computes with."""
+    from safetensors.torch import load_file
+
+    from actors.hf_engine import HFEngine
+
+    on_disk = load_file(str(tiny_assets.moe_dir / "model.safetensors"))
+    engine = HFEngine(tiny_assets.moe_dir, [0])
+    views = engine.named_weights()
+    assert any(".mlp.experts.3.up_proj.weight" in n for n in on_disk)  # the checkpoint names experts one by one
+    assert set(views) == set(on_disk)
+    for name, t in on_disk.items():
+        assert torch.equal(views[name], t), name
+    name = next(n for n in on_disk if n.endswith("mlp.experts.1.up_proj.weight"))
+    layer = name.removesuffix("experts.1.up_proj.weight")
+    fused = dict(engine.model.named_parameters())[f"{layer}experts.gate_up_proj"]
+    engine.load_weights([(name, torch.full_like(on_disk[name], 0.5))])
+    half = fused.shape[1] // 2
+    assert bool((fused[1, half:] == 0.5).all()) and torch.equal(fused[1, :half], on_disk[name.replace("up_", "gate_")])

@@ -22,8 +22,9 @@ import pytest
 import torch
 
 from actors.shm_weights import PinnedSegment, SegmentLayout, SegmentWriter, host_dir, newest_version
+from titan_ext.batch import TrainBatch
 
-VOCAB = 2048
+VOCAB = 2048  # the tiny model's vocabulary
 VERSIONS = 12
 
 
@@ -190,22 +191,6 @@ def meshes(tiny_trainer_spec, generator_spec, tmp_path_factory):
         job.kill()
 
 
-def _batch(seed: int):
-    from titan_ext.batch import TrainBatch
-
-    g = torch.Generator().manual_seed(seed)
-    n, s = 5, 16  # 5 rows over 2 ranks: the shard pads, as TrainBatch.shard does on the ranks
-    tokens = torch.randint(3, VOCAB, (n, s), generator=g)
-    labels = torch.full((n, s), -100)
-    labels[:, 3:-1] = tokens[:, 4:]
-    mask = labels >= 0
-    return TrainBatch(
-        tokens_BL=tokens, positions_BL=torch.arange(s).expand(n, s).clone(), labels_BL=labels, policy_mask_BL=mask,
-        advantages_BL=torch.randn(n, 1, generator=g).expand(n, s).clone(),
-        generator_logprobs_BL=torch.full((n, s), -2.0) * mask, policy_tokens=int(mask.sum()),
-    )
-
-
 def test_sync_matches_trainer_digest_while_next_step_runs(meshes, tmp_path):
     from mesh.weight_sync import TopologySync
     from mesh.weight_sync_baseline import rank0
@@ -220,10 +205,10 @@ def test_sync_matches_trainer_digest_while_next_step_runs(meshes, tmp_path):
     for host, g in (("generator_0", 2), ("generator_1", 3)):
         assert (routes[host].local_sources, routes[host].remote_sources, routes[host].reader) == ((), (0, 1), g)
 
-    trainer.train_step.call(_batch(1)).get()
+    trainer.train_step.call(TrainBatch.synthetic(1, VOCAB)).get()
     digest1 = rank0(trainer.weights_digest.call().get())
     pending = sync.start()  # shards are in host memory now
-    step = trainer.train_step.call(_batch(2))  # the next step runs while generators read v1
+    step = trainer.train_step.call(TrainBatch.synthetic(2, VOCAB))  # the next step runs while generators read v1
     report = pending.wait()
     metrics = rank0(step.get())
     assert report.version == 1 and metrics["step"] == 2.0
@@ -251,7 +236,7 @@ def test_serving_dtype_slots_halve_the_bytes_and_load_the_rounded_weights(meshes
     from mesh.weight_sync_baseline import rank0
 
     trainer, gens = meshes
-    trainer.train_step.call(_batch(4)).get()
+    trainer.train_step.call(TrainBatch.synthetic(4, VOCAB)).get()
     fp32 = TopologySync(trainer, gens, str(tmp_path / "fp32"), keep=1).sync()
     bf16 = TopologySync(trainer, gens, str(tmp_path / "bf16"), keep=1, dtype="bfloat16").sync()
     assert bf16.version == fp32.version and bf16.model_bytes * 2 == fp32.model_bytes
@@ -271,7 +256,7 @@ def test_publish_then_load_one_generator_at_a_time(meshes, tmp_path):
     from mesh.weight_sync_baseline import rank0
 
     trainer, gens = meshes
-    trainer.train_step.call(_batch(3)).get()
+    trainer.train_step.call(TrainBatch.synthetic(3, VOCAB)).get()
     digest = rank0(trainer.weights_digest.call().get())
     sync = TopologySync(trainer, gens[:3], str(tmp_path), keep=2)  # nobody on host generator_1 yet
     first = sync.publish()
@@ -301,7 +286,7 @@ def test_rollout_exchange_sends_each_rank_only_its_shard(meshes):
     trainer, _ = meshes
     step = int(rank0(trainer.policy_version.call().get()))
     trainer.save_checkpoint.call().get()
-    batch = _batch(7)
+    batch = TrainBatch.synthetic(7, VOCAB)
     broadcast = rank0(trainer.train_step.call(batch).get())
     digest_broadcast = rank0(trainer.weights_digest.call().get())
     assert set(trainer.load_checkpoint.call(step).get().values()) == {step}
