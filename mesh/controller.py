@@ -51,7 +51,7 @@ from mesh.rollout_exchange import shard_points, train_step_sharded
 from mesh.supervision import (
     ActorHung, ControllerState, Deadline, Supervisor, is_actor_failure, is_alive, load_state, oldest_checkpoint, save_state,
 )
-from mesh.weight_sync import Publication, TopologySync, sync_keep
+from mesh.weight_sync import Publication, TopologySync, TopologySyncReport, sync_keep, sync_metrics
 from mesh.weight_sync_baseline import rank0
 
 
@@ -386,7 +386,7 @@ class Controller:
         groups = self._generate_sync()
         record = self._train(groups, [self.version - g.policy_version for g in groups], 0, start)
         if sync_generators:
-            self._sync_all()
+            record.metrics.update(sync_metrics(self._sync_all()))
         return record
 
     # ---- held-out evaluation (mesh.evaluation) -------------------------------------------------
@@ -459,7 +459,7 @@ class Controller:
             with phase(TRAIN_STEP):
                 record = self._train(groups, [self.version - g.policy_version for g in groups], 0, start)
             with phase(WEIGHT_SYNC):
-                self._sync_all()
+                record.metrics.update(sync_metrics(self._sync_all()))
             self._eval_after(record, end)
         except Exception as exc:
             self._recover(exc, self._sync_all)
@@ -480,9 +480,9 @@ class Controller:
                                            anchor_every=self.cfg.anchor_every)
             return self._wsync
 
-    def _sync_all(self) -> None:
+    def _sync_all(self) -> TopologySyncReport:
         """Sync mode: every generator loads the trainer's current weights (their digests must agree)."""
-        self._weights().sync()
+        return self._weights().sync()
 
     def _publish(self) -> None:
         """Async mode: publish the trainer's current weights for the workers to load; returns once the shards

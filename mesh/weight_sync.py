@@ -58,6 +58,16 @@ class TopologySyncReport:
     elements: int = 0  # elements of those runs (0: no delta was encoded, e.g. an anchor)
 
 
+def sync_metrics(report: TopologySyncReport) -> dict[str, float]:
+    """A sync's figures for a step's metrics row: wall time, bytes that crossed hosts, how many reader hosts
+    applied a delta, and (when a delta was encoded) the fraction of the pulled elements that changed."""
+    metrics = {"sync/seconds": report.total_s, "sync/cross_host_mb": report.cross_host_bytes / 1e6,
+               "sync/delta_hosts": float(sum(report.delta.values()))}
+    if report.elements:
+        metrics["sync/changed_fraction"] = report.changed / report.elements
+    return metrics
+
+
 def check_loads(version: int, results: list[dict], verify: bool, digest: str | None = None) -> str | None:
     """The digest generators report after loading `version` (None unless `verify`); raises when one holds
     another version or, verifying, when their digests differ from each other or from `digest` (known before)."""

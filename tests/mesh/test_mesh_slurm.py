@@ -193,6 +193,11 @@ def test_train_end_to_end_survives_generator_sigkill(cluster, tiny_assets):
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert all(r["groups"] == 2 and r["staleness"] == [0, 0] for r in rows)  # no group lost; sync mode: every
     # rollout on the trainer's newest weights
+    # the weights cross hosts, as deltas after the first (anchor) sync: the steps before the kill; a step whose
+    # sync the kill interrupted (redone by the recovery) has no sync figures
+    synced = [r for r in rows if "sync/cross_host_mb" in r]
+    assert len(synced) >= STEPS - 1 and all(r["sync/cross_host_mb"] > 0 for r in synced), rows
+    assert [r["sync/delta_hosts"] for r in rows[:KILL_AFTER]] == [1.0] * KILL_AFTER, rows[:KILL_AFTER]
     hit = rows[KILL_AFTER]  # the step whose work the kill landed in: noticed within the supervision poll (1 s)
     assert hit["seconds"] < 60, f"step {hit['step']} took {hit['seconds']:.0f} s to get past the dead generator"
     assert (run_dir / "plot.png").stat().st_size > 0 and summary["plot"] == str(run_dir / "plot.png")

@@ -5,9 +5,11 @@ XOR the decoded bits, element by element), on random bf16/fp32 data with
 NaN payloads, -0.0 and infinities. The mesh test runs an FSDP trainer
 (2 gloo ranks, the dense model; EP=2 experts for MoE) and two bf16
 generators on two Monarch `ProcessJob` fake hosts for 20 steps: after every
-sync each generator's digest equals the trainer's own export rounded to bf16,
-deltas cross hosts except on anchors, a respawned reader and a restarted
-trainer get anchors, and a host two versions behind gets the full runs.
+sync (sync mode's `sync()`; async mode's publish, then each generator loading
+alone, for two steps) each generator's digest equals the trainer's own export
+rounded to bf16, deltas cross hosts except on anchors, a respawned reader and
+a restarted trainer get anchors, a host two versions behind gets the full
+runs, and a flipped bit in the remote host's base is caught by the CRC.
 """
 
 from __future__ import annotations
@@ -180,15 +182,30 @@ def test_deltas_over_20_steps_stay_bitwise_through_respawn_restart_and_lag(delta
     remote = "generator_0"
 
     def sync_checked(sync, step):
-        report = sync.sync()
+        """Sync mode's `sync()`, or (steps 18-19) async mode's parts: publish, then each generator loads alone
+        once its host holds the version. Returns (delta on the remote host, cross-host bytes, changed fraction)."""
+        if step in (18, 19):
+            pub = sync.publish()
+            assert all(pub.sealed(sync.host_of(i)) for i in range(len(gens)))
+            digest = pub.check([pub.load(g).get() for g in gens])
+            pulled = pub.wait_pulls()[remote]
+            delta, nbytes, model_bytes = pulled["delta"], pulled["bytes_remote"], pub.model_bytes
+            changed, elements = pub.changed, pub.elements
+        else:
+            report = sync.sync()
+            digest, nbytes, model_bytes = report.digest, report.cross_host_bytes, report.model_bytes
+            delta, changed, elements = report.delta[remote], report.changed, report.elements
         rounded = rank0(trainer.weights_digest.call("bfloat16").get())
         held = {g.weights_digest.call_one(dtype="bfloat16").get() for g in gens}
-        assert report.digest is not None and held == {rounded}, f"step {step}: generators differ from the trainer"
-        return report
+        assert digest is not None and held == {rounded}, f"step {step}: generators differ from the trainer"
+        if delta:
+            assert nbytes < 0.5 * model_bytes, f"step {step}: delta not smaller"
+        elif step != 15:  # (15 reads one rank's runs whole on top of the delta)
+            assert nbytes == model_bytes, f"step {step}: an anchor moved {nbytes} of {model_bytes} bytes"
+        return delta, changed / elements if elements else None
 
     sync = TopologySync(trainer, gens, root, keep=2, dtype="bfloat16", anchor_every=ANCHOR_EVERY)
-    first = sync_checked(sync, 0)
-    assert first.delta == {remote: False} and first.cross_host_bytes == first.model_bytes  # the first: an anchor
+    assert sync_checked(sync, 0) == (False, None)  # the first publication: an anchor
     kinds, fractions = [], []
     for step in range(1, 21):
         trainer.train_step.call(TrainBatch.synthetic(step, VOCAB)).get()
@@ -205,13 +222,10 @@ def test_deltas_over_20_steps_stay_bitwise_through_respawn_restart_and_lag(delta
             sync = TopologySync(trainer, gens, root, keep=2, dtype="bfloat16", anchor_every=ANCHOR_EVERY)
         if step == 15:  # one bit of the remote host's base flips: its CRC fails, that rank's runs come whole
             _flip_a_bit(root, remote)
-        report = sync_checked(sync, step)
-        kinds.append("delta" if report.delta[remote] else "full")
-        if report.delta[remote]:
-            assert report.cross_host_bytes < 0.5 * report.model_bytes, f"step {step}: delta not smaller"
-            fractions.append((step, report.changed / report.elements))
-        elif step != 15:
-            assert report.cross_host_bytes == report.model_bytes
+        delta, fraction = sync_checked(sync, step)
+        kinds.append("delta" if delta else "full")
+        if delta:
+            fractions.append((step, fraction))
     # anchors at every 5th publication of a sync (steps 5 and 11; 17 after the restart's new sync), for the
     # respawned reader (7), the host two versions behind (9), the restarted trainer (12) and the corrupted
     # base (15); v8 went elsewhere
