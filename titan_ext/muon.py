@@ -22,12 +22,13 @@ instead, which needs one CUDA device per process.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import glob
 import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Iterable, Literal
+from typing import Any, Callable, Iterable, Literal
 
 import torch
 import torch.distributed as dist
@@ -513,7 +514,17 @@ def build_lr_scheduler(optimizer: Optimizer, cfg: OptimizerConfig, training_step
         warmup_steps=cfg.warmup_steps, decay_ratio=cfg.decay_ratio, decay_type=cfg.decay_type,
         min_lr_factor=cfg.min_lr_factor,
     )
-    return schedule.build(optimizers=[optimizer], training_steps=training_steps)
+    container = schedule.build(optimizers=[optimizer], training_steps=training_steps)
+    for scheduler in container.schedulers:  # LambdaLR: past the last step TorchTitan's decay goes below the floor
+        scheduler.lr_lambdas = [functools.partial(_held_after, f, training_steps, cfg.min_lr_factor)
+                                for f in scheduler.lr_lambdas]
+    return container
+
+
+def _held_after(factor: Callable[[int], float], steps: int, floor: float, step: int) -> float:
+    """`factor(step)` for the schedule's `steps` steps, then `floor`: TorchTitan's linear decay keeps going
+    past its end (1 − progress < 0), so an optimizer stepped beyond `trainer.steps` would ascend the gradient."""
+    return factor(step) if step < steps else floor
 
 
 # ---------------------------------------------------------------------------

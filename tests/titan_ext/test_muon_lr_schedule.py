@@ -19,14 +19,15 @@ from configs.sections.optimizer import OptimizerConfig
 from titan_ext.muon import build_lr_scheduler, build_optimizer
 
 
-def _lrs(cfg: OptimizerConfig, steps: int) -> list[float]:
-    """The LR of each of `steps` optimizer steps, read before the step as the trainer runs them."""
+def _lrs(cfg: OptimizerConfig, steps: int, run: int | None = None) -> list[float]:
+    """The LR of each of `run` (default `steps`) optimizer steps of a `steps`-step schedule, read before the
+    step as the trainer runs them."""
     torch.manual_seed(0)
     model = nn.Linear(4, 4)
     opt = build_optimizer(model, cfg)
     sched = build_lr_scheduler(opt, cfg, training_steps=steps)
     lrs = []
-    for _ in range(steps):
+    for _ in range(run or steps):
         lrs.append(opt.param_groups[0]["lr"])
         model(torch.ones(1, 4)).sum().backward()
         opt.step()
@@ -71,3 +72,35 @@ def test_decay_none_is_not_constant_and_zero_is():
     zero = _lrs(OptimizerConfig(name="adamw", lr=1.0, warmup_steps=1, decay_ratio=0.0), 6)
     assert zero == [1.0] * 6
     assert none[:2] == [1.0, 1.0] and all(a > b for a, b in zip(none[1:], none[2:]))
+
+
+@pytest.mark.parametrize("name", ["nowarmup_none", "wsd_cosine_min", "warmup2_none_linear"])
+def test_past_the_last_step_the_lr_holds_its_floor(name):
+    """An optimizer stepped beyond `trainer.steps` (an actor driven directly, a longer loop) stays at
+    min_lr_factor; TorchTitan's linear decay alone went negative there (1 - progress), ascending the gradient."""
+    knobs, steps, factors = CASES[name]
+    cfg = OptimizerConfig(name="adamw", lr=0.02, **knobs)
+    floor = knobs.get("min_lr_factor", 0.0)
+    assert _lrs(cfg, steps, run=steps + 4) == pytest.approx([0.02 * f for f in factors] + [0.02 * floor] * 4,
+                                                            rel=1e-12, abs=0)
+
+
+def test_schedule_state_round_trips_through_a_checkpoint():
+    """The scheduler a resumed trainer builds continues the schedule where the saved one stopped."""
+    cfg = OptimizerConfig(name="adamw", lr=1.0, warmup_steps=2, decay_ratio=0.5)
+    model = nn.Linear(4, 4)
+    opt = build_optimizer(model, cfg)
+    sched = build_lr_scheduler(opt, cfg, training_steps=8)
+    for _ in range(5):
+        opt.step()
+        sched.step()
+    resumed_opt = build_optimizer(nn.Linear(4, 4), cfg)
+    resumed = build_lr_scheduler(resumed_opt, cfg, training_steps=8)
+    resumed_opt.load_state_dict(opt.state_dict())  # a checkpoint holds both (the param groups' current lr)
+    resumed.load_state_dict(sched.state_dict())
+    lrs = []
+    for _ in range(5):
+        lrs.append(resumed_opt.param_groups[0]["lr"])
+        resumed_opt.step()
+        resumed.step()
+    assert lrs == pytest.approx(_lrs(cfg, 8, run=10)[5:], rel=1e-12, abs=0)
