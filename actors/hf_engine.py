@@ -135,7 +135,7 @@ class HFEngine:
         Raises KeyError for a name the model does not have and ValueError for a shape
         mismatch (before copying that tensor).
         """
-        state = self.named_weights()
+        state = {**self.model.state_dict(), **self.named_weights()}  # fused expert names are accepted too
         n = 0
         for name, tensor in named:
             if name not in state:

@@ -75,7 +75,6 @@ class ShardReport:
     write_s: float
     delta: Delta | None = None  # exposed ranks with deltas on: changes since this rank's previous publication
     delta_buffer: Any = None  # RDMABuffer over the delta's bytes (None without a delta or with zero bytes)
-    delta_s: float = 0.0  # encoding the delta and refreshing the base, inside write_s
 
 
 class TrainerActor(Actor):
@@ -235,7 +234,7 @@ class TrainerActor(Actor):
             published = writer.done(parties[host_label()])
         pieces = coalesce(runs)
         buffers: list = []
-        encoded, delta_buffer, delta_start = None, None, time.perf_counter()
+        encoded, delta_buffer = None, None
         if dist.get_rank() in expose:
             from monarch.rdma import RDMABuffer
 
@@ -245,15 +244,18 @@ class TrainerActor(Actor):
             if encoded is not None and encoded[0].nbytes:
                 delta_buffer = RDMABuffer(encoded[1])
                 buffers.append(delta_buffer)  # dropped with the version's other buffers
+            # a version published again (a covering publication) replaces its buffers: the publisher waited
+            # for the pulls of the earlier one
+            stale = self._exposed.pop(t.step, (None, []))[1]
             self._exposed[t.step] = (writer, buffers)
             for old in sorted(self._exposed)[:-keep]:
-                for buf in self._exposed.pop(old)[1]:
-                    buf.drop().get()
-        delta_s = time.perf_counter() - delta_start
+                stale += self._exposed.pop(old)[1]
+            for buf in stale:
+                buf.drop().get()
         self.memory.end(self.memory.first_or("first_sync", "sync"))
         return ShardReport(dist.get_rank(), host_label(), t.step, writer.layout, pieces,
                            buffers[: len(pieces)], published, time.perf_counter() - start,
-                           encoded[0] if encoded is not None else None, delta_buffer, delta_s)
+                           encoded[0] if encoded is not None else None, delta_buffer)
 
     def _delta(self, payload_U8: torch.Tensor, runs: list[Piece], version: int, token: str, itemsize: int,
                mode: str) -> tuple[Delta, torch.Tensor] | None:

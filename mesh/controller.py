@@ -462,7 +462,12 @@ class Controller:
                 record.metrics.update(sync_metrics(self._sync_all()))
             self._eval_after(record, end)
         except Exception as exc:
-            self._recover(exc, self._sync_all)
+            def resync() -> None:  # a kept step's row gets the figures of the sync that brought its weights
+                report = self._sync_all()
+                if record is not None:
+                    record.metrics.update(sync_metrics(report))
+
+            self._recover(exc, resync)
             if not self._kept(record):
                 return None
         return record

@@ -61,7 +61,7 @@ class TopologySyncReport:
 def sync_metrics(report: TopologySyncReport) -> dict[str, float]:
     """A sync's figures for a step's metrics row: wall time, bytes that crossed hosts, how many reader hosts
     applied a delta, and (when a delta was encoded) the fraction of the pulled elements that changed."""
-    metrics = {"sync/seconds": report.total_s, "sync/cross_host_mb": report.cross_host_bytes / 1e6,
+    metrics = {"time/sync_s": report.total_s, "sync/cross_host_mb": report.cross_host_bytes / 1e6,
                "sync/delta_hosts": float(sum(report.delta.values()))}
     if report.elements:
         metrics["sync/changed_fraction"] = report.changed / report.elements
