@@ -135,7 +135,8 @@ class HFEngine:
         Raises KeyError for a name the model does not have and ValueError for a shape
         mismatch (before copying that tensor).
         """
-        state = {**self.model.state_dict(), **self.named_weights()}  # fused expert names are accepted too
+        fused = self.model.state_dict()
+        state = {**fused, **dict(per_expert_views(fused))}  # fused expert names are accepted too
         n = 0
         for name, tensor in named:
             if name not in state:
@@ -150,10 +151,10 @@ class HFEngine:
     def named_weights(self) -> dict[str, torch.Tensor]:
         """Checkpoint names → live tensors (tied weights appear under each of their names; fused expert
         tensors as one view per expert and projection)."""
-        return dict(_per_expert(self.model.state_dict()))
+        return dict(per_expert_views(self.model.state_dict()))
 
 
-def _per_expert(state: dict[str, torch.Tensor]) -> Iterable[tuple[str, torch.Tensor]]:
+def per_expert_views(state: dict[str, torch.Tensor]) -> Iterable[tuple[str, torch.Tensor]]:
     """`state` with transformers' fused MoE expert tensors split into the per-expert views checkpoints name."""
     for name, t in state.items():
         prefix, _, leaf = name.rpartition("mlp.experts.")

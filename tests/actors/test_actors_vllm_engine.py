@@ -172,7 +172,7 @@ def test_moe_logprobs_equal_hf_before_and_after_an_in_place_load(setup, tiny_ass
     digest as the loaded weights."""
     from transformers import AutoModelForCausalLM
 
-    from actors.hf_engine import HFEngine
+    from actors.hf_engine import HFEngine, per_expert_views
     from actors.vllm_engine import VLLMEngine
     from actors.weights import weights_digest
 
@@ -193,26 +193,10 @@ def test_moe_logprobs_equal_hf_before_and_after_an_in_place_load(setup, tiny_ass
                 with torch.no_grad():
                     for p in model.parameters():
                         p.add_(0.05 * torch.randn(p.shape, generator=g))
-                named = sorted(_per_expert(model.state_dict()).items())  # as the trainer exports them
+                named = sorted(per_expert_views(model.state_dict()))  # as the trainer exports them
                 assert engine.load_weights(named) == len(named)
                 held = engine.named_weights()
                 assert weights_digest((n, held[n]) for n, _ in named) == weights_digest(named)
     finally:
         engine.close()
 
-
-def _per_expert(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """transformers 5's fused expert tensors (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I])
-    under the per-expert checkpoint names (`experts.{e}.gate_proj.weight`, ...)."""
-    out = {}
-    for name, t in state.items():
-        if name.endswith("experts.gate_up_proj"):
-            for e, (gate, up) in enumerate(zip(*t.chunk(2, dim=1))):
-                out[f"{name[:-len('gate_up_proj')]}{e}.gate_proj.weight"] = gate
-                out[f"{name[:-len('gate_up_proj')]}{e}.up_proj.weight"] = up
-        elif name.endswith("experts.down_proj"):
-            for e, down in enumerate(t):
-                out[f"{name[:-len('down_proj')]}{e}.down_proj.weight"] = down
-        else:
-            out[name] = t
-    return out
