@@ -1,6 +1,8 @@
 """An actor SIGKILLed in each phase of a run (setup, first weight sync, first weight load, a step) — the kernel's
 OOM killer sends the same signal: the run recovers where the drills define how, or exits 1 with one line naming
-the actor, the phase and the signal; either within 30 s of the kill, and no shared-memory weight folder is left.
+the actor, the phase and the signal (or, when Monarch's poll query was in flight at the death, that the process
+stopped answering: Monarch then reaps it unreported, reproduced below); either within 30 s of the kill, and no
+shared-memory weight folder is left.
 
 The kills are real: `actors.chaos.kill_point` SIGKILLs the actor's own process as it enters the phase named in
 COMPOSER_MESH_KILL_AT, and the marker file it creates first dates the kill. The one-line report itself
@@ -27,6 +29,9 @@ SMALL = ["--trainer.steps=2", "--trainer.prompts_per_step=2", "--trainer.eval_ev
          "--checkpoint.every_steps=2"]
 SHM = Path("/dev/shm")
 DEATH_LINE = "killed by signal 9 (SIGKILL; the kernel's OOM killer sends it too)"
+# Monarch's other report of the same death: its poll's state query was in flight when the process died, timed out,
+# and the exit status was reaped without being reported (reproduced by test_a_death_during_the_poll_s_query_...)
+UNANSWERED_LINE = "its process stopped answering Monarch's supervision (taken as dead)"
 
 
 def train_with_kill(tmp_path: Path, tiny_assets, kill_at: str, *overrides: str) -> tuple[int, str, dict, float, float]:
@@ -53,12 +58,20 @@ def last_error(stderr: str) -> str:
     return [ln for ln in stderr.splitlines() if ln.startswith("error: ")][-1]
 
 
+def assert_died(stderr: str, head: str) -> None:
+    """The run's last line is `error: <head>: <how>`, how being the signal or, when Monarch's poll lost the race
+    described at UNANSWERED_LINE, the unanswered query."""
+    line = last_error(stderr)
+    assert line in (f"error: {head}: {DEATH_LINE}", f"error: {head}: {UNANSWERED_LINE}"), line
+    print(f"reported: {line}")
+
+
 @pytest.mark.timeout(900)
 def test_trainer_killed_in_setup_fails_with_one_line(tmp_path, tiny_assets):
     rc, err, _, to_end, _ = train_with_kill(tmp_path, tiny_assets, "trainer:setup")
     print(f"trainer SIGKILLed in setup: exit {rc} {to_end:.1f} s after the kill")
     assert rc == 1
-    assert last_error(err) == f"error: trainer actor died during setup (trainer.setup): {DEATH_LINE}"
+    assert_died(err, "trainer actor died during setup (trainer.setup)")
     assert to_end < 30, f"the run ended {to_end:.1f} s after the kill"
 
 
@@ -84,8 +97,7 @@ def test_generator_killed_in_first_load_recovers_and_without_restarts_fails_with
                                             "--mesh.max_restarts=0")
     print(f"... with max_restarts 0: exit {rc} {to_end:.1f} s after the kill")
     assert rc == 1
-    assert last_error(err) == (f"error: generator actor died during the first weight sync (generator.load_segment): "
-                               f"{DEATH_LINE}")
+    assert_died(err, "generator actor died during the first weight sync (generator.load_segment)")
     assert to_end < 30, f"the run ended {to_end:.1f} s after the kill"
 
 
@@ -121,6 +133,55 @@ def test_describe_death_names_role_phase_and_how_the_process_ended():
     assert died(agent, "setup") == ("trainer actor died during setup (trainer.setup): its process stopped answering "
                                     "Monarch's supervision (taken as dead)")
     assert describe(ValueError("[trainer] steps: must be >= 1")) == "ValueError: [trainer] steps: must be >= 1"
+
+
+RACE = """
+import json, os, signal, sys, time
+sys.path.insert(0, {repo!r})
+from mesh.errors import describe_death, phase
+from mesh.supervision import configure_supervision, install_fault_hook
+configure_supervision(1.0, 5.0)
+install_fault_hook([])
+from monarch.actor import Actor, endpoint, this_host
+
+class Sleeper(Actor):
+    @endpoint
+    def pid(self) -> int:
+        return os.getpid()
+
+    @endpoint
+    def sleep(self) -> None:
+        time.sleep(60)
+
+procs = this_host().spawn_procs(per_host={{"gpus": 1}})
+actor = procs.spawn("sleeper", Sleeper)
+pid = actor.pid.call_one().get()
+pending = actor.sleep.call_one()
+os.kill(pid, signal.SIGSTOP)  # the next supervision poll's state query goes unanswered ...
+time.sleep(1.5)
+os.kill(pid, signal.SIGKILL)  # ... and the process dies while the query waits
+killed = time.monotonic()
+try:
+    with phase("a sleep"):
+        pending.get(timeout=60)
+except Exception as exc:
+    print(json.dumps({{"line": describe_death(exc), "after_s": time.monotonic() - killed,
+                       "gone": not os.path.exists(f"/proc/{{pid}}")}}))
+"""
+
+
+def test_a_death_during_the_poll_s_query_is_reported_as_unanswered_within_state_query_s():
+    """Monarch 0.7's race, reproduced: a process that dies while the supervision poll's state query to it is in flight
+    is reported when the query times out (`[mesh] state_query_s`), and its exit status is reaped unreported — the
+    one line then says the process stopped answering instead of naming the signal."""
+    out = subprocess.run([sys.executable, "-c", RACE.format(repo=str(REPO))], capture_output=True, text=True,
+                         timeout=120, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert out.returncode == 0 and out.stdout.strip(), out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"a death during the poll's query: reported {got['after_s']:.1f} s after the kill: {got['line']}")
+    assert got["line"] == f"sleeper actor died during a sleep (sleeper.sleep): {UNANSWERED_LINE}", got
+    assert got["gone"], "the killed process is still there"
+    assert got["after_s"] < 5.0 + 2 * 1.0 + 2.0, f"reported {got['after_s']:.1f} s after the kill"
 
 
 def test_kill_point_fires_once_per_run(tmp_path):
