@@ -107,6 +107,7 @@ class PreferenceConfig:
 
 @dataclass(frozen=True)
 class ComposerConfig:
+    policy_weight: float = 1.0
     alpha: float = 1.0
     beta: float = 1.0
     chunked: bool = True
@@ -513,14 +514,14 @@ def compose_loss(
     preference: PreferenceInputs | None = None,
     taid_t: float | None = None,
 ) -> ComposerOutput:
-    """total = policy + α·distill + β·preference over the channels that are on.
+    """total = w·policy + α·distill + β·preference over the channels that are on (w: `policy_weight`).
 
     Chunked, the channels share one `FusedHead` (one `[V, D]` head-gradient buffer);
     preference runs first so that a single pair needs no scratch buffer.
     """
     head = FusedHead(head_weight_VD) if cfg.chunked else None
     runs = {
-        "policy": (policy, 1.0, lambda x, w: policy_channel(cfg, head_weight_VD, x, head, w)),
+        "policy": (policy, cfg.policy_weight, lambda x, w: policy_channel(cfg, head_weight_VD, x, head, w)),
         "distill": (distill, cfg.alpha, lambda x, w: distill_channel(cfg, head_weight_VD, x, taid_t, head, w)),
         "preference": (preference, cfg.beta, lambda x, w: preference_channel(cfg, head_weight_VD, x, head, w)),
     }

@@ -161,6 +161,7 @@ class Run:
             steps=self._end - state.iteration, prompts_per_step=job.trainer.prompts_per_step,
             max_seq_len=job.trainer.max_seq_len, policy=job.loss.policy, mode=job.trainer.mode,
             max_staleness=job.trainer.max_staleness, seed=job.job.seed, hints=job.loss.alpha > 0,
+            policy_channel=job.loss.policy_weight > 0,
             weight_dir=self._weight_dir, serving_dtype=job.generator.dtype, anchor_every=job.mesh.weight_sync_anchor_every,
             pairs_per_step=job.trainer.prompts_per_step if placement.replay is not None else 0,
             dpo_reference=job.loss.preference.needs_reference, state_dir=state_dir,

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Literal, Sequence
 
@@ -68,6 +68,7 @@ class ControllerConfig:
     anchor_every: int = 1  # cross-host deltas with a full anchor every this many syncs; 1 = always full
     seed: int = 0
     hints: bool = True  # channel 2: hint the first error site of each failed rollout
+    policy_channel: bool = True  # channel 1 (`[loss] policy_weight > 0`); off, rollouts train only through hints
     pairs_per_step: int = 0  # channel 3: preference pairs drawn from the replay actor per step
     dpo_reference: bool = True  # score pairs with the trainer's π_ref (DPO; TrainerActor.score(reference=True))
     sampling: SamplingParams | None = None  # None: each generator's configured sampling
@@ -349,6 +350,8 @@ class Controller:
 
     def _train(self, groups: list[RolloutGroup], staleness: list[int], dropped: int, start: float) -> StepRecord:
         selection = select_rollouts(groups, self.cfg.policy)
+        if not self.cfg.policy_channel:
+            selection = replace(selection, in_policy=[False] * len(selection.rollouts))
         hints = {}
         if self.cfg.hints and self.hinter is not None:
             for i, r in enumerate(selection.rollouts):
@@ -372,6 +375,7 @@ class Controller:
         self.iteration += 1
         metrics.update({
             "reward/mean": sum(rewards) / max(1, len(rewards)),
+            "rollouts/completion_tokens": float(sum(r.completion_tokens for g in groups for r in g.rollouts)),
             "rollouts/policy": float(selection.policy_rollouts), "rollouts/dropped_groups": float(selection.dropped_groups),
             "distill/hinted": float(len(hints)), "preference/pairs_in_batch": float(len(pairs)),
             "async/max_staleness": float(max(staleness, default=0)), "async/dropped_stale": float(dropped),

@@ -116,6 +116,10 @@ class PreferenceLossConfig:
 
 @dataclass(frozen=True)
 class LossConfig:
+    policy_weight: float = option(
+        1.0, doc="weight of the policy-gradient channel (0 = off: no rollout is trained by it; an ablation control)",
+        ge=0.0,
+    )
     alpha: float = option(1.0, doc="weight of the hint-distillation channel (0 = off)", ge=0.0)
     beta: float = option(1.0, doc="weight of the trace-replay preference channel (0 = off)", ge=0.0)
     chunked: bool = option(True, doc="apply the LM head chunk by chunk (never full [B, T, V] logits)")
@@ -124,3 +128,7 @@ class LossConfig:
     policy: PolicyLossConfig = option(default_factory=PolicyLossConfig, doc="policy-gradient channel")
     distill: DistillLossConfig = option(default_factory=DistillLossConfig, doc="hint-distillation channel")
     preference: PreferenceLossConfig = option(default_factory=PreferenceLossConfig, doc="trace-replay channel")
+
+    def __post_init__(self) -> None:
+        if self.policy_weight == 0 and self.alpha == 0 and self.beta == 0:
+            raise ValueError("policy_weight, alpha and beta are all 0: no loss channel would train")

@@ -106,20 +106,24 @@ def test_chunked_composer_equals_naive(shape, distill_kind):
 def test_total_is_weighted_sum_and_channels_switch_off():
     policy, distill, preference = _batch(2, 7, seed=5)
     w = torch.randn(V, D) / D**0.5
-    cfg = ComposerConfig(alpha=0.3, beta=2.0, chunk_tokens=3)
+    cfg = ComposerConfig(policy_weight=0.6, alpha=0.3, beta=2.0, chunk_tokens=3)
     full = compose_loss(cfg, w, policy=policy, distill=distill, preference=preference)
     assert full.active_channels == ("policy", "distill", "preference")
     parts = {
         name: compose_loss(cfg, w, **{name: inputs}).metrics[f"{name}/loss"]  # unweighted channel loss
         for name, inputs in (("policy", policy), ("distill", distill), ("preference", preference))
     }
-    torch.testing.assert_close(full.loss, parts["policy"] + 0.3 * parts["distill"] + 2.0 * parts["preference"])
+    torch.testing.assert_close(full.loss, 0.6 * parts["policy"] + 0.3 * parts["distill"] + 2.0 * parts["preference"])
+    no_policy = compose_loss(dataclasses.replace(cfg, policy_weight=0.0), w, policy=policy, distill=distill,
+                             preference=preference)
+    assert no_policy.active_channels == ("distill", "preference") and "policy/loss" not in no_policy.metrics
+    torch.testing.assert_close(no_policy.loss, 0.3 * parts["distill"] + 2.0 * parts["preference"])
     for name in ("policy", "distill", "preference"):
         torch.testing.assert_close(full.metrics[f"{name}/loss"], parts[name])
         assert parts[name].abs() > 0
     off = compose_loss(dataclasses.replace(cfg, alpha=0.0), w, policy=policy, distill=distill, preference=preference)
     assert off.active_channels == ("policy", "preference") and "distill/loss" not in off.metrics
-    torch.testing.assert_close(off.loss, parts["policy"] + 2.0 * parts["preference"])
+    torch.testing.assert_close(off.loss, 0.6 * parts["policy"] + 2.0 * parts["preference"])
     only = compose_loss(cfg, w, distill=distill)
     assert only.active_channels == ("distill",)
     torch.testing.assert_close(only.loss, 0.3 * parts["distill"])
@@ -184,3 +188,6 @@ def test_config_section_and_runtime_config_agree():
     assert cfg.alpha == 0.2 and cfg.policy.kind == "prime_dppo" and cfg.policy.tis_cap is None
     for f in dataclasses.fields(LossConfig):
         assert f.metadata["doc"], f.name
+    assert ComposerConfig.from_section(LossConfig(policy_weight=0.0)).policy_weight == 0.0
+    with pytest.raises(ValueError, match="all 0"):
+        LossConfig(policy_weight=0.0, alpha=0.0, beta=0.0)
