@@ -26,14 +26,15 @@ from envs.base import Environment, Observation
 
 SYSTEM_PROMPT = "Solve it. Reply with one line: ANSWER: <result>"
 _OPS = {"add": "+", "sub": "-", "mul": "*"}
-_PROBLEM = re.compile(r"^\s*(?:(\d+)\s*([+\-*])\s*(\d+)|reverse ([a-z]+))\s*$")
+OPS = (*_OPS, "max", "reverse")
+_PROBLEM = re.compile(r"^\s*(?:(\d+)\s*([+\-*])\s*(\d+)|reverse ([a-z]+)|max\((\d+),(\d+)\))\s*$")
 _ANSWER = re.compile(r"^\s*ANSWER:\s*(\S+)\s*$", re.MULTILINE)
 Split = Literal["train", "heldout"]
 
 
 @dataclass(frozen=True)
 class Problem:
-    """`a <op> b` for numeric ops, or `reverse <word>`."""
+    """`a <op> b` for add / sub / mul, `max(a,b)`, or `reverse <word>`."""
 
     op: str
     a: int = 0
@@ -42,13 +43,16 @@ class Problem:
 
     @property
     def text(self) -> str:
-        return f"reverse {self.word}" if self.op == "reverse" else f"{self.a}{_OPS[self.op]}{self.b}"
+        if self.op == "reverse":
+            return f"reverse {self.word}"
+        return f"max({self.a},{self.b})" if self.op == "max" else f"{self.a}{_OPS[self.op]}{self.b}"
 
     @property
     def answer(self) -> str:
         if self.op == "reverse":
             return self.word[::-1]
-        return str({"add": self.a + self.b, "sub": self.a - self.b, "mul": self.a * self.b}[self.op])
+        return str({"add": self.a + self.b, "sub": self.a - self.b, "mul": self.a * self.b,
+                    "max": max(self.a, self.b)}[self.op])
 
     @classmethod
     def parse(cls, text: str) -> Problem:
@@ -57,6 +61,8 @@ class Problem:
             raise ValueError(f"not a demo problem: {text[:60]!r}")
         if m.group(4):
             return cls("reverse", word=m.group(4))
+        if m.group(5):
+            return cls("max", int(m.group(5)), int(m.group(6)))
         op = {v: k for k, v in _OPS.items()}[m.group(2)]
         return cls(op, int(m.group(1)), int(m.group(3)))
 
@@ -74,8 +80,8 @@ def split_of(p: Problem, heldout_fraction: float) -> Split:
 def make_problem(seed: int, config: DemoTaskConfig, split: Split = "train") -> Problem:
     """The problem for `seed` in `split` (deterministic)."""
     for op in config.ops:
-        if op not in (*_OPS, "reverse"):
-            raise ValueError(f"unknown demo op {op!r}; choose from {sorted((*_OPS, 'reverse'))}")
+        if op not in OPS:
+            raise ValueError(f"unknown demo op {op!r}; choose from {sorted(OPS)}")
     rng = random.Random(f"demo:{seed}")
     for _ in range(10_000):
         op = rng.choice(config.ops)
@@ -121,7 +127,7 @@ def score(reply: str, p: Problem, config: DemoTaskConfig) -> Score:
 def answer_range(p: Problem, config: DemoTaskConfig) -> tuple[int, int]:
     """Smallest and largest numeric answer of `p`'s op over operands 0..max_operand."""
     m = config.max_operand
-    return {"add": (0, 2 * m), "sub": (-m, m), "mul": (0, m * m)}[p.op]
+    return {"add": (0, 2 * m), "sub": (-m, m), "mul": (0, m * m), "max": (0, m)}[p.op]
 
 
 def format_examples(config: DemoTaskConfig, n: int, seed: int) -> list[list[dict[str, Any]]]:

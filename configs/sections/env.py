@@ -45,7 +45,7 @@ class SandboxConfig:
 class DemoTaskConfig:
     """The fast CPU demo task: tiny problems, answer as `ANSWER: <result>`."""
 
-    ops: tuple[str, ...] = option(("add",), doc="problem kinds: add, sub, mul, reverse")
+    ops: tuple[str, ...] = option(("add",), doc="problem kinds: add, sub, mul, max, reverse")
     max_operand: int = option(9, doc="operands are drawn from 0..max_operand", ge=1, le=999)
     word_length: int = option(3, doc="letters in a reverse problem", ge=1, le=12)
     heldout_fraction: float = option(0.2, doc="share of the problem space kept for evaluation", ge=0.0, lt=1.0)

@@ -12,7 +12,7 @@ from configs.sections.env import DemoTaskConfig
 from envs.base import assistant
 from envs.demo import DemoEnv, Problem, make_problem, prompt_messages, score, solve, split_of
 
-CONFIG = DemoTaskConfig(ops=("add", "sub", "mul", "reverse"), max_operand=9, heldout_fraction=0.25)
+CONFIG = DemoTaskConfig(ops=("add", "sub", "mul", "max", "reverse"), max_operand=9, heldout_fraction=0.25)
 
 
 def reference_reward(reply: str, answer: str, numeric: bool, fmt: float, scale: float) -> float:
@@ -75,6 +75,20 @@ def test_splits_are_disjoint_deterministic_and_cover_the_space():
     all_held = {make_problem(s, numeric, "heldout").text for s in range(5000)}
     assert len(all_train) + len(all_held) == 100  # every a+b with a, b in 0..9, each in one split
     assert 10 <= len(all_held) <= 30
+
+
+def test_max_problems_read_answer_and_split_like_the_others():
+    ops = DemoTaskConfig(ops=("max",), max_operand=9, heldout_fraction=0.2)
+    seen = {make_problem(s, ops, split).text for s in range(5000) for split in ("train", "heldout")}
+    assert seen == {f"max({a},{b})" for a in range(10) for b in range(10)}
+    for text in seen:
+        a, b = (int(x) for x in text[4:-1].split(","))
+        p = Problem.parse(text)
+        assert (p.op, p.a, p.b, p.text) == ("max", a, b, text)
+        assert p.answer == str(a if a >= b else b)
+        assert score(f"ANSWER: {p.answer}", p, ops).reward == 1.0
+    with pytest.raises(ValueError, match="not a demo problem"):
+        Problem.parse("max(3 7)")
 
 
 def test_solver_answers_every_problem_and_retries():
