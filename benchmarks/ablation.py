@@ -1,0 +1,219 @@
+"""The three loss channels switched on and off: held-out reward gain, train reward gain and cost per configuration.
+
+Every configuration runs the embedded main job (`configs/debug_cpu.toml`: the
+demo task, the tiny warm-started model, two local solver teachers) as
+`composer-mesh train` in a process of its own, at the same steps, seeds and
+budget; only the channel weights differ:
+
+    policy            [loss] alpha = 0, beta = 0 (plain GRPO/DAPO)
+    policy+distill    beta = 0
+    policy+replay     alpha = 0
+    all               the recipe as shipped
+    distill only      policy_weight = 0, beta = 0   (control)
+    replay only       policy_weight = 0, alpha = 0  (control)
+
+Held-out reward is the run's own evaluation (`[trainer] eval_every`: greedy
+and sampled on the environment's held-out split, the same problems for every
+seed); the gain is the last evaluation minus the one before step 1. Train
+gain: mean reward of the last 20 % of steps minus the first 20 %. "At equal
+wall time" is each configuration's held-out gain at its last evaluation
+within the policy-only runs' mean training time.
+
+    python benchmarks/ablation.py --quick   # 20 steps, 2 seeds (about 10 minutes on 2 cores)
+    python benchmarks/ablation.py           # 60 steps, 3 seeds
+    python benchmarks/ablation.py --config my.toml --override=--optimizer.lr=3e-3 --only policy all
+
+Prints the table of docs/recipe.md, writes a PNG of the held-out curves
+(`--plot`), and ends with one JSON line: all_vs_policy_heldout_gain (gain of
+all / gain of policy only; null when the policy-only gain is 0),
+distill_gain_delta, preference_gain_delta (gain with the channel added to
+the policy channel minus policy only), overhead_ratio (training wall time of
+all / policy only), and the per-configuration figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from mesh.metrics import read_metrics  # noqa: E402
+
+CONFIGS: dict[str, tuple[str, ...]] = {
+    "policy": ("--loss.alpha=0", "--loss.beta=0"),
+    "policy+distill": ("--loss.beta=0",),
+    "policy+replay": ("--loss.alpha=0",),
+    "all": (),
+    "distill only": ("--loss.policy_weight=0", "--loss.beta=0"),
+    "replay only": ("--loss.policy_weight=0", "--loss.alpha=0"),
+}
+SAMPLED, GREEDY = "eval/heldout_sampled", "eval/heldout_greedy"
+
+
+@dataclass
+class RunResult:
+    """One configuration at one seed."""
+
+    heldout: list[tuple[int, float, float, float]]  # (step, training seconds so far, sampled, greedy), step 0 first
+    train_gain: float
+    wall_s: float  # the whole command
+    train_s: float  # sum of the steps' seconds
+    tokens: float  # completion tokens generated for training
+    spend_usd: float
+    policy_rollouts: float  # rollouts the policy channel trained (0 for the controls)
+    hinted: float
+    pairs: float
+
+    def gain(self, key: int = 2, within_s: float | None = None) -> float:
+        points = [p for p in self.heldout if within_s is None or p[1] <= within_s]
+        return points[-1][key] - self.heldout[0][key]
+
+
+def run_one(recipe: Path, overrides: list[str], out: Path, name: str, seed: int, steps: int,
+            eval_every: int) -> RunResult:
+    """`composer-mesh train` of `recipe` in configuration `name` at `seed`; its figures from summary.json and
+    metrics.jsonl."""
+    cmd = [sys.executable, "-m", "mesh.cli", "train", "--no-progress", "--no-resume", str(recipe),
+           f"--job.output_dir={out}", "--job.name=run", f"--job.seed={seed}", f"--trainer.steps={steps}",
+           f"--trainer.eval_every={eval_every}", f"--checkpoint.every_steps={steps}", *overrides, *CONFIGS[name]]
+    env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise RuntimeError(f"{name} seed {seed} failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    rows = read_metrics(Path(summary["run_dir"]) / "metrics.jsonl")
+    before = summary["heldout"]["before"]
+    heldout, elapsed = [(0, 0.0, before[SAMPLED], before[GREEDY])], 0.0
+    for row in rows:
+        elapsed += row["seconds"]
+        if SAMPLED in row:
+            heldout.append((row["step"], elapsed, row[SAMPLED], row[GREEDY]))
+    rewards = [row["reward/mean"] for row in rows]
+    k = max(1, len(rewards) // 5)
+    total = lambda key: float(sum(row.get(key, 0.0) for row in rows))  # noqa: E731
+    replay = summary.get("replay") or {}
+    return RunResult(heldout, statistics.fmean(rewards[-k:]) - statistics.fmean(rewards[:k]), wall, elapsed,
+                     total("rollouts/completion_tokens"), float(replay.get("spend_usd", 0.0)),
+                     total("rollouts/policy"), total("distill/hinted"), total("preference/pairs_in_batch"))
+
+
+def _mean_sd(xs: list[float]) -> tuple[float, float]:
+    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+
+
+@dataclass
+class Row:
+    name: str
+    runs: list[RunResult] = field(default_factory=list)
+
+    def figure(self, f) -> tuple[float, float]:
+        return _mean_sd([f(r) for r in self.runs])
+
+
+def plot(rows: list[Row], path: Path) -> None:
+    """Mean held-out sampled reward per evaluated step, one line per configuration (seeds shaded min-max)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for row in rows:
+        steps = [p[0] for p in row.runs[0].heldout]
+        per_step = list(zip(*[[p[2] for p in r.heldout] for r in row.runs]))
+        ax.plot(steps, [statistics.fmean(v) for v in per_step], marker="o", label=row.name)
+        ax.fill_between(steps, [min(v) for v in per_step], [max(v) for v in per_step], alpha=0.12)
+    ax.set_xlabel("step")
+    ax.set_ylabel("held-out reward (sampled)")
+    ax.set_title(f"held-out reward per configuration ({len(rows[0].runs)} seeds, min-max shaded)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="20 steps, 2 seeds")
+    parser.add_argument("--steps", type=int, help="steps per run (default 60, --quick 20)")
+    parser.add_argument("--seeds", type=int, help="seeds 0..n-1 (default 3, --quick 2)")
+    parser.add_argument("--plot", default="ablation.png", help="where the held-out curves go")
+    parser.add_argument("--only", nargs="*", choices=list(CONFIGS), help="run these configurations only")
+    parser.add_argument("--config", type=Path, default=REPO / "configs/debug_cpu.toml",
+                        help="the recipe every configuration starts from (a task with a held-out split)")
+    parser.add_argument("--override", action="append", default=[], metavar="--SECTION.KEY=VALUE",
+                        help="applied to every configuration, before its channel switches (repeatable)")
+    args = parser.parse_args()
+    steps = args.steps or (20 if args.quick else 60)
+    seeds = args.seeds or (2 if args.quick else 3)
+    eval_every = max(1, steps // 6)
+    names = args.only or list(CONFIGS)
+    rows = [Row(n) for n in names]
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="ablation-") as tmp:
+        for seed in range(seeds):  # seed-major: a partial run still compares every configuration
+            for row in rows:
+                result = run_one(args.config, args.override, Path(tmp) / f"{row.name.replace(' ', '_')}-s{seed}",
+                                 row.name, seed, steps, eval_every)
+                if row.name.endswith("only") and result.policy_rollouts:
+                    raise RuntimeError(f"{row.name}: the policy channel trained {result.policy_rollouts:.0f} rollouts")
+                row.runs.append(result)
+                print(f"  {row.name:<15} seed {seed}: held-out sampled {result.heldout[0][2]:.3f} -> "
+                      f"{result.heldout[-1][2]:.3f}, train gain {result.train_gain:+.3f}, {result.wall_s:.0f} s",
+                      file=sys.stderr, flush=True)
+    by = {r.name: r for r in rows}
+    budget = by["policy"].figure(lambda r: r.train_s)[0] if "policy" in by else None
+    print(f"\n{steps} steps, seeds 0..{seeds - 1}, held-out evaluated every {eval_every} steps; mean ± sd over seeds")
+    head = (f"{'configuration':<16}{'held-out sampled':>18}{'held-out greedy':>17}{'train gain':>16}"
+            f"{'at equal time':>15}{'train s':>9}{'wall s':>8}{'tokens':>9}{'teacher $':>11}{'hinted':>8}{'pairs':>7}")
+    print(head)
+    figures: dict[str, dict[str, float]] = {}
+    for row in rows:
+        g, gg, tg = row.figure(lambda r: r.gain()), row.figure(lambda r: r.gain(3)), row.figure(lambda r: r.train_gain)
+        eq = row.figure(lambda r: r.gain(2, budget)) if budget else None  # without the policy-only row: none
+        train_s, wall = row.figure(lambda r: r.train_s)[0], row.figure(lambda r: r.wall_s)[0]
+        tokens, spend = row.figure(lambda r: r.tokens)[0], row.figure(lambda r: r.spend_usd)[0]
+        hinted, pairs = row.figure(lambda r: r.hinted)[0], row.figure(lambda r: r.pairs)[0]
+        at_budget = f"{eq[0]:+.3f}" if eq else "-"
+        print(f"{row.name:<16}{f'{g[0]:+.3f} ± {g[1]:.3f}':>18}{f'{gg[0]:+.3f} ± {gg[1]:.3f}':>17}"
+              f"{f'{tg[0]:+.3f} ± {tg[1]:.3f}':>16}{at_budget:>15}{train_s:>9.0f}{wall:>8.0f}{tokens:>9.0f}"
+              f"{spend:>11.4f}{hinted:>8.0f}{pairs:>7.0f}")
+        figures[row.name] = {"heldout_gain": round(g[0], 4), "heldout_gain_sd": round(g[1], 4),
+                             "heldout_greedy_gain": round(gg[0], 4), "train_gain": round(tg[0], 4),
+                             "heldout_gain_equal_time": round(eq[0], 4) if eq else None, "train_s": round(train_s, 1),
+                             "wall_s": round(wall, 1), "tokens": round(tokens, 1), "teacher_usd": round(spend, 5)}
+    plot(rows, Path(args.plot))
+    print(f"held-out curves: {args.plot}; {time.perf_counter() - start:.0f} s in all")
+
+    def gain(name: str) -> float | None:
+        return figures[name]["heldout_gain"] if name in figures else None
+
+    base = gain("policy")
+    out: dict[str, object] = {
+        "all_vs_policy_heldout_gain": (round(gain("all") / base, 4)
+                                       if base not in (None, 0.0) and gain("all") is not None else None),
+        "distill_gain_delta": (round(gain("policy+distill") - base, 4)
+                               if base is not None and gain("policy+distill") is not None else None),
+        "preference_gain_delta": (round(gain("policy+replay") - base, 4)
+                                  if base is not None and gain("policy+replay") is not None else None),
+        "overhead_ratio": (round(figures["all"]["train_s"] / figures["policy"]["train_s"], 4)
+                           if "all" in figures and "policy" in figures else None),
+        "steps": steps, "seeds": seeds, "configs": figures,
+    }
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
