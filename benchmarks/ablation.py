@@ -43,6 +43,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -74,7 +75,9 @@ class RunResult:
     hinted: float
     pairs: float
 
-    def gain(self, key: int = 2, within_s: float | None = None) -> float:
+    def gain(self, greedy: bool = False, within_s: float | None = None) -> float:
+        """Held-out reward at the last evaluation (within `within_s` of training) minus before step 1."""
+        key = 3 if greedy else 2
         points = [p for p in self.heldout if within_s is None or p[1] <= within_s]
         return points[-1][key] - self.heldout[0][key]
 
@@ -115,10 +118,13 @@ def _mean_sd(xs: list[float]) -> tuple[float, float]:
 
 @dataclass
 class Row:
+    """One configuration's runs, a seed each."""
+
     name: str
     runs: list[RunResult] = field(default_factory=list)
 
-    def figure(self, f) -> tuple[float, float]:
+    def figure(self, f: Callable[[RunResult], float]) -> tuple[float, float]:
+        """Mean and sample standard deviation of `f` over the seeds."""
         return _mean_sd([f(r) for r in self.runs])
 
 
@@ -181,8 +187,9 @@ def main() -> None:
     print(head)
     figures: dict[str, dict[str, float]] = {}
     for row in rows:
-        g, gg, tg = row.figure(lambda r: r.gain()), row.figure(lambda r: r.gain(3)), row.figure(lambda r: r.train_gain)
-        eq = row.figure(lambda r: r.gain(2, budget)) if budget else None  # without the policy-only row: none
+        g, gg = row.figure(lambda r: r.gain()), row.figure(lambda r: r.gain(greedy=True))
+        tg = row.figure(lambda r: r.train_gain)
+        eq = row.figure(lambda r: r.gain(within_s=budget)) if budget else None  # without the policy-only row: none
         train_s, wall = row.figure(lambda r: r.train_s)[0], row.figure(lambda r: r.wall_s)[0]
         tokens, spend = row.figure(lambda r: r.tokens)[0], row.figure(lambda r: r.spend_usd)[0]
         hinted, pairs = row.figure(lambda r: r.hinted)[0], row.figure(lambda r: r.pairs)[0]
