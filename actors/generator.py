@@ -32,7 +32,7 @@ from actors.chaos import kill_point
 from actors.phase_memory import PhaseMemory, bound_malloc_retention
 from actors.rollout import EpisodeRequest, RolloutGroup, SamplingParams
 from actors.shm_weights import SegmentLoader, host_label, pull_pieces
-from actors.weights import WeightManifest, check_coverage, read_manifest, weights_digest
+from actors.weights import WeightManifest, read_manifest
 from configs.sections.env import EnvConfig
 from configs.sections.generator import GeneratorConfig
 
@@ -114,7 +114,11 @@ class GeneratorActor(Actor):
 
             self.engine = VLLMEngine(spec.model_dir, stops, VLLMEngineConfig(
                 dtype=spec.generator.dtype, gpu_memory_utilization=spec.generator.gpu_memory_utilization, seed=spec.seed,
-                max_model_len=spec.max_context_tokens + spec.generator.max_new_tokens))
+                max_model_len=spec.max_context_tokens + spec.generator.max_new_tokens,
+                tensor_parallel_size=spec.generator.tensor_parallel_size))
+        elif spec.generator.tensor_parallel_size > 1:
+            raise ValueError(f"generator.tensor_parallel_size = {spec.generator.tensor_parallel_size} needs the vLLM "
+                             f"engine; generator.engine = {spec.generator.engine!r} resolved to the HF engine")
         else:
             from actors.hf_engine import HFEngine
 
@@ -133,10 +137,8 @@ class GeneratorActor(Actor):
 
     @endpoint
     def info(self) -> dict:
-        params = sum(p.numel() for p in self.engine.model.parameters())
-        dtype = str(next(self.engine.model.parameters()).dtype).removeprefix("torch.")
         return {"rank": self.rank, "pid": os.getpid(), "engine": self.engine_kind, "version": self.version,
-                "params": params, "threads": torch.get_num_threads(), "dtype": dtype}
+                "params": self.engine.params, "threads": torch.get_num_threads(), "dtype": self.engine.dtype}
 
     @endpoint
     def generate(self, requests: list[EpisodeRequest], sampling: SamplingParams | None = None,
@@ -165,25 +167,16 @@ class GeneratorActor(Actor):
     @endpoint
     def update_weights(self, manifest: WeightManifest) -> dict:
         """Load `manifest` in place; returns {"version", "digest"} of what the engine now holds."""
-        check_coverage(self.engine.named_weights(), manifest.names, manifest.version)
+        self.engine.check_coverage(manifest.names, manifest.version)
         self.engine.load_weights(read_manifest(manifest))
         self.version = manifest.version
-        return {"version": self.version, "digest": self._digest(manifest.names)}
+        return {"version": self.version, "digest": self.engine.digest(manifest.names)}
 
     @endpoint
     def weights_digest(self, names: list[str] | None = None, dtype: str | None = None) -> str:
         """Digest of the engine's weights under `names`, cast to `dtype` when given; None: one name per tensor
         (tied weights under their first name in state-dict order, as the trainer's export names them)."""
-        if names is None:
-            first: dict[int, str] = {}
-            for name, t in self.engine.named_weights().items():
-                first.setdefault(t.data_ptr(), name)
-            names = list(first.values())
-        return self._digest(names, getattr(torch, dtype) if dtype else None)
-
-    def _digest(self, names: list[str], dtype: torch.dtype | None = None) -> str:
-        state = self.engine.named_weights()
-        return weights_digest((n, state[n] if dtype is None else state[n].to(dtype)) for n in names)
+        return self.engine.digest(names, getattr(torch, dtype) if dtype else None)
 
     @endpoint
     def policy_version(self) -> int:
@@ -214,7 +207,7 @@ class GeneratorActor(Actor):
                                         token)
         self.version = version
         names = result.pop("names")
-        result["digest"] = self._digest(names) if digest else None
+        result["digest"] = self.engine.digest(names) if digest else None
         return result
 
     @endpoint

@@ -27,6 +27,7 @@ from typing import Iterable, Literal
 import torch
 
 from actors.rollout import SamplingParams
+from actors.weights import check_coverage, first_names, weights_digest
 
 
 @dataclass
@@ -79,6 +80,8 @@ class HFEngine:
         if not self.stop_token_ids:
             raise ValueError("HFEngine needs at least one stop token id")
         self.pad_id = self.stop_token_ids[0]
+        self.params = sum(p.numel() for p in self.model.parameters())
+        self.dtype = str(dtype).removeprefix("torch.")
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Completion]:
@@ -152,6 +155,20 @@ class HFEngine:
         """Checkpoint names → live tensors (tied weights appear under each of their names; fused expert
         tensors as one view per expert and projection)."""
         return dict(per_expert_views(self.model.state_dict()))
+
+    def check_coverage(self, names: Iterable[str], version: int) -> None:
+        """Refuse `names` unless they are exactly this model's tensors (`actors.weights.check_coverage`)."""
+        check_coverage(self.named_weights(), names, version)
+
+    def digest(self, names: list[str] | None = None, dtype: torch.dtype | None = None) -> str:
+        """`weights_digest` of the tensors under `names` (cast to `dtype` when given); None: one name per tensor."""
+        state = self.named_weights()
+        names = first_names(state) if names is None else names
+        return weights_digest((n, state[n] if dtype is None else state[n].to(dtype)) for n in names)
+
+    def tensor_names(self) -> list[str]:
+        """One name per tensor (tied weights under their first name), as the trainer's export names them."""
+        return first_names(self.named_weights())
 
 
 def per_expert_views(state: dict[str, torch.Tensor]) -> Iterable[tuple[str, torch.Tensor]]:

@@ -48,7 +48,6 @@ from typing import IO, Any, Iterator
 import torch
 from torch import nn
 
-from actors.weights import check_coverage
 
 MAGIC = b"CMWSEG02"
 ALIGN = 64  # every tensor starts on a cache line
@@ -601,7 +600,7 @@ def bind_shadow(shadow: nn.Module, segment: PinnedSegment) -> nn.Module:
 
 def load_segment(engine: Any, bound: nn.Module, segment: PinnedSegment, hf_names: list[str],
                  bucket_bytes: int) -> int:
-    """Copy a pinned segment into `engine` (HF-named buckets through `engine.load_weights`); returns bytes loaded.
+    """Copy a pinned segment into `engine` (HF-named buckets, one `engine.load_weights`); returns bytes loaded.
 
     bound: the shadow model bound to `segment` (`bind_shadow`); hf_names: the
     names the export produces (`hf_names_of`), checked against the engine before
@@ -609,13 +608,18 @@ def load_segment(engine: Any, bound: nn.Module, segment: PinnedSegment, hf_names
     """
     from titan_ext.export import iter_hf_buckets
 
-    check_coverage(engine.named_weights(), hf_names, segment.version)
+    engine.check_coverage(hf_names, segment.version)
     segment.verify()
     loaded = 0
-    with one_thread():
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:  # bucket by bucket, in one load (vLLM's is whole-model)
+        nonlocal loaded
         for bucket in iter_hf_buckets(bound, bucket_bytes):
-            engine.load_weights(bucket)
+            yield from bucket
             loaded += sum(t.numel() * t.element_size() for _, t in bucket)
+
+    with one_thread():
+        engine.load_weights(tensors())
     segment.verify()
     return loaded
 

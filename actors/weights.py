@@ -52,6 +52,22 @@ def weights_digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
     return h.hexdigest()
 
 
+def uncovered_names(state: dict[str, torch.Tensor], names: Iterable[str]) -> list[str]:
+    """Sorted names of `state` whose storage address no name in `names` covers (tied weights: either name
+    covers both; fused-weight views are separate addresses)."""
+    covered = {state[n].data_ptr() for n in names if n in state}
+    return sorted(n for n, t in state.items() if t.data_ptr() not in covered)
+
+
+def first_names(state: dict[str, torch.Tensor]) -> list[str]:
+    """One name per tensor of `state` (name -> live tensor): a tied tensor under its first name, in `state`'s
+    order (the trainer's export names tied weights that way)."""
+    first: dict[int, str] = {}
+    for name, t in state.items():
+        first.setdefault(t.data_ptr(), name)
+    return list(first.values())
+
+
 def check_coverage(state: dict[str, torch.Tensor], names: Iterable[str], version: int) -> None:
     """Refuse weights whose `names` are not exactly the engine's tensors (`state`: name -> live tensor).
 
@@ -60,8 +76,7 @@ def check_coverage(state: dict[str, torch.Tensor], names: Iterable[str], version
     """
     names = list(names)
     unknown = [n for n in names if n not in state]
-    covered = {state[n].data_ptr() for n in names if n in state}
-    uncovered = sorted(n for n, t in state.items() if t.data_ptr() not in covered)
+    uncovered = uncovered_names(state, names)
     if unknown or uncovered:
         raise ValueError(
             f"weights v{version} do not match the generator model: unknown {unknown[:5]}, "

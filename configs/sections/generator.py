@@ -21,3 +21,13 @@ class GeneratorConfig:
         doc="Serving dtype of the engine's weights (HF and vLLM); the trainer's float32 export is cast on load.",
     )
     gpu_memory_utilization: float = option(0.5, gt=0.0, le=1.0, doc="vLLM KV-cache share of GPU memory.")
+    tensor_parallel_size: int = option(
+        1, ge=1,
+        doc="vLLM tensor parallelism: worker processes per generator, each holding a shard of every weight "
+            "(the generator's process must see that many GPUs; on CPU its CPUs are split among them). vLLM only.",
+    )
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size > 1 and self.engine == "hf":
+            raise ValueError(f"generator.tensor_parallel_size = {self.tensor_parallel_size} needs generator.engine = "
+                             "'vllm' (or 'auto' with vLLM installed): the HF engine runs in one process")

@@ -200,3 +200,77 @@ def test_moe_logprobs_equal_hf_before_and_after_an_in_place_load(setup, tiny_ass
     finally:
         engine.close()
 
+
+
+def _one_kv_head(dense_dir, out_dir):
+    """The tiny dense model with 1 KV head (seed 0): under TP = 2 vLLM copies it to both workers, the case the
+    digest's gather has to de-duplicate."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(str(dense_dir))
+    cfg.num_key_value_heads = 1
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(str(out_dir))
+    return out_dir
+
+
+@pytest.mark.parametrize("flavour", ["dense_one_kv_head", "moe"])
+def test_tensor_parallel_2_serves_loads_and_digests_the_full_model(setup, tiny_assets, tmp_path, flavour):
+    """`tensor_parallel_size = 2`: two vLLM worker processes, each a shard. The digest (gathered over the TP group)
+    equals the checkpoint's, greedy equals HF and sampled logprobs the teacher-forced transform, before and after an
+    in-place load of perturbed weights (each worker cutting its shard of the full tensors); bad sets are refused in
+    every worker before anything loads. Dense: 1 KV head copied to both workers; MoE: experts split on the
+    intermediate dimension (and repacked for the CPU kernel in each worker)."""
+    from transformers import AutoModelForCausalLM
+
+    from actors.hf_engine import HFEngine, per_expert_views
+    from actors.vllm_engine import VLLMEngine, VLLMEngineConfig
+    from actors.weights import weights_digest
+
+    stops = setup[2]
+    setup[0].close()  # one engine at a time
+    model_dir = _one_kv_head(tiny_assets.dense_dir, tmp_path / "m") if flavour != "moe" else tiny_assets.moe_dir
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
+
+    tied = model.config.tie_word_embeddings
+
+    def exported():  # as the trainer exports them: per-expert names, a tied head once
+        return sorted((n, t.clone()) for n, t in per_expert_views(model.state_dict())
+                      if not (tied and n == "lm_head.weight"))
+
+    engine = VLLMEngine(model_dir, stops, VLLMEngineConfig(tensor_parallel_size=2))
+    try:
+        assert engine.params == sum(p.numel() for p in model.parameters())
+        with pytest.raises(RuntimeError, match="tensor_parallel_size"):
+            engine.named_weights()
+        for round_ in range(2):
+            named = exported()
+            assert engine.digest([n for n, _ in named]) == weights_digest(named)
+            assert sorted(engine.tensor_names()) == [n for n, _ in named]
+            hf = HFEngine(model_dir, stops)
+            hf.load_weights(named)
+            assert [c.token_ids for c in engine.generate(PROMPTS, GREEDY)] == \
+                [c.token_ids for c in hf.generate(PROMPTS, GREEDY)]
+            for prompt, c in zip(PROMPTS, engine.generate(PROMPTS, PLAIN)):
+                teacher_forced_check(model, prompt, c.token_ids, c.logprobs, PLAIN)
+            if round_ == 1:
+                break
+            digest = weights_digest(named)
+            k = next(i for i, (n, _) in enumerate(named) if n.endswith("k_proj.weight"))
+            with pytest.raises(KeyError, match="no parameter"):
+                engine.load_weights(named + [("model.layers.9.mlp.up_proj.weight", named[0][1])])
+            with pytest.raises(ValueError, match=r"does not match the model's \(" + ", ".join(
+                    map(str, named[k][1].shape)) + r"\)"):  # the full shape, not the worker's shard
+                engine.load_weights(named[:k] + [(named[k][0], named[k][1][:-1])] + named[k + 1:])
+            with pytest.raises(ValueError, match="missing"):
+                engine.load_weights(named[:k] + named[k + 1:])
+            with pytest.raises(ValueError, match="not covered"):
+                engine.check_coverage([n for i, (n, _) in enumerate(named) if i != k], version=3)
+            assert engine.digest([n for n, _ in named]) == digest  # nothing loaded anywhere
+            g = torch.Generator().manual_seed(3)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(0.05 * torch.randn(p.shape, generator=g))
+            assert engine.load_weights(exported()) == len(named)
+    finally:
+        engine.close()

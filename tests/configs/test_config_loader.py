@@ -196,3 +196,12 @@ def test_grpo_recipe_is_trl_defaults():
         return
     live = GRPOConfig(output_dir="/tmp/unused", report_to=[], use_cpu=True, bf16=False)
     assert {k: getattr(live, k) for k in TRL_GRPO_DEFAULTS} == TRL_GRPO_DEFAULTS
+
+
+def test_generator_tensor_parallelism_needs_the_vllm_engine():
+    cfg = load_config(None, ["--generator.engine=vllm", "--generator.tensor_parallel_size=2"])
+    assert cfg.generator.tensor_parallel_size == 2
+    with pytest.raises(ConfigError, match=r"generator.tensor_parallel_size = 2 needs generator.engine = 'vllm'"):
+        load_config(None, ["--generator.engine=hf", "--generator.tensor_parallel_size=2"])
+    with pytest.raises(ConfigError, match="generator.tensor_parallel_size"):
+        load_config(None, ["--generator.tensor_parallel_size=0"])
