@@ -202,25 +202,25 @@ def test_moe_logprobs_equal_hf_before_and_after_an_in_place_load(setup, tiny_ass
 
 
 
-def _one_kv_head(dense_dir, out_dir):
-    """The tiny dense model with 1 KV head (seed 0): under TP = 2 vLLM copies it to both workers, the case the
-    digest's gather has to de-duplicate."""
+def _tp_model(moe_dir, out_dir):
+    """The tiny MoE with 1 KV head and a dense MLP in layer 0 (seed 0): under TP = 2 vLLM copies the KV head to
+    both workers (the digest's gather de-duplicates it), splits the dense gate/up and down projections, the
+    experts on their intermediate dimension, and the untied vocabulary and head on rows."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = AutoConfig.from_pretrained(str(dense_dir))
-    cfg.num_key_value_heads = 1
+    cfg = AutoConfig.from_pretrained(str(moe_dir))
+    cfg.num_key_value_heads, cfg.mlp_only_layers = 1, [0]
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(str(out_dir))
     return out_dir
 
 
-@pytest.mark.parametrize("flavour", ["dense_one_kv_head", "moe"])
-def test_tensor_parallel_2_serves_loads_and_digests_the_full_model(setup, tiny_assets, tmp_path, flavour):
+def test_tensor_parallel_2_serves_loads_and_digests_the_full_model(setup, tiny_assets, tmp_path):
     """`tensor_parallel_size = 2`: two vLLM worker processes, each a shard. The digest (gathered over the TP group)
     equals the checkpoint's, greedy equals HF and sampled logprobs the teacher-forced transform, before and after an
     in-place load of perturbed weights (each worker cutting its shard of the full tensors); bad sets are refused in
-    every worker before anything loads. Dense: 1 KV head copied to both workers; MoE: experts split on the
-    intermediate dimension (and repacked for the CPU kernel in each worker)."""
+    every worker before anything loads. One model covers every kind of shard (`_tp_model`), and the MoE experts
+    are repacked for the CPU kernel in each worker."""
     from transformers import AutoModelForCausalLM
 
     from actors.hf_engine import HFEngine, per_expert_views
@@ -229,14 +229,12 @@ def test_tensor_parallel_2_serves_loads_and_digests_the_full_model(setup, tiny_a
 
     stops = setup[2]
     setup[0].close()  # one engine at a time
-    model_dir = _one_kv_head(tiny_assets.dense_dir, tmp_path / "m") if flavour != "moe" else tiny_assets.moe_dir
+    model_dir = _tp_model(tiny_assets.moe_dir, tmp_path / "m")
     model = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
+    assert not model.config.tie_word_embeddings and "model.layers.0.mlp.gate_proj.weight" in model.state_dict()
 
-    tied = model.config.tie_word_embeddings
-
-    def exported():  # as the trainer exports them: per-expert names, a tied head once
-        return sorted((n, t.clone()) for n, t in per_expert_views(model.state_dict())
-                      if not (tied and n == "lm_head.weight"))
+    def exported():  # as the trainer exports them: per-expert names
+        return sorted((n, t.clone()) for n, t in per_expert_views(model.state_dict()))
 
     engine = VLLMEngine(model_dir, stops, VLLMEngineConfig(tensor_parallel_size=2))
     try:
