@@ -146,6 +146,7 @@ def plot(rows: list[Row], path: Path) -> None:
     ax.set_title(f"held-out reward per configuration ({len(rows[0].runs)} seeds, min-max shaded)")
     ax.legend(fontsize=8)
     fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -155,7 +156,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="20 steps, 2 seeds")
     parser.add_argument("--steps", type=int, help="steps per run (default 60, --quick 20)")
     parser.add_argument("--seeds", type=int, help="seeds 0..n-1 (default 3, --quick 2)")
-    parser.add_argument("--plot", default="ablation.png", help="where the held-out curves go")
+    parser.add_argument("--plot", default="runs/ablation.png", help="where the held-out curves go (a PNG; its folder is made)")
     parser.add_argument("--only", nargs="*", choices=list(CONFIGS), help="run these configurations only")
     parser.add_argument("--config", type=Path, default=REPO / "configs/debug_cpu.toml",
                         help="the recipe every configuration starts from (a task with a held-out split)")

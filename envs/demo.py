@@ -3,7 +3,10 @@
 Built for a ~0.5M-parameter model trained by RL for ~100 steps: prompts and
 answers are a few tokens, and the reward is shaped so that a random model
 gets a gradient: 0 for a malformed reply, `format_reward` for a well-formed
-wrong one, more the closer it is, 1 for the exact answer. A failed attempt
+wrong one, more the closer it is, 1 for the exact answer. Well-formed is a line
+`ANSWER: <result>` with exactly one space after the colon: a reward blind to
+extra spaces let RL drift probability onto the space token (one character =
+one token in the demo tokenizer), until greedy decoding emitted only spaces. A failed attempt
 yields an error site (SYNTAX for a malformed reply, TEST_FAILURE for a wrong
 one) and a feedback message, so a second turn can retry and a hint can be made.
 
@@ -28,7 +31,7 @@ SYSTEM_PROMPT = "Solve it. Reply with one line: ANSWER: <result>"
 _OPS = {"add": "+", "sub": "-", "mul": "*"}
 OPS = (*_OPS, "max", "reverse")
 _PROBLEM = re.compile(r"^\s*(?:(\d+)\s*([+\-*])\s*(\d+)|reverse ([a-z]+)|max\((\d+),(\d+)\))\s*$")
-_ANSWER = re.compile(r"^\s*ANSWER:\s*(\S+)\s*$", re.MULTILINE)
+_ANSWER = re.compile(r"^\s*ANSWER: (\S+)\s*$", re.MULTILINE)  # one space after the colon
 Split = Literal["train", "heldout"]
 
 

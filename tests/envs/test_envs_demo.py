@@ -16,10 +16,11 @@ CONFIG = DemoTaskConfig(ops=("add", "sub", "mul", "max", "reverse"), max_operand
 
 
 def reference_reward(reply: str, answer: str, numeric: bool, fmt: float, scale: float) -> float:
-    """Independent restatement: 0 malformed; 1 exact; else fmt + (1 - fmt) * 0.5 * closeness."""
+    """Independent restatement: 0 malformed (well-formed: a line `ANSWER: <value>`, exactly one space after the
+    colon, surrounding whitespace allowed); 1 exact; else fmt + (1 - fmt) * 0.5 * closeness."""
     lines = [ln.strip() for ln in reply.splitlines()]
-    value = next((ln[len("ANSWER:"):].strip() for ln in lines if ln.startswith("ANSWER:")), None)
-    if value is None or " " in value or not value:
+    value = next((ln[len("ANSWER: "):] for ln in lines if ln.startswith("ANSWER: ")), None)
+    if not value or any(c.isspace() for c in value):
         return 0.0
     if numeric:
         try:
@@ -47,7 +48,8 @@ def test_reward_matches_reference_on_random_replies():
         candidates = [
             f"ANSWER: {p.answer}",
             f"ANSWER: {int(p.answer) + rng.randint(-8, 8)}" if numeric else f"ANSWER: {p.answer[::-1]}x",
-            f"ANSWER:{rng.choice(['', ' '])}{rng.randint(-20, 90)}",
+            f"ANSWER:{rng.choice(['', ' ', '  ', chr(9)])}{rng.randint(-20, 90)}",
+            f"  ANSWER: {p.answer}  \n",
             "ANSWER: " + "".join(rng.choice("abcxyz") for _ in range(3)),
             rng.choice(["", "42", "answer: 3", "ANSWER 3", "ANSWER: 3 4", "The answer is 7"]),
             f"thinking...\nANSWER: {p.answer}\n",
@@ -62,6 +64,7 @@ def test_reward_is_ordered_malformed_wrong_close_exact():
     p = Problem("add", 4, 3)
     r = [score(s, p, CONFIG).reward for s in ("7", "ANSWER: 40", "ANSWER: 9", "ANSWER: 8", "ANSWER: 7")]
     assert r[0] == 0.0 < r[1] == CONFIG.format_reward < r[2] < r[3] < r[4] == 1.0
+    assert score("ANSWER:  7", p, CONFIG).reward == score("ANSWER:7", p, CONFIG).reward == 0.0  # one space exactly
 
 
 def test_splits_are_disjoint_deterministic_and_cover_the_space():
