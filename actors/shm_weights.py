@@ -48,7 +48,6 @@ from typing import IO, Any, Iterator
 import torch
 from torch import nn
 
-
 MAGIC = b"CMWSEG02"
 ALIGN = 64  # every tensor starts on a cache line
 PAGE = 4096

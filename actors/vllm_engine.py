@@ -80,7 +80,6 @@ def _architecture(model_dir: Path) -> str:
     return causal_lm_architecture(AutoConfig.from_pretrained(str(model_dir)))
 
 
-
 def _cpu_thread_binding(tp: int) -> str:
     """VLLM_CPU_OMP_THREADS_BIND for `tp` CPU workers: this process's allowed CPUs in `tp` contiguous groups
     ("0|1" on 2 cores). vLLM's own "auto" binds by NUMA node and refuses more workers than nodes."""

@@ -29,6 +29,7 @@ are repacked (docs/application.md "MoE").
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import torch
 
 from actors.weights import check_coverage, first_names, uncovered_names, weights_digest
@@ -103,6 +104,11 @@ def hf_views(model: torch.nn.Module, hf_experts: dict[str, torch.Tensor]) -> dic
     return out
 
 
+def _tensors(views: dict[str, tuple[torch.Tensor, Shard]]) -> dict[str, torch.Tensor]:
+    """`hf_views` without the shards: HF name -> live view."""
+    return {n: t for n, (t, _) in views.items()}
+
+
 class WeightsExtension:
     """Mixed into each vLLM worker; `self` is the worker (`model_runner`, `reload_weights`)."""
 
@@ -125,15 +131,14 @@ class WeightsExtension:
     def cm_stats(self) -> tuple[int, str]:
         """(parameters of the full model, serving dtype) from this worker's shards."""
         world = self._cm_world()
-        first: dict[int, tuple[torch.Tensor, Shard]] = {}
-        for t, shard in self.cm_views().values():
-            first.setdefault(t.data_ptr(), (t, shard))
-        numel = sum(int(torch.Size(s.full_shape(t.shape, world)).numel()) for t, s in first.values())
+        views = self.cm_views()
+        full = (views[n][1].full_shape(views[n][0].shape, world) for n in first_names(_tensors(views)))
+        numel = sum(int(torch.Size(shape).numel()) for shape in full)
         dtype = next(self.model_runner.model.parameters()).dtype
         return numel, str(dtype).removeprefix("torch.")
 
     def cm_tensor_names(self) -> list[str]:
-        return first_names({n: t for n, (t, _) in self.cm_views().items()})
+        return first_names(_tensors(self.cm_views()))
 
     def cm_check(self, shapes: dict[str, tuple[int, ...] | None], version: int | None) -> tuple[str, str] | None:
         """Refuse `shapes` (HF name -> full shape, None: not checked) unless it covers every tensor, names
@@ -150,7 +155,7 @@ class WeightsExtension:
     def _cm_check(self, shapes: dict[str, tuple[int, ...] | None], version: int | None) -> None:
         views = self.cm_views()
         if version is not None:
-            return check_coverage({n: t for n, (t, _) in views.items()}, shapes, version)
+            return check_coverage(_tensors(views), shapes, version)
         world = self._cm_world()
         for name, shape in shapes.items():
             if name not in views:
@@ -159,7 +164,7 @@ class WeightsExtension:
             want = shard.full_shape(t.shape, world)
             if shape is not None and tuple(shape) != want:
                 raise ValueError(f"{name}: shape {tuple(shape)} does not match the model's {want}")
-        missing = uncovered_names({n: t for n, (t, _) in views.items()}, shapes)
+        missing = uncovered_names(_tensors(views), shapes)
         if missing:
             raise ValueError(f"an in-place vLLM reload needs every weight; missing {missing[:5]}")
 
