@@ -161,11 +161,18 @@ def format_examples(config: DemoTaskConfig, n: int, seed: int) -> list[list[dict
     return out
 
 
-def solve(messages: list[dict[str, Any]]) -> str:
-    """The correct next assistant message for a demo episode (the local teacher serves it)."""
+def solve(messages: list[dict[str, Any]], slip: int = 0) -> str:
+    """The next assistant message for a demo episode (the local teacher serves it): the correct
+    answer, or with `slip` != 0 (and not a multiple of 26) a near miss: the result + `slip`, or
+    the reversed word with its last letter moved `slip` places along the alphabet."""
     for msg in messages:
         if msg.get("role") == "user":
-            return f"ANSWER: {Problem.parse(str(msg.get('content', ''))).answer}"
+            answer = Problem.parse(str(msg.get("content", ""))).answer
+            if slip and answer.isalpha():
+                answer = answer[:-1] + chr((ord(answer[-1]) - ord("a") + slip) % 26 + ord("a"))
+            elif slip:
+                answer = str(int(answer) + slip)
+            return f"ANSWER: {answer}"
     raise ValueError("no user message with a demo problem")
 
 
@@ -177,21 +184,31 @@ class DemoEnv(Environment):
         self.config = config or DemoTaskConfig()
         self.split = split
         self.problem: Problem | None = None
-        self._attempts = 0
+        self._rewards: list[float] = []  # one per attempt so far
 
     def _start(self, seed: int | None) -> Observation:
         self.problem = make_problem(seed if seed is not None else random.randrange(2**31), self.config, self.split)
-        self._attempts = 0
+        self._rewards = []
         return Observation(prompt_messages(self.problem), info={"problem": self.problem.text})
 
     def _answer(self, action: dict[str, Any], turn: int) -> Observation:
         assert self.problem is not None
-        self._attempts += 1
         s = score(str(action.get("content") or ""), self.problem, self.config)
-        done = s.kind is None or self._attempts >= self.config.max_turns
-        info = {"problem": self.problem.text, "attempt": self._attempts}
+        self._rewards.append(s.reward)
+        done = s.kind is None or len(self._rewards) >= self.config.max_turns
+        info = {"problem": self.problem.text, "attempt": len(self._rewards)}
+        reward = self._episode_reward()
         if s.kind is None:
-            return Observation([], reward=s.reward, done=True, info=info)
+            return Observation([], reward=reward, done=True, info=info)
         site = ErrorSite(turn=turn, kind=s.kind, message=s.feedback)
         messages = [] if done else [{"role": "user", "content": s.feedback}]
-        return Observation(messages, reward=s.reward, done=done, error_sites=[site], info=info)
+        return Observation(messages, reward=reward, done=done, error_sites=[site], info=info)
+
+    def _episode_reward(self) -> float:
+        """`episode_reward = "last"`: the latest attempt's score. `"mean"`: the mean over
+        `max_turns` attempts, the ones an exact answer made unnecessary counted as exact; so
+        every attempt's quality counts and a first-time answer earns more than a retry."""
+        if self.config.episode_reward == "last":
+            return self._rewards[-1]
+        unused = self.config.max_turns - len(self._rewards)
+        return (sum(self._rewards) + unused * self._rewards[-1]) / self.config.max_turns

@@ -50,6 +50,12 @@ class DemoTaskConfig:
     word_length: int = option(3, doc="letters in a reverse problem", ge=1, le=12)
     heldout_fraction: float = option(0.2, doc="share of the problem space kept for evaluation", ge=0.0, lt=1.0)
     max_turns: int = option(2, doc="assistant attempts per episode (feedback after a failed attempt)", ge=1)
+    episode_reward: Literal["last", "mean"] = option(
+        "last",
+        doc="multi-turn episodes: the last attempt's reward, or the mean over max_turns attempts "
+        "(attempts after an exact one count as exact, so a retry earns less than a first-time answer)",
+        choices=("last", "mean"),
+    )
     format_reward: float = option(0.2, doc="reward for a well-formed but wrong answer", ge=0.0, le=1.0)
     closeness_scale: float = option(
         5.0, doc="numeric answers: credit falls linearly to the format reward at this distance", gt=0.0

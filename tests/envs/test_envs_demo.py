@@ -134,6 +134,39 @@ def test_episode_ends_after_max_turns_and_rejects_non_assistant_actions():
     assert obs.done and obs.reward == 0.0 and obs.messages == []
 
 
+@pytest.mark.parametrize("max_turns", [1, 2, 3])
+def test_episode_reward_mean_counts_every_attempt_and_pays_a_first_time_answer_most(max_turns):
+    """Reference: mean over max_turns of the attempts' scores, the attempts an exact answer saved counted as 1."""
+    rng = random.Random(max_turns)
+    for seed in range(60):
+        cfg = DemoTaskConfig(ops=CONFIG.ops, max_operand=9, max_turns=max_turns, episode_reward="mean")
+        env, last = DemoEnv(cfg), DemoEnv(DemoTaskConfig(ops=CONFIG.ops, max_operand=9, max_turns=max_turns))
+        env.reset(seed=seed), last.reset(seed=seed)
+        p, scores, obs = env.problem, [], None
+        while obs is None or not obs.done:
+            reply = solve(env.state.messages, slip=rng.choice([0, 0, 1, -2])) if rng.random() < 0.8 else "no"
+            scores.append(score(reply, p, cfg).reward)
+            obs, obs_last = env.step(assistant(reply)), last.step(assistant(reply))
+        expected = (sum(scores) + (max_turns - len(scores)) * 1.0) / max_turns if scores[-1] == 1.0 else sum(scores) / max_turns
+        assert obs.reward == pytest.approx(expected) and obs_last.reward == scores[-1]
+        if max_turns > 1 and len(scores) > 1 and scores[-1] == 1.0:
+            assert obs.reward < 1.0  # a retry earns less than a first-time answer
+
+
+def test_solver_slips_to_a_near_miss():
+    for seed in range(200):
+        p = make_problem(seed, CONFIG)
+        msgs = prompt_messages(p)
+        for slip in (1, -1, 2, -2):
+            r = score(solve(msgs, slip), p, CONFIG)
+            assert r.kind is ErrorKind.TEST_FAILURE and r.reward > CONFIG.format_reward  # well-formed, close, wrong
+            got = solve(msgs, slip).removeprefix("ANSWER: ")
+            if p.op == "reverse":
+                assert got[:-1] == p.answer[:-1] and (ord(got[-1]) - ord(p.answer[-1])) % 26 == slip % 26
+            else:
+                assert int(got) == int(p.answer) + slip
+
+
 def test_solver_beats_random_replies_by_a_wide_margin():
     """The learning signal: mean reward of the solver vs replies of a random policy over the format."""
     rng = random.Random(0)
