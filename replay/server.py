@@ -75,6 +75,15 @@ def echo_responder(model: str, messages: list[dict], params: dict) -> str:
     return next((str(m.get("content", "")) for m in reversed(messages) if m.get("role") == "user"), "")
 
 
+def _hash(*parts: str) -> int:
+    return int.from_bytes(hashlib.sha256("\x00".join(parts).encode()).digest()[:8], "big")
+
+
+def _departs(model: str, ctx: str, noise: float) -> bool:
+    """Whether `model` departs from the shared answer on `ctx` (chance `noise`, fixed per pair)."""
+    return (_hash(model, ctx, "noise") % 10_000) / 10_000 < noise
+
+
 class ConsensusResponder:
     """Deterministic teachers that mostly agree: every model gives the context's shared
     answer, except that each model departs from it with probability `noise`
@@ -86,16 +95,29 @@ class ConsensusResponder:
         self.choices = choices
         self.noise = noise
 
-    @staticmethod
-    def _h(*parts: str) -> int:
-        return int.from_bytes(hashlib.sha256("\x00".join(parts).encode()).digest()[:8], "big")
-
     def __call__(self, model: str, messages: list[dict], params: dict) -> str:
         ctx = json.dumps(messages, sort_keys=True)
-        base = self._h(ctx) % self.choices
-        if (self._h(model, ctx, "noise") % 10_000) / 10_000 < self.noise:
-            base = (base + 1 + self._h(model, ctx) % (self.choices - 1)) % self.choices
+        base = _hash(ctx) % self.choices
+        if _departs(model, ctx, self.noise):
+            base = (base + 1 + _hash(model, ctx) % (self.choices - 1)) % self.choices
         return f"answer {base}"
+
+
+class SolverResponder:
+    """The demo task's solver (`envs.demo.solve`) as teachers that sometimes slip: each model
+    answers exactly, except that with probability `noise` (a hash of model and context, so
+    repeated requests repeat) it gives a near miss, the result off by ±1 or ±2. Two slipping
+    teachers mostly miss differently, so the teachers disagree and the vote decides."""
+
+    def __init__(self, noise: float = 0.0) -> None:
+        self.noise = noise
+
+    def __call__(self, model: str, messages: list[dict], params: dict) -> str:
+        from envs.demo import solve
+
+        ctx = json.dumps(messages, sort_keys=True)
+        slip = (1, -1, 2, -2)[_hash(model, ctx) % 4] if _departs(model, ctx, self.noise) else 0
+        return solve(messages, slip)
 
 
 class HFResponder:

@@ -81,13 +81,14 @@ class ClientStats:
     cache_hits: int = 0
     retries: int = 0
     successes: int = 0
+    answered: Counter = field(default_factory=Counter)  # teacher -> successes (tiers above 0: escalations)
     trimmed: int = 0  # requests sent with their oldest messages dropped to fit the context
     failures: Counter = field(default_factory=Counter)
     context_limits: dict = field(default_factory=dict)  # teacher -> tokens (None: unknown, no limit)
     stopped: dict = field(default_factory=dict)  # teacher -> the client error that stopped it
 
     def as_dict(self) -> dict[str, Any]:
-        return {**self.__dict__, "failures": dict(self.failures)}
+        return {**self.__dict__, "failures": dict(self.failures), "answered": dict(self.answered)}
 
 
 @functools.cache
@@ -320,6 +321,7 @@ class TeacherClient:
                 reply, error, delay = await self._attempt(spec, body, key, worst, attempt + 1)
                 if reply is not None:
                     self.stats.successes += 1
+                    self.stats.answered[teacher] += 1
                     self._note_outcome(teacher, None)
                     return reply
                 if error.kind in ("client_error", "context_length") or attempt == self.cfg.max_retries:

@@ -12,16 +12,14 @@ RESPONDERS = ("consensus", "echo", "solver", "hf")
 
 def build_responder(kind: str, model_dir: str = "", noise: float = 0.2):
     """The responder named by a config / command line."""
-    from replay.server import ConsensusResponder, HFResponder, echo_responder
+    from replay.server import ConsensusResponder, HFResponder, SolverResponder, echo_responder
 
     if kind == "consensus":
         return ConsensusResponder(noise=noise)
     if kind == "echo":
         return echo_responder
     if kind == "solver":
-        from envs.demo import solve
-
-        return lambda model, messages, params: solve(messages)
+        return SolverResponder(noise=noise)
     if kind == "hf":
         if not model_dir:
             raise ValueError("responder 'hf' needs a local model directory")
@@ -34,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8765, help="port (0 = any free port)")
     parser.add_argument("--responder", choices=RESPONDERS, default="consensus", help="who answers")
     parser.add_argument("--model-dir", default="", help="local HF model directory (responder hf)")
-    parser.add_argument("--noise", type=float, default=0.2, help="consensus responder: chance a model departs")
+    parser.add_argument("--noise", type=float, default=0.2, help="consensus / solver responders: chance a model departs from the shared (solver: exact) answer")
     parser.add_argument("--models", default="", help="comma-separated model names served (default: any)")
     parser.add_argument("--request-log", default="", help="JSONL file logging every request answered")
     parser.add_argument("--seed", type=int, default=0, help="seed of the fault draws")

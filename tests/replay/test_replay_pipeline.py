@@ -206,7 +206,8 @@ def test_sigkill_mid_run_then_resume_repeats_no_paid_request(tmp_path):
 def test_serve_teachers_command_and_replay_errors(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mesh.cli", "serve-teachers", "--port", "0", "--responder", "solver", "--models", "demo"],
+        [sys.executable, "-m", "mesh.cli", "serve-teachers", "--port", "0", "--responder", "solver", "--noise", "0",
+         "--models", "demo"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, text=True,
     )
     try:

@@ -284,3 +284,52 @@ def test_cache_survives_torn_lines_and_refuses_a_second_live_run(tmp_path):
     again.close()
     lines = path.read_bytes().split(b"\n")
     assert json.loads(lines[-2])["key"] == "k4"  # appended on a fresh line, not glued to the torn one
+
+
+def test_solver_teachers_slip_apart_and_the_vote_decides():
+    """`SolverResponder(noise)` over HTTP: each model is exact except on a hashed `noise` share of contexts,
+    where it answers a near miss; slipping models mostly miss differently, so three teachers sometimes
+    have no majority; the same request gets the same answer; noise 0 is the exact solver."""
+    from envs.demo import DemoEnv, solve
+    from replay.pairs import Vote, decide
+    from replay.server import SolverResponder
+    from replay.traces import TraceState
+
+    specs = [TeacherSpec(name=n, model=f"local-{n}", max_tokens=16) for n in "abc"]
+    contexts = []
+    for seed in range(80):
+        env = DemoEnv()
+        env.reset(seed=seed)
+        contexts.append(list(env.state.messages))
+
+    async def ask(cfg):
+        client = TeacherClient(cfg, None)
+        try:
+            rows = [asyncio.gather(*(client.complete(s.name, ctx) for s in specs)) for ctx in contexts]
+            return [[r.message for r in row] for row in await asyncio.gather(*rows)]
+        finally:
+            await client.aclose()
+
+    with TeacherServer(SolverResponder(noise=0.3)) as server:
+        answers = _run(ask(_cfg(server.url, *specs)))
+        assert _run(ask(_cfg(server.url, *specs))) == answers
+    slips = [[m["content"] != solve(ctx) for m in row] for row, ctx in zip(answers, contexts)]
+    rate = sum(map(sum, slips)) / (3 * len(contexts))
+    assert 0.2 < rate < 0.4
+    for row, ctx in zip(answers, contexts):
+        for m in row:
+            assert abs(int(m["content"].removeprefix("ANSWER: ")) - int(solve(ctx).removeprefix("ANSWER: "))) <= 2
+    outcomes = []
+    for row, ctx in zip(answers, contexts):
+        state = TraceState(trace_id="t", step=0, context=tuple(ctx), action={"role": "assistant", "content": "ANSWER: 99"})
+        votes = [Vote(s.name, m) for s, m in zip(specs, row)]
+        d = decide(state, votes, min_agree=2, equivalence="text")
+        outcomes.append(d.outcome)
+        if d.outcome == "pair":
+            assert d.pair.chosen["content"] in {m["content"] for m in row}
+    assert outcomes.count("pair") > len(contexts) / 2 and outcomes.count("no_consensus") + outcomes.count("too_few_votes") > 0
+    assert sum(not all(s) and any(s) for s in slips) > 0  # some states split the teachers
+
+    with TeacherServer(SolverResponder(noise=0.0)) as server:
+        exact = _run(ask(_cfg(server.url, *specs)))
+    assert all(m["content"] == solve(ctx) for row, ctx in zip(exact, contexts) for m in row)
