@@ -1,7 +1,7 @@
 """The three loss channels switched on and off: held-out reward gain, train reward gain and cost per configuration.
 
 Every configuration runs the embedded main job (`configs/debug_cpu.toml`: the
-demo task, the tiny warm-started model, two local solver teachers) as
+demo task, the tiny warm-started model, three local solver teachers that slip) as
 `composer-mesh train` in a process of its own, at the same steps, seeds and
 budget; only the channel weights differ:
 
@@ -20,7 +20,7 @@ wall time" is each configuration's held-out gain at its last evaluation
 within the policy-only runs' mean training time.
 
     python benchmarks/ablation.py --quick   # 20 steps, 2 seeds (about 10 minutes on 2 cores)
-    python benchmarks/ablation.py           # 60 steps, 3 seeds
+    python benchmarks/ablation.py           # the recipe's steps (90), 3 seeds
     python benchmarks/ablation.py --config my.toml --override=--optimizer.lr=3e-3 --only policy all
 
 Prints the table of docs/recipe.md, writes a PNG of the held-out curves
@@ -48,6 +48,7 @@ from typing import Callable
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from configs.loader import load_config  # noqa: E402
 from mesh.metrics import read_metrics  # noqa: E402
 
 CONFIGS: dict[str, tuple[str, ...]] = {
@@ -73,7 +74,9 @@ class RunResult:
     spend_usd: float
     policy_rollouts: float  # rollouts the policy channel trained (0 for the controls)
     hinted: float
-    pairs: float
+    pairs: float  # pairs trained on (preference/pairs_in_batch summed over steps)
+    replayed: float  # failed turns the teachers were asked about
+    pair_rate: float  # share of the replayed turns that became a pair (the rest: no majority, or the student's answer)
 
     def gain(self, greedy: bool = False, within_s: float | None = None) -> float:
         """Held-out reward at the last evaluation (within `within_s` of training) minus before step 1."""
@@ -107,9 +110,11 @@ def run_one(recipe: Path, overrides: list[str], out: Path, name: str, seed: int,
     k = max(1, len(rewards) // 5)
     total = lambda key: float(sum(row.get(key, 0.0) for row in rows))  # noqa: E731
     replay = summary.get("replay") or {}
+    replayed = float(sum((replay.get("outcomes") or {}).values()))
     return RunResult(heldout, statistics.fmean(rewards[-k:]) - statistics.fmean(rewards[:k]), wall, elapsed,
                      total("rollouts/completion_tokens"), float(replay.get("spend_usd", 0.0)),
-                     total("rollouts/policy"), total("distill/hinted"), total("preference/pairs_in_batch"))
+                     total("rollouts/policy"), total("distill/hinted"), total("preference/pairs_in_batch"),
+                     replayed, replay.get("pairs_made", 0) / replayed if replayed else 0.0)
 
 
 def _mean_sd(xs: list[float]) -> tuple[float, float]:
@@ -154,7 +159,7 @@ def plot(rows: list[Row], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="20 steps, 2 seeds")
-    parser.add_argument("--steps", type=int, help="steps per run (default 60, --quick 20)")
+    parser.add_argument("--steps", type=int, help="steps per run (default: the recipe's [trainer] steps; --quick 20)")
     parser.add_argument("--seeds", type=int, help="seeds 0..n-1 (default 3, --quick 2)")
     parser.add_argument("--plot", default="runs/ablation.png", help="where the held-out curves go (a PNG; its folder is made)")
     parser.add_argument("--only", nargs="*", choices=list(CONFIGS), help="run these configurations only")
@@ -163,7 +168,7 @@ def main() -> None:
     parser.add_argument("--override", action="append", default=[], metavar="--SECTION.KEY=VALUE",
                         help="applied to every configuration, before its channel switches (repeatable)")
     args = parser.parse_args()
-    steps = args.steps or (20 if args.quick else 60)
+    steps = args.steps or (20 if args.quick else load_config(args.config).trainer.steps)
     seeds = args.seeds or (2 if args.quick else 3)
     eval_every = max(1, steps // 6)
     names = args.only or list(CONFIGS)
@@ -184,7 +189,8 @@ def main() -> None:
     budget = by["policy"].figure(lambda r: r.train_s)[0] if "policy" in by else None
     print(f"\n{steps} steps, seeds 0..{seeds - 1}, held-out evaluated every {eval_every} steps; mean ± sd over seeds")
     head = (f"{'configuration':<16}{'held-out sampled':>18}{'held-out greedy':>17}{'train gain':>16}"
-            f"{'at equal time':>15}{'train s':>9}{'wall s':>8}{'tokens':>9}{'teacher $':>11}{'hinted':>8}{'pairs':>7}")
+            f"{'at equal time':>15}{'train s':>9}{'wall s':>8}{'tokens':>9}{'teacher $':>11}{'hinted':>8}{'pairs':>7}"
+            f"{'replayed':>10}{'pair rate':>11}")
     print(head)
     figures: dict[str, dict[str, float]] = {}
     for row in rows:
@@ -194,14 +200,16 @@ def main() -> None:
         train_s, wall = row.figure(lambda r: r.train_s)[0], row.figure(lambda r: r.wall_s)[0]
         tokens, spend = row.figure(lambda r: r.tokens)[0], row.figure(lambda r: r.spend_usd)[0]
         hinted, pairs = row.figure(lambda r: r.hinted)[0], row.figure(lambda r: r.pairs)[0]
+        replayed, pair_rate = row.figure(lambda r: r.replayed)[0], row.figure(lambda r: r.pair_rate)[0]
         at_budget = f"{eq[0]:+.3f}" if eq else "-"
         print(f"{row.name:<16}{f'{g[0]:+.3f} ± {g[1]:.3f}':>18}{f'{gg[0]:+.3f} ± {gg[1]:.3f}':>17}"
               f"{f'{tg[0]:+.3f} ± {tg[1]:.3f}':>16}{at_budget:>15}{train_s:>9.0f}{wall:>8.0f}{tokens:>9.0f}"
-              f"{spend:>11.4f}{hinted:>8.0f}{pairs:>7.0f}")
+              f"{spend:>11.4f}{hinted:>8.0f}{pairs:>7.0f}{replayed:>10.0f}{pair_rate:>11.2f}")
         figures[row.name] = {"heldout_gain": round(g[0], 4), "heldout_gain_sd": round(g[1], 4),
                              "heldout_greedy_gain": round(gg[0], 4), "train_gain": round(tg[0], 4),
                              "heldout_gain_equal_time": round(eq[0], 4) if eq else None, "train_s": round(train_s, 1),
-                             "wall_s": round(wall, 1), "tokens": round(tokens, 1), "teacher_usd": round(spend, 5)}
+                             "wall_s": round(wall, 1), "tokens": round(tokens, 1), "teacher_usd": round(spend, 5),
+                             "replayed": round(replayed, 1), "pair_rate": round(pair_rate, 4)}
     plot(rows, Path(args.plot))
     print(f"held-out curves: {args.plot}; {time.perf_counter() - start:.0f} s in all")
 

@@ -349,6 +349,7 @@ class Controller:
         return pairs, (refs[0], refs[1]), keys
 
     def _train(self, groups: list[RolloutGroup], staleness: list[int], dropped: int, start: float) -> StepRecord:
+        all_rollouts = [r for g in groups for r in g.rollouts]
         selection = select_rollouts(groups, self.cfg.policy)
         if not self.cfg.policy_channel:
             selection = replace(selection, in_policy=[False] * len(selection.rollouts))
@@ -359,9 +360,9 @@ class Controller:
                 if hint is not None:
                     hints[i] = hint
         if self.replay is not None:  # channel 3 live: the run's own failed turns go to the teachers
-            self.replay.add_rollouts.call_one([r for g in groups for r in g.rollouts]).get()
+            self.replay.add_rollouts.call_one(all_rollouts).get()
         pairs, ref, pair_keys = self._pairs()
-        rewards = [r.reward for g in groups for r in g.rollouts]
+        rewards = [r.reward for r in all_rollouts]
         trains = bool(selection.policy_rollouts or hints or pairs)
         self._save_state(self.version + int(trains), self.iteration + 1)  # a checkpoint of this step resumes with it
         if not trains:
@@ -375,7 +376,8 @@ class Controller:
         self.iteration += 1
         metrics.update({
             "reward/mean": sum(rewards) / max(1, len(rewards)),
-            "rollouts/completion_tokens": float(sum(r.completion_tokens for g in groups for r in g.rollouts)),
+            "rollouts/completion_tokens": float(sum(r.completion_tokens for r in all_rollouts)),
+            "rollouts/turns": sum(len(r.turn_spans) for r in all_rollouts) / max(1, len(all_rollouts)),
             "rollouts/policy": float(selection.policy_rollouts), "rollouts/dropped_groups": float(selection.dropped_groups),
             "distill/hinted": float(len(hints)), "preference/pairs_in_batch": float(len(pairs)),
             "async/max_staleness": float(max(staleness, default=0)), "async/dropped_stale": float(dropped),
