@@ -75,7 +75,7 @@ class RunResult:
     policy_rollouts: float  # rollouts the policy channel trained (0 for the controls)
     hinted: float
     pairs: float  # pairs trained on (preference/pairs_in_batch summed over steps)
-    replayed: float  # failed turns the teachers were asked about
+    replayed: float  # failed turns the replay actor decided on (summary.replay.outcomes)
     pair_rate: float  # share of the replayed turns that became a pair (the rest: no majority, or the student's answer)
 
     def gain(self, greedy: bool = False, within_s: float | None = None) -> float:
@@ -161,14 +161,16 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="20 steps, 2 seeds")
     parser.add_argument("--steps", type=int, help="steps per run (default: the recipe's [trainer] steps; --quick 20)")
     parser.add_argument("--seeds", type=int, help="seeds 0..n-1 (default 3, --quick 2)")
-    parser.add_argument("--plot", default="runs/ablation.png", help="where the held-out curves go (a PNG; its folder is made)")
+    parser.add_argument("--plot", default="runs/ablation.png",
+                        help="where the held-out curves go (a PNG; its folder is made)")
     parser.add_argument("--only", nargs="*", choices=list(CONFIGS), help="run these configurations only")
     parser.add_argument("--config", type=Path, default=REPO / "configs/debug_cpu.toml",
                         help="the recipe every configuration starts from (a task with a held-out split)")
     parser.add_argument("--override", action="append", default=[], metavar="--SECTION.KEY=VALUE",
                         help="applied to every configuration, before its channel switches (repeatable)")
     args = parser.parse_args()
-    steps = args.steps or (20 if args.quick else load_config(args.config).trainer.steps)
+    recipe = load_config(args.config, args.override)  # a bad override fails here, before any run
+    steps = args.steps or (20 if args.quick else recipe.trainer.steps)
     seeds = args.seeds or (2 if args.quick else 3)
     eval_every = max(1, steps // 6)
     names = args.only or list(CONFIGS)

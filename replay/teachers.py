@@ -80,15 +80,19 @@ class ClientStats:
     requests: int = 0  # HTTP attempts sent
     cache_hits: int = 0
     retries: int = 0
-    successes: int = 0
-    answered: Counter = field(default_factory=Counter)  # teacher -> successes (tiers above 0: escalations)
+    answered: Counter = field(default_factory=Counter)  # teacher -> replies received (tiers above 0: escalations)
     trimmed: int = 0  # requests sent with their oldest messages dropped to fit the context
     failures: Counter = field(default_factory=Counter)
     context_limits: dict = field(default_factory=dict)  # teacher -> tokens (None: unknown, no limit)
     stopped: dict = field(default_factory=dict)  # teacher -> the client error that stopped it
 
+    @property
+    def successes(self) -> int:
+        return sum(self.answered.values())
+
     def as_dict(self) -> dict[str, Any]:
-        return {**self.__dict__, "failures": dict(self.failures), "answered": dict(self.answered)}
+        return {**self.__dict__, "successes": self.successes, "failures": dict(self.failures),
+                "answered": dict(self.answered)}
 
 
 @functools.cache
@@ -320,7 +324,6 @@ class TeacherClient:
                 sent += 1
                 reply, error, delay = await self._attempt(spec, body, key, worst, attempt + 1)
                 if reply is not None:
-                    self.stats.successes += 1
                     self.stats.answered[teacher] += 1
                     self._note_outcome(teacher, None)
                     return reply

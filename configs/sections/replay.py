@@ -37,7 +37,10 @@ class LocalServerConfig:
         doc="who answers: a deterministic consensus responder, echo, the demo-task solver, or a local HF model",
         choices=("consensus", "echo", "solver", "hf"),
     )
-    noise: float = option(0.2, doc="consensus / solver responders: chance a model departs from the shared (solver: exact) answer", ge=0.0, le=1.0)
+    noise: float = option(
+        0.2, doc="consensus / solver responders: chance a model departs from the shared (solver: exact) answer",
+        ge=0.0, le=1.0,
+    )
     model_dir: str = option("", doc="local HF model directory for responder = hf")
     latency_s: float = option(0.0, doc="injected latency per request", ge=0.0)
     request_log: str = option("", doc="JSONL file where the server logs every request it answers")

@@ -32,7 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8765, help="port (0 = any free port)")
     parser.add_argument("--responder", choices=RESPONDERS, default="consensus", help="who answers")
     parser.add_argument("--model-dir", default="", help="local HF model directory (responder hf)")
-    parser.add_argument("--noise", type=float, default=0.2, help="consensus / solver responders: chance a model departs from the shared (solver: exact) answer")
+    parser.add_argument("--noise", type=float, default=0.2,
+                        help="consensus / solver responders: chance a model departs from the shared (solver: exact) answer")
     parser.add_argument("--models", default="", help="comma-separated model names served (default: any)")
     parser.add_argument("--request-log", default="", help="JSONL file logging every request answered")
     parser.add_argument("--seed", type=int, default=0, help="seed of the fault draws")

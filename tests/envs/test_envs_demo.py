@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -138,16 +139,17 @@ def test_episode_ends_after_max_turns_and_rejects_non_assistant_actions():
 def test_episode_reward_mean_counts_every_attempt_and_pays_a_first_time_answer_most(max_turns):
     """Reference: mean over max_turns of the attempts' scores, the attempts an exact answer saved counted as 1."""
     rng = random.Random(max_turns)
+    cfg = DemoTaskConfig(ops=CONFIG.ops, max_operand=9, max_turns=max_turns, episode_reward="mean")
+    env, last = DemoEnv(cfg), DemoEnv(dataclasses.replace(cfg, episode_reward="last"))
     for seed in range(60):
-        cfg = DemoTaskConfig(ops=CONFIG.ops, max_operand=9, max_turns=max_turns, episode_reward="mean")
-        env, last = DemoEnv(cfg), DemoEnv(DemoTaskConfig(ops=CONFIG.ops, max_operand=9, max_turns=max_turns))
         env.reset(seed=seed), last.reset(seed=seed)
         p, scores, obs = env.problem, [], None
         while obs is None or not obs.done:
             reply = solve(env.state.messages, slip=rng.choice([0, 0, 1, -2])) if rng.random() < 0.8 else "no"
             scores.append(score(reply, p, cfg).reward)
             obs, obs_last = env.step(assistant(reply)), last.step(assistant(reply))
-        expected = (sum(scores) + (max_turns - len(scores)) * 1.0) / max_turns if scores[-1] == 1.0 else sum(scores) / max_turns
+        saved = max_turns - len(scores) if scores[-1] == 1.0 else 0  # attempts an exact answer made unnecessary
+        expected = (sum(scores) + saved * 1.0) / max_turns
         assert obs.reward == pytest.approx(expected) and obs_last.reward == scores[-1]
         if max_turns > 1 and len(scores) > 1 and scores[-1] == 1.0:
             assert obs.reward < 1.0  # a retry earns less than a first-time answer

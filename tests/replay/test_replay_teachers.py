@@ -321,13 +321,15 @@ def test_solver_teachers_slip_apart_and_the_vote_decides():
             assert abs(int(m["content"].removeprefix("ANSWER: ")) - int(solve(ctx).removeprefix("ANSWER: "))) <= 2
     outcomes = []
     for row, ctx in zip(answers, contexts):
-        state = TraceState(trace_id="t", step=0, context=tuple(ctx), action={"role": "assistant", "content": "ANSWER: 99"})
+        state = TraceState(trace_id="t", step=0, context=tuple(ctx),
+                           action={"role": "assistant", "content": "ANSWER: 99"})
         votes = [Vote(s.name, m) for s, m in zip(specs, row)]
         d = decide(state, votes, min_agree=2, equivalence="text")
         outcomes.append(d.outcome)
         if d.outcome == "pair":
             assert d.pair.chosen["content"] in {m["content"] for m in row}
-    assert outcomes.count("pair") > len(contexts) / 2 and outcomes.count("no_consensus") + outcomes.count("too_few_votes") > 0
+    assert outcomes.count("pair") > len(contexts) / 2
+    assert outcomes.count("no_consensus") + outcomes.count("too_few_votes") > 0
     assert sum(not all(s) and any(s) for s in slips) > 0  # some states split the teachers
 
     with TeacherServer(SolverResponder(noise=0.0)) as server:
