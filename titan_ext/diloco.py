@@ -54,6 +54,7 @@ from torchft.manager import Manager
 from torchft.process_group import ProcessGroupGloo
 
 from configs.sections.diloco import DiLoCoConfig
+from titan_ext.torchft_compat import pending_quorum, replace_quorum_executor
 
 
 @dataclass(frozen=True)
@@ -228,8 +229,8 @@ def build_manager(
         replica_id=assignment.replica_id,
         init_sync=False,
     )
-    manager._executor.shutdown(wait=False)
-    manager._executor = _DaemonExecutor()  # before the first quorum: no quorum ever runs on the pool
+    # Before the first quorum: no quorum ever runs on the pool.
+    replace_quorum_executor(manager, _DaemonExecutor())
     return manager
 
 
@@ -407,7 +408,8 @@ class DiLoCoReplica:
     def abort(self, reason: str) -> None:
         """Fail this replica's pending quorum now and every later inner step, with `reason`."""
         self._aborted = RuntimeError(f"{self.assignment.replica_id}: {reason}")
-        pending = self.manager._quorum_future  # torchft's in-flight quorum; the step thread waits on it
+        # torchft's in-flight quorum; the step thread waits on it
+        pending = pending_quorum(self.manager)
         if pending is not None:
             with contextlib.suppress(InvalidStateError):  # it finished meanwhile: the next step is refused
                 pending.set_exception(self._aborted)

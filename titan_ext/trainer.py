@@ -57,15 +57,16 @@ from losses.composer import (
 )
 from losses.distill import TAIDSchedule
 from losses.mismatch import packed_sequence_ids
+from titan_ext.assets import tokenizer_dir_for
 from titan_ext.attention import attention_masks
 from titan_ext.batch import TrainBatch
 from titan_ext.checkpoint import Checkpointer
-from titan_ext.export import HFBucket, iter_hf_buckets
-from titan_ext.hf_checkpoint import load_hf_into_titan
-from titan_ext.hf_export import write_hf_dir
-from titan_ext.hf_parity import verify_hf_checkpoint
+from titan_ext.hf.adapters import HFBucket, iter_hf_buckets
+from titan_ext.hf.parity import verify_hf_checkpoint
+from titan_ext.hf.read import load_hf_into_titan
+from titan_ext.hf.write import save_hf_dir
 from titan_ext.models import init_model, resolve_model
-from titan_ext.muon import build_lr_scheduler, build_optimizer
+from titan_ext.optimizer import build_lr_scheduler, build_optimizer
 from titan_ext.parallelize import build_parallel_dims, parallelize_model, prepare_model_config
 from titan_ext.platform import Platform, detect_platform, init_process_group
 
@@ -164,7 +165,7 @@ class Trainer:
                 self.load_checkpoint(resume)
 
     def _verify_checkpoint(self) -> None:
-        """`hf_parity.verify_hf_checkpoint` on rank 0 only (a CPU copy of a few layers per host is enough);
+        """`hf.parity.verify_hf_checkpoint` on rank 0 only (a CPU copy of a few layers per host is enough);
         every rank raises its error, so no rank waits in a collective for one that failed."""
         error = [None]
         if dist.get_rank() == 0:
@@ -439,15 +440,13 @@ class Trainer:
                 load(self._wrapper_state.pop(key))
 
     def save_hf_dir(self, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
-        """The current weights as a servable HF directory (collective; see `titan_ext.hf_export`)."""
-        from titan_ext.assets import tokenizer_dir_for
-
+        """The current weights as a servable HF directory (collective; see `titan_ext.hf.write`)."""
         m = self.spec.model
-        return write_hf_dir(self.model, out_dir, self.hf_config, tokenizer_dir=tokenizer_dir_for(m),
-                            generation_from=m.hf_path or None, dtype=dtype)
+        return save_hf_dir(self.model, out_dir, self.hf_config, tokenizer_dir=tokenizer_dir_for(m),
+                           generation_from=m.hf_path or None, dtype=dtype)
 
     def export_weights(self, dtype: torch.dtype | None = None) -> Iterator[HFBucket]:
-        """HF-named weight buckets for generators (collective; see `titan_ext.export`)."""
+        """HF-named weight buckets for generators (collective; see `titan_ext.hf.adapters`)."""
         return iter_hf_buckets(self.model, int(self.spec.trainer.export_bucket_mib * 2**20), dtype=dtype)
 
     def named_full_parameters(self) -> dict[str, torch.Tensor]:

@@ -26,8 +26,8 @@ from configs.sections.checkpoint import CheckpointConfig
 from configs.sections.model import ModelConfig
 from titan_ext.attention import attention_masks
 from titan_ext.checkpoint import Checkpointer
-from titan_ext.hf_export import record_run_model
-from titan_ext.models import build_model
+from titan_ext.build import build_model
+from titan_ext.hf.export import record_run_model
 from test_models_byo import DENSE, save_random  # the sibling module's user checkpoint maker
 
 REPO = Path(__file__).resolve().parents[2]
