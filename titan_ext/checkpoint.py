@@ -114,7 +114,8 @@ class Checkpointer:
         path = self.folder / step_dir_name(step)
         if _rank() == 0:
             if path.exists():
-                shutil.rmtree(path)  # leftovers of an interrupted save
+                # leftovers of an interrupted save
+                shutil.rmtree(path)
             path.mkdir(parents=True)
         _barrier()
         dcp.save(_dcp_state(model, optimizer), checkpoint_id=str(path))

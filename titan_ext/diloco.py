@@ -102,7 +102,8 @@ def split_fragments(model: nn.Module, n: int) -> list[nn.Module]:
     direct = [name for name, _ in model.named_parameters(recurse=False)]
     if direct:
         raise ValueError(f"cannot fragment a model with parameters outside its blocks: {direct}")
-    units: list[list[nn.Module]] = []  # blocks grouped by shared parameters, in first-seen order
+    # blocks grouped by shared parameters, in first-seen order
+    units: list[list[nn.Module]] = []
     owner: dict[int, int] = {}
     for child in model.children():
         for block in child.children() if isinstance(child, (nn.ModuleList, nn.ModuleDict)) else [child]:
@@ -189,7 +190,8 @@ class _DaemonExecutor:
             try:
                 result = fn(*args, **kwargs)
             except BaseException as exc:
-                with contextlib.suppress(InvalidStateError):  # `DiLoCoReplica.abort` may have failed it already
+                # `DiLoCoReplica.abort` may have failed it already
+                with contextlib.suppress(InvalidStateError):
                     future.set_exception(exc)
             else:
                 with contextlib.suppress(InvalidStateError):
@@ -290,11 +292,13 @@ class DiLoCoReplica:
             fragment_update_alpha=cfg.fragment_update_alpha,
         )
         self.diloco.__enter__()
-        self.sync_bytes: list[int] = []  # payload bytes of each committed or failed sync, in order
+        # payload bytes of each committed or failed sync, in order
+        self.sync_bytes: list[int] = []
         self.commits = 0
         self.failed_syncs = 0
         self.healed = 0
-        self._last = (0, 0)  # (manager step, bytes) at the previous sync boundary
+        # (manager step, bytes) at the previous sync boundary
+        self._last = (0, 0)
         self._hook = optimizer.register_step_post_hook(self._after_step)  # runs after DiLoCo's hook
         self._aborted: BaseException | None = None
         self._pre_hook = optimizer.register_step_pre_hook(self._refuse_if_aborted)
@@ -345,7 +349,8 @@ class DiLoCoReplica:
                     fragment.original_parameters[name].copy_(t)
             outer = fragment._outer_optimizer
             params = [p for group in outer.param_groups for p in group["params"]]
-            template = {"state": {i: {"momentum_buffer": p} for i, p in enumerate(params)}}  # momentum is shaped like p
+            # momentum is shaped like p
+            template = {"state": {i: {"momentum_buffer": p} for i, p in enumerate(params)}}
             outer.load_state_dict(_like(template, saved["outer_optimizer"]))
         self._last = (self.manager.current_step(), self.pg.bytes_sent)
 
@@ -411,7 +416,8 @@ class DiLoCoReplica:
         # torchft's in-flight quorum; the step thread waits on it
         pending = pending_quorum(self.manager)
         if pending is not None:
-            with contextlib.suppress(InvalidStateError):  # it finished meanwhile: the next step is refused
+            # it finished meanwhile: the next step is refused
+            with contextlib.suppress(InvalidStateError):
                 pending.set_exception(self._aborted)
 
     def _refuse_if_aborted(self, *_: Any) -> None:

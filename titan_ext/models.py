@@ -173,7 +173,8 @@ def resolve_model(model_cfg: ModelConfig, platform: Platform | None = None) -> R
     backend = "flex" if attention == "sdpa" else attention
     flavour = model_cfg.registry_flavour()
     checkpoint = read_checkpoint_config(model_cfg.hf_path) if model_cfg.hf_path else None
-    if flavour is None:  # "auto" with hf_path: the shape is the checkpoint's
+    # "auto" with hf_path: the shape is the checkpoint's
+    if flavour is None:
         spec, hf_config = _derived_spec(checkpoint, backend, model_cfg.hf_path), checkpoint
         family = spec.name
     else:

@@ -102,12 +102,16 @@ class _Layout:
     """
 
     kind: Literal["local", "owner", "gather"]
-    group: Any = None  # ProcessGroup of the sharding mesh dim (owner)
+    # ProcessGroup of the sharding mesh dim (owner)
+    group: Any = None
     shard_dim: int = 0
-    shard_sizes: tuple[int, ...] = ()  # size along shard_dim on each group rank
-    slab_shape: tuple[int, ...] = ()  # what the owner reassembles
+    # size along shard_dim on each group rank
+    shard_sizes: tuple[int, ...] = ()
+    # what the owner reassembles
+    slab_shape: tuple[int, ...] = ()
     owner: int = 0
-    bucket: int = 0  # exchange round within the group (bounds the owner's memory)
+    # exchange round within the group (bounds the owner's memory)
+    bucket: int = 0
 
     def shard_shape(self, rank: int) -> list[int]:
         shape = list(self.slab_shape)
@@ -161,10 +165,12 @@ def assign_owners(numels: list[int], world: int, load: list[int] | None = None) 
 class MuonStepStats:
     """What the last `step()` did on this rank (for tests and metrics)."""
 
-    orthogonalized: int = 0  # matrices (expert matrices counted one by one) NS'ed here
+    # matrices (expert matrices counted one by one) NS'ed here
+    orthogonalized: int = 0
     orthogonalized_numel: int = 0
     collectives: int = 0
-    comm_numel: int = 0  # elements this rank sent in collectives
+    # elements this rank sent in collectives
+    comm_numel: int = 0
 
 
 # ---------------------------------------------------------------------------
@@ -195,7 +201,8 @@ class ShardedMuon(Optimizer):
         param_groups = [dict(g) for g in param_groups]
         for g in param_groups:
             if not g.get("use_muon", True):
-                g.setdefault("eps", 1e-8)  # AdamW's epsilon, not the NS norm floor
+                # AdamW's epsilon, not the NS norm floor
+                g.setdefault("eps", 1e-8)
         super().__init__(param_groups, defaults)
         for group in self.param_groups:
             if group["use_muon"]:
@@ -241,7 +248,8 @@ class ShardedMuon(Optimizer):
     def step(self, closure=None):  # type: ignore[override]
         loss = run_closure(closure)
         self.stats = MuonStepStats()
-        pending: list[tuple[torch.Tensor, dict]] = []  # (param, group) of every Muon parameter with a gradient
+        # (param, group) of every Muon parameter with a gradient
+        pending: list[tuple[torch.Tensor, dict]] = []
         for group in self.param_groups:
             if group["use_muon"]:
                 pending.extend((p, group) for p in group["params"] if p.grad is not None)
@@ -407,12 +415,14 @@ class _Exchange:
             ortho[i].narrow(lay.shard_dim, sum(lay.shard_sizes[:dst]), lay.shard_sizes[dst]).reshape(-1)
             for dst in range(self.world) for i, lay in ((i, self.layouts[i]) for i, _, _, _ in self.mine)
         ]
-        self.back = torch.cat(back) if back else self.send.new_empty(0)  # kept alive until the work is done
+        # kept alive until the work is done
+        self.back = torch.cat(back) if back else self.send.new_empty(0)
         self.result_flat = self.send.new_empty(self.send.numel())
         self.work = dist.all_to_all_single(self.result_flat, self.back, self.send_splits, self.recv_splits,
                                            group=self.pg, async_op=True)
         self.sent_numel = self.send.numel() + self.back.numel()
-        del self.send, self.recv  # the owner's full slabs live only in this call
+        # the owner's full slabs live only in this call
+        del self.send, self.recv
 
     def results(self) -> dict[int, torch.Tensor]:
         """Wait for the slices; this rank's orthogonalised shard per item index."""

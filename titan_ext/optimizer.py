@@ -92,7 +92,8 @@ def build_lr_scheduler(optimizer: Optimizer, cfg: OptimizerConfig, training_step
         min_lr_factor=cfg.min_lr_factor,
     )
     container = schedule.build(optimizers=[optimizer], training_steps=training_steps)
-    for scheduler in container.schedulers:  # LambdaLR: past the last step TorchTitan's decay goes below the floor
+    # LambdaLR: past the last step TorchTitan's decay goes below the floor
+    for scheduler in container.schedulers:
         scheduler.lr_lambdas = [functools.partial(_held_after, f, training_steps, cfg.min_lr_factor)
                                 for f in scheduler.lr_lambdas]
     return container
@@ -151,7 +152,8 @@ def _build_dist_muon(muon: list[tuple[str, nn.Parameter]], adamw: list[tuple[str
     if not _dist_muon_applicable([p for _, p in muon]):
         raise ValueError("backend='dist_muon' needs CUDA DTensor params on named meshes, 2-D sharded on one axis or 3-D on dim 0")
     names = [canonical_fqn(name) for name, _ in muon]
-    buckets: dict[tuple, list[str]] = {}  # DistMuon buckets must share one transport group
+    # DistMuon buckets must share one transport group
+    buckets: dict[tuple, list[str]] = {}
     for name, (_, p) in zip(names, muon):
         sharded = tuple(n for n, pl in zip(p.device_mesh.mesh_dim_names, p.placements) if not isinstance(pl, Replicate))
         buckets.setdefault((p.ndim, sharded, tuple(p.device_mesh.mesh.flatten().tolist())), []).append(name)

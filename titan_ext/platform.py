@@ -35,8 +35,10 @@ class Platform:
 
     device_type: Literal["cpu", "cuda"]
     backend: Literal["gloo", "nccl"]
-    attention: Literal["sdpa", "flex"]  # inner attention for training
-    exact_experts: bool  # MoE experts as a per-expert loop in the parameter dtype
+    # inner attention for training
+    attention: Literal["sdpa", "flex"]
+    # MoE experts as a per-expert loop in the parameter dtype
+    exact_experts: bool
 
     @property
     def needs_force_sum_reduction(self) -> bool:

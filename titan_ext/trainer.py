@@ -85,7 +85,8 @@ class TrainerSpec:
     loss: LossConfig = field(default_factory=LossConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     checkpoint_dir: str = ""
-    torch_threads: int = 0  # intra-op threads of each trainer process (mesh.placement.torch_threads); 0 = torch's
+    # intra-op threads of each trainer process (mesh.placement.torch_threads); 0 = torch's
+    torch_threads: int = 0
 
     @classmethod
     def from_job(cls, job: "JobConfig") -> "TrainerSpec":
@@ -143,7 +144,8 @@ class Trainer:
 
         self.optimizer = build_optimizer(model, spec.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, spec.optimizer, spec.trainer.steps)
-        if self.model_spec.post_optimizer_build_fn is not None:  # MoE load-balancing bias updates
+        # MoE load-balancing bias updates
+        if self.model_spec.post_optimizer_build_fn is not None:
             self.model_spec.post_optimizer_build_fn(self.optimizer, [model], self.parallel_dims)
 
         d = spec.loss.distill
@@ -157,7 +159,8 @@ class Trainer:
         self.phase: Callable[[str], ContextManager[None]] = lambda name: contextlib.nullcontext()
         # state of wrappers around model + optimizer (DiLoCo), saved in the checkpoint beside the trainer's
         self.wrappers: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
-        self._wrapper_state: dict[str, Any] = {}  # loaded from a checkpoint before its wrapper registered
+        # loaded from a checkpoint before its wrapper registered
+        self._wrapper_state: dict[str, Any] = {}
         self.checkpointer = Checkpointer(spec.checkpoint, spec.checkpoint_dir) if spec.checkpoint_dir else None
         if self.checkpointer is not None:
             resume = self.checkpointer.resume_step()
@@ -188,10 +191,12 @@ class Trainer:
             with torch.no_grad():
                 for mine, theirs in zip(itertools.chain(model.parameters(), model.buffers()),
                                         itertools.chain(copy_of.parameters(), copy_of.buffers()), strict=True):
-                    mine.copy_(theirs)  # parameters, not state-dict entries: the fused-QKV hook returns copies
+                    # parameters, not state-dict entries: the fused-QKV hook returns copies
+                    mine.copy_(theirs)
         elif self.spec.model.hf_path:
             load_hf_into_titan(model, self.spec.model.hf_path)
-        model._skip_lm_head = True  # forward returns final hidden states; the loss applies the head
+        # forward returns final hidden states; the loss applies the head
+        model._skip_lm_head = True
         return model
 
     # ---- forward pieces ----------------------------------------------------------------------
@@ -208,7 +213,8 @@ class Trainer:
         """The LM-head weight `[V, D]` as the forward uses it (gathered when FSDP-sharded)."""
         head = (self.model if model is None else model).lm_head
         if isinstance(head, FSDPModule):
-            head.unshard()  # no-op right after a forward: the head group does not reshard
+            # no-op right after a forward: the head group does not reshard
+            head.unshard()
         return head.weight
 
     @torch.no_grad()
@@ -240,7 +246,8 @@ class Trainer:
                 f"non-finite gradient norm ({float(grad_norm)}) at step {self.step + 1}; the step was skipped, "
                 "weights and optimizer state are unchanged (check the batch's advantages and logprobs)"
             )
-        lr = float(self.lr_scheduler.schedulers[0].get_last_lr()[0])  # this step's own (the scheduler moves next)
+        # this step's own (the scheduler moves next)
+        lr = float(self.lr_scheduler.schedulers[0].get_last_lr()[0])
         self.optimizer.step()
         self.lr_scheduler.step()
         self.step += 1

@@ -122,7 +122,8 @@ def warm_start_dir(
         model = build_model(dataclasses.replace(model_cfg, device="cpu"), device="cpu", platform=platform)
         losses = sft(model, sft_rows(AutoTokenizer.from_pretrained(src_dir), conversations), cfg)
         save_hf_weights(model, tmp, resolve_model(model_cfg, platform).hf_config)
-        for f in sorted(src_dir.iterdir()):  # tokenizer and generation config travel with the weights
+        # tokenizer and generation config travel with the weights
+        for f in sorted(src_dir.iterdir()):
             if f.is_file() and not (tmp / f.name).exists() and f.name != "stamp.json":
                 shutil.copy2(f, tmp / f.name)
         (tmp / "warm_start.json").write_text(json.dumps(

@@ -107,10 +107,12 @@ def iter_hf_buckets(
     adapter = adapter or make_adapter(model)
     pending: dict[str, torch.Tensor] = {}
     pending_bytes = 0
-    seen: set[int] = set()  # tied parameters (embedding = head) appear under two names
+    # tied parameters (embedding = head) appear under two names
+    seen: set[int] = set()
     for prefix, unit in model_units(model):
         for key, tensor in unit.state_dict(prefix=f"{prefix}.", keep_vars=True).items():
-            if isinstance(tensor, nn.Parameter):  # live objects: ids are stable (hook outputs are not)
+            # live objects: ids are stable (hook outputs are not)
+            if isinstance(tensor, nn.Parameter):
                 if id(tensor) in seen:
                     continue
                 seen.add(id(tensor))
@@ -118,7 +120,8 @@ def iter_hf_buckets(
             if pending and pending_bytes + size > bucket_bytes:
                 yield _gather_bucket(pending, adapter, dtype)
                 pending, pending_bytes = {}, 0
-            pending[key] = tensor  # clean names: the AC wrapper's state-dict hook strips its prefix
+            # clean names: the AC wrapper's state-dict hook strips its prefix
+            pending[key] = tensor
             pending_bytes += size
     if pending:
         yield _gather_bucket(pending, adapter, dtype)

@@ -23,8 +23,10 @@ from transformers import AutoConfig, AutoModelForCausalLM
 # config.json model_type -> TorchTitan family, and the RoPE types that family reproduces.
 HF_MODEL_TYPES = {"qwen3": "qwen3", "qwen3_moe": "qwen3", "llama": "llama3"}
 _ROPE_TYPES = {
-    "qwen3": ("default",),  # CosSinRoPE: no llama scaling; its YaRN omits HF's attention factor
-    "llama3": ("default", "llama3"),  # ComplexRoPE with "llama" scaling
+    # CosSinRoPE: no llama scaling; its YaRN omits HF's attention factor
+    "qwen3": ("default",),
+    # ComplexRoPE with "llama" scaling
+    "llama3": ("default", "llama3"),
 }
 
 
@@ -39,7 +41,8 @@ def read_checkpoint_config(hf_path: str) -> Any:
         raise FileNotFoundError(f"model.hf_path {hf_path}: no config.json there")
     try:
         return AutoConfig.from_pretrained(hf_path)
-    except Exception as e:  # transformers' checks: ValueError, KeyError, TypeError, its strict-dataclass validators
+    # transformers' checks: ValueError, KeyError, TypeError, its strict-dataclass validators
+    except Exception as e:
         if not isinstance(e, (ValueError, KeyError, TypeError)) and "Validation" not in type(e).__name__:
             raise
         reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
@@ -50,7 +53,8 @@ def read_checkpoint_config(hf_path: str) -> Any:
 def rope_parameters(hf_config: Any) -> dict[str, Any]:
     """transformers >= 5 folds legacy `rope_theta` / `rope_scaling` into `rope_parameters`."""
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
-    if "rope_theta" not in params:  # older transformers: separate attributes
+    # older transformers: separate attributes
+    if "rope_theta" not in params:
         params["rope_theta"] = getattr(hf_config, "rope_theta", 10_000.0)
         params.update(getattr(hf_config, "rope_scaling", None) or {})
     params.setdefault("rope_type", params.pop("type", "default"))

@@ -80,8 +80,9 @@ def probe_max_diff(model_cfg: ModelConfig, layers: int) -> tuple[float, float]:
     load_hf_state_dict(titan, dict(tensors), f"{hf_dir} (first {layers} layers)")
     titan = titan.float().eval()
 
-    with tempfile.TemporaryDirectory(prefix="hf-probe-") as tmp:  # from_pretrained applies transformers'
-        _truncated_hf_config(resolved.hf_config, layers, vocab).save_pretrained(tmp)  # weight conversions
+    # Through files, so that from_pretrained applies transformers' weight conversions.
+    with tempfile.TemporaryDirectory(prefix="hf-probe-") as tmp:
+        _truncated_hf_config(resolved.hf_config, layers, vocab).save_pretrained(tmp)
         save_file(tensors, f"{tmp}/model.safetensors", metadata={"format": "pt"})
         hf, info = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32, output_loading_info=True)
     hf.eval()

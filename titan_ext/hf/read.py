@@ -150,7 +150,8 @@ def load_hf_state_dict(
     adapter = adapter or make_adapter(model)
     meta_of = getattr(hf_state_dict, "meta", None) or (
         lambda k: torch.empty(hf_state_dict[k].shape, dtype=hf_state_dict[k].dtype, device="meta"))
-    expected = {  # one unit's state dict at a time: on sharded models the fused-QKV hook gathers
+    # one unit's state dict at a time: on sharded models the fused-QKV hook gathers
+    expected = {
         key: tuple(value.shape)
         for prefix, unit in model_units(model)
         for key, value in unit.state_dict(prefix=f"{prefix}.").items()
@@ -183,7 +184,8 @@ def _load_group(model: torch.nn.Module, units: dict[str, torch.nn.Module], state
     for key in sorted(state_dict):
         target = targets[key]
         value = state_dict[key].to(device=target.device, dtype=target.dtype)
-        if isinstance(target, DTensor):  # shard the full tensor like the model's own entry
+        # shard the full tensor like the model's own entry
+        if isinstance(target, DTensor):
             value = distribute_tensor(value, target.device_mesh, target.placements)
         state_dict[key] = value
     del targets
