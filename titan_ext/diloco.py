@@ -54,7 +54,15 @@ from torchft.manager import Manager
 from torchft.process_group import ProcessGroupGloo
 
 from configs.sections.diloco import DiLoCoConfig
-from titan_ext.torchft_compat import pending_quorum, replace_quorum_executor
+from titan_ext.torchft_compat import (
+    diloco_fragments,
+    diloco_local_step,
+    outer_optimizer,
+    pending_quorum,
+    quorum_id,
+    replace_quorum_executor,
+    set_diloco_local_step,
+)
 
 
 @dataclass(frozen=True)
@@ -330,24 +338,24 @@ class DiLoCoReplica:
         and outer optimizer (local shards). Every group checkpoints at the same step."""
         return {
             "manager": self.manager.state_dict(),
-            "local_step": self.diloco._local_step,
+            "local_step": diloco_local_step(self.diloco),
             "fragments": [{"original_parameters": _local(f.original_parameters),
-                           "outer_optimizer": _local(f._outer_optimizer.state_dict())}
-                          for f in self.diloco._fragments],
+                           "outer_optimizer": _local(outer_optimizer(f).state_dict())}
+                          for f in diloco_fragments(self.diloco)],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from `state_dict()`: the next sync continues the round and the outer momentum exactly."""
-        if len(state["fragments"]) != len(self.diloco._fragments):
+        if len(state["fragments"]) != len(diloco_fragments(self.diloco)):
             raise ValueError(f"checkpoint has {len(state['fragments'])} DiLoCo fragments, "
-                             f"diloco.fragments = {len(self.diloco._fragments)}")
+                             f"diloco.fragments = {len(diloco_fragments(self.diloco))}")
         self.manager.load_state_dict(state["manager"])
-        self.diloco._local_step = state["local_step"]
-        for fragment, saved in zip(self.diloco._fragments, state["fragments"]):
+        set_diloco_local_step(self.diloco, state["local_step"])
+        for fragment, saved in zip(diloco_fragments(self.diloco), state["fragments"]):
             with torch.no_grad():
                 for name, t in saved["original_parameters"].items():
                     fragment.original_parameters[name].copy_(t)
-            outer = fragment._outer_optimizer
+            outer = outer_optimizer(fragment)
             params = [p for group in outer.param_groups for p in group["params"]]
             # momentum is shaped like p
             template = {"state": {i: {"momentum_buffer": p} for i, p in enumerate(params)}}
@@ -358,7 +366,7 @@ class DiLoCoReplica:
 
     def _after_step(self, *_: Any) -> None:
         """Record bytes per sync: a sync happened when DiLoCo's local step counter wrapped to 0."""
-        if self.diloco._local_step != 0:
+        if diloco_local_step(self.diloco) != 0:
             return
         step, sent = self.manager.current_step(), self.pg.bytes_sent
         self.sync_bytes.append(sent - self._last[1])
@@ -374,8 +382,8 @@ class DiLoCoReplica:
         return {
             "replica_id": self.assignment.replica_id,
             "outer_step": m.current_step(),
-            "quorum_id": m._quorum_id,
-            "participants": m.num_participants() if m._quorum_id >= 0 else 0,
+            "quorum_id": quorum_id(m),
+            "participants": m.num_participants() if quorum_id(m) >= 0 else 0,
             "batches_committed": m.batches_committed(),
             "commits": self.commits,
             "failed_syncs": self.failed_syncs,

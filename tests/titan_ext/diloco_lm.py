@@ -30,7 +30,7 @@ from titan_ext.assets import CORPUS_PATH, build_tokenizer
 from titan_ext.attention import attention_masks
 from titan_ext.build import build_model
 from titan_ext.diloco import DiLoCoReplica, ReplicaAssignment, parameters_digest
-from titan_ext.torchft_compat import LighthouseServer
+from titan_ext.torchft_compat import LighthouseServer, diloco_local_step
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ def run_replica(
     taken = 0
     last = replica.manager.current_step()
     while replica.manager.current_step() < syncs:
-        step = replica.manager.current_step() * per_sync + replica.diloco._local_step
+        step = replica.manager.current_step() * per_sync + diloco_local_step(replica.diloco)
         optimizer.zero_grad(set_to_none=True)
         lm_loss(model, train_batch(cfg, index, step)).backward()
         optimizer.step()  # DiLoCo's hook syncs every H / fragments steps
