@@ -5,8 +5,9 @@ registry flavours with private helpers (`_build_qwen3_layers`,
 `_build_qwen3_moe_layers`, `_build_llama3_layers`, the `_qwen3_norm` and
 `_*_INIT` tables); the tiny flavours and configs derived from an HF
 config.json are built with the same helpers, so they initialise exactly as
-TorchTitan's own flavours do. A TorchTitan upgrade that renames them breaks
-here and nowhere else.
+TorchTitan's own flavours do. The decoder's `_skip_lm_head` flag (TorchTitan's
+chunked loss sets it the same way) makes the forward return final hidden
+states. A TorchTitan upgrade that renames them breaks here and nowhere else.
 """
 
 from __future__ import annotations
@@ -54,3 +55,8 @@ def llama3_model_config(vocab_size: int, dim: int, tie_embeddings: bool, layers:
         lm_head=Linear.Config(in_features=dim, out_features=vocab_size, param_init=llama3._output_linear_init(dim)),
         layers=layers,
     )
+
+
+def skip_lm_head(model: Any) -> None:
+    """Make the decoder's forward return final hidden states `[B, L, D]`; the loss applies the head."""
+    model._skip_lm_head = True

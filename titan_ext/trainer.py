@@ -69,6 +69,7 @@ from titan_ext.models import init_model, resolve_model
 from titan_ext.optimizer import build_lr_scheduler, build_optimizer
 from titan_ext.parallelize import build_parallel_dims, parallelize_model, prepare_model_config
 from titan_ext.platform import Platform, detect_platform, init_process_group
+from titan_ext.torchtitan_compat import skip_lm_head
 
 if TYPE_CHECKING:
     from configs.schema import JobConfig
@@ -195,8 +196,7 @@ class Trainer:
                     mine.copy_(theirs)
         elif self.spec.model.hf_path:
             load_hf_into_titan(model, self.spec.model.hf_path)
-        # forward returns final hidden states; the loss applies the head
-        model._skip_lm_head = True
+        skip_lm_head(model)
         return model
 
     # ---- forward pieces ----------------------------------------------------------------------
