@@ -10,7 +10,6 @@ in a fresh process. vLLM's OpenAI server is started on the export with
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
