@@ -44,10 +44,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 from transformers import PreTrainedTokenizerFast
 
 from configs.sections.model import ModelConfig
-from titan_ext import build, tiny, torchtitan_compat
-from titan_ext import models as titan_models
 from titan_ext.build import build_model
-from titan_ext.hf import adapters, config, derive, read, write
 from titan_ext.hf.write import save_hf_dir
 from titan_ext.models import resolve_model
 from titan_ext.platform import detect_platform
@@ -55,7 +52,11 @@ from titan_ext.tiny import SPECIAL_TOKENS, TINY_MAX_SEQ_LEN, TINY_VOCAB_SIZE, TO
 
 # Bumped when the files' format changes (docs/models.md lists the formats).
 ASSETS_FORMAT = 2
-CORPUS_PATH = Path(__file__).parent / "data" / "tokenizer_corpus.txt"
+_PACKAGE_DIR = Path(__file__).parent
+CORPUS_PATH = _PACKAGE_DIR / "data" / "tokenizer_corpus.txt"
+# The code that makes the assets (titan_ext/ paths): a change to any of them rebuilds them.
+_SOURCES = ("tiny.py", "torchtitan_compat.py", "models.py", "build.py", "hf/adapters.py", "hf/config.py",
+            "hf/derive.py", "hf/read.py", "hf/write.py")
 
 # Qwen2/Qwen3 pre-tokenizer split: contractions, words, single digits, punctuation runs, newlines.
 _SPLIT_PATTERN = (
@@ -165,8 +166,8 @@ def _input_stamp(seed: int) -> str:
     h.update(f"format={ASSETS_FORMAT} seed={seed}".encode())
     for lib in (torch, transformers, tokenizers, safetensors, torchtitan):
         h.update(f"{lib.__name__}={getattr(lib, '__version__', '?')}".encode())
-    for module in (tiny, torchtitan_compat, titan_models, build, adapters, config, derive, read, write):
-        h.update(Path(module.__file__).read_bytes())
+    for name in _SOURCES:
+        h.update((_PACKAGE_DIR / name).read_bytes())
     for path in (CORPUS_PATH, Path(__file__)):
         h.update(path.read_bytes())
     return h.hexdigest()
