@@ -24,6 +24,7 @@ from monarch.actor import Actor, endpoint
 from actors.trainer import TrainerActor
 from configs.sections.diloco import DiLoCoConfig
 from titan_ext.diloco import DiLoCoReplica, ReplicaAssignment, parameters_digest
+from titan_ext.torchft_compat import LighthouseServer
 from titan_ext.trainer import TrainerSpec
 
 
@@ -31,8 +32,6 @@ class DiLoCoManagerActor(Actor):
     """Endpoints: assign, report, status, shutdown. Owns the lighthouse for the run's lifetime."""
 
     def __init__(self, cfg: DiLoCoConfig) -> None:
-        from torchft._torchft import LighthouseServer
-
         self.cfg = cfg
         self.lighthouse = LighthouseServer(
             bind="[::]:0", min_replicas=cfg.min_replicas,

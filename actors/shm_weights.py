@@ -6,7 +6,7 @@ A segment holds every TorchTitan parameter as a *full* tensor at a fixed
 offset (`SegmentLayout`). Each trainer rank copies only its own FSDP/EP shard
 into the rows it owns (`write_shards`), so no rank gathers anything; a
 generator maps the segment and sees full TorchTitan tensors as zero-copy views,
-renames them to HF with the export's own code (`titan_ext.export
+renames them to HF with the export's own code (`titan_ext.hf.adapters
 .iter_hf_buckets` over a meta-built "shadow" model whose parameters are those
 views) and copies them into its engine through `load_weights(named)`.
 
@@ -605,7 +605,7 @@ def load_segment(engine: Any, bound: nn.Module, segment: PinnedSegment, hf_names
     names the export produces (`hf_names_of`), checked against the engine before
     any copy so a mismatch leaves the engine as it was.
     """
-    from titan_ext.export import iter_hf_buckets
+    from titan_ext.hf.adapters import iter_hf_buckets
 
     engine.check_coverage(hf_names, segment.version)
     segment.verify()
@@ -625,7 +625,7 @@ def load_segment(engine: Any, bound: nn.Module, segment: PinnedSegment, hf_names
 
 def hf_names_of(shadow: nn.Module) -> list[str]:
     """HF names the export gives `shadow` (run on the meta model: no data touched)."""
-    from titan_ext.export import iter_hf_buckets
+    from titan_ext.hf.adapters import iter_hf_buckets
 
     return [name for bucket in iter_hf_buckets(shadow, 1 << 62) for name, _ in bucket]
 

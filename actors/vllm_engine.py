@@ -75,7 +75,7 @@ def _architecture(model_dir: Path) -> str:
         return cfg["architectures"][0]
     from transformers import AutoConfig
 
-    from titan_ext.hf_config import causal_lm_architecture
+    from titan_ext.hf.config import causal_lm_architecture
 
     return causal_lm_architecture(AutoConfig.from_pretrained(str(model_dir)))
 

@@ -1,6 +1,6 @@
 """Baseline weight publishing: HF-named buckets as safetensors files in host shared memory.
 
-The trainer's rank 0 writes each exported bucket (`titan_ext.export`) to
+The trainer's rank 0 writes each exported bucket (`titan_ext.hf.adapters`) to
 `<root>/v<version>/bucket_<i>.safetensors` (root defaults to /dev/shm, i.e.
 memory) and returns a `WeightManifest`; generators on the host map the files
 and copy the tensors into their live parameters. Older versions beyond

@@ -116,7 +116,7 @@ class Run:
         from mesh.placement import generator_spec, place, trainer_spec_for
         from mesh.supervision import ControllerState, Deadline, Supervisor, install_fault_hook, load_state
         from replay.hints import TemplateHintGenerator
-        from titan_ext.hf_export import record_run_model
+        from titan_ext.hf.export import record_run_model
 
         job = self.job
         add_python_path(job.job.python_path)
@@ -362,7 +362,7 @@ def _model_dir(job: JobConfig) -> str:
     from titan_ext.assets import cache_dir_for, hf_dir_for
 
     if job.model.hf_path and job.model.registry_flavour() is None:  # refuse a config.json here, before any actor
-        from titan_ext.hf_config import check_supported, read_checkpoint_config
+        from titan_ext.hf.config import check_supported, read_checkpoint_config
 
         check_supported(read_checkpoint_config(job.model.hf_path), f"{job.model.hf_path}/config.json")
     weights = hf_dir_for(job.model)

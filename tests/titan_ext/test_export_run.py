@@ -10,7 +10,6 @@ in a fresh process. vLLM's OpenAI server is started on the export with
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -26,8 +25,8 @@ from configs.sections.checkpoint import CheckpointConfig
 from configs.sections.model import ModelConfig
 from titan_ext.attention import attention_masks
 from titan_ext.checkpoint import Checkpointer
-from titan_ext.hf_export import record_run_model
-from titan_ext.models import build_model
+from titan_ext.build import build_model
+from titan_ext.hf.export import record_run_model
 from test_models_byo import DENSE, save_random  # the sibling module's user checkpoint maker
 
 REPO = Path(__file__).resolve().parents[2]

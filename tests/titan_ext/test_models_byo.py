@@ -16,8 +16,9 @@ import torch
 
 from configs.sections.model import ModelConfig
 from titan_ext.attention import attention_masks
-from titan_ext.hf_parity import verify_hf_checkpoint
-from titan_ext.models import build_model, resolve_model
+from titan_ext.build import build_model
+from titan_ext.hf.parity import verify_hf_checkpoint
+from titan_ext.models import resolve_model
 from titan_ext.platform import detect_platform
 
 CPU = detect_platform("cpu")
@@ -263,7 +264,7 @@ class _TrackedDir:
     """A `SafetensorsDir` that records the bytes of tensors read from disk and still alive, at their peak."""
 
     def __init__(self, hf_dir: Path) -> None:
-        from titan_ext.hf_checkpoint import SafetensorsDir
+        from titan_ext.hf.read import SafetensorsDir
 
         self.inner, self.live, self.peak, self.read = SafetensorsDir(hf_dir), 0, 0, 0
 
@@ -295,7 +296,8 @@ class _TrackedDir:
 def test_loading_streams_one_layer_at_a_time(checkpoints, kind):
     """The file's tensors are read once each, at most one decoder layer (or the embeddings) alive at a time,
     and the loaded model equals the all-in-memory reading of the file."""
-    from titan_ext.hf_checkpoint import load_hf_state_dict, read_hf_state_dict, titan_to_hf_state_dict
+    from titan_ext.hf.adapters import titan_to_hf_state_dict
+    from titan_ext.hf.read import load_hf_state_dict, read_hf_state_dict
     from titan_ext.models import init_model
 
     hf_dir = checkpoints[kind]
@@ -325,7 +327,7 @@ def test_streamed_safetensors_round_trip_and_are_deterministic(tmp_path):
     the exports use, and the same bytes twice."""
     from safetensors.torch import load_file
 
-    from titan_ext.hf_checkpoint import write_safetensors
+    from titan_ext.hf.write import write_safetensors
 
     gen = torch.Generator().manual_seed(0)
     tensors = {

@@ -26,7 +26,8 @@ from torchtitan.distributed.flex_shard import Owned
 
 from test_muon_reference import ref_muon_step  # the in-test formula, shared
 from configs.sections.optimizer import OptimizerConfig
-from titan_ext.muon import ShardedMuon, _dist_muon_applicable, _dist_muon_layout, build_optimizer, split_muon_params
+from titan_ext.muon import ShardedMuon
+from titan_ext.optimizer import _dist_muon_applicable, _dist_muon_layout, build_optimizer, split_muon_params
 
 pytestmark = pytest.mark.timeout(240)
 

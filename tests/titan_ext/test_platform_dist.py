@@ -54,8 +54,10 @@ def _sharded_checkpoint_round_trip(platform, hf_dir: str, out_dir: str) -> tuple
 
     from configs.sections.model import ModelConfig
     from titan_ext.attention import attention_masks
-    from titan_ext.hf_checkpoint import load_hf_into_titan, save_hf
-    from titan_ext.models import build_model, init_model, resolve_model
+    from titan_ext.build import build_model
+    from titan_ext.hf.read import load_hf_into_titan
+    from titan_ext.hf.write import save_hf_weights
+    from titan_ext.models import init_model, resolve_model
 
     cfg = ModelConfig(flavour="tiny_moe", device="cpu", seed=5)
     resolved = resolve_model(cfg, platform)
@@ -72,7 +74,7 @@ def _sharded_checkpoint_round_trip(platform, hf_dir: str, out_dir: str) -> tuple
     with torch.no_grad():
         a = sharded(tokens, positions, attention_masks(sharded, positions))
         b = whole(tokens, positions, attention_masks(whole, positions))
-    saved = save_hf(sharded, Path(out_dir) / "saved", resolved.hf_config)
+    saved = save_hf_weights(sharded, Path(out_dir) / "saved", resolved.hf_config)
     torch.distributed.barrier()
     original, written = load_file(Path(hf_dir) / "model.safetensors"), load_file(saved / "model.safetensors")
     same = original.keys() == written.keys() and all(torch.equal(original[k], written[k]) for k in original)
