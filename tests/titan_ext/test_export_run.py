@@ -94,6 +94,7 @@ def exported(run, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_export_gives_the_trained_logits_in_transformers(run, exported, base):
     from transformers import AutoModelForCausalLM
 
@@ -108,6 +109,7 @@ def test_export_gives_the_trained_logits_in_transformers(run, exported, base):
     assert (start_BLV - trained_BLV).abs().max() > 1e-2  # the trained weights, not the starting checkpoint
 
 
+@pytest.mark.slow
 def test_export_directory_is_complete(exported, base):
     from transformers import AutoTokenizer, GenerationConfig
 
@@ -126,6 +128,7 @@ def test_export_directory_is_complete(exported, base):
     ]
 
 
+@pytest.mark.slow
 def test_export_of_an_older_step_and_bad_requests(run, tmp_path, capsys):
     from mesh.cli import main  # in this process: the same command, without another interpreter start
 
@@ -174,6 +177,7 @@ def vllm_server(exported, tmp_path_factory, vllm_openai_server):
         server.stop()
 
 
+@pytest.mark.slow
 def test_vllm_serves_the_export_as_a_chat_model(vllm_server, exported):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
