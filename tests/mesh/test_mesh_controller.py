@@ -50,7 +50,7 @@ class DiesOnce:
         return self
 
     def get(self, timeout=None):
-        from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
+        from actors.monarch_compat import SupervisionError
 
         raise SupervisionError("generator process killed (test)")
 

@@ -105,8 +105,7 @@ def test_generator_killed_in_first_load_recovers_and_without_restarts_fails_with
 
 
 def test_describe_death_names_role_phase_and_how_the_process_ended():
-    from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
-
+    from actors.monarch_compat import SupervisionError
     from mesh.errors import describe, phase
 
     def died(text: str, *phases: str) -> str:
