@@ -174,7 +174,8 @@ def pack_batch(
                 j = torch.arange(n - 1)
                 # student position j predicts token j+1; the teacher's copy of token j+1 sits at j+1 (+h past o)
                 hint_index[b, at : at + n - 1] = torch.where(j + 1 < o, base + j, base + j + h)
-                hint_index[b, at + o - 1] = -1  # predicts the header in the student, the hint in the teacher
+                # position o-1 predicts the header in the student but the hint in the teacher: no target
+                hint_index[b, at + o - 1] = -1
                 _, start, end = next(s for s in r.turn_spans if s[0] == hint.site.turn)
                 dmask[b, at + start - 1 : at + end - 1] = torch.tensor(r.loss_mask[start:end])
             at += n

@@ -18,6 +18,8 @@ from configs.sections.model import ModelConfig
 from configs.sections.optimizer import OptimizerConfig
 from configs.sections.trainer import TrainerConfig
 
+pytestmark = pytest.mark.slow
+
 H, ROUNDS, VOCAB, L = 2, 2, 2048, 16
 
 

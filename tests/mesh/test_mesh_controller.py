@@ -25,6 +25,8 @@ from configs.sections.optimizer import OptimizerConfig
 from configs.sections.trainer import TrainerConfig
 from monarch.actor import endpoint
 
+pytestmark = pytest.mark.slow
+
 SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=8, seed=0)
 
 
@@ -48,7 +50,7 @@ class DiesOnce:
         return self
 
     def get(self, timeout=None):
-        from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
+        from actors.monarch_compat import SupervisionError
 
         raise SupervisionError("generator process killed (test)")
 
@@ -89,16 +91,9 @@ def trainer_mesh(colocated):
 
 
 @pytest.fixture(scope="module")
-def gen_spec(tiny_assets):
+def gen_spec(make_generator_spec):
     """Groups of 3, two turns of at most 8 tokens, episodes within the trainer's 160-token rows."""
-    from actors.generator import GeneratorSpec
-    from configs.sections.generator import GeneratorConfig
-
-    return GeneratorSpec(
-        model_dir=str(tiny_assets.dense_dir),
-        generator=GeneratorConfig(engine="hf", group_size=3, max_new_tokens=8, max_turns=2),
-        max_context_tokens=160,
-    )
+    return make_generator_spec(max_context_tokens=160, group_size=3, max_new_tokens=8, max_turns=2)
 
 
 @pytest.fixture(scope="module")

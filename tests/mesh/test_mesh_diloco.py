@@ -45,6 +45,7 @@ def _group_model(folder: Path) -> dict:
     return torch.load(folder / "gathered.pt", weights_only=False)["model"]
 
 
+@pytest.mark.slow
 def test_diloco_recipe_trains_checkpoints_and_resumes(tmp_path, tiny_assets):
     """2 groups × 2 FSDP procs, all three channels (one teacher-replay actor for both groups), H = 2:
     3 steps (one outer sync; each group checkpoints step 3, one step into round 2), then a resumed run
@@ -108,6 +109,7 @@ def test_unsupported_combinations_are_clear_errors(overrides, message):
         check_supported(job)
 
 
+@pytest.mark.slow
 def test_a_failing_group_stops_the_other_within_seconds():
     """Group 1 fails right after its first outer sync (say its generator died); group 0 goes on into the
     second sync and waits for a quorum group 1 will never join (its Manager still heartbeats, and

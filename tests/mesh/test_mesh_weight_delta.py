@@ -171,6 +171,7 @@ def _trainer(state, spec):
     return procs, trainer
 
 
+@pytest.mark.slow
 def test_deltas_over_20_steps_stay_bitwise_through_respawn_restart_and_lag(delta_meshes):
     from mesh.weight_sync import TopologySync
     from mesh.weight_sync_baseline import rank0

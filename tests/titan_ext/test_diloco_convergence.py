@@ -18,11 +18,14 @@ the first outer step averaged both replicas, see docs/diloco.md).
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from configs.sections.diloco import DiLoCoConfig
 from titan_ext.diloco import parameters_digest
 from diloco_lm import LMTaskConfig, build_lm, heldout_loss, run_ddp, run_diloco_threads
+
+pytestmark = pytest.mark.slow
 
 H, ROUNDS = 8, 10
 

@@ -20,6 +20,10 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[2]
 SYNCS, H = 12, 4
 STEP_SLEEP_S = 0.2  # simulated compute per inner step: the survivor is still training when the restart arrives

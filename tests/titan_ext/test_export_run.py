@@ -93,6 +93,7 @@ def exported(run, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_export_gives_the_trained_logits_in_transformers(run, exported, base):
     from transformers import AutoModelForCausalLM
 
@@ -107,6 +108,7 @@ def test_export_gives_the_trained_logits_in_transformers(run, exported, base):
     assert (start_BLV - trained_BLV).abs().max() > 1e-2  # the trained weights, not the starting checkpoint
 
 
+@pytest.mark.slow
 def test_export_directory_is_complete(exported, base):
     from transformers import AutoTokenizer, GenerationConfig
 
@@ -125,6 +127,7 @@ def test_export_directory_is_complete(exported, base):
     ]
 
 
+@pytest.mark.slow
 def test_export_of_an_older_step_and_bad_requests(run, tmp_path, capsys):
     from mesh.cli import main  # in this process: the same command, without another interpreter start
 
@@ -173,6 +176,7 @@ def vllm_server(exported, tmp_path_factory, vllm_openai_server):
         server.stop()
 
 
+@pytest.mark.slow
 def test_vllm_serves_the_export_as_a_chat_model(vllm_server, exported):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -243,18 +243,14 @@ def _verify_on_rank(rank: int, port: int, hf_dir: str, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_trainer_ranks_share_the_rank0_check(tmp_path):
+def test_trainer_ranks_share_the_rank0_check(tmp_path, free_port):
     """Only rank 0 runs the check; every rank raises its error (none waits in a collective for a failed one)."""
-    import socket
-
     import torch.multiprocessing as mp
 
     hf_dir = save_random(tmp_path / "llama", "llama", LLAMA_DEBUG, seed=4)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    mp.start_processes(_verify_on_rank, args=(port, str(hf_dir), str(tmp_path)), nprocs=2, start_method="spawn")
+    mp.start_processes(_verify_on_rank, args=(free_port(), str(hf_dir), str(tmp_path)), nprocs=2, start_method="spawn")
     for rank in range(2):
         assert (tmp_path / f"rank{rank}.txt").read_text().startswith(
             f"refused: model.hf_path {hf_dir}: TorchTitan's logits differ from transformers'")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import traceback
 from pathlib import Path
 
@@ -16,12 +15,6 @@ import torch.multiprocessing as mp
 from titan_ext.platform import detect_platform, install_torch_shims
 
 WORLD = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _model() -> torch.nn.Module:
@@ -125,10 +118,11 @@ def _worker(rank: int, port: int, out_dir: str, hf_dir: str) -> None:
         raise
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_two_gloo_ranks(tmp_path, tiny_assets):
+def test_two_gloo_ranks(tmp_path, tiny_assets, free_port):
     for attempt in range(2):  # a second try only if another process grabbed the port first
-        args = (_free_port(), str(tmp_path), str(tiny_assets.moe_dir))
+        args = (free_port(), str(tmp_path), str(tiny_assets.moe_dir))
         try:
             mp.start_processes(_worker, args=args, nprocs=WORLD, start_method="spawn")
             break
