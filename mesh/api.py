@@ -30,6 +30,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from configs.loader import load_config
 from configs.schema import JobConfig
 from mesh.controller import StepRecord
 
@@ -63,11 +64,8 @@ class Run:
                   resume: bool = True, progress: bool = False) -> "Run":
         """A run of the recipe at `path` (or a shipped recipe's name) with `overrides`: a mapping
         `{"trainer.steps": 4}` or CLI items `["--trainer.steps=4"]`. Raises ConfigError naming the key."""
-        from configs.loader import load_config
-
-        if isinstance(overrides, Mapping):
-            overrides = [f"--{key}={_toml_literal(value)}" for key, value in overrides.items()]
-        return cls(load_config(path, list(overrides)), resume=resume, progress=progress)
+        return cls(load_config(path, overrides if isinstance(overrides, Mapping) else list(overrides)),
+                   resume=resume, progress=progress)
 
     # ---- state --------------------------------------------------------------------------------
 
@@ -342,19 +340,6 @@ class Run:
 
         self.start()
         return Path(rank0(self._placement.trainer.save_hf.call(str(out_dir)).get()))
-
-
-def _toml_literal(value: Any) -> str:
-    """`value` as the TOML literal an override item carries."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)  # a TOML basic string
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml_literal(v) for v in value) + "]"
-    raise TypeError(f"override value {value!r}: expected bool, int, float, str or a list of them")
 
 
 def _model_dir(job: JobConfig) -> str:
