@@ -189,7 +189,7 @@ class Run:
     def _replay_spec(self, weights: str) -> Any:
         """The teacher-replay actor's spec (and the local teacher server started), or None without channel 3."""
         from actors.teacher_replay import ReplaySpec
-        from mesh.commands.serve_teachers import build_responder
+        from mesh.responders import build_responder
         from replay.server import TeacherServer
 
         job = self.job

@@ -103,27 +103,32 @@ class ConsensusResponder:
         return f"answer {base}"
 
 
-class SolverResponder:
-    """The demo task's solver (`envs.demo.solve`) as teachers that sometimes slip: each model
-    answers exactly, except that with probability `noise` (a hash of model and context, so
-    repeated requests repeat) it gives a near miss, the result off by ±1 or ±2. Two slipping
-    teachers mostly miss differently, so the teachers disagree and the vote decides."""
+# A task's solver: (messages, slip) -> the answer, off by `slip` when slip != 0.
+Solver = Callable[[list[dict], int], str]
 
-    def __init__(self, noise: float = 0.0) -> None:
+
+class SolverResponder:
+    """A task's solver as teachers that sometimes slip: each model answers exactly, except that
+    with probability `noise` (a hash of model and context, so repeated requests repeat) it gives
+    a near miss, the result off by ±1 or ±2. Two slipping teachers mostly miss differently, so
+    the teachers disagree and the vote decides. The demo task's is `envs.demo.solve`
+    (`mesh.responders` joins the two: replay does not import envs)."""
+
+    def __init__(self, solve: Solver, noise: float = 0.0) -> None:
+        self.solve = solve
         self.noise = noise
 
     def __call__(self, model: str, messages: list[dict], params: dict) -> str:
-        from envs.demo import solve
-
         ctx = json.dumps(messages, sort_keys=True)
         slip = (1, -1, 2, -2)[_hash(model, ctx) % 4] if _departs(model, ctx, self.noise) else 0
-        return solve(messages, slip)
+        return self.solve(messages, slip)
 
 
 class HFResponder:
     """A local Hugging Face causal LM directory answering greedily (one request at a time)."""
 
     def __init__(self, model_dir: str | Path) -> None:
+        # lazy: start-up time: transformers and torch load only when an HF responder is asked for
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
@@ -144,6 +149,7 @@ class HFResponder:
         return self._prompt_ids(messages)["input_ids"].shape[1]
 
     def __call__(self, model: str, messages: list[dict], params: dict) -> dict:
+        # lazy: start-up time: torch loads only when an HF responder is asked for
         import torch
 
         ids = self._prompt_ids(messages)

@@ -20,7 +20,7 @@ def run(args: argparse.Namespace) -> int:
     from collections import Counter
 
     from mesh.commands import load_job
-    from mesh.commands.serve_teachers import build_responder
+    from mesh.responders import build_responder
     from replay.pipeline import run_replay
     from replay.teachers import SKIPS
 
