@@ -42,12 +42,15 @@ from typing import Any, Callable, Literal, Sequence
 import torch
 
 from actors.episodes import ChatTokens
-from actors.rollout import EpisodeRequest, RolloutGroup, SamplingParams
+from actors.rollout import RolloutGroup, SamplingParams
+from configs.schema import JobConfig
 from configs.sections.loss import PolicyLossConfig
 from mesh.errors import phase
 from mesh.evaluation import EvalConfig, evaluate
-from mesh.packing import PairTokens, make_hint, pack_batch, pair_tokens, select_rollouts
+from mesh.async_workers import AsyncWorkers
+from mesh.packing import PairTokens, make_hint, pack_batch, pair_rows, pair_tokens, select_rollouts
 from mesh.rollout_exchange import shard_points, train_step_sharded
+from mesh.requests import RequestLedger
 from mesh.supervision import (
     ActorHung, ControllerState, Deadline, Supervisor, is_actor_failure, is_alive, load_state, oldest_checkpoint, save_state,
 )
@@ -77,6 +80,23 @@ class ControllerConfig:
     tokens_per_request: int = 0  # sampled tokens one request can cost: group_size × max_new_tokens × max_turns
     eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evaluation (mesh.evaluation); every=0: off
 
+    @classmethod
+    def from_job(cls, job: JobConfig, *, steps: int, weight_dir: str, state_dir: str, replay: bool) -> ControllerConfig:
+        """The one place the recipe becomes controller settings: `steps` left to run, the shared-memory
+        `weight_dir`, where states are saved (`state_dir`, "" = memory only), whether a replay actor feeds pairs."""
+        trainer, gen = job.trainer, job.generator
+        return cls(
+            steps=steps, prompts_per_step=trainer.prompts_per_step, max_seq_len=trainer.max_seq_len,
+            policy=job.loss.policy, mode=trainer.mode, max_staleness=trainer.max_staleness, seed=job.job.seed,
+            hints=job.loss.alpha > 0, policy_channel=job.loss.policy_weight > 0, weight_dir=weight_dir,
+            serving_dtype=gen.dtype, anchor_every=job.mesh.weight_sync_anchor_every,
+            pairs_per_step=trainer.prompts_per_step if replay else 0,
+            dpo_reference=job.loss.preference.needs_reference, state_dir=state_dir,
+            deadline=Deadline(job.mesh.hang_floor_s, job.mesh.hang_s_per_token),
+            tokens_per_request=gen.group_size * gen.max_new_tokens * gen.max_turns,
+            eval=EvalConfig(trainer.eval_every, trainer.eval_samples, SamplingParams.from_config(gen, seed=job.job.seed)),
+        )
+
 
 @dataclass
 class StepRecord:
@@ -97,65 +117,6 @@ class StepRecord:
 # the run's phases an actor death is reported in (mesh.errors.phase); placement names "setup"
 GENERATION, TRAIN_STEP, WEIGHT_SYNC, EVALUATION = ("generation", "a train step (or its checkpoint)", "a weight sync",
                                                   "held-out evaluation")
-
-
-class StaleWorker(Exception):
-    """An async worker started before a rollback touched the request ledger: it must stop, not hand anything in."""
-
-
-class _Requests:
-    """Thread-safe source of episode requests: re-queued ones first, then fresh prompts from the cursor.
-
-    Fresh request i is group id i with problem seed `seed * 1_000_003 + i`. An issued request stays
-    outstanding until its group is accepted; a lost one (its generator died) is re-queued with the same
-    group id and seed, and a group whose id is not outstanding (a late or repeated answer) is dropped.
-    `restore` (a rollback) starts a new epoch: a call made with an older `epoch` raises `StaleWorker`, so an
-    async worker of the rolled-back attempt, whose `generate` call outlives the rollback, can neither take the
-    restored requests nor accept (and so swallow) groups the new workers were asked for.
-    """
-
-    def __init__(self, seed: int, start: int = 0) -> None:
-        self.seed, self.next, self.lock = seed, start, threading.Lock()
-        self.requeued: list[EpisodeRequest] = []
-        self.outstanding: dict[int, EpisodeRequest] = {}
-        self.epoch = 0
-
-    def _check(self, epoch: int | None) -> None:
-        if epoch is not None and epoch != self.epoch:
-            raise StaleWorker(f"request epoch {epoch} is over (now {self.epoch})")
-
-    def take(self, n: int, epoch: int | None = None) -> list[EpisodeRequest]:
-        """`n` requests; `epoch` (None: the current one) is the caller's, checked under the lock."""
-        with self.lock:
-            self._check(epoch)
-            out, self.requeued = self.requeued[:n], self.requeued[n:]
-            fresh = range(self.next, self.next + n - len(out))
-            self.next += len(fresh)
-            out += [EpisodeRequest(group_id=i, seed=self.seed * 1_000_003 + i) for i in fresh]
-            self.outstanding.update((r.group_id, r) for r in out)
-        return out
-
-    def accept(self, groups: list[RolloutGroup], epoch: int | None = None) -> list[RolloutGroup]:
-        with self.lock:
-            self._check(epoch)
-            return [g for g in groups if self.outstanding.pop(g.group_id, None) is not None]
-
-    def lose(self, requests: list[EpisodeRequest], epoch: int | None = None) -> None:
-        with self.lock:
-            self._check(epoch)
-            back = [r for r in requests if self.outstanding.pop(r.group_id, None) is not None]
-            self.requeued = sorted(self.requeued + back, key=lambda r: r.group_id)
-
-    def position(self) -> tuple[int, list[EpisodeRequest]]:
-        """(cursor, pending) read together: a `take` between two separate reads would issue its requests twice
-        after a restore."""
-        with self.lock:
-            return self.next, sorted(self.requeued + list(self.outstanding.values()), key=lambda r: r.group_id)
-
-    def restore(self, cursor: int, pending: list[EpisodeRequest]) -> None:
-        with self.lock:
-            self.next, self.requeued, self.outstanding = cursor, sorted(pending, key=lambda r: r.group_id), {}
-            self.epoch += 1
 
 
 class Controller:
@@ -189,14 +150,13 @@ class Controller:
         self.replay = replay
         self.on_step = on_step
         self.supervisor = supervisor
-        self.prompts = _Requests(cfg.seed, prompt_cursor)
+        self.prompts = RequestLedger(cfg.seed, prompt_cursor)
         self.version = rank0(trainer.policy_version.call().get())
         self.iteration = 0
         self.buffer: list[RolloutGroup] = []  # async: generated, not yet trained
         # async: guards `buffer`; a worker accepts its groups and adds them to the buffer under it, so a snapshot
         # (taken under it too) sees every generated group either outstanding or buffered, never in between
         self._arrived = threading.Condition()
-        self._worker_error: BaseException | None = None  # async: a worker's failure, raised by `_collect`
         self._wsync: TopologySync | None = None  # built on first use (DiLoCo replica controllers never sync)
         self._wsync_lock = threading.RLock()  # async workers re-plan it after a respawn while the controller publishes
         self._shards: list | None = None  # the trainer's (mesh point, rank, world), kept until it restarts
@@ -336,8 +296,8 @@ class Controller:
         keys = [f"{p.trace_id}#{p.step}" for p in raw]
         if not pairs or not self.cfg.dpo_reference:
             return pairs, None, keys
+        # lazy: start-up time: actors.trainer pulls in TorchTitan, which only a DPO-scored pair needs here
         from actors.trainer import ScoreBatch
-        from mesh.packing import pair_rows
 
         rows = pair_rows(pairs)
         refs = []
@@ -522,75 +482,6 @@ class Controller:
         publication.check([publication.load(self.generators[index]).get()])
         return publication.version
 
-    def _worker(self, index: int, n: int, stop: threading.Event, epoch: int) -> None:
-        """Async generation: load the newest published weights, generate, add the groups to the buffer, repeat.
-
-        A generator that dies is replaced (under the supervisor's budget), loads the newest published weights,
-        and its requests are re-queued. A worker whose request `epoch` a rollback ended returns quietly."""
-        loaded = -1
-        try:
-            while not stop.is_set():
-                gen, requests = self.generators[index], []
-                try:
-                    publication = self._published()
-                    if publication is not None and publication.version != loaded and self._sealed(index, publication):
-                        loaded = self._load(index, publication)
-                    requests = self.prompts.take(n, epoch)
-                    issued = time.monotonic()
-                    future = gen.generate.call_one(requests, self.cfg.sampling)
-                    groups = self._answer(index, future, len(requests), issued)
-                    with self._arrived:
-                        self.buffer.extend(self.prompts.accept(groups, epoch))
-                        self._arrived.notify_all()
-                except StaleWorker:
-                    raise
-                except Exception as exc:
-                    self.prompts.lose(requests, epoch)
-                    self._replace_generator(index, exc)
-                    loaded = self._load(index, self._covering(index))
-        except StaleWorker:
-            return
-        except BaseException as exc:  # surfaces in the controller thread
-            with self._arrived:
-                if epoch == self.prompts.epoch:
-                    self._worker_error = exc
-                    self._arrived.notify_all()
-
-    def _start_workers(self) -> tuple[list[threading.Thread], threading.Event]:
-        stop = threading.Event()
-        per = max(1, self.cfg.prompts_per_step // len(self.generators))
-        with self._arrived:
-            self._worker_error = None
-            epoch = self.prompts.epoch  # after any rollback: this attempt's workers
-        workers = [threading.Thread(target=self._worker, args=(i, per, stop, epoch), daemon=True)
-                   for i in range(len(self.generators))]
-        for w in workers:
-            w.start()
-        return workers, stop
-
-    @staticmethod
-    def _stop_workers(workers: list[threading.Thread], stop: threading.Event, wait_s: float) -> None:
-        stop.set()
-        for w in workers:  # after a failure, leave the daemon workers rather than wait on a stuck call
-            w.join(timeout=wait_s)
-
-    def _collect(self) -> tuple[list[RolloutGroup], int]:
-        """This step's groups from the buffer (waiting for the workers to fill it); and how many stale ones
-        were dropped."""
-        dropped = 0
-        with self._arrived:
-            while True:
-                fresh = [g for g in self.buffer if self.version - g.policy_version <= self.cfg.max_staleness]
-                dropped += len(self.buffer) - len(fresh)
-                self.buffer = fresh
-                if len(self.buffer) >= self.cfg.prompts_per_step:
-                    break
-                if self._worker_error is not None:
-                    raise RuntimeError("a generator worker failed") from self._worker_error
-                self._arrived.wait()
-            groups, self.buffer = self.buffer[: self.cfg.prompts_per_step], self.buffer[self.cfg.prompts_per_step :]
-        return groups, dropped
-
     def _run_async(self) -> list[StepRecord]:
         history: list[StepRecord] = []
         end = self.iteration + self.cfg.steps
@@ -599,7 +490,8 @@ class Controller:
         except Exception as exc:
             self._recover(exc, self._publish)
         self._eval_before()
-        workers, stop = self._start_workers()
+        workers = AsyncWorkers(self)
+        workers.start()
         failed = True
         try:
             while self.iteration < end:
@@ -607,7 +499,7 @@ class Controller:
                 record = None
                 try:
                     with phase(GENERATION):
-                        groups, dropped = self._collect()
+                        groups, dropped = workers.collect()
                     with phase(TRAIN_STEP):
                         record = self._train(groups, [self.version - g.policy_version for g in groups], dropped,
                                              start)
@@ -615,13 +507,13 @@ class Controller:
                         self._publish()
                     self._eval_after(record, end)  # the weights each generator holds (eval/policy_version: oldest)
                 except Exception as exc:
-                    self._stop_workers(workers, stop, 0)
+                    workers.stop(0)
                     self._recover(exc, self._publish)
-                    workers, stop = self._start_workers()
+                    workers.start()
                     if not self._kept(record):
                         continue
                 self._emit(record, history)
             failed = False
         finally:
-            self._stop_workers(workers, stop, 0 if failed else 600)
+            workers.stop(0 if failed else 600)
         return history
