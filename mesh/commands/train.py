@@ -15,6 +15,9 @@ import argparse
 import json
 import sys
 
+from mesh.commands import load_job
+from mesh.errors import describe
+
 NAME = "train"
 HELP = "Run RL post-training: generators, teacher replay and the trainer on Monarch meshes."
 
@@ -37,9 +40,8 @@ def heldout_line(heldout: dict[str, dict[str, float]]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    # lazy: start-up time: every command module loads to build the CLI; torch and the mesh stack load only here
     from mesh.api import Run
-    from mesh.commands import load_job
-    from mesh.errors import describe
 
     job = load_job(args)
     if job is None:
