@@ -141,7 +141,8 @@ def _parse_override(item: str) -> tuple[tuple[str, ...], Any]:
         raise ConfigError(f"override {item!r}: expected --section.key=value")
     dotted, raw = text.split("=", 1)
     key = _override_key(dotted, repr(item))
-    try:  # a TOML literal (numbers, booleans, arrays, quoted strings) ...
+    # a TOML literal (numbers, booleans, arrays, quoted strings) ...
+    try:
         value: Any = tomli.loads(f"v = {raw}")["v"]
     except tomli.TOMLDecodeError:  # ... or a bare string
         value = raw
@@ -328,6 +329,7 @@ def _to_plain(obj: Any) -> Any:
         return [_to_plain(v) for v in obj]
     if isinstance(obj, dict):
         return {str(k): _to_plain(v) for k, v in obj.items()}
-    if obj is None:  # TOML has no null; optional fields read "none" back as None
+    # TOML has no null; optional fields read "none" back as None
+    if obj is None:
         return "none"
     return obj

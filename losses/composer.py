@@ -110,7 +110,8 @@ class PreferenceInputs:
 
 @dataclass
 class ComposerOutput:
-    loss: torch.Tensor  # scalar: policy + α·distill + β·preference
+    # scalar: policy + α·distill + β·preference
+    loss: torch.Tensor
     active_channels: tuple[str, ...]
     metrics: dict[str, torch.Tensor]
 
@@ -234,7 +235,8 @@ def policy_channel(
         mismatch = mismatch_weights(old, gen_n, None, pcfg)
     terms = _policy_terms(pcfg, stats.logprobs, old_n, gen_n, adv_n, None if mismatch is None else mismatch.weight)
     bound = pcfg.log_ratio_clamp or float("inf")
-    log_r = (stats.logprobs - old).clamp(-bound, bound)  # log π_θ / π_old on samples from π_old
+    # log π_θ / π_old on samples from π_old
+    log_r = (stats.logprobs - old).clamp(-bound, bound)
     metrics = {
         "policy/loss": loss.detach(),
         "policy/tokens": loss.new_tensor(float(adv_n.numel())),
@@ -245,7 +247,8 @@ def policy_channel(
         "policy/kl_k3_sum": (log_r.exp() - 1 - log_r).sum(),
     }
     if gen_n is not None:
-        log_m = (old - upcast(gen_n)).clamp(-bound, bound)  # log π_train_old / π_gen on samples from π_gen
+        # log π_train_old / π_gen on samples from π_gen
+        log_m = (old - upcast(gen_n)).clamp(-bound, bound)
         metrics["policy/mismatch_k3_sum"] = (log_m.exp() - 1 - log_m).sum()
     if mismatch is not None:
         metrics["policy/is_weight_sum"] = mismatch.weight.sum()

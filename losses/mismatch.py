@@ -41,8 +41,10 @@ def needs_sequences(cfg: PolicyLossConfig) -> bool:
 
 @dataclass(frozen=True)
 class MismatchWeights:
-    weight: torch.Tensor  # [N] IS weight × keep (detached)
-    rejected: torch.Tensor  # [N] bool: dropped by rejection sampling or veto
+    # [N] IS weight × keep (detached)
+    weight: torch.Tensor
+    # [N] bool: dropped by rejection sampling or veto
+    rejected: torch.Tensor
 
 
 def _log_bound(x: float | None, default: float) -> float:

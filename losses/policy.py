@@ -97,9 +97,11 @@ def _ratio(log_ratio: torch.Tensor, clamp: float | None) -> torch.Tensor:
 class DapoTerms:
     """Per-token DAPO loss and the masks its metrics need."""
 
-    loss: torch.Tensor  # per-token −min(ρÂ, clip(ρ)Â) (dual-clipped, mismatch-weighted)
+    # per-token −min(ρÂ, clip(ρ)Â) (dual-clipped, mismatch-weighted)
+    loss: torch.Tensor
     ratio: torch.Tensor  # ρ (detached)
-    clipped: torch.Tensor  # bool: the clipped branch was taken
+    # bool: the clipped branch was taken
+    clipped: torch.Tensor
 
 
 def dapo_token_loss(

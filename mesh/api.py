@@ -51,11 +51,15 @@ class Run:
         self.job = job
         self.resume = resume
         self.progress = progress
-        self.history: list[StepRecord] = []  # the steps this Run took, oldest first
+        # the steps this Run took, oldest first
+        self.history: list[StepRecord] = []
         self.summary: dict[str, Any] | None = None  # set by run()
-        self.fault_events: list[str] = []  # Monarch supervision events seen (dead actors are handled in place)
-        self.memory: Any = None  # mesh.memory.MemoryEstimate of the recipe on this host (None: not checked)
-        self._launch: Launch | None = None  # actors, sink and controller (mesh.launch), set by start()
+        # Monarch supervision events seen (dead actors are handled in place)
+        self.fault_events: list[str] = []
+        # mesh.memory.MemoryEstimate of the recipe on this host (None: not checked)
+        self.memory: Any = None
+        # actors, sink and controller (mesh.launch), set by start()
+        self._launch: Launch | None = None
         self._stopped = False
 
     @classmethod
@@ -142,7 +146,8 @@ class Run:
                                "build a Run with more (overrides={'trainer.steps': N}) to continue")
         controller.begin()
         while (record := controller.advance(launch.end)) is None:
-            pass  # a recovery rolled the step back (the trainer restarted from its checkpoint): run it again
+            # a recovery rolled the step back (the trainer restarted from its checkpoint): run it again
+            pass
         self._on_step(record)
         return record
 
@@ -161,12 +166,15 @@ class Run:
             launch.controller.run()
         evals = loop.evals(launch.controller)  # (step, metrics), oldest first
         if evals:
-            launch.sink.scalars(*evals[0])  # the baseline (the later ones are in their steps' rows)
-        launch.sink.close()  # flushes metrics.jsonl and TensorBoard before the plot reads them
+            # the baseline (the later ones are in their steps' rows)
+            launch.sink.scalars(*evals[0])
+        # flushes metrics.jsonl and TensorBoard before the plot reads them
+        launch.sink.close()
         last = self.history[-1].step if self.history else launch.start_step
         if job.checkpoint.enabled and self.history and last % job.checkpoint.every_steps:
             for trainer in loop.trainers(placement):
-                trainer.save_checkpoint.call().get()  # the last step, unless the trainer just saved it
+                # the last step, unless the trainer just saved it
+                trainer.save_checkpoint.call().get()
         summary: dict[str, Any] = {
             "run_dir": str(self.run_dir), "start_step": launch.start_step, "steps_run": len(self.history),
             "final_step": last,
@@ -175,7 +183,8 @@ class Run:
             "mesh_failures": len(self.fault_events),
             "hf": rank0(placement.trainer.save_hf.call(str(self.run_dir / "hf")).get()),  # the final weights
         }
-        summary["memory"] = {  # peak bytes per phase and process (actors.phase_memory)
+        # peak bytes per phase and process (actors.phase_memory)
+        summary["memory"] = {
             "trainer": list(placement.trainer.memory_phases.call().get().values()),
             "generator": [_memory_phases(g) for g in placement.generators],
         }

@@ -27,7 +27,8 @@ class AsyncWorkers:
 
     def __init__(self, controller: Controller) -> None:
         self.ctl = controller
-        self.error: BaseException | None = None  # a worker's failure, raised by `collect`
+        # a worker's failure, raised by `collect`
+        self.error: BaseException | None = None
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
 
@@ -37,7 +38,8 @@ class AsyncWorkers:
         per = max(1, ctl.cfg.prompts_per_step // len(ctl.generators))
         with ctl._arrived:
             self.error = None
-            epoch = ctl.prompts.epoch  # after any rollback: this attempt's workers
+            # after any rollback: this attempt's workers
+            epoch = ctl.prompts.epoch
         self._threads = [threading.Thread(target=self._work, args=(i, per, self._stop, epoch), daemon=True)
                          for i in range(len(ctl.generators))]
         for w in self._threads:
@@ -94,7 +96,8 @@ class AsyncWorkers:
                     loaded = ctl._load(index, ctl._covering(index))
         except StaleWorker:
             return
-        except BaseException as exc:  # surfaces in the controller thread
+        # surfaces in the controller thread
+        except BaseException as exc:
             with ctl._arrived:
                 if epoch == ctl.prompts.epoch:
                     self.error = exc

@@ -66,19 +66,31 @@ class ControllerConfig:
     policy: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     mode: Literal["sync", "async"] = "sync"
     max_staleness: int = 0
-    weight_dir: str = "/dev/shm/composer-mesh-weights"  # shared-memory segment slots (mesh.weight_sync)
-    serving_dtype: str = "float32"  # the slots' dtype: generator.dtype
-    anchor_every: int = 1  # cross-host deltas with a full anchor every this many syncs; 1 = always full
+    # shared-memory segment slots (mesh.weight_sync)
+    weight_dir: str = "/dev/shm/composer-mesh-weights"
+    # the slots' dtype: generator.dtype
+    serving_dtype: str = "float32"
+    # cross-host deltas with a full anchor every this many syncs; 1 = always full
+    anchor_every: int = 1
     seed: int = 0
-    hints: bool = True  # channel 2: hint the first error site of each failed rollout
-    policy_channel: bool = True  # channel 1 (`[loss] policy_weight > 0`); off, rollouts train only through hints
-    pairs_per_step: int = 0  # channel 3: preference pairs drawn from the replay actor per step
-    dpo_reference: bool = True  # score pairs with the trainer's π_ref (DPO; TrainerActor.score(reference=True))
-    sampling: SamplingParams | None = None  # None: each generator's configured sampling
-    state_dir: str = ""  # where a ControllerState is saved each step (beside the trainer checkpoints); "" = memory only
-    deadline: Deadline | None = None  # per `generate` call: past it the generator is taken as hung; None = no bound
-    tokens_per_request: int = 0  # sampled tokens one request can cost: group_size × max_new_tokens × max_turns
-    eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evaluation (mesh.evaluation); every=0: off
+    # channel 2: hint the first error site of each failed rollout
+    hints: bool = True
+    # channel 1 (`[loss] policy_weight > 0`); off, rollouts train only through hints
+    policy_channel: bool = True
+    # channel 3: preference pairs drawn from the replay actor per step
+    pairs_per_step: int = 0
+    # score pairs with the trainer's π_ref (DPO; TrainerActor.score(reference=True))
+    dpo_reference: bool = True
+    # None: each generator's configured sampling
+    sampling: SamplingParams | None = None
+    # where a ControllerState is saved each step (beside the trainer checkpoints); "" = memory only
+    state_dir: str = ""
+    # per `generate` call: past it the generator is taken as hung; None = no bound
+    deadline: Deadline | None = None
+    # sampled tokens one request can cost: group_size × max_new_tokens × max_turns
+    tokens_per_request: int = 0
+    # held-out evaluation (mesh.evaluation); every=0: off
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     @classmethod
     def from_job(cls, job: JobConfig, *, steps: int, weight_dir: str, state_dir: str, replay: bool) -> ControllerConfig:
@@ -94,7 +106,8 @@ class ControllerConfig:
             dpo_reference=job.loss.preference.needs_reference, state_dir=state_dir,
             deadline=Deadline(job.mesh.hang_floor_s, job.mesh.hang_s_per_token),
             tokens_per_request=gen.group_size * gen.max_new_tokens * gen.max_turns,
-            eval=EvalConfig(trainer.eval_every, trainer.eval_samples, SamplingParams.from_config(gen, seed=job.job.seed)),
+            eval=EvalConfig(trainer.eval_every, trainer.eval_samples,
+                            SamplingParams.from_config(gen, seed=job.job.seed)),
         )
 
 
@@ -105,13 +118,17 @@ class StepRecord:
     step: int
     metrics: dict[str, float]
     reward_mean: float
-    staleness: list[int]  # per trained group: trainer version − group policy version
+    # per trained group: trainer version − group policy version
+    staleness: list[int]
     dropped_stale: int
     groups: int
     seconds: float
-    seeds: list[int] = field(default_factory=list)  # prompt seeds of the groups this step consumed
-    iteration: int = 0  # controller steps done after this one
-    pair_keys: list[str] = field(default_factory=list)  # "trace_id#step" of the preference pairs this step trained on
+    # prompt seeds of the groups this step consumed
+    seeds: list[int] = field(default_factory=list)
+    # controller steps done after this one
+    iteration: int = 0
+    # "trace_id#step" of the preference pairs this step trained on
+    pair_keys: list[str] = field(default_factory=list)
 
 
 # the run's phases an actor death is reported in (mesh.errors.phase); placement names "setup"
@@ -153,16 +170,22 @@ class Controller:
         self.prompts = RequestLedger(cfg.seed, prompt_cursor)
         self.version = rank0(trainer.policy_version.call().get())
         self.iteration = 0
-        self.buffer: list[RolloutGroup] = []  # async: generated, not yet trained
+        # async: generated, not yet trained
+        self.buffer: list[RolloutGroup] = []
         # async: guards `buffer`; a worker accepts its groups and adds them to the buffer under it, so a snapshot
         # (taken under it too) sees every generated group either outstanding or buffered, never in between
         self._arrived = threading.Condition()
-        self._wsync: TopologySync | None = None  # built on first use (DiLoCo replica controllers never sync)
-        self._wsync_lock = threading.RLock()  # async workers re-plan it after a respawn while the controller publishes
-        self._shards: list | None = None  # the trainer's (mesh point, rank, world), kept until it restarts
+        # built on first use (DiLoCo replica controllers never sync)
+        self._wsync: TopologySync | None = None
+        # async workers re-plan it after a respawn while the controller publishes
+        self._wsync_lock = threading.RLock()
+        # the trainer's (mesh point, rank, world), kept until it restarts
+        self._shards: list | None = None
         self._last_state: ControllerState | None = None
-        self._s_per_token = 0.0  # the slowest answered `generate` call's seconds per token (feeds the deadline)
-        self.evals: list[tuple[int, dict[str, float]]] = []  # (trainer version, held-out metrics), oldest first
+        # the slowest answered `generate` call's seconds per token (feeds the deadline)
+        self._s_per_token = 0.0
+        # (trainer version, held-out metrics), oldest first
+        self.evals: list[tuple[int, dict[str, float]]] = []
         self._begun = False  # sync mode: begin() ran
         if state is not None:
             if state.version != self.version:
@@ -181,7 +204,8 @@ class Controller:
         """Remember (and, with `state_dir`, write atomically) the state a checkpoint at `version` resumes with."""
         self._last_state = self._snapshot(version, iteration)
         if self.cfg.state_dir:
-            keep_from = oldest_checkpoint(Path(self.cfg.state_dir).parent)  # older states can never be resumed
+            # older states can never be resumed
+            keep_from = oldest_checkpoint(Path(self.cfg.state_dir).parent)
             save_state(self.cfg.state_dir, self._last_state, keep_from=keep_from)
 
     def _restore(self, state: ControllerState) -> None:
@@ -218,7 +242,8 @@ class Controller:
         if self.supervisor is None:
             raise exc
         if not is_actor_failure(exc) and is_alive(self.trainer.policy_version.call):
-            raise exc  # a real error; when a trainer rank dies its peers' collectives raise one first (probed here)
+            # a real error; when a trainer rank dies its peers' collectives raise one first (probed here)
+            raise exc
         if self.replay is not None and not is_alive(self.replay.info.call_one):
             self.replay = self.supervisor.replace("replay", 0, exc)
         for i, g in enumerate(self.generators):
@@ -227,7 +252,8 @@ class Controller:
         state = self._last_state
         if not is_alive(self.trainer.policy_version.call):
             self.trainer = self.supervisor.replace("trainer", 0, exc)
-            with self._wsync_lock:  # the next sync and train step probe the new trainer actors
+            # the next sync and train step probe the new trainer actors
+            with self._wsync_lock:
                 self._wsync = None
             self._shards = None
             self.version = rank0(self.trainer.policy_version.call().get())
@@ -283,8 +309,10 @@ class Controller:
                     self._replace_generator(i, exc)
                     self.prompts.lose(share)
                     lost.append((i, len(share)))
-                    self._load(i, self._covering(i))  # the weights the others sampled with
-            shares = [(i, self.prompts.take(n)) for i, n in lost]  # re-queued requests come out first, in order
+                    # the weights the others sampled with
+                    self._load(i, self._covering(i))
+            # re-queued requests come out first, in order
+            shares = [(i, self.prompts.take(n)) for i, n in lost]
         return sorted(groups, key=lambda g: g.group_id)
 
     def _pairs(self) -> tuple[list[PairTokens], tuple[torch.Tensor, torch.Tensor] | None, list[str]]:
@@ -319,19 +347,23 @@ class Controller:
                 hint = make_hint(self.chat, r, self.hinter)
                 if hint is not None:
                     hints[i] = hint
-        if self.replay is not None:  # channel 3 live: the run's own failed turns go to the teachers
+        # channel 3 live: the run's own failed turns go to the teachers
+        if self.replay is not None:
             self.replay.add_rollouts.call_one(all_rollouts).get()
         pairs, ref, pair_keys = self._pairs()
         rewards = [r.reward for r in all_rollouts]
         trains = bool(selection.policy_rollouts or hints or pairs)
-        self._save_state(self.version + int(trains), self.iteration + 1)  # a checkpoint of this step resumes with it
+        # a checkpoint of this step resumes with it
+        self._save_state(self.version + int(trains), self.iteration + 1)
         if not trains:
-            metrics: dict[str, float] = {"skipped": 1.0}  # every group had equal rewards and no pairs came
+            # every group had equal rewards and no pairs came
+            metrics: dict[str, float] = {"skipped": 1.0}
         else:
             batch = pack_batch(selection, self.cfg.max_seq_len, hints, pairs, ref)
             if self._shards is None:
                 self._shards = shard_points(self.trainer)
-            metrics = train_step_sharded(self.trainer, batch, self._shards)  # each rank receives only its shard
+            # each rank receives only its shard
+            metrics = train_step_sharded(self.trainer, batch, self._shards)
             self.version = int(metrics["step"])
         self.iteration += 1
         metrics.update({
@@ -378,7 +410,8 @@ class Controller:
     def run(self) -> list[StepRecord]:
         """Run `cfg.steps` controller steps from the current iteration; returns their records."""
         if self.cfg.mode == "async":
-            self._save_state(self.version, self.iteration)  # a trainer restart before the first checkpoint rolls back here
+            # a trainer restart before the first checkpoint rolls back here
+            self._save_state(self.version, self.iteration)
             return self._run_async()
         history: list[StepRecord] = []
         end = self.iteration + self.cfg.steps
@@ -428,7 +461,8 @@ class Controller:
                 record.metrics.update(sync_metrics(self._sync_all()))
             self._eval_after(record, end)
         except Exception as exc:
-            def resync() -> None:  # a kept step's row gets the figures of the sync that brought its weights
+            # a kept step's row gets the figures of the sync that brought its weights
+            def resync() -> None:
                 report = self._sync_all()
                 if record is not None:
                     record.metrics.update(sync_metrics(report))
@@ -486,7 +520,8 @@ class Controller:
         history: list[StepRecord] = []
         end = self.iteration + self.cfg.steps
         try:
-            self._publish()  # the workers load the trainer's current weights before their first call
+            # the workers load the trainer's current weights before their first call
+            self._publish()
         except Exception as exc:
             self._recover(exc, self._publish)
         self._eval_before()
@@ -505,7 +540,8 @@ class Controller:
                                              start)
                     with phase(WEIGHT_SYNC):
                         self._publish()
-                    self._eval_after(record, end)  # the weights each generator holds (eval/policy_version: oldest)
+                    # the weights each generator holds (eval/policy_version: oldest)
+                    self._eval_after(record, end)
                 except Exception as exc:
                     workers.stop(0)
                     self._recover(exc, self._publish)

@@ -107,7 +107,8 @@ class ReplicaLoop(Loop):
         return placement.groups
 
     def evals(self, controller: Any) -> list[tuple[int, dict[str, float]]]:
-        return []  # the replica loop has no held-out evaluation
+        # the replica loop has no held-out evaluation
+        return []
 
     def summary(self, placement: Placement) -> dict[str, Any]:
         return {"diloco": placement.manager.status.call_one().get()}
@@ -122,10 +123,12 @@ class Launch:
     """What `start` brought up for one run (actors, teacher server, sink, controller); `stop` removes it."""
 
     def __init__(self, job: JobConfig, run_dir: Path) -> None:
-        self.job = job  # the recipe as run: model.hf_path resolved, checkpoint.resume as asked
+        # the recipe as run: model.hf_path resolved, checkpoint.resume as asked
+        self.job = job
         self.run_dir = run_dir
         self.loop = loop_for(job)
-        self.memory: Any = None  # mesh.memory.MemoryEstimate of the recipe on this host
+        # mesh.memory.MemoryEstimate of the recipe on this host
+        self.memory: Any = None
         self.placement: Any = None
         self.controller: Any = None
         self.sink: MetricsSink | None = None
@@ -133,7 +136,8 @@ class Launch:
         self.supervisor: Supervisor | None = None
         self.weight_dir = ""
         self.start_step = 0
-        self.end = 0  # the iteration the run ends at (trainer.steps, or where a resumed run already is)
+        # the iteration the run ends at (trainer.steps, or where a resumed run already is)
+        self.end = 0
 
     @classmethod
     def start(cls, job: JobConfig, run_dir: Path, *, resume: bool, progress: bool,
@@ -151,10 +155,12 @@ class Launch:
                fault_events: list[str]) -> None:
         job, run_dir = self.job, self.run_dir
         add_python_path(job.job.python_path)
-        check_task(job.env)  # a plugin or dataset that cannot load fails here, before any actor starts
+        # a plugin or dataset that cannot load fails here, before any actor starts
+        check_task(job.env)
         run_dir.mkdir(parents=True, exist_ok=True)
         weights = model_dir(job)
-        self.memory = memory_check(job, weights)  # refuses a recipe the host cannot hold, before any actor
+        # refuses a recipe the host cannot hold, before any actor
+        self.memory = memory_check(job, weights)
         job = self.job = dataclasses.replace(
             job, model=dataclasses.replace(job.model, hf_path=weights),
             checkpoint=dataclasses.replace(job.checkpoint, resume=job.checkpoint.resume and resume))
@@ -168,7 +174,8 @@ class Launch:
         supervised = self.loop.supervised
         state_dir = (str(run_dir / job.checkpoint.folder / "controller")
                      if job.checkpoint.enabled and supervised else "")
-        install_fault_hook(fault_events)  # dead actors are handled where their calls fail, not by exiting
+        # dead actors are handled where their calls fail, not by exiting
+        install_fault_hook(fault_events)
         placement = self.placement = self.loop.place(trainer_spec, gen_spec, replay_spec)
         start = placement.trainer_setup[0]["step"]
         if state_dir and job.metrics.jsonl:
@@ -176,7 +183,8 @@ class Launch:
         self.start_step = start
         placement.write_pids(run_dir / "processes.json")
         state = (load_state(state_dir, start) if state_dir else None) or ControllerState(
-            start, start, start * job.trainer.prompts_per_step)  # a checkpoint from before controller states
+            # a checkpoint from before controller states
+            start, start, start * job.trainer.prompts_per_step)
         self.end = max(job.trainer.steps, state.iteration)
         cfg = ControllerConfig.from_job(job, steps=self.end - state.iteration, weight_dir=self.weight_dir,
                                         state_dir=state_dir, replay=placement.replay is not None)
@@ -225,7 +233,8 @@ class Launch:
 
 def model_dir(job: JobConfig) -> str:
     """HF weights both the trainer and the generators start from (the demo's warm-started base when asked)."""
-    if job.model.hf_path and job.model.registry_flavour() is None:  # refuse a config.json here, before any actor
+    # refuse a config.json here, before any actor
+    if job.model.hf_path and job.model.registry_flavour() is None:
         check_hf_config(read_checkpoint_config(job.model.hf_path), f"{job.model.hf_path}/config.json")
     weights = hf_dir_for(job.model)
     if weights is None:
@@ -276,5 +285,6 @@ def resume_at_logged_step(trainer: Any, start: int, run_dir: Path, job: JobConfi
     older = [s for s in Checkpointer(job.checkpoint, folder).complete_steps()
              if s <= logged and state_path(state_dir, s).is_file()]
     if not older:
-        return start  # nothing older kept: resume where the trainer is (the log misses those rows)
+        # nothing older kept: resume where the trainer is (the log misses those rows)
+        return start
     return int(rank0(trainer.load_checkpoint.call(older[-1]).get()))

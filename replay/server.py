@@ -209,7 +209,8 @@ class TeacherServer:
         config = uvicorn.Config(
             self.app(), log_level="critical", access_log=False, lifespan="off", timeout_keep_alive=60,
             server_header=False, date_header=False,
-            timeout_graceful_shutdown=1,  # stop() does not wait out an injected slow answer
+            # stop() does not wait out an injected slow answer
+            timeout_graceful_shutdown=1,
         )
         self._uvicorn = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
@@ -296,7 +297,8 @@ class TeacherServer:
             return _error(400, f"bad request: {exc}", "invalid_request_error")
         if self.api_key is not None:
             given = request.headers.get("Authorization", "").removeprefix("Bearer ")
-            if given != self.api_key:  # echoes the key it got, as public APIs do: clients must redact
+            # echoes the key it got, as public APIs do: clients must redact
+            if given != self.api_key:
                 return _error(401, f"Incorrect API key provided: {given}", "invalid_request_error")
         if self.models is not None and model not in self.models:
             return _error(404, f"model {model!r} not found", "not_found")
@@ -322,7 +324,8 @@ class TeacherServer:
             return _error(500, "injected server error", "server_error")
         try:
             message, usage, finish = await run_in_threadpool(self._completion, model, messages, params)
-        except Exception as exc:  # a responder bug is the server's 500, not a crash
+        # a responder bug is the server's 500, not a crash
+        except Exception as exc:
             self._record({**rec, "outcome": "responder_error"})
             return _error(500, f"responder failed: {type(exc).__name__}: {exc}", "server_error")
         rec.update(billed=True, prompt_tokens=usage["prompt_tokens"], completion_tokens=usage["completion_tokens"])
@@ -381,7 +384,8 @@ class TeacherServer:
         message = {"role": "assistant", "content": out} if isinstance(out, str) else {"role": "assistant", **out}
         message.setdefault("content", "")
         usage = message.pop("usage", None)
-        if usage is not None:  # the responder counted with its own tokenizer (and obeyed max_tokens)
+        # the responder counted with its own tokenizer (and obeyed max_tokens)
+        if usage is not None:
             finish = "length" if usage["completion_tokens"] >= int(params.get("max_tokens") or 1 << 30) else "stop"
             return message, {**usage, "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"]}, finish
         text = message["content"] or ""

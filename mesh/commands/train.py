@@ -49,12 +49,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         with Run(job, resume=not args.no_resume, progress=not args.no_progress) as run_:
             summary = run_.run()
-    except (FileNotFoundError, ValueError) as e:  # a recipe the controller refused before placing actors
+    # a recipe the controller refused before placing actors
+    except (FileNotFoundError, ValueError) as e:
         if args.debug:
             raise
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except Exception as e:  # an actor failed (Monarch ActorError) or the run broke: one line, --debug for all
+    # an actor failed (Monarch ActorError) or the run broke: one line, --debug for all
+    except Exception as e:
         if args.debug:
             raise
         print(f"error: {describe(e)}", file=sys.stderr)
