@@ -47,7 +47,6 @@ from configs.sections.optimizer import OptimizerConfig
 from configs.sections.parallelism import ParallelismConfig
 from configs.sections.trainer import TrainerConfig
 from losses.composer import (
-    ComposerConfig,
     DistillInputs,
     PolicyInputs,
     PreferenceInputs,
@@ -129,7 +128,7 @@ class Trainer:
         self.spec = spec
         self.platform = platform or detect_platform(spec.model.device)
         self.device = ensure_process_group(self.platform)
-        self.loss_cfg = ComposerConfig.from_section(spec.loss)
+        self.loss_cfg = spec.loss
 
         resolved = resolve_model(spec.model, self.platform)
         self._verify_checkpoint()

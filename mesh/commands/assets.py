@@ -23,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # lazy: torch and TorchTitan take seconds to import; `composer-mesh --help` and other commands must not wait
+    # lazy: start-up time: every command module loads to build the CLI; TorchTitan and transformers load only here
     from titan_ext.assets import build_assets, default_cache_dir
 
     if args.seed < 0:

@@ -20,10 +20,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # lazy: torch and TorchTitan take seconds to import; `composer-mesh --help` and other commands must not wait
+    # lazy: start-up time: every command module loads to build the CLI; torch and TorchTitan load only here
     import torch
-
-    # lazy: as above (the export imports TorchTitan)
     from titan_ext.hf.export import export_run
 
     out = Path(args.out)

@@ -52,7 +52,7 @@ def runs(tmp_path_factory, tiny_assets):
         out["a_metrics"] = a.metrics
         out["summary_a"] = a.run()  # nothing left to train: finishes (final checkpoint, hf/) and summarises
         pids = json.loads((a.run_dir / "processes.json").read_text())
-        weight_dir = a._weight_dir
+        weight_dir = a._launch.weight_dir
     out["pids"], out["weight_dir"] = pids, weight_dir
     with Run.from_toml(_recipe(tmp_b), overrides, resume=False) as b:
         out["summary_b"] = b.run()

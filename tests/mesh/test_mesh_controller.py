@@ -264,3 +264,19 @@ def test_sync_mode_all_three_channels(trainer_mesh, gen_spec, teacher_server, ti
         m = h.metrics
         assert m["policy/tokens"] > 0 and m["distill/loss"] > 0
         assert m["preference/pairs"] == 2 and m["preference/loss"] > 0
+
+
+def test_controller_config_is_built_from_the_recipe():
+    """`ControllerConfig.from_job`: the one place the recipe's sections become controller settings."""
+    from configs.loader import load_config
+    from mesh.controller import ControllerConfig
+
+    job = load_config("debug_cpu.toml", {"loss.alpha": 0.0, "trainer.eval_every": 5})
+    cfg = ControllerConfig.from_job(job, steps=7, weight_dir="/w", state_dir="/s", replay=True)
+    assert (cfg.steps, cfg.weight_dir, cfg.state_dir) == (7, "/w", "/s")
+    assert (cfg.prompts_per_step, cfg.max_seq_len, cfg.mode, cfg.seed) == (8, 256, "sync", 0)
+    assert cfg.policy is job.loss.policy and cfg.pairs_per_step == 8 and cfg.dpo_reference
+    assert not cfg.hints and cfg.policy_channel and cfg.serving_dtype == job.generator.dtype
+    assert cfg.tokens_per_request == 4 * 24 * 2 and cfg.deadline.floor_s == job.mesh.hang_floor_s
+    assert (cfg.eval.every, cfg.eval.samples, cfg.eval.sampling.seed) == (5, 16, 0)
+    assert ControllerConfig.from_job(job, steps=1, weight_dir="", state_dir="", replay=False).pairs_per_step == 0

@@ -317,9 +317,9 @@ def test_controller_sigkill_then_resume_loses_no_step_and_repeats_no_teacher_cal
 
 
 def test_request_ledger_requeues_and_dedupes():
-    from mesh.controller import StaleWorker, _Requests
+    from mesh.requests import RequestLedger, StaleWorker
 
-    ledger = _Requests(seed=2)
+    ledger = RequestLedger(seed=2)
     first = ledger.take(3)
     assert [(r.group_id, r.seed) for r in first] == [(0, 2_000_006), (1, 2_000_007), (2, 2_000_008)]
     ledger.lose(first[1:])  # their generator died
