@@ -26,7 +26,6 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
-from torch.distributed.fsdp import FSDPModule
 
 
 @dataclass(frozen=True)
@@ -117,6 +116,9 @@ def configure_fsdp_comms(model: torch.nn.Module, platform: Platform) -> int:
     """
     if not platform.needs_force_sum_reduction:
         return 0
+    # lazy: generators import this module and never use FSDP; torch.distributed.fsdp adds seconds to their start
+    from torch.distributed.fsdp import FSDPModule
+
     count = 0
     for module in model.modules():
         if isinstance(module, FSDPModule):
