@@ -1,16 +1,17 @@
 """Runs a repository's pytest suite inside a sandbox and reports outcomes it can vouch for.
 
 Started by `envs.grading` as `python -E -s -P -B _grade_runner.py` with a JSON
-request on stdin: {"nonce", "repo", "submission": [relative paths the agent
-wrote], "pytest_args": [...]}. Stdlib + pytest only, no project imports.
+request on stdin: {"nonce", "repo", "submission": [relative paths to watch],
+"pytest_args": [...], "channel_fd", "callee"}. Stdlib + pytest only, no project imports.
+With "callee" (every grade) it is the judge: the target modules forward to the
+submission's process (`install_forwarding`) and no submission code runs here.
 
 It reports on the fd named by `channel_fd` (a file in the host's scratch dir),
 one line per event, `@@grade <nonce> <json>`; any other line there is a
-violation. Events: a violation seen by the audit hook while code
-of the submission is on the stack (with the submission file it came from, so
-the grader can allow what the pristine file did too), and one final summary (per-test outcomes,
-integrity of pytest's internals). A run that ends without the summary (an
-`os._exit`, a kill) earns nothing.
+violation. Events: a violation (a malformed reply of the callee, or what the
+audit hook saw while a watched file was on the stack), and one final summary
+(per-test outcomes, integrity of pytest's internals). A run that ends without
+the summary (an `os._exit`, a kill) earns nothing.
 """
 
 from __future__ import annotations
@@ -23,6 +24,13 @@ import json
 import os
 import sys
 import warnings
+
+import _pytest.main  # noqa: F401  (the guarded modules, loaded before any other code)
+import _pytest.outcomes  # noqa: F401
+import _pytest.python  # noqa: F401
+import _pytest.reports  # noqa: F401
+import _pytest.runner  # noqa: F401
+import pytest
 
 _TEST_NAME = ("test_", "conftest")
 _RANK = ("passed", "skipped", "failed")
@@ -141,15 +149,8 @@ def main() -> None:
 
     sys.path.insert(0, repo)
     os.chdir(repo)
-    if request.get("callee"):
+    if request.get("callee"):  # after pytest's import, which overlaps the callee's start-up
         install_forwarding(request["callee"], violation)
-    # lazy: pytest loads after the repository is on sys.path and the forwarding finder is in place
-    import _pytest.main  # noqa: F401
-    import _pytest.outcomes  # noqa: F401
-    import _pytest.python  # noqa: F401
-    import _pytest.reports  # noqa: F401
-    import _pytest.runner  # noqa: F401
-    import pytest
 
     originals = {(m, p): _safe_lookup(m, p) for m, p in _GUARDED}
     outcomes: dict[str, str] = {}
