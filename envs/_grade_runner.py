@@ -173,7 +173,8 @@ def main() -> None:
             if report.failed:
                 collect_errors.append(report.nodeid)
 
-    sys.addaudithook(hook)
+    if submission:  # nothing to watch otherwise (the judge runs no submission code): no per-event cost
+        sys.addaudithook(hook)
     exit_code = pytest.main(list(request["pytest_args"]), plugins=[Recorder()])
     for (module, path), obj in originals.items():
         if _safe_lookup(module, path) is not obj:
