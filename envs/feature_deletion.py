@@ -26,7 +26,7 @@ from pathlib import Path, PurePosixPath
 from configs.records import ErrorKind, ErrorSite
 from configs.sections.env import FeatureDeletionConfig
 from envs.base import Environment, Observation
-from envs.grading import Grade, grade_workspace, module_name, run_suite
+from envs.grading import Grade, grade_workspace, module_name, provided_modules, run_suite
 from envs.safeguards import is_bytecode, is_test_path, manifest
 from envs.sandbox import Sandbox, Workspace, copy_tree
 
@@ -208,8 +208,11 @@ def generate_tasks(
 
 def _ungradable(sandbox: Sandbox, task: RepoTask) -> str:
     """'' when the task's original code earns 1 with its target forwarded to a callee, else why not."""
-    if module_name(task.target) is None:
+    name = module_name(task.target)
+    if name is None:
         return f"{task.target} is not a module the judge can forward (a package's __init__ or not an identifier path)"
+    if name.split(".")[0] in provided_modules():
+        return f"{name} has the name of a module the judge's interpreter provides (stdlib or site-packages)"
     grade = task.grade_source(sandbox, task.original_source())
     if grade.reward == 1.0:
         return ""

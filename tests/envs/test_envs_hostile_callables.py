@@ -264,3 +264,22 @@ def test_a_virtualenv_reached_through_a_symlink_can_be_sandboxed(tmp_path):
     assert proc.returncode == 0, proc.stderr
     status, prefix = proc.stdout.split()[:2]
     assert status == "0" and prefix == os.path.realpath(sys.prefix), proc.stdout
+
+
+def test_a_target_named_like_an_installed_module_is_refused(tmp_path, sandbox, task_store):
+    """The judge never forwards a name the stdlib or site-packages provide, even when the repository owns it."""
+    from configs.sections.env import FeatureDeletionConfig
+    from envs.feature_deletion import generate_tasks
+
+    repo = tmp_path / "shadowrepo"
+    (repo / "tests").mkdir(parents=True)
+    (repo / "pluggy.py").write_text("def double(x):\n    y = x * 2\n    return y\n")
+    (repo / "tests" / "test_double.py").write_text(
+        "import importlib.util, pathlib\n"
+        "spec = importlib.util.spec_from_file_location('pluggy_local', pathlib.Path(__file__).parents[1] / 'pluggy.py')\n"
+        "mod = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(mod)\n\n"
+        "def test_double():\n    assert mod.double(2) == 4\n"
+    )
+    refused: list = []
+    assert generate_tasks(repo, FeatureDeletionConfig(), sandbox, task_store, refused) == []
+    assert refused and "provides" in refused[0][1], refused
