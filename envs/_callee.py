@@ -14,6 +14,7 @@ matters is what crosses the wire, as plain data.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 import types
 import warnings
@@ -104,3 +105,7 @@ def remote(wire: types.ModuleType, peer, handle: int):
 if __name__ == "__main__":
     sys.path.insert(0, __file__.rsplit("/", 1)[0])
     main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # the judge is gone: skip tearing the interpreter down
+    os._exit(0)

@@ -216,7 +216,7 @@ def grade_workspace(
     began = time.perf_counter()
     agent = manifest(agent_ws.path)
     violations = list(episode_violations) + change_violations(diff_tree(start, agent))
-    original = manifest(pristine)
+    original = _pristine_manifest(pristine)
     sources = [rel for rel in agent if _is_source(rel)]
     changed = [rel for rel in sources if original.get(rel) != agent[rel]]
     violations += [("shadows_module", rel) for rel in shadowing(sources, original)]
@@ -243,6 +243,12 @@ def grade_workspace(
         reason = "passed"
     reward = 1.0 if reason == "passed" else 0.0
     return Grade(reward, reason, passed, total, tuple(dict.fromkeys(violations)), run.output, round(grade_s, 3))
+
+
+@functools.lru_cache(maxsize=256)
+def _pristine_manifest(pristine: Path) -> dict[str, str]:
+    """A task store snapshot never changes: hash it once per process."""
+    return manifest(pristine)
 
 
 def _grade_split(sandbox: Sandbox, pristine: Path, agent_ws: Workspace, targets: Mapping[str, str]) -> SuiteRun:
