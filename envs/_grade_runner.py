@@ -149,7 +149,8 @@ def main() -> None:
 
     sys.path.insert(0, repo)
     os.chdir(repo)
-    if request.get("callee"):  # after pytest's import, which overlaps the callee's start-up
+    # after pytest's import, which overlaps the callee's start-up
+    if request.get("callee"):
         install_forwarding(request["callee"], violation)
 
     originals = {(m, p): _safe_lookup(m, p) for m, p in _GUARDED}
@@ -173,7 +174,8 @@ def main() -> None:
             if report.failed:
                 collect_errors.append(report.nodeid)
 
-    if submission:  # nothing to watch otherwise (the judge runs no submission code): no per-event cost
+    # nothing to watch otherwise (the judge runs no submission code): no per-event cost
+    if submission:
         sys.addaudithook(hook)
     exit_code = pytest.main(list(request["pytest_args"]), plugins=[Recorder()])
     for (module, path), obj in originals.items():
@@ -217,7 +219,8 @@ def install_forwarding(callee: dict, violation) -> None:
     def encode(value: object) -> object:
         try:
             return wire.encode(value, export=peer.export)
-        except wire.WireError as exc:  # the test passed something that is neither plain data nor callable
+        except wire.WireError as exc:
+            # the test passed something that is neither plain data nor callable
             raise TypeError(f"cannot pass to the submission's process: {exc}") from None
 
     def serve(request: object) -> dict:
@@ -235,7 +238,8 @@ def install_forwarding(callee: dict, violation) -> None:
         try:
             result = fn(*args, **kwargs)
             return {"ok": wire.encode(result, export=peer.export)}
-        except Exception as exc:  # the test's callable raised (or returned what cannot cross): the solution sees it
+        except Exception as exc:
+            # the test's callable raised (or returned what cannot cross): the solution sees it
             try:
                 return {"raise": type(exc).__name__, "text": str(exc)[:2000]}
             except Exception:
@@ -329,7 +333,8 @@ class _ForwardingLoader(importlib.abc.Loader):
     def exec_module(self, module) -> None:
         self.base.exec_module(module)
         for name, value in self.overrides.items():
-            if not isinstance(getattr(module, name, None), type):  # the stub's classes stay (plain data crosses, not instances)
+            # the stub's classes stay (plain data crosses, not instances)
+            if not isinstance(getattr(module, name, None), type):
                 setattr(module, name, value)
 
 

@@ -68,7 +68,8 @@ def decode(obj: object, depth: int = 0, bind: Callable[[int], Callable] | None =
         return _decode(obj, depth, bind)
     except WireError:
         raise
-    except Exception as exc:  # bad hex, unhashable set members or keys, recursion: all malformed data
+    except Exception as exc:
+        # bad hex, unhashable set members or keys, recursion: all malformed data
         raise WireError(f"malformed value ({type(exc).__name__})") from None
 
 
@@ -126,7 +127,8 @@ class Reader:
         line, self.buf = self.buf.split(b"\n", 1)
         try:
             message = json.loads(line)
-        except Exception:  # not JSON, not UTF-8, or nested past the parser's recursion limit
+        except Exception:
+            # not JSON, not UTF-8, or nested past the parser's recursion limit
             raise WireError("message is not JSON") from None
         if type(message) is not dict:
             raise WireError("message is not an object")
