@@ -46,6 +46,7 @@ def seccomp_filter() -> bytes:
     global _FILTER
     if _FILTER is None:
         try:
+            # lazy: a missing pyseccomp must become ContainmentUnavailable naming it, not an import error
             import pyseccomp as seccomp
         except ImportError as exc:
             raise ContainmentUnavailable(

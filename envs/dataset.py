@@ -22,6 +22,7 @@ endless stream of epochs over the train rows: `sequential` keeps file order,
 
 from __future__ import annotations
 
+import inspect
 import math
 import random
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ def load_rows(path: str, key: str, prompt_column: str) -> list[dict[str, Any]]:
     builder = _BUILDERS.get(file.suffix.lower())
     if builder is None:
         raise ValueError(f"{key} = {path!r}: unknown format {file.suffix!r}; use one of {sorted(_BUILDERS)}")
+    # lazy: HF datasets is heavy and only the dataset task reads files with it
     import datasets
 
     try:
@@ -105,8 +107,6 @@ def load_rewards(config: DatasetTaskConfig, columns: list[str]) -> list[RewardFn
         raise ValueError(
             f"env.dataset.reward_weights has {len(weights)} values for {len(config.rewards)} env.dataset.rewards"
         )
-    import inspect
-
     out = []
     for i, (spec, weight) in enumerate(zip(config.rewards, weights)):
         key = f"env.dataset.rewards[{i}]"

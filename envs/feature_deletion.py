@@ -6,13 +6,15 @@ functions in a seeded order: each candidate's body is replaced by a stub and
 the suite is run again; the test files that now fail become the task's hidden
 tests (removed from the agent's workspace, restored at grading), and a
 candidate that breaks no test is dropped. Every returned task is verified:
-pristine passes, deleted fails.
+pristine passes, deleted fails, and its original code earns 1 through the
+split judge with the target module forwarded (a task whose tests need more
+than plain data and callables across that boundary is refused with the reason).
 """
 
 from __future__ import annotations
 
 import ast
-import dataclasses
+import logging
 import os
 import random
 import re
@@ -24,11 +26,12 @@ from pathlib import Path, PurePosixPath
 from configs.records import ErrorKind, ErrorSite
 from configs.sections.env import FeatureDeletionConfig
 from envs.base import Environment, Observation
-from envs.grading import Grade, baseline_runtime, grade_workspace, run_suite, source_files
+from envs.grading import Grade, grade_workspace, module_name, provided_modules, run_suite
 from envs.safeguards import is_bytecode, is_test_path, manifest
 from envs.sandbox import Sandbox, Workspace, copy_tree
 
 _STUB = 'raise NotImplementedError("deleted feature: rebuild {name}")'
+_log = logging.getLogger(__name__)
 _CODE_BLOCK = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
 
 
@@ -39,11 +42,8 @@ class RepoTask:
     pristine: the private snapshot of the repository (the sandbox uid cannot read it);
     target: file (relative) whose functions were deleted; symbols: their qualified names;
     stubbed_source: the target file as the agent first sees it; hidden_tests: test
-    files kept out of the workspace; expected_tests: node ids that must pass;
-    runtime_allowed: (file, reason) the pristine code itself does at run time
-    (say, a repository whose code spawns processes), not held against the agent;
-    split: the oracle passes with verdicts decided outside the submission's
-    interpreter (`envs.grading.run_split`), so every grade of this task is split.
+    files kept out of the workspace; expected_tests: node ids that must pass.
+    Every grade forwards `target`, and only it, to the agent's code (`envs.grading`).
     """
 
     name: str
@@ -53,8 +53,6 @@ class RepoTask:
     stubbed_source: str
     hidden_tests: tuple[str, ...]
     expected_tests: tuple[str, ...]
-    runtime_allowed: tuple[tuple[str, str], ...] = ()
-    split: bool = False
 
     def prompt(self, tools: bool = True) -> str:
         """Terse instruction: with tools (the multi-turn loop) or with the file inline (single turn)."""
@@ -75,10 +73,7 @@ class RepoTask:
         with self.workspace(sandbox) as ws:
             start = manifest(ws.path)
             (ws.path / self.target).write_text(source)
-            return grade_workspace(
-                sandbox, self.pristine, start, ws, self.expected_tests, runtime_allowed=self.runtime_allowed,
-                split=self.split,
-            )
+            return grade_workspace(sandbox, self.pristine, start, ws, self.expected_tests, targets={self.target: self.stubbed_source})
 
     def workspace(self, sandbox: Sandbox) -> Workspace:
         """The agent's starting workspace: pristine minus hidden tests and bytecode, target stubbed."""
@@ -167,19 +162,26 @@ class TaskStore:
 
 
 def generate_tasks(
-    repo: str | os.PathLike, config: FeatureDeletionConfig, sandbox: Sandbox, store: TaskStore
+    repo: str | os.PathLike,
+    config: FeatureDeletionConfig,
+    sandbox: Sandbox,
+    store: TaskStore,
+    refused: list[tuple[str, str]] | None = None,
 ) -> list[RepoTask]:
-    """Verified tasks from the repository at `repo` (a ValueError if its suite does not pass)."""
+    """Verified tasks from the repository at `repo` (a ValueError if its suite does not pass).
+
+    refused: gets (task name, reason) for each candidate whose deletion the suite
+    notices but that cannot be graded (also logged).
+    """
     pristine = store.snapshot(Path(repo))
     with sandbox.workspace(copy_from=pristine) as ws:
-        baseline = run_suite(sandbox, ws, source_files(ws.path))
+        baseline = run_suite(sandbox, ws)
     if not baseline.complete or not baseline.tests or baseline.failed() or baseline.collect_errors:
         raise ValueError(
             f"{repo}: the pristine test suite must pass; failed: {baseline.failed()[:5]} "
             f"collection errors: {list(baseline.collect_errors)[:5]}\n{baseline.output[-1500:]}"
         )
     expected = tuple(sorted(baseline.tests))
-    allowed = baseline_runtime(baseline)
     tasks: list[RepoTask] = []
     for rel, group in _candidates(pristine, config):
         if len(tasks) >= config.max_tasks:
@@ -193,11 +195,29 @@ def generate_tasks(
         if not run.complete or not failing_files:
             continue  # the suite does not notice this deletion: not a gradable task
         name = f"{pristine.name}:{rel}:{'+'.join(group)}"
-        task = RepoTask(name, pristine, rel, group, stubbed, tuple(failing_files), expected, allowed, split=True)
-        if task.grade_source(sandbox, task.original_source()).reward < 1.0:  # its tests need more than plain data
-            task = dataclasses.replace(task, split=False)
+        task = RepoTask(name, pristine, rel, group, stubbed, tuple(failing_files), expected)
+        reason = _ungradable(sandbox, task)
+        if reason:
+            _log.warning("refusing task %s: %s", name, reason)
+            if refused is not None:
+                refused.append((name, reason))
+            continue
         tasks.append(task)
     return tasks
+
+
+def _ungradable(sandbox: Sandbox, task: RepoTask) -> str:
+    """'' when the task's original code earns 1 with its target forwarded to a callee, else why not."""
+    name = module_name(task.target)
+    if name is None:
+        return f"{task.target} is not a module the judge can forward (a package's __init__ or not an identifier path)"
+    if name.split(".")[0] in provided_modules():
+        return f"{name} has the name of a module the judge's interpreter provides (stdlib or site-packages)"
+    grade = task.grade_source(sandbox, task.original_source())
+    if grade.reward == 1.0:
+        return ""
+    tail = grade.output.strip().splitlines()[-3:]
+    return f"its original code earns 0 through the split judge ({grade.reason}): {' | '.join(tail)[:300]}"
 
 
 class FeatureDeletionEnv(Environment):
@@ -225,7 +245,10 @@ class FeatureDeletionEnv(Environment):
             site = ErrorSite(turn, ErrorKind.SYNTAX, "no ```python block with the new file in the reply")
             return Observation([], reward=0.0, done=True, error_sites=[site], info=info | {"reason": "no_code"})
         grade = self.task.grade_source(self.sandbox, blocks[-1])
-        info |= {"split": self.task.split, "reason": grade.reason, "violations": list(grade.violations), "passed": grade.passed, "total": grade.total}
+        info |= {
+            "reason": grade.reason, "violations": list(grade.violations), "passed": grade.passed, "total": grade.total,
+            "grade_s": grade.grade_s,
+        }
         sites = []
         if grade.reward < 1.0:
             kind = (

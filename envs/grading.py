@@ -1,23 +1,27 @@
 """Grade an agent's repository workspace: rebuild it from pristine, run the suite, pay only clean passes.
 
-Grading never runs in the agent's workspace. A fresh sandbox workspace gets
-the agent's source files and the pristine tests, conftest files and test
-configuration (hidden tests included); bytecode is left out.
-The changes themselves are checked first (`envs.safeguards`); the suite runs
-under `_grade_runner.py`, whose audit hook and integrity checks report
-tampering at run time. Reward 1 needs: no violation, a complete report, and
-every expected test passed.
+Grading never runs in the agent's workspace, and never runs the agent's code
+in the judge's interpreter. The judge's sandbox gets the pristine repository
+(tests, conftest files, test configuration, hidden tests) minus the task's
+target modules, which forward every call to the agent's sources in a second
+sandbox (`run_split`). The changes themselves are checked first
+(`envs.safeguards`, `shadowing`). Reward 1 needs: no violation, a complete
+report, and every expected test passed.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import pkgutil
 import secrets
+import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from envs.safeguards import (
     change_violations, diff_tree, is_bytecode, is_test_config, is_test_path, manifest, scan_source,
@@ -29,6 +33,7 @@ _CALLEE = Path(__file__).with_name("_callee.py")
 _WIRE = Path(__file__).with_name("_wire.py")
 PYTEST_ARGS = ("-q", "-p", "no:cacheprovider", "--no-header", "--tb=short", "-o", "addopts=")
 _REPORT_BYTES = 1 << 20
+_MODULE_SUFFIXES = (".py", ".so", ".pyd")
 
 
 @dataclass(frozen=True)
@@ -173,7 +178,10 @@ def module_name(rel: str) -> str | None:
 
 @dataclass(frozen=True)
 class Grade:
-    """reward in {0, 1}; reason: "passed" or the first reason it is 0; violations: all (reason, detail)."""
+    """reward in {0, 1}; reason: "passed" or the first reason it is 0; violations: all (reason, detail).
+
+    grade_s: wall seconds the whole grade took (what the answer cost to judge).
+    """
 
     reward: float
     reason: str
@@ -181,6 +189,7 @@ class Grade:
     total: int
     violations: tuple[tuple[str, str], ...] = ()
     output: str = field(default="", repr=False)
+    grade_s: float = 0.0
 
 
 def grade_workspace(
@@ -189,46 +198,39 @@ def grade_workspace(
     start: dict[str, str],
     agent_ws: Workspace,
     expected_tests: Sequence[str],
+    *,
+    targets: Mapping[str, str],
     episode_violations: Sequence[tuple[str, str]] = (),
-    runtime_allowed: Sequence[tuple[str, str]] = (),
-    split: bool = False,
 ) -> Grade:
     """Grade `agent_ws` against the pristine repo; `start` is the manifest the agent began from.
 
-    The grading tree is the agent's source files (everything but tests, test
-    configuration and bytecode) plus the pristine tests and test configuration.
-    runtime_allowed: (file, reason) pairs the pristine suite itself showed at
-    run time (`baseline_runtime`), not held against the agent.
-    split: judge outside the submission's interpreter (`run_split`): the
-    pristine tree runs the suite, the agent's changed modules are forwarded to
-    its own sandbox. Only for tasks whose oracle passes that way
-    (`RepoTask.split`); otherwise the suite runs in one process with the
-    agent's sources (the weaker property, docs/envs.md).
+    The judge runs the pristine tree (tests, test configuration, every module
+    but the task's targets) with each target file replaced by its stub
+    (`targets`: relative path -> the source the agent started from), and
+    forwards the targets' functions, and only them, to the agent's sources in
+    their own sandbox (`run_split`). A new file whose module
+    name the test runner, its plugins, the standard library or site-packages
+    provide is `shadows_module`. A grade slower than `slow_answer_s` is
+    `slow_answer`.
     """
+    began = time.perf_counter()
     agent = manifest(agent_ws.path)
     violations = list(episode_violations) + change_violations(diff_tree(start, agent))
-    original = manifest(pristine)
+    original = _pristine_manifest(pristine)
     sources = [rel for rel in agent if _is_source(rel)]
     changed = [rel for rel in sources if original.get(rel) != agent[rel]]
+    violations += [("shadows_module", rel) for rel in shadowing(sources, original)]
     for rel in changed:
         if rel.endswith(".py"):
             new_text = (agent_ws.path / rel).read_text(errors="replace")
             old_text = (pristine / rel).read_text(errors="replace") if rel in original else None
             violations += [(reason, f"{rel}: {what}") for reason, what in scan_source(new_text, old_text)]
-    if split:
-        run = _grade_split(sandbox, pristine, agent_ws, changed)
-    else:
-        with sandbox.workspace(copy_from=pristine, skip=lambda rel: not _is_test_side(rel)) as gws:
-            for rel in sources:
-                (gws.path / rel).parent.mkdir(parents=True, exist_ok=True)
-                (gws.path / rel).write_bytes((agent_ws.path / rel).read_bytes())
-            _seal(gws)  # no links, renames or rewrites of the tests from inside
-            run = run_suite(sandbox, gws, changed)
-    allowed = set(runtime_allowed)
-    violations += [
-        (reason, f"{where}: {detail}" if where else detail)
-        for reason, where, detail in run.violations if (where, reason) not in allowed
-    ]
+    run = _grade_split(sandbox, pristine, agent_ws, targets)
+    violations += [(reason, f"{where}: {detail}" if where else detail) for reason, where, detail in run.violations]
+    grade_s = time.perf_counter() - began
+    cap = sandbox.config.slow_answer_s
+    if cap and grade_s > cap:
+        violations.append(("slow_answer", f"grading took {grade_s:.1f} s (cap {cap:g} s)"))
     passed = sum(run.tests.get(t) == "passed" for t in expected_tests)
     total = len(expected_tests)
     if violations:
@@ -240,18 +242,54 @@ def grade_workspace(
     else:
         reason = "passed"
     reward = 1.0 if reason == "passed" else 0.0
-    return Grade(reward, reason, passed, total, tuple(dict.fromkeys(violations)), run.output)
+    return Grade(reward, reason, passed, total, tuple(dict.fromkeys(violations)), run.output, round(grade_s, 3))
 
 
-def _grade_split(sandbox: Sandbox, pristine: Path, agent_ws: Workspace, changed: Sequence[str]) -> SuiteRun:
-    """The judge gets the pristine tree minus the forwarded modules; the callee gets the agent's sources."""
-    modules = {rel: name for rel in changed if (name := module_name(rel))}
+@functools.lru_cache(maxsize=256)
+def _pristine_manifest(pristine: Path) -> dict[str, str]:
+    """A task store snapshot never changes: hash it once per process."""
+    return manifest(pristine)
+
+
+def _grade_split(sandbox: Sandbox, pristine: Path, agent_ws: Workspace, targets: Mapping[str, str]) -> SuiteRun:
+    """The judge gets the pristine tree with the targets stubbed; the callee gets the agent's sources."""
+    modules = {rel: module_name(rel) for rel in targets}
+    if not all(modules.values()):
+        raise ValueError(f"targets {list(targets)} are not all modules the judge can forward")
     with (
-        sandbox.workspace(copy_from=pristine, skip=lambda rel: is_bytecode(rel) or rel in modules) as judge_ws,
+        sandbox.workspace(copy_from=pristine, skip=is_bytecode) as judge_ws,
         sandbox.workspace(copy_from=agent_ws.path, skip=lambda rel: not _is_source(rel)) as callee_ws,
     ):
+        for rel, base in targets.items():
+            (judge_ws.path / rel).write_text(base)
         _seal(judge_ws)
         return run_split(sandbox, judge_ws, callee_ws, sorted(modules.values()))
+
+
+def shadowing(sources: Sequence[str], original: dict[str, str]) -> list[str]:
+    """New source files whose top-level module name something the sandboxed interpreter imports already owns."""
+
+    def top(rel: str) -> str:
+        head, sep, _ = rel.partition("/")
+        return head if sep else head.split(".")[0]
+
+    # the repository's own packages and modules (not `pytest.ini` and the like)
+    own = {top(rel) for rel in original if rel.endswith(_MODULE_SUFFIXES)}
+    return sorted(
+        rel for rel in sources
+        if rel not in original and ("/" in rel or rel.endswith(_MODULE_SUFFIXES))
+        and top(rel) not in own and top(rel) in provided_modules()
+    )
+
+
+@functools.cache
+def provided_modules() -> frozenset[str]:
+    """Top-level module names of the standard library, the interpreter's site-packages (pytest and its
+    plugins among them) and the grader's own scripts: what a file in the repository must not shadow."""
+    prefixes = {p for q in (sys.prefix, sys.base_prefix) for p in (q, os.path.realpath(q))}
+    paths = [p for p in sys.path if p and os.path.isdir(p) and any(p.startswith(q + "/") for q in prefixes)]
+    names = set(sys.stdlib_module_names) | set(sys.builtin_module_names) | {m.name for m in pkgutil.iter_modules(paths)}
+    return frozenset(names | {p.stem for p in (_RUNNER, _CALLEE, _WIRE)} | {"_composer_wire"})
 
 
 def _seal(ws: Workspace) -> None:
@@ -269,13 +307,3 @@ def _is_test_side(rel: str) -> bool:
 def _is_source(rel: str) -> bool:
     """Files grading takes from the agent's workspace."""
     return not (is_test_path(rel) or is_test_config(rel) or is_bytecode(rel))
-
-
-def baseline_runtime(run: SuiteRun) -> tuple[tuple[str, str], ...]:
-    """(file, reason) pairs a pristine run showed with every source file watched."""
-    return tuple(sorted({(where, reason) for reason, where, _ in run.violations if where}))
-
-
-def source_files(root: Path) -> list[str]:
-    """Relative paths of the Python source files grading takes from the agent."""
-    return sorted(rel for rel in manifest(root) if rel.endswith(".py") and _is_source(rel))

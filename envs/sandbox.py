@@ -160,6 +160,11 @@ class Sandbox:
         self.root = Path(self.config.root_dir or tempfile.gettempdir()) / "composer-mesh-sandboxes"
         self.root.mkdir(parents=True, exist_ok=True)
         os.chmod(self.root, 0o711)  # others may traverse to their workspace, not list
+        # uid locks are shared by every sandbox of the host, whatever its root: two graders never share a uid
+        self.uid_locks = Path(tempfile.gettempdir()) / "composer-mesh-uids"
+        self.uid_locks.mkdir(mode=0o700, exist_ok=True)
+        # names this sandbox's cgroups, so a check can tell them from another grader's
+        self.tag = uuid.uuid4().hex[:8]
 
     def workspace(
         self, copy_from: str | os.PathLike | None = None, skip: Callable[[str], bool] | None = None
@@ -178,7 +183,7 @@ class Sandbox:
         """A uid no other live workspace (of any process) holds: an exclusive lock file per uid."""
         for _ in range(1000):
             uid = self.config.uid_base + secrets.randbelow(self.config.uid_count)
-            lock = self.root / f".uid-{uid}"
+            lock = self.uid_locks / f"uid-{uid}"
             try:
                 os.close(os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
             except FileExistsError:
@@ -189,8 +194,13 @@ class Sandbox:
         raise SandboxUnavailable(f"no free sandbox uid in [{self.config.uid_base}, +{self.config.uid_count})")
 
     def python(self) -> str:
-        """The interpreter sandboxed Python programs should use (this one)."""
-        return sys.executable
+        """The interpreter sandboxed Python programs should use (this one), by the path the sandbox binds.
+
+        The sandbox binds the resolved prefix, so a virtualenv reached through a
+        symlink is run from its real directory (its `bin/python` link, which
+        keeps the virtualenv's site-packages).
+        """
+        return interpreter()
 
     def run(
         self,
@@ -222,7 +232,7 @@ class Sandbox:
         with os.fdopen(os.open(stdin_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
             f.write(stdin)
         cgroup = RunCgroup.create(
-            f"{ws.uid}-{uuid.uuid4().hex[:8]}", cfg.memory_mb, cfg.max_processes + 4, cfg.cpu_cores
+            f"{self.tag}-{ws.uid}-{uuid.uuid4().hex[:8]}", cfg.memory_mb, cfg.max_processes + 4, cfg.cpu_cores
         )
         limits = self._limits()
 
@@ -316,7 +326,7 @@ class Sandbox:
 
     def _environment(self, ws: Workspace, extra: Mapping[str, str] | None) -> dict[str, str]:
         env = {
-            "PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin",
+            "PATH": f"{Path(interpreter()).parent}:/usr/local/bin:/usr/bin:/bin",
             "HOME": str(ws.path),
             "TMPDIR": "/tmp",  # the sandbox's own size-capped tmpfs
             "PYTHONDONTWRITEBYTECODE": "1",
@@ -341,6 +351,14 @@ class Sandbox:
             "RLIMIT_CORE": (0, 0),
         }
 
+
+def interpreter() -> str:
+    """This interpreter's path below the resolved `sys.prefix` (what exists inside the sandbox)."""
+    prefix = os.path.abspath(sys.prefix)
+    exe = os.path.abspath(sys.executable)
+    if exe.startswith(prefix + os.sep):
+        return os.path.join(os.path.realpath(prefix), os.path.relpath(exe, prefix))
+    return os.path.realpath(exe)
 
 
 def _tail(path: Path, n: int) -> str:

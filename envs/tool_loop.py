@@ -118,12 +118,12 @@ class ToolLoopEnv(Environment):
         assert self.task is not None and self.ws is not None
         grade = grade_workspace(
             self.sandbox, self.task.pristine, self._start_manifest, self.ws, self.task.expected_tests,
-            self._violations, self.task.runtime_allowed, split=self.task.split,
+            targets={self.task.target: self.task.stubbed_source}, episode_violations=self._violations,
         )
         self.ws.cleanup()  # the episode is over: free the disk now, whether or not close() is called
         info = {
             "task": self.task.name, "reason": grade.reason, "violations": list(grade.violations),
-            "passed": grade.passed, "total": grade.total, "split": self.task.split,
+            "passed": grade.passed, "total": grade.total, "grade_s": grade.grade_s,
         }
         return Observation(messages, reward=grade.reward, done=True, error_sites=sites, info=info)
 

@@ -39,6 +39,12 @@ class SandboxConfig:
     uid_base: int = option(200_000, doc="first of the private uids given to sandboxes", ge=1000)
     uid_count: int = option(100_000, doc="how many private uids to draw from", ge=1)
     bwrap_binary: str = option("bwrap", doc="bubblewrap binary that builds the namespaces and the minimal root")
+    slow_answer_s: float = option(
+        0.0,
+        doc="a repository grade taking longer than this many seconds earns 0 (reason slow_answer); 0 = no cap "
+        "(wall_timeout_s still bounds what one grade can cost)",
+        ge=0.0,
+    )
 
 
 @dataclass(frozen=True)

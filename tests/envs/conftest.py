@@ -16,13 +16,16 @@ collect_ignore_glob = ["fixtures/*"]
 
 FIXTURES = Path(__file__).parent / "fixtures"
 REPOS = ("textkit", "minicalc")
+SANDBOX_LIMITS = dict(wall_timeout_s=8.0, cpu_time_s=3, address_space_mb=1024, max_processes=12)
 
 
 @pytest.fixture(scope="session")
-def sandbox():
+def sandbox(tmp_path_factory):
+    """A sandbox with a root of its own: other graders on the box (a second run, a benchmark) add and remove
+    their workspaces elsewhere, so a test may compare the root's listing before and after."""
     from envs.sandbox import Sandbox
 
-    return Sandbox(SandboxConfig(wall_timeout_s=8.0, cpu_time_s=3, address_space_mb=1024, max_processes=12))
+    return Sandbox(SandboxConfig(root_dir=str(tmp_path_factory.mktemp("sandbox-root")), **SANDBOX_LIMITS))
 
 
 @pytest.fixture(scope="session")
@@ -41,3 +44,13 @@ def repo_tasks(sandbox, task_store):
 
     config = FeatureDeletionConfig(max_tasks=3, functions_per_task=1, seed=0)
     return {repo: generate_tasks(FIXTURES / repo, config, sandbox, task_store) for repo in REPOS}
+
+
+@pytest.fixture(scope="session")
+def callable_tasks(sandbox, task_store):
+    """The hookkit fixture: tests pass callables in and get callables back; (tasks, refused)."""
+    from envs.feature_deletion import generate_tasks
+
+    refused: list[tuple[str, str]] = []
+    tasks = generate_tasks(FIXTURES / "hookkit", FeatureDeletionConfig(max_tasks=10, seed=0), sandbox, task_store, refused)
+    return tasks, refused

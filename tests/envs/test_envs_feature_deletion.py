@@ -24,7 +24,7 @@ def _grade(sandbox, task, write_original: bool):
         assert (ws.path / task.target).read_text() == task.stubbed_source
         if write_original:
             (ws.path / task.target).write_text(task.original_source())
-        return grade_workspace(sandbox, task.pristine, start, ws, task.expected_tests)
+        return grade_workspace(sandbox, task.pristine, start, ws, task.expected_tests, targets={task.target: task.stubbed_source})
 
 
 @pytest.mark.parametrize("repo", REPOS)
@@ -173,7 +173,7 @@ def test_bytecode_is_not_carried_into_grading(repo_tasks, sandbox):
         py_compile.compile(str(original), cfile=str(target.with_suffix(".pyc")))
         target.unlink()  # only the bytecode of the real implementation is left
         original.unlink()
-        grade = grade_workspace(sandbox, task.pristine, start, ws, task.expected_tests)
+        grade = grade_workspace(sandbox, task.pristine, start, ws, task.expected_tests, targets={task.target: task.stubbed_source})
     assert grade.reward == 0.0
 
 
@@ -236,15 +236,14 @@ def test_what_the_pristine_code_does_at_run_time_is_not_held_against_the_agent(t
         "    with pytest.warns(UserWarning):\n        assert echo('hi') == 'hi'\n"
     )
     (task,) = generate_tasks(repo, FeatureDeletionConfig(), sandbox, task_store)
-    assert task.runtime_allowed == (("pkg/run.py", "process_spawn"),)  # the warning's frame walk is not flagged
-    assert _grade(sandbox, task, write_original=True).reward == 1.0
+    assert _grade(sandbox, task, write_original=True).reward == 1.0  # the spawn runs in the callee, the warning crosses
     with task.workspace(sandbox) as ws:  # the same spawn from a file that never did it is still refused
         start = manifest(ws.path)
         (ws.path / task.target).write_text(task.original_source())
         (ws.path / "pkg" / "__init__.py").write_text("import os\nos.system('true')\n")
-        grade = grade_workspace(sandbox, task.pristine, start, ws, task.expected_tests, runtime_allowed=task.runtime_allowed)
+        grade = grade_workspace(sandbox, task.pristine, start, ws, task.expected_tests, targets={task.target: task.stubbed_source})
     assert grade.reward == 0.0 and grade.reason == "process_spawn"
-    assert ("process_spawn", "pkg/__init__.py: os.system") in grade.violations  # the run-time report, too
+    assert ("process_spawn", "pkg/__init__.py: os.system") in grade.violations
 
 
 def test_the_report_cannot_be_forged_from_the_request(sandbox):

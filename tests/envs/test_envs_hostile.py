@@ -3,7 +3,6 @@ and leaves the host untouched (checked from the host: processes by marker, files
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import socket
@@ -278,7 +277,7 @@ def test_hostile_submission_earns_zero_with_reason(name, env, monkeypatch):
         assert not obs.done
     obs = env.step(assistant("done"))
     assert obs.done and obs.reward == 0.0
-    assert obs.info["split"] is True  # verdicts came from the judge's sandbox, not the submission's
+    assert obs.info["grade_s"] > 0  # graded (by the split judge: the only mode there is)
     named = {reason for reason, _ in obs.info["violations"]}
     reason = obs.info["reason"].split()[0]
     if reasons == {"tests_failed"}:  # neutralised: nothing was gained, the stub simply fails
@@ -315,11 +314,11 @@ def teardown_module() -> None:
 @pytest.mark.parametrize(
     "name", ["json_dumps_rebind", "builtins_max_swap", "channel_flood", "channel_forged_lines", "hardlink_tests"]
 )
-def test_in_process_grading_also_refuses_rebinding_and_channel_tricks(name, env):
-    """Tasks that cannot be split run the suite with the submission: the runner's own references and the
-    bounded, validated channel still hold against these (a heap walk for the nonce does not; docs/envs.md)."""
+def test_single_turn_grading_also_refuses_rebinding_and_channel_tricks(name, env):
+    """The same sources as a single-turn answer (`grade_source`): the judge's own references and the
+    bounded, validated channel hold against these too."""
     env.reset(seed=0)
-    task = dataclasses.replace(env.task, split=False)
+    task = env.task
     (message,) = CASES[name][0](task, env)
     source = json.loads(message["tool_calls"][0]["function"]["arguments"])["content"]
     grade = task.grade_source(env.sandbox, source)

@@ -162,7 +162,7 @@ def test_workspaces_get_distinct_uids_released_on_cleanup():
     assert again.uid == spaces[0].uid
     for w in spaces[1:] + [again]:
         w.cleanup()
-    assert not any((sb.root / f".uid-{w.uid}").exists() for w in spaces)
+    assert not any((sb.uid_locks / f"uid-{w.uid}").exists() for w in spaces)
 
 
 _READ_PROBE = (

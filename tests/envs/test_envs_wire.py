@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import sys
+import threading
 from collections import OrderedDict
 
 import pytest
@@ -167,3 +169,80 @@ def test_exceptions_cross_as_builtins_only():
     forged = wire.exception_from("SystemExit", "0")
     assert type(forged) is RuntimeError and "SystemExit" in str(forged)
     assert type(wire.exception_from(["x"], "y")) is RuntimeError
+
+
+@pytest.mark.parametrize(
+    "obj", [{"b": "zz"}, {"s": [[1], [2]]}, {"d": [[[1], 2]]}, {"f": [{"d": []}]}, {"c": 1}, {"c": True}],
+)
+def test_hostile_values_raise_only_wire_errors(obj):
+    """Bad hex, unhashable members or keys, handles without a binder: WireError, never another exception."""
+    with pytest.raises(wire.WireError):
+        wire.decode(obj)
+
+
+def test_a_deeply_nested_message_is_malformed_not_a_recursion_error():
+    r, w = os.pipe()
+    os.write(w, b'{"ok": ' + b"[" * 20_000 + b"]" * 20_000 + b"}\n")  # within one pipe buffer
+    with pytest.raises(wire.WireError, match="not JSON"):
+        wire.Reader(r).recv(timeout_s=1)
+    os.close(r), os.close(w)
+
+
+def test_callables_cross_as_handles_and_call_back_nested():
+    """Side A passes a callable to side B, which calls it back while A waits; results come home as plain data."""
+    a_to_b, b_to_a = os.pipe(), os.pipe()
+    served = []
+
+    def b_serve(request):  # B: apply the callable it got to 3, then return a callable of its own
+        fn = wire.decode(request["args"], bind=lambda h: lambda *xs: b.request(
+            {"op": "call", "handle": h, "args": wire.encode(list(xs)), "kwargs": wire.encode({})})["ok"])
+        served.append(fn[0](3))
+        return {"ok": wire.encode(lambda x: x * 10, export=b.export)}
+
+    b = wire.Peer(a_to_b[0], b_to_a[1], b_serve, timeout_s=5)
+    a = wire.Peer(b_to_a[0], a_to_b[1], lambda req: {"ok": a.exported_fn(req["handle"])(*wire.decode(req["args"]))}, 5)
+    thread = threading.Thread(target=b.serve_forever, daemon=True)
+    thread.start()
+    reply = a.request({"op": "call", "args": wire.encode([lambda x: x + 1], export=a.export), "kwargs": wire.encode({})})
+    assert served == [4] and set(reply) == {"ok"} and reply["ok"] == {"c": 0}
+    with pytest.raises(wire.WireError, match="unknown callable handle"):
+        a.exported_fn(True)
+    os.close(a_to_b[1])
+    thread.join(5)
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        b'{"ok": {"d": [["__class__", ["value", 1]], ["__dict__", ["value", 2]]]}}\n',
+        b'{"ok": {"d": [[1, ["function"]]]}}\n',
+        b'{"ok": 5}\n',
+        b'{"ok": {"b": "zz"}}\n',
+        b'{"ok": {"d": []}, "warnings": "x"}\n',
+        b'{"weird": 1}\n',
+        b"not json\n",
+        b'{"op": "call", "handle": 0, "args": [], "kwargs": {"d": []}}\n',
+        b"",
+    ],
+)
+def test_no_reply_to_a_description_request_raises_inside_the_judge(reply):
+    """The judge's side (`install_forwarding`) against forged replies: a violation at most, never an exception."""
+    from envs import _grade_runner as runner
+
+    to_judge, to_callee = os.pipe(), os.pipe()
+    os.write(to_judge[1], reply)
+    os.close(to_judge[1])  # then end of stream: the callee is gone
+    seen = []
+    before = list(sys.meta_path)
+    try:
+        callee = {"modules": ["cm_forged_mod"], "in_fd": to_judge[0], "out_fd": to_callee[1],
+                  "wire": wire.__file__, "timeout_s": 2}
+        runner.install_forwarding(callee, lambda kind, detail, where: seen.append(kind))
+        finder = sys.meta_path[0]
+        assert set(finder.described["cm_forged_mod"]) <= {"x"}  # no dunder, no non-identifier made it through
+    finally:
+        sys.meta_path[:] = before
+        for fd in (to_judge[0], *to_callee):
+            os.close(fd)
+    assert set(seen) <= {"malformed_reply"}
+    assert seen or reply in (b"",)  # every forged reply but a plain end of stream is named
