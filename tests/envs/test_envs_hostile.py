@@ -97,8 +97,6 @@ UNIX_LISTENERS = [_UnixListener(UNIX_PATH), _UnixListener(f"\0{MARKER}")]
 # Host files holding the secret: a run must not be able to read them (the transcript is checked for it).
 _SECRET_NAME = "cmsecret" + uuid.uuid4().hex[:12]
 HOST_SECRETS = [Path("/root") / f".{_SECRET_NAME}", REPO_ROOT / f".{_SECRET_NAME}-eval.jsonl"]
-for _p in HOST_SECRETS:
-    _p.write_text(SECRET)
 _DUMP_FDS = "\nimport os\nfor _fd in range(3, 64):\n    try:\n        os.write(_fd, {payload})\n    except OSError:\n        pass\n"
 
 # name -> (actions(task, env), allowed reasons)
@@ -306,7 +304,12 @@ def test_at_least_thirty_hostile_kinds():
     assert len(CASES) >= 30
 
 
-def teardown_module() -> None:
+@pytest.fixture(scope="module", autouse=True)
+def host_secrets():
+    """The host files holding the secret exist while this module's tests run (not at collection)."""
+    for p in HOST_SECRETS:
+        p.write_text(SECRET)
+    yield
     for p in [*HOST_SECRETS, Path(UNIX_PATH)]:
         p.unlink(missing_ok=True)
 
