@@ -19,7 +19,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import torch.distributed as dist
 from monarch.actor import Actor, endpoint
+from torchft._torchft import LighthouseServer
 
 from actors.trainer import TrainerActor
 from configs.sections.diloco import DiLoCoConfig
@@ -31,8 +33,6 @@ class DiLoCoManagerActor(Actor):
     """Endpoints: assign, report, status, shutdown. Owns the lighthouse for the run's lifetime."""
 
     def __init__(self, cfg: DiLoCoConfig) -> None:
-        from torchft._torchft import LighthouseServer
-
         self.cfg = cfg
         self.lighthouse = LighthouseServer(
             bind="[::]:0", min_replicas=cfg.min_replicas,
@@ -93,8 +93,6 @@ class DiLoCoTrainerActor(TrainerActor):
         `start_digests[rank]`: replica group 0's `local_digest` per rank when the groups start together
         (this rank must start from the same weights); None when joining a running quorum (heals).
         """
-        import torch.distributed as dist
-
         t = self._t()
         if self.replica is None:
             rank = dist.get_rank()

@@ -5,7 +5,7 @@ dim 1024, 6 layers, FFN 2816: 72 M fp32 parameters, 288 MB). Every figure is
 bytes delivered to generators (model bytes × 2) per second of wall time,
 median over the repetitions, all measured in this run:
 
-- topology: `mesh.weight_sync.TopologySync` (trainer ranks write their own
+- topology: `actors.weight_sync.sync.TopologySync` (trainer ranks write their own
   shards into the host's shared-memory slot, both generators read it into
   their engines through `load_weights`; the trainer does not step here, so
   every sync is a new sync of v0 into the same, already faulted slot, as a
@@ -14,7 +14,7 @@ median over the repetitions, all measured in this run:
 - endpoint: weights as endpoint values — the trainer's collective HF export
   returned by rank 0 to the controller, then sent to each generator as an
   endpoint argument and loaded (the path the architecture rules out);
-- baseline: `mesh.weight_sync_baseline.sync_weights` (rank-0 gather,
+- baseline: `sync_weights` of the test oracle `tests/endpoint_sync.py` (rank-0 gather,
   safetensors in /dev/shm), for reference;
 - raw shm: the same bytes by plain processes — 2 producers each write their
   half into a fresh /dev/shm file, then 2 consumers each copy the whole file
@@ -23,7 +23,7 @@ median over the repetitions, all measured in this run:
   file every process mapped before (a bare memcpy: the floor). Each raw
   figure is the faster of 1 and 2 torch threads per process.
 
-Delta sync (`actors.weight_delta`), on two Monarch `ProcessJob` fake hosts
+Delta sync (`actors.weight_sync.delta`), on two Monarch `ProcessJob` fake hosts
 (trainer mesh on one, a bf16 generator on the other, so every byte it gets
 crosses hosts): the tiny model trained with AdamW at lr 1e-6, 1e-5 and 1e-4
 (`--quick`: 1e-6 only) for `--delta-steps` steps, each step synced with deltas (after one anchor),
@@ -59,14 +59,15 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+# the test oracle (tests/endpoint_sync.py) is imported from the tests folder, here and in the actor processes
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")) if p)
 
 import torch  # noqa: E402
 from monarch.actor import endpoint  # noqa: E402
 
-from actors.generator import GeneratorActor  # noqa: E402
-from actors.trainer import TrainerActor  # noqa: E402
+from endpoint_sync import EndpointGenerator, EndpointTrainer, sync_weights  # noqa: E402
 
 FLAVOUR = "composer_bench"
 
@@ -78,7 +79,7 @@ def register_shape(shape: dict) -> None:
     TINY_SHAPES.setdefault(FLAVOUR, TinyShape(**shape))
 
 
-class BenchTrainer(TrainerActor):
+class BenchTrainer(EndpointTrainer):
     """TrainerActor on the benchmark shape, plus the endpoint-return export (benchmark only)."""
 
     def __init__(self, spec, shape: dict) -> None:
@@ -93,7 +94,7 @@ class BenchTrainer(TrainerActor):
         return named if dist.get_rank() == 0 else None
 
 
-class BenchGenerator(GeneratorActor):
+class BenchGenerator(EndpointGenerator):
     def __init__(self, spec, shape: dict) -> None:
         register_shape(shape)
         super().__init__(spec)
@@ -208,8 +209,8 @@ def _codec(root: str, host: str, version: int) -> dict:
     import numpy as np
     import zstandard
 
-    from actors.shm_weights import PinnedSegment
-    from actors.weight_delta import encode_run
+    from actors.weight_sync.reader import PinnedSegment
+    from actors.weight_sync.delta import encode_run
 
     with PinnedSegment.open(root, host, version - 1) as old, PinnedSegment.open(root, host, version) as new:
         a, b = old.payload.clone(), new.payload.clone()
@@ -238,8 +239,8 @@ def delta_run(state, trainer_cls, trainer_args: tuple, gen_cls, gen_args: tuple,
 
     from monarch.spmd import setup_torch_elastic_env
 
-    from mesh.weight_sync import TopologySync
-    from mesh.weight_sync_baseline import rank0
+    from actors.weight_sync.sync import TopologySync
+    from actors.mesh_utils import rank0
     from titan_ext.batch import TrainBatch
 
     procs = state.trainer.spawn_procs(per_host={"gpus": 2})
@@ -382,8 +383,8 @@ def main() -> None:
     from actors.generator import GeneratorSpec
     from configs.sections.generator import GeneratorConfig
     from configs.sections.model import ModelConfig
-    from mesh.weight_sync import TopologySync
-    from mesh.weight_sync_baseline import rank0, sync_weights
+    from actors.weight_sync.sync import TopologySync
+    from actors.mesh_utils import rank0
     from titan_ext.assets import build_assets
     from titan_ext.models import resolve_model
     from titan_ext.trainer import TrainerSpec

@@ -30,6 +30,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from actors.mesh_utils import rank0
 from configs.schema import JobConfig
 from mesh.controller import StepRecord
 
@@ -261,8 +262,6 @@ class Run:
         """The steps left, then the final checkpoint (unless the last step saved one) and the servable
         `hf/` export; writes summary.json and plot.png and returns the summary. The actors stay up for
         `generate`, `evaluate` and `export_hf` until `stop()`."""
-        from mesh.weight_sync_baseline import rank0
-
         self.start()
         if self.summary is not None:
             return self.summary
@@ -338,8 +337,6 @@ class Run:
     def export_hf(self, out_dir: str | os.PathLike) -> Path:
         """The trainer's current weights as a Hugging Face checkpoint (safetensors, config.json with
         `architectures`, generation config, tokenizer) that transformers loads and vLLM serves."""
-        from mesh.weight_sync_baseline import rank0
-
         self.start()
         return Path(rank0(self._placement.trainer.save_hf.call(str(out_dir)).get()))
 
@@ -410,7 +407,6 @@ def _resume_at_logged_step(trainer: Any, start: int, run_dir: Path, job: JobConf
     """
     from mesh.metrics import read_metrics
     from mesh.supervision import state_path
-    from mesh.weight_sync_baseline import rank0
     from titan_ext.checkpoint import Checkpointer
 
     path = run_dir / "metrics.jsonl"

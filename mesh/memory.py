@@ -28,8 +28,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from actors.weight_sync.sync import sync_keep
 from configs.schema import JobConfig
-from mesh.weight_sync import sync_keep
 
 logger = logging.getLogger(__name__)
 

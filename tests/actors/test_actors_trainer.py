@@ -1,4 +1,4 @@
-"""TrainerActor on two local processes (FSDP2 over gloo) and the baseline weight sync to two generator procs.
+"""TrainerActor on two local processes (FSDP2 over gloo) and the endpoint weight sync (the test oracle) to two generator procs.
 
 `score` is checked against an independent HF transformers forward of the same
 weights, and DPO's frozen reference (`score(reference=True)`) against the
@@ -23,15 +23,25 @@ VOCAB = 2048
 
 @pytest.fixture(scope="module")
 def meshes(tiny_trainer_spec, generator_spec, tmp_path_factory):
-    """Disaggregated placement: 2 FSDP trainer procs, 2 generator procs of their own."""
-    from configs.sections.mesh import MeshConfig
-    from mesh.placement import place
+    """Disaggregated: 2 FSDP trainer procs, 2 generator procs of their own, running the product actors plus
+    the endpoint sync of the test oracle (`tests/endpoint_sync.py`)."""
+    from monarch.actor import this_host
+    from monarch.spmd import setup_torch_elastic_env
+
+    from endpoint_sync import EndpointGenerator, EndpointTrainer
 
     out = tmp_path_factory.mktemp("trainer")
     spec = tiny_trainer_spec(out / "ckpt")
-    placement = place(MeshConfig(placement="disaggregated", trainer_procs=2, generator_procs=2), spec, generator_spec)
-    yield placement.trainer, placement.generators, placement.trainer_setup, out
-    placement.stop()
+    trainer_procs = this_host().spawn_procs(per_host={"gpus": 2})
+    setup_torch_elastic_env(trainer_procs)
+    trainer = trainer_procs.spawn("trainer", EndpointTrainer, spec)
+    gen_procs = this_host().spawn_procs(per_host={"gpus": 2})
+    gen_mesh = gen_procs.spawn("generator", EndpointGenerator, generator_spec)
+    setup = list(trainer.setup.call().get().values())
+    gens = [gen_mesh.slice(**point) for point, _ in gen_mesh.info.call().get().items()]
+    yield trainer, gens, setup, out
+    trainer_procs.stop().get()
+    gen_procs.stop().get()
 
 
 def score_batch(seed: int = 0, n: int = 3, s: int = 12):
@@ -95,7 +105,8 @@ def policy_batch(trainer, seed: int):
 
 
 def test_train_step_weight_sync_and_checkpoint(meshes, tmp_path):
-    from mesh.weight_sync_baseline import rank0, sync_weights
+    from actors.mesh_utils import rank0
+    from endpoint_sync import sync_weights
 
     trainer, gens, _, _ = meshes
     digest0 = rank0(trainer.weights_digest.call().get())
@@ -143,7 +154,8 @@ def test_dpo_reference_stays_the_initial_weights(meshes, tiny_assets):
 def test_two_generator_procs_update_weights_in_place(meshes, tiny_assets, tmp_path):
     from monarch.actor import ActorError
 
-    from actors.weights import publish_buckets, weights_digest
+    from actors.weight_sync.digest import weights_digest
+    from endpoint_sync import publish_buckets
 
     _, gens, _, _ = meshes
     before = {g.weights_digest.call_one().get() for g in gens}

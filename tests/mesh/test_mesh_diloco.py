@@ -1,8 +1,9 @@
 """`composer-mesh train configs/diloco_cpu.toml`: DiLoCo in the RL loop, end to end on local process meshes.
 
 Two trainer replica groups (own proc meshes) under the DiLoCo manager actor,
-one generator following the post-outer-step weights (every load is digest-
-checked against group 0's export by `sync_weights`), rollouts split across
+one generator following the post-outer-step weights through `TopologySync`
+(every load is digest-checked against group 0's export by
+`ReplicaController.sync_generators`), rollouts split across
 the groups, a teacher-replay actor serving both, per-group checkpoints and
 a resumed run (2 FSDP procs per group, H = 2, 3 + 1 steps). Plus the recipe
 combinations the loop refuses, with errors that say what to change, and

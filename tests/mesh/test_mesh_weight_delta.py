@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 import torch
 
-from actors.shm_weights import Piece
-from actors.weight_delta import FULL, XOR, DeltaBase, apply_delta, runs_crc
+from actors.weight_sync.segment import Piece
+from actors.weight_sync.delta import FULL, XOR, DeltaBase, apply_delta, runs_crc
 from titan_ext.batch import TrainBatch
 
 VOCAB = 2048  # the tiny models' vocabulary
@@ -143,7 +143,8 @@ def _flip_a_bit(root: str, host: str) -> None:
     """Flip one bit of the newest sealed version on `host` (its header stays valid)."""
     import os
 
-    from actors.shm_weights import Header, host_dir, newest_version
+    from actors.weight_sync.reader import newest_version
+    from actors.weight_sync.segment import Header, host_dir
 
     newest = newest_version(root, host)
     for path in host_dir(root, host).glob("slot*.seg"):
@@ -172,8 +173,8 @@ def _trainer(state, spec):
 
 
 def test_deltas_over_20_steps_stay_bitwise_through_respawn_restart_and_lag(delta_meshes):
-    from mesh.weight_sync import TopologySync
-    from mesh.weight_sync_baseline import rank0
+    from actors.weight_sync.sync import TopologySync
+    from actors.mesh_utils import rank0
 
     state, spec, new_generator, out = delta_meshes
     root = str(out / "seg")

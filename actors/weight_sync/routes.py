@@ -4,7 +4,7 @@
 label. `probe` fills it from running actors (each answers `host_info`, whose
 host label is Monarch's: the host part of `HYPERACTOR_PROCESS_NAME`, i.e. the
 hostname on real hosts and the fake host's key under `monarch.job.ProcessJob`;
-`actors.shm_weights.host_label`).
+`actors.mesh_utils.host_label`).
 
 `plan_routes` is pure: for each generator host it names the trainer ranks on
 the same host (they write their shards straight into the host's segment) and

@@ -13,9 +13,10 @@ One sync of version v (`TopologySync.start`, then `PendingSync.wait`):
 
 Steps 2–3 are Monarch futures: `start()` returns once step 1 is done, so the
 controller can issue the next `train_step` and call `wait()` afterwards. The
-version barrier (slot locks and sealed headers, see `actors.shm_weights`) keeps
-a generator from reading a half-written version. `sync_weights_topology` is the
-one-call form; `mesh.weight_sync_baseline` stays the reference path.
+version barrier (slot locks and sealed headers, see `actors.weight_sync.segment`)
+keeps a generator from reading a half-written version. `sync_weights_topology`
+is the one-call form. The controller's main loop and the DiLoCo loop
+(`mesh.replicas`) both sync through `TopologySync`.
 
 The controller (`mesh.controller`) uses the parts separately: `publish()` is
 steps 1–2 (a `Publication`; it first waits for the previous publication's
@@ -34,9 +35,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from actors.shm_weights import DEFAULT_BUCKET_BYTES, RemoteSource
-from actors.weights import DEFAULT_ROOT
-from mesh.topology import MeshTopology, ProcInfo, RoutePlan, Topology, plan_routes, probe
+from actors.weight_sync.pull import RemoteSource
+from actors.weight_sync.routes import MeshTopology, ProcInfo, RoutePlan, Topology, plan_routes, probe
+from actors.weight_sync.segment import DEFAULT_BUCKET_BYTES, DEFAULT_ROOT
 
 
 @dataclass(frozen=True)
@@ -173,7 +174,7 @@ class TopologySync:
     while v+1 lands; a writer waits for the readers of the slot it reuses);
     bucket_bytes: RDMA batch and HF bucket size; verify: generators report digests (sha256 of the
     weights; costs one pass over them);
-    anchor_every: cross-host pulls carry deltas (`actors.weight_delta`) with a full anchor every this many
+    anchor_every: cross-host pulls carry deltas (`actors.weight_sync.delta`) with a full anchor every this many
     publications, on the first, and for a host whose reader is new (`replaced`); a host that does not hold a
     delta's base version gets the full runs too; 1 = always full (the trainer keeps no base copy).
     """
