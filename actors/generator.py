@@ -31,9 +31,9 @@ import torch
 from monarch.actor import Actor, current_rank, endpoint
 
 from actors.chaos import kill_point
+from actors.mesh_utils import host_label
 from actors.phase_memory import PhaseMemory, bound_malloc_retention
 from actors.rollout import EpisodeRequest, RolloutGroup, SamplingParams
-from actors.mesh_utils import host_label
 from actors.weight_sync.pull import pull_pieces
 from actors.weight_sync.reader import SegmentLoader
 from configs.sections.env import EnvConfig

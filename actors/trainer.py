@@ -23,8 +23,8 @@ import torch
 from monarch.actor import Actor, endpoint
 
 from actors.chaos import kill_point
-from actors.phase_memory import PhaseMemory, bound_malloc_retention
 from actors.mesh_utils import host_label
+from actors.phase_memory import PhaseMemory, bound_malloc_retention
 from actors.weight_sync.delta import Delta, DeltaBase
 from actors.weight_sync.digest import weights_digest
 from actors.weight_sync.segment import Piece, SegmentLayout, coalesce

@@ -67,6 +67,8 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 import torch  # noqa: E402
 from monarch.actor import endpoint  # noqa: E402
 
+from actors.generator import GeneratorActor  # noqa: E402
+from actors.trainer import TrainerActor  # noqa: E402
 from endpoint_sync import EndpointGenerator, EndpointTrainer, sync_weights  # noqa: E402
 
 FLAVOUR = "composer_bench"
@@ -209,8 +211,8 @@ def _codec(root: str, host: str, version: int) -> dict:
     import numpy as np
     import zstandard
 
-    from actors.weight_sync.reader import PinnedSegment
     from actors.weight_sync.delta import encode_run
+    from actors.weight_sync.reader import PinnedSegment
 
     with PinnedSegment.open(root, host, version - 1) as old, PinnedSegment.open(root, host, version) as new:
         a, b = old.payload.clone(), new.payload.clone()
@@ -239,8 +241,8 @@ def delta_run(state, trainer_cls, trainer_args: tuple, gen_cls, gen_args: tuple,
 
     from monarch.spmd import setup_torch_elastic_env
 
-    from actors.weight_sync.sync import TopologySync
     from actors.mesh_utils import rank0
+    from actors.weight_sync.sync import TopologySync
     from titan_ext.batch import TrainBatch
 
     procs = state.trainer.spawn_procs(per_host={"gpus": 2})
@@ -381,10 +383,10 @@ def main() -> None:
     from monarch.spmd import setup_torch_elastic_env
 
     from actors.generator import GeneratorSpec
+    from actors.mesh_utils import rank0
+    from actors.weight_sync.sync import TopologySync
     from configs.sections.generator import GeneratorConfig
     from configs.sections.model import ModelConfig
-    from actors.weight_sync.sync import TopologySync
-    from actors.mesh_utils import rank0
     from titan_ext.assets import build_assets
     from titan_ext.models import resolve_model
     from titan_ext.trainer import TrainerSpec

@@ -39,9 +39,11 @@ LEVEL = 1
 class RunDelta:
     """How one run is encoded in the delta buffer: `size` bytes at `at`."""
 
-    run: Piece  # one tensor's local shard in the segment payload
+    # one tensor's local shard in the segment payload
+    run: Piece
     encoding: str
-    changed: int  # elements that differ from the base
+    # elements that differ from the base
+    changed: int
     at: int
     size: int
 

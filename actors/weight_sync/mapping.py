@@ -43,9 +43,11 @@ class SlotMapping:
             self.mm = mmap.mmap(fd, st.st_size, access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ)
         finally:
             os.close(fd)
-        with warnings.catch_warnings():  # read-only pages: a stray write faults loudly instead of going stale
+        # read-only pages (torch warns about them): a stray write faults loudly instead of going stale
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            self.bytes = torch.frombuffer(self.mm, dtype=torch.uint8)  # [file bytes]
+            # [file bytes]
+            self.bytes = torch.frombuffer(self.mm, dtype=torch.uint8)
 
 
 _MAPPINGS: dict[tuple[str, bool], SlotMapping] = {}

@@ -63,7 +63,8 @@ def _pull_deltas(writer: SegmentWriter, base: PinnedSegment, sources: list[Remot
         for s in sources:
             try:
                 apply_delta(writer.payload, base.payload, s.delta, received[s.rank])
-            except ValueError:  # undecodable: counted with the CRC mismatches, read whole
+            except ValueError:
+                # undecodable: counted with the CRC mismatches, read whole
                 mismatched.append(s)
                 continue
             if runs_crc(writer.payload, [rd.run for rd in s.delta.runs]) != s.delta.crc:
@@ -98,7 +99,8 @@ def pull_pieces(root: str, host: str, version: int, token: str, layout: SegmentL
                                  f"for {len(source.pieces)} runs")
             for piece, buf in zip(source.pieces, source.buffers):
                 action.read_remote(writer.payload[piece.offset : piece.offset + piece.nbytes], buf)
-                transferred += piece.nbytes  # the transfer layer's count of bytes entering this host
+                # the transfer layer's count of bytes entering this host
+                transferred += piece.nbytes
                 pending += piece.nbytes
                 if pending >= bucket_bytes:
                     action.submit(timeout=600).get()

@@ -45,7 +45,8 @@ def pulling(root: str | os.PathLike, host: str, version: int, token: str) -> Ite
     marker.write_text(str(os.getpid()))
     try:
         yield
-    except BaseException as exc:  # the host's loads wait for this version: tell them it is not coming
+    except BaseException as exc:
+        # the host's loads wait for this version: tell them it is not coming
         mark_failed(root, host, version, token, exc)
         raise
     finally:
@@ -56,7 +57,8 @@ def dead_puller(root: str | os.PathLike, host: str, version: int, token: str) ->
     """The pid of a process that was pulling `version` onto `host` and is gone, else None."""
     try:
         pid = int(puller_path(root, host, version, token).read_text())
-    except (FileNotFoundError, ValueError):  # no pull running, or its pid half-written
+    except (FileNotFoundError, ValueError):
+        # no pull running, or its pid half-written
         return None
     try:
         os.kill(pid, 0)

@@ -27,7 +27,8 @@ class PinnedSegment(SlotHold):
     views stay valid and unchanged until `release()` or the end of a `with` block."""
 
     def __init__(self, path: Path, fd: int, header: Header) -> None:
-        self.fd = -1  # owned only once fully built (the caller closes it if this raises)
+        # owned only once fully built (the caller closes it if this raises)
+        self.fd = -1
         self.path, self.version, self._header = path, header.version, header
         self.mapping = map_slot(path, fd, writable=False)
         raw = self.mapping.mm[HEADER.size : HEADER.size + header.layout_len]
@@ -50,7 +51,8 @@ class PinnedSegment(SlotHold):
                 raise RuntimeError(f"weights v{version} will not reach {host}: its pull failed "
                                    f"({failed.read_text()})")
             dead = dead_puller(root, host, version, token) if token is not None else None
-            if dead is not None:  # sealed just before it died? look once more
+            # sealed just before it died? look once more
+            if dead is not None:
                 for path in sorted(host_dir(root, host).glob("slot*.seg")):
                     pinned = PinnedSegment._try(path, version, token)
                     if pinned is not None:
@@ -71,8 +73,10 @@ class PinnedSegment(SlotHold):
         try:
             header = Header.read(fd)
             if header is not None and header.holds(version, token):
-                fcntl.flock(fd, fcntl.LOCK_SH)  # a claiming writer holds the exclusive lock only for an instant
-                header = Header.read(fd)  # checked again under the lock: the slot may have been claimed meanwhile
+                # a claiming writer holds the exclusive lock only for an instant
+                fcntl.flock(fd, fcntl.LOCK_SH)
+                # checked again under the lock: the slot may have been claimed meanwhile
+                header = Header.read(fd)
                 if header is not None and header.holds(version, token):
                     return PinnedSegment(path, fd, header)
         except BaseException:
@@ -138,7 +142,8 @@ def load_segment(engine: Any, bound: nn.Module, segment: PinnedSegment, hf_names
     segment.verify()
     loaded = 0
 
-    def tensors() -> Iterator[tuple[str, torch.Tensor]]:  # bucket by bucket, in one load (vLLM's is whole-model)
+    # bucket by bucket, in one load (vLLM's is whole-model)
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         nonlocal loaded
         for bucket in iter_hf_buckets(bound, bucket_bytes):
             yield from bucket

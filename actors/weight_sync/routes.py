@@ -78,7 +78,8 @@ class HostRoute:
 @dataclass(frozen=True)
 class RoutePlan:
     routes: tuple[HostRoute, ...]
-    source_hosts: dict[str, tuple[int, ...]]  # trainer host -> its ranks (every rank writes its own host's segment)
+    # trainer host -> its ranks (every rank writes its own host's segment)
+    source_hosts: dict[str, tuple[int, ...]]
 
     def route_of(self, host: str) -> HostRoute | None:
         return next((r for r in self.routes if r.host == host), None)

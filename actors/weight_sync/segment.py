@@ -36,10 +36,12 @@ MAGIC = b"CMWSEG02"
 # every tensor starts on a cache line
 ALIGN = 64
 PAGE = 4096
+# RDMA batch and HF bucket size
 DEFAULT_BUCKET_BYTES = 64 << 20
 # magic, version, sealed, payload offset, payload bytes, layout json bytes, sync token
 HEADER = struct.Struct("<8sqqqqq16s")
 
+# where segments live unless a sync names a folder: shared memory where the host has it
 DEFAULT_ROOT = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
 
 
@@ -66,7 +68,8 @@ class SegmentLayout:
         """Every parameter of `model` in `dtype` (the generators' serving dtype; None: the parameter's own):
         writers cast as they copy, so a bf16-serving run moves and keeps half the bytes of fp32 slots."""
         slots, offset = [], 0
-        for name, p in model.named_parameters():  # deduplicated: tied weights once, under their first name
+        # deduplicated: tied weights once, under their first name
+        for name, p in model.named_parameters():
             name = clean_name(name)
             slot_dtype = dtype or p.dtype
             nbytes = p.numel() * slot_dtype.itemsize
@@ -113,6 +116,7 @@ def clean_name(name: str) -> str:
 
 
 def path_safe(name: str) -> str:
+    """`name` with every character but letters, digits and `-_.` replaced by `_` (one path component)."""
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
 
 
@@ -122,18 +126,22 @@ def host_dir(root: str | os.PathLike, host: str) -> Path:
 
 
 def slot_path(root: str | os.PathLike, host: str, slot: int) -> Path:
+    """The file of ring slot `slot` on `host`."""
     return host_dir(root, host) / f"slot{slot:03d}.seg"
 
 
 def round_up(n: int, to: int) -> int:
+    """`n` rounded up to a multiple of `to`."""
     return -(-n // to) * to
 
 
 def payload_offset(layout_json: bytes) -> int:
+    """Where the payload starts: the first page after the header and the layout."""
     return round_up(HEADER.size + len(layout_json), PAGE)
 
 
 def dtype_of(name: str) -> torch.dtype:
+    """The torch dtype a slot names ("bfloat16"); a clear error for anything else."""
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"segment names an unknown dtype {name!r}")
@@ -141,11 +149,11 @@ def dtype_of(name: str) -> torch.dtype:
 
 
 def pack_token(token: str) -> bytes:
+    """A sync token as the header's 16 bytes (NUL-padded)."""
     raw = token.encode()
     if not raw or len(raw) > 16:
         raise ValueError(f"sync token must be 1..16 bytes, got {token!r}")
     return raw.ljust(16, b"\0")
-
 
 
 @dataclass(frozen=True)
@@ -176,6 +184,7 @@ class Header:
 
 
 def slot_views(payload: torch.Tensor, layout: SegmentLayout) -> Iterator[tuple[Slot, torch.Tensor]]:
+    """(slot, full tensor view) for every slot of `layout` over a segment's payload bytes."""
     for s in layout.slots:
         yield s, payload[s.offset : s.offset + s.nbytes].view(dtype_of(s.dtype)).view(s.shape)
 

@@ -48,7 +48,8 @@ class SegmentWriter(SlotHold):
         except BaseException:
             self.release()
             raise
-        self.payload = self.mapping.bytes[self.payload_at : self.payload_at + layout.nbytes]  # [layout.nbytes]
+        # [layout.nbytes]
+        self.payload = self.mapping.bytes[self.payload_at : self.payload_at + layout.nbytes]
 
     def _claim(self, deadline: float) -> None:
         """Hold the slot (shared lock) for this sync; the first party empties it of the previous version."""
@@ -59,7 +60,8 @@ class SegmentWriter(SlotHold):
                 fcntl.flock(self.fd, fcntl.LOCK_SH)
                 break
             try:
-                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # no reader or writer of the old version left
+                # no reader or writer of the old version left
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 if time.monotonic() >= deadline:
                     raise TimeoutError(f"{self.path}: still read or written for an older version; cannot write "
@@ -70,12 +72,14 @@ class SegmentWriter(SlotHold):
                 if not self._owns():
                     size = self.payload_at + self.layout.nbytes
                     if os.fstat(self.fd).st_size < size:
-                        os.ftruncate(self.fd, size)  # grow only: other processes may map the old length
+                        # grow only: other processes may map the old length
+                        os.ftruncate(self.fd, size)
                     os.pwrite(self.fd, self._header(sealed=0), 0)
                     count.truncate(0)
             fcntl.flock(self.fd, fcntl.LOCK_SH)
             break
-        if not self._owns():  # a newer sync took the slot between our locks
+        # a newer sync took the slot between our locks
+        if not self._owns():
             fcntl.flock(self.fd, fcntl.LOCK_UN)
             raise RuntimeError(f"{self.path}: taken by a newer sync before v{self.version} was written")
 
@@ -145,7 +149,8 @@ def write_shards(model: nn.Module, writer: SegmentWriter) -> list[Piece]:
             local, index = part
             if local.numel() == 0:
                 continue
-            full[index].copy_(local)  # device-to-host on GPU; casts to the slot's (serving) dtype
+            # device-to-host on GPU; casts to the slot's (serving) dtype
+            full[index].copy_(local)
             pieces += _runs(slot, full, index)
     return pieces
 

@@ -1,4 +1,5 @@
-"""TrainerActor on two local processes (FSDP2 over gloo) and the endpoint weight sync (the test oracle) to two generator procs.
+"""TrainerActor on two local processes (FSDP2 over gloo) and the endpoint weight sync (the test oracle)
+to two generator procs.
 
 `score` is checked against an independent HF transformers forward of the same
 weights, and DPO's frozen reference (`score(reference=True)`) against the

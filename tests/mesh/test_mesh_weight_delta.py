@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 import torch
 
-from actors.weight_sync.segment import Piece
 from actors.weight_sync.delta import FULL, XOR, DeltaBase, apply_delta, runs_crc
+from actors.weight_sync.segment import Piece
 from titan_ext.batch import TrainBatch
 
 VOCAB = 2048  # the tiny models' vocabulary
@@ -173,8 +173,8 @@ def _trainer(state, spec):
 
 
 def test_deltas_over_20_steps_stay_bitwise_through_respawn_restart_and_lag(delta_meshes):
-    from actors.weight_sync.sync import TopologySync
     from actors.mesh_utils import rank0
+    from actors.weight_sync.sync import TopologySync
 
     state, spec, new_generator, out = delta_meshes
     root = str(out / "seg")

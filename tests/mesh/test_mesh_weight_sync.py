@@ -194,8 +194,8 @@ def meshes(tiny_trainer_spec, generator_spec, tmp_path_factory):
 
 
 def test_sync_matches_trainer_digest_while_next_step_runs(meshes, tmp_path):
-    from actors.weight_sync.sync import TopologySync
     from actors.mesh_utils import rank0
+    from actors.weight_sync.sync import TopologySync
 
     trainer, gens = meshes
     sync = TopologySync(trainer, gens, str(tmp_path), keep=2)
@@ -234,8 +234,8 @@ def test_sync_matches_trainer_digest_while_next_step_runs(meshes, tmp_path):
 def test_serving_dtype_slots_halve_the_bytes_and_load_the_rounded_weights(meshes, tmp_path):
     """bf16 slots (`[generator] dtype`): each byte that crosses a host or sits in /dev/shm is half the fp32
     one, and every generator holds exactly the trainer's export rounded to bf16, not anything else."""
-    from actors.weight_sync.sync import TopologySync
     from actors.mesh_utils import rank0
+    from actors.weight_sync.sync import TopologySync
 
     trainer, gens = meshes
     trainer.train_step.call(TrainBatch.synthetic(4, VOCAB)).get()
@@ -254,8 +254,8 @@ def test_publish_then_load_one_generator_at_a_time(meshes, tmp_path):
     """What the controller's async workers and respawns do: publish once, then a generator loads alone once its
     host holds the version whole, checked against the first load's digest; a generator respawned on a host the
     last publication did not reach gets a new one."""
-    from actors.weight_sync.sync import TopologySync
     from actors.mesh_utils import rank0
+    from actors.weight_sync.sync import TopologySync
 
     trainer, gens = meshes
     trainer.train_step.call(TrainBatch.synthetic(3, VOCAB)).get()
@@ -282,8 +282,8 @@ def test_publish_then_load_one_generator_at_a_time(meshes, tmp_path):
 
 def test_rollout_exchange_sends_each_rank_only_its_shard(meshes):
     """Sharded on the controller == sliced on every rank: same metrics, bit-identical weights."""
-    from mesh.rollout_exchange import shard_points, train_step_sharded
     from actors.mesh_utils import rank0
+    from mesh.rollout_exchange import shard_points, train_step_sharded
 
     trainer, _ = meshes
     step = int(rank0(trainer.policy_version.call().get()))
