@@ -11,7 +11,9 @@ after a publish. It shares no code with the segment path beyond the engines'
 checked against (tests and `benchmarks/weight_sync.py`).
 
 The actor classes are pickled by value (`cloudpickle.register_pickle_by_value`),
-so their processes need not import this file from the tests folder.
+so their processes need not import this file from the tests folder; globals
+the pickled functions use are modules or importable functions (`safe_open`, a
+Rust class, is reached through its module: cloudpickle cannot pickle it).
 """
 
 from __future__ import annotations
@@ -25,10 +27,10 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import cloudpickle
+import safetensors
 import torch
 import torch.distributed as dist
 from monarch.actor import endpoint
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from actors.generator import GeneratorActor
@@ -84,7 +86,7 @@ def read_manifest(manifest: WeightManifest) -> Iterator[tuple[str, torch.Tensor]
     for path in manifest.files:
         if not Path(path).is_file():
             raise FileNotFoundError(f"weights of version {manifest.version} are gone: {path} (pruned or another host)")
-        with safe_open(path, framework="pt") as f:
+        with safetensors.safe_open(path, framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
 

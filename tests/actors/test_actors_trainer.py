@@ -24,23 +24,34 @@ VOCAB = 2048
 
 @pytest.fixture(scope="module")
 def meshes(tiny_trainer_spec, generator_spec, tmp_path_factory):
-    """Disaggregated: 2 FSDP trainer procs, 2 generator procs of their own, running the product actors plus
-    the endpoint sync of the test oracle (`tests/endpoint_sync.py`)."""
+    """Disaggregated placement: 2 FSDP trainer procs, 2 generator procs of their own."""
+    from configs.sections.mesh import MeshConfig
+    from mesh.placement import place
+
+    out = tmp_path_factory.mktemp("trainer")
+    spec = tiny_trainer_spec(out / "ckpt")
+    placement = place(MeshConfig(placement="disaggregated", trainer_procs=2, generator_procs=2), spec, generator_spec)
+    yield placement.trainer, placement.generators, placement.trainer_setup, out
+    placement.stop()
+
+
+@pytest.fixture(scope="module")
+def oracle_meshes(tiny_trainer_spec, generator_spec, tmp_path_factory):
+    """The same layout running the product actors plus the test oracle's endpoint sync
+    (`tests/endpoint_sync.py`): 2 FSDP trainer procs, one single-process mesh per generator."""
     from monarch.actor import this_host
     from monarch.spmd import setup_torch_elastic_env
 
     from endpoint_sync import EndpointGenerator, EndpointTrainer
 
-    out = tmp_path_factory.mktemp("trainer")
-    spec = tiny_trainer_spec(out / "ckpt")
+    out = tmp_path_factory.mktemp("oracle")
     trainer_procs = this_host().spawn_procs(per_host={"gpus": 2})
     setup_torch_elastic_env(trainer_procs)
-    trainer = trainer_procs.spawn("trainer", EndpointTrainer, spec)
+    trainer = trainer_procs.spawn("trainer", EndpointTrainer, tiny_trainer_spec(out / "ckpt"))
     gen_procs = this_host().spawn_procs(per_host={"gpus": 2})
-    gen_mesh = gen_procs.spawn("generator", EndpointGenerator, generator_spec)
-    setup = list(trainer.setup.call().get().values())
-    gens = [gen_mesh.slice(**point) for point, _ in gen_mesh.info.call().get().items()]
-    yield trainer, gens, setup, out
+    gens = [gen_procs.slice(gpus=i).spawn("generator", EndpointGenerator, generator_spec) for i in range(2)]
+    trainer.setup.call().get()
+    yield trainer, gens
     trainer_procs.stop().get()
     gen_procs.stop().get()
 
@@ -105,11 +116,11 @@ def policy_batch(trainer, seed: int):
     )
 
 
-def test_train_step_weight_sync_and_checkpoint(meshes, tmp_path):
+def test_train_step_weight_sync_and_checkpoint(oracle_meshes, tmp_path):
     from actors.mesh_utils import rank0
     from endpoint_sync import sync_weights
 
-    trainer, gens, _, _ = meshes
+    trainer, gens = oracle_meshes
     digest0 = rank0(trainer.weights_digest.call().get())
     assert {g.weights_digest.call_one().get() for g in gens} == {digest0}  # both start from the same HF files
 
@@ -152,13 +163,13 @@ def test_dpo_reference_stays_the_initial_weights(meshes, tiny_assets):
         assert (cur.logprobs_NS - ref.logprobs_NS).abs().max() > 1e-2  # the policy moved, π_ref did not
 
 
-def test_two_generator_procs_update_weights_in_place(meshes, tiny_assets, tmp_path):
+def test_two_generator_procs_update_weights_in_place(oracle_meshes, tiny_assets, tmp_path):
     from monarch.actor import ActorError
 
     from actors.weight_sync.digest import weights_digest
     from endpoint_sync import publish_buckets
 
-    _, gens, _, _ = meshes
+    _, gens = oracle_meshes
     before = {g.weights_digest.call_one().get() for g in gens}
     assert len(before) == 1
 
