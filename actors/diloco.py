@@ -21,11 +21,11 @@ from typing import Any
 
 import torch.distributed as dist
 from monarch.actor import Actor, endpoint
-from torchft._torchft import LighthouseServer
 
 from actors.trainer import TrainerActor
 from configs.sections.diloco import DiLoCoConfig
 from titan_ext.diloco import DiLoCoReplica, ReplicaAssignment, parameters_digest
+from titan_ext.torchft_compat import LighthouseServer
 from titan_ext.trainer import TrainerSpec
 
 

@@ -145,7 +145,8 @@ class EpisodeRunner:
         messages = env.state.messages
         ids: list[int] = []
         starts: list[int] = []
-        for i in range(len(messages)):  # per-message pieces when the rendering allows it
+        # per-message pieces when the rendering allows it
+        for i in range(len(messages)):
             try:
                 piece = self.chat.delta(messages[:i], messages[: i + 1], tools, generation=False)
             except ValueError:
@@ -175,7 +176,8 @@ class EpisodeRunner:
         start = len(ep.ids)
         self._append(ep, done.token_ids, done.logprobs)
         text_ids = done.token_ids[:-1] if done.finish_reason == "stop" else done.token_ids
-        if done.finish_reason == "length":  # close the turn so the context stays well-formed (no loss)
+        # close the turn so the context stays well-formed (no loss)
+        if done.finish_reason == "length":
             self._append(ep, [self.chat.end_id])
         message_index = len(ep.env.state.messages)
         ep.spans.append((message_index, start, start + len(done.token_ids)))
@@ -183,7 +185,8 @@ class EpisodeRunner:
         ep.turns += 1
         messages = ep.env.state.messages
         rendered = self.chat.render(messages[: message_index + 1], ep.tools)
-        tail = rendered[rendered.rfind(self.chat.end_text) + len(self.chat.end_text):]  # template text after the reply
+        # template text after the reply
+        tail = rendered[rendered.rfind(self.chat.end_text) + len(self.chat.end_text):]
         self._append(ep, self.chat.encode(tail))
         if ep.env.state.done:
             ep.finish = "done"

@@ -31,6 +31,8 @@ import torch
 from monarch.actor import Actor, current_rank, endpoint
 
 from actors.chaos import kill_point
+from actors.episodes import ChatTokens, EpisodeRunner
+from actors.hf_engine import HFEngine
 from actors.mesh_utils import host_label
 from actors.phase_memory import PhaseMemory, bound_malloc_retention
 from actors.rollout import EpisodeRequest, RolloutGroup, SamplingParams
@@ -38,6 +40,9 @@ from actors.weight_sync.pull import pull_pieces
 from actors.weight_sync.reader import SegmentLoader
 from configs.sections.env import EnvConfig
 from configs.sections.generator import GeneratorConfig
+from envs.factory import env_factory
+from envs.plugin import add_python_path
+from titan_ext.platform import detect_platform
 
 logger = logging.getLogger(__name__)
 
@@ -50,11 +55,15 @@ class GeneratorSpec:
     tokenizer_dir: str = ""  # "" = model_dir
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
-    max_context_tokens: int = 512  # an episode never grows past this (the trainer's row length)
-    torch_threads: int = 0  # intra-op threads of the generator process (mesh.placement.torch_threads); 0 = torch's
-    device: str = "cpu"  # "auto", "cpu" or "cuda" ([model] device); auto = CUDA when this process sees one
+    # an episode never grows past this (the trainer's row length)
+    max_context_tokens: int = 512
+    # intra-op threads of the generator process (mesh.placement.torch_threads); 0 = torch's
+    torch_threads: int = 0
+    # "auto", "cpu" or "cuda" ([model] device); auto = CUDA when this process sees one
+    device: str = "cpu"
     seed: int = 0
-    python_path: tuple[str, ...] = ()  # [job] python_path: where task plugins are imported from
+    # [job] python_path: where task plugins are imported from
+    python_path: tuple[str, ...] = ()
 
 
 def select_engine(requested: str, model_dir: str = "", max_model_len: int = 0) -> Literal["hf", "vllm"]:
@@ -94,11 +103,8 @@ class GeneratorActor(Actor):
     host_info, load_segment, pull_weights."""
 
     def __init__(self, spec: GeneratorSpec) -> None:
+        # lazy: start-up time; the controller imports this module for GeneratorSpec and loads no tokenizer
         from transformers import AutoTokenizer
-
-        from actors.episodes import EpisodeRunner
-        from envs.factory import env_factory
-        from envs.plugin import add_python_path
 
         kill_point("generator", "setup")
         self.memory = PhaseMemory()
@@ -113,6 +119,7 @@ class GeneratorActor(Actor):
         self.tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_dir or spec.model_dir)
         stops = [self.tokenizer.eos_token_id]
         if self.engine_kind == "vllm":
+            # lazy: only a vLLM generator needs the vLLM engine (vllm is optional)
             from actors.vllm_engine import VLLMEngine, VLLMEngineConfig
 
             self.engine = VLLMEngine(spec.model_dir, stops, VLLMEngineConfig(
@@ -123,10 +130,6 @@ class GeneratorActor(Actor):
             raise ValueError(f"generator.tensor_parallel_size = {spec.generator.tensor_parallel_size} needs the vLLM "
                              f"engine; generator.engine = {spec.generator.engine!r} resolved to the HF engine")
         else:
-            from actors.hf_engine import HFEngine
-
-            from titan_ext.platform import detect_platform
-
             self.engine = HFEngine(spec.model_dir, stops, device=detect_platform(spec.device).device_type,
                                    dtype=getattr(torch, spec.generator.dtype))
         self.runner = EpisodeRunner(
@@ -149,7 +152,8 @@ class GeneratorActor(Actor):
         """`group_size` rollouts for each request (one batch per turn); None: the configured group size
         (held-out greedy evaluation asks for 1, mesh.evaluation)."""
         kill_point("generator", "generate")
-        if sampling is None:  # a fresh, reproducible stream per call (request seeds are unique within a run)
+        # a fresh, reproducible stream per call (request seeds are unique within a run)
+        if sampling is None:
             sampling = SamplingParams.from_config(
                 self.spec.generator, seed=self.spec.seed * 1_000_003 + (requests[0].seed if requests else 0))
         with self.memory.phase("generate"):
@@ -160,8 +164,6 @@ class GeneratorActor(Actor):
     def complete(self, conversations: list[list[dict]], sampling: SamplingParams) -> list[str]:
         """One completion per chat conversation with the current weights (the public API's `Run.generate`):
         rendered by the chat template with the assistant turn opened, decoded without special tokens."""
-        from actors.episodes import ChatTokens
-
         chat = ChatTokens(self.tokenizer)
         prompts = [chat.encode(chat.render(c, generation=True)) for c in conversations]
         return [self.tokenizer.decode(c.token_ids, skip_special_tokens=True)

@@ -55,7 +55,8 @@ def sampling_logprobs(logits_NV: torch.Tensor, sampling: SamplingParams) -> torc
     if sampling.top_p < 1.0:
         sorted_NV, order_NV = z_NV.sort(-1, descending=True)
         probs_NV = sorted_NV.softmax(-1)
-        mass_before_NV = probs_NV.cumsum(-1) - probs_NV  # mass of the strictly more likely tokens
+        # mass of the strictly more likely tokens
+        mass_before_NV = probs_NV.cumsum(-1) - probs_NV
         drop_NV = mass_before_NV >= sampling.top_p
         drop_NV[:, 0] = False
         z_NV = z_NV.masked_fill(torch.zeros_like(drop_NV).scatter(-1, order_NV, drop_NV), float("-inf"))
@@ -71,6 +72,7 @@ class HFEngine:
 
     def __init__(self, model_dir: str | Path, stop_token_ids: Iterable[int], device: str = "cpu",
                  dtype: torch.dtype = torch.float32) -> None:
+        # lazy: start-up time; actors.episodes imports this module for `Completion` in processes with no model
         from transformers import AutoModelForCausalLM
 
         self.device = torch.device(device)
@@ -88,6 +90,7 @@ class HFEngine:
         """Sample one completion per prompt (a batch; deterministic for a given seed and batch)."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
+        # lazy: start-up time (see __init__)
         from transformers import DynamicCache
 
         N, width = len(prompts), max(len(p) for p in prompts)
@@ -139,7 +142,8 @@ class HFEngine:
         mismatch (before copying that tensor).
         """
         fused = self.model.state_dict()
-        state = {**fused, **dict(per_expert_views(fused))}  # fused expert names are accepted too
+        # fused expert names are accepted too
+        state = {**fused, **dict(per_expert_views(fused))}
         n = 0
         for name, tensor in named:
             if name not in state:

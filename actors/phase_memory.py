@@ -13,6 +13,8 @@ endpoint; the run writes them to summary.json (`memory`) and
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 from contextlib import contextmanager
 from pathlib import Path
@@ -41,7 +43,8 @@ class PhaseMemory:
 
     def __init__(self) -> None:
         self.peaks: dict[str, dict[str, int]] = {}
-        self._open: list[dict[str, int]] = []  # per open phase: the /proc status at its highest peak so far
+        # per open phase: the /proc status at its highest peak so far
+        self._open: list[dict[str, int]] = []
         self.enabled = (_PROC / "clear_refs").exists()
 
     def _reset(self) -> None:
@@ -88,8 +91,10 @@ class PhaseMemory:
         return {name: dict(peak) for name, peak in self.peaks.items()}
 
 
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters (malloc.h)
-MMAP_THRESHOLD_ENV = "COMPOSER_MESH_MMAP_THRESHOLD"  # bytes; set by mesh.placement from [mesh] malloc_mmap_threshold_mib
+# glibc mallopt parameters (malloc.h)
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+# bytes; set by mesh.placement from [mesh] malloc_mmap_threshold_mib
+MMAP_THRESHOLD_ENV = "COMPOSER_MESH_MMAP_THRESHOLD"
 MMAP_THRESHOLD_BYTES = 4 << 20
 
 
@@ -98,13 +103,9 @@ def bound_malloc_retention(threshold: int | None = None) -> bool:
 
     glibc raises its mmap threshold each time a mapped block is freed (up to
     32 MiB), after which tensors below it come from the heap and their pages
-    stay with the process once freed: measured on the 65M-parameter shape
-    (benchmarks/memory_scale.py), 4–6 of the trainer's bytes per parameter
-    were such freed-but-kept memory. Fixing the threshold (which turns the
-    adjustment off) and the trim threshold gives them back. 4 MiB: 1 MiB kept
-    1.8 B/param more but made the demo recipe's test 13 % slower (65 s
-    against 56 s; mapping and faulting every mid-sized tensor), 4 MiB costs
-    nothing measurable. Called once in each actor process with the
+    stay with the process once freed. Fixing the threshold (which turns the
+    adjustment off) and the trim threshold gives them back; why 4 MiB and
+    what it saves: docs/cluster.md. Called once in each actor process with the
     threshold the run set (`[mesh] malloc_mmap_threshold_mib`, through the
     environment the actors inherit; 0 leaves glibc alone); False where it
     does nothing or glibc is not the allocator.
@@ -113,9 +114,6 @@ def bound_malloc_retention(threshold: int | None = None) -> bool:
         threshold = int(os.environ.get(MMAP_THRESHOLD_ENV, MMAP_THRESHOLD_BYTES))
     if threshold <= 0:
         return False
-    import ctypes
-    import ctypes.util
-
     name = ctypes.util.find_library("c")
     if not name:
         return False

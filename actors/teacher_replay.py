@@ -38,8 +38,11 @@ from actors.episodes import ChatTokens
 from actors.rollout import Rollout
 from configs.sections.replay import ReplayConfig
 from configs.sections.teachers import TeachersConfig
+from replay.cache import ResponseCache
 from replay.gating import Uncertainty, VOIGate
 from replay.pairs import PreferencePair
+from replay.pipeline import load_states, replay_states
+from replay.teachers import TeacherClient
 from replay.traces import TraceState
 
 
@@ -47,8 +50,10 @@ from replay.traces import TraceState
 class ReplaySpec:
     replay: ReplayConfig
     teachers: TeachersConfig
-    tokenizer_dir: str = ""  # needed for gating with the trainer's policy
-    max_queue: int = 4096  # states waiting for teachers; the oldest are dropped beyond it
+    # needed for gating with the trainer's policy
+    tokenizer_dir: str = ""
+    # states waiting for teachers; the oldest are dropped beyond it
+    max_queue: int = 4096
 
 
 def rollout_states(rollout: Rollout) -> list[TraceState]:
@@ -71,6 +76,7 @@ class TrainerScorer:
         self.trainer, self.chat = trainer, chat
 
     def __call__(self, state: TraceState) -> Uncertainty:
+        # lazy: start-up time; the trainer's modules (TorchTitan) load only when gating scores with the trainer
         from actors.trainer import ScoreBatch
 
         prompt, action = self.chat.prompt_and_action(list(state.context), state.action)
@@ -98,10 +104,6 @@ class TeacherReplayActor(Actor):
     """Endpoints: add_states, add_rollouts, next_pairs, status, info, snapshot, restore, set_trainer."""
 
     def __init__(self, spec: ReplaySpec, trainer: Any = None) -> None:
-        from replay.cache import ResponseCache
-        from replay.pipeline import load_states
-        from replay.teachers import TeacherClient
-
         self.spec = spec
         out = Path(spec.replay.output_dir)
         out.mkdir(parents=True, exist_ok=True)
@@ -114,6 +116,7 @@ class TeacherReplayActor(Actor):
         if spec.replay.gating.enabled:
             if trainer is None or not spec.tokenizer_dir:
                 raise ValueError("replay.gating.enabled in the application needs the trainer mesh and a tokenizer")
+            # lazy: start-up time; the replay process loads transformers only when it gates
             from transformers import AutoTokenizer
 
             self.scorer = TrainerScorer(trainer, ChatTokens(AutoTokenizer.from_pretrained(spec.tokenizer_dir)))
@@ -147,8 +150,6 @@ class TeacherReplayActor(Actor):
     @endpoint
     def next_pairs(self, n: int) -> list[PreferencePair]:
         """Up to `n` pairs: from those ready, then by replaying queued states (a chunk at a time)."""
-        from replay.pipeline import replay_states
-
         while len(self.ready) < n and self.queue:
             chunk = [self.queue.popleft() for _ in range(min(self.spec.replay.concurrency, len(self.queue)))]
             results = self._on_loop(replay_states(chunk, self.client, self.spec.replay, gate=self.gate))

@@ -16,11 +16,14 @@ Weights reach generators through `publish_shards` (`actors.weight_sync`).
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from monarch.actor import Actor, endpoint
+from monarch.rdma import RDMABuffer
 
 from actors.chaos import kill_point
 from actors.mesh_utils import host_label
@@ -29,6 +32,7 @@ from actors.weight_sync.delta import Delta, DeltaBase
 from actors.weight_sync.digest import weights_digest
 from actors.weight_sync.segment import Piece, SegmentLayout, coalesce
 from actors.weight_sync.writer import SegmentWriter, write_shards
+from losses.logprobs import chunked_token_stats
 from titan_ext.batch import IGNORE_INDEX, TrainBatch
 from titan_ext.trainer import Trainer, TrainerSpec
 
@@ -71,11 +75,14 @@ class ShardReport:
     version: int
     layout: SegmentLayout
     pieces: list[Piece]
-    buffers: list  # monarch.rdma.RDMABuffer per piece, or [] when not exposed
+    # monarch.rdma.RDMABuffer per piece, or [] when not exposed
+    buffers: list
     published: bool  # this rank sealed the host's segment
     write_s: float
-    delta: Delta | None = None  # exposed ranks with deltas on: changes since this rank's previous publication
-    delta_buffer: Any = None  # RDMABuffer over the delta's bytes (None without a delta or with zero bytes)
+    # exposed ranks with deltas on: changes since this rank's previous publication
+    delta: Delta | None = None
+    # RDMABuffer over the delta's bytes (None without a delta or with zero bytes)
+    delta_buffer: Any = None
 
 
 class TrainerActor(Actor):
@@ -85,8 +92,10 @@ class TrainerActor(Actor):
     def __init__(self, spec: TrainerSpec) -> None:
         self.spec = spec
         self.trainer: Trainer | None = None
-        self._exposed: dict[int, tuple[SegmentWriter, list]] = {}  # version -> mapping + RDMA buffers kept alive
-        self._delta_base = DeltaBase()  # exposed ranks with deltas on: the serving-dtype runs published last
+        # version -> mapping + RDMA buffers kept alive
+        self._exposed: dict[int, tuple[SegmentWriter, list]] = {}
+        # exposed ranks with deltas on: the serving-dtype runs published last
+        self._delta_base = DeltaBase()
         self.memory = PhaseMemory()
         bound_malloc_retention()
 
@@ -98,15 +107,14 @@ class TrainerActor(Actor):
     @endpoint
     def setup(self) -> dict:
         """Join the process group and build model, optimizer and schedule (resumes from a checkpoint if one exists)."""
-        import torch.distributed as dist
-
         kill_point("trainer", "setup")
         if self.trainer is None:
             if self.spec.torch_threads:
                 torch.set_num_threads(self.spec.torch_threads)
             with self.memory.phase("load"):
                 self.trainer = Trainer(self.spec)
-            self.trainer.phase = self.memory.phase  # a checkpoint inside a step is a phase of its own
+            # a checkpoint inside a step is a phase of its own
+            self.trainer.phase = self.memory.phase
         return {
             "rank": dist.get_rank(), "world": dist.get_world_size(), "step": self.trainer.step, "pid": os.getpid(),
             "threads": torch.get_num_threads(),
@@ -116,8 +124,6 @@ class TrainerActor(Actor):
     @endpoint
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step on this rank's share of the global batch; metrics are reduced over ranks."""
-        import torch.distributed as dist
-
         t = self._t()
         with self.memory.phase("step"):
             return t.train_step(batch.shard(dist.get_rank(), dist.get_world_size()))
@@ -127,8 +133,6 @@ class TrainerActor(Actor):
         """Logprobs and entropies of `batch` (every rank runs the whole batch) under the current weights,
         or with `reference=True` under DPO's π_ref: the trainer's frozen initial weights when it keeps
         them (`trainer.dpo_reference = "frozen"`), else the current weights."""
-        from losses.logprobs import chunked_token_stats
-
         t = self._t()
         model = t.reference if reference and t.reference is not None else t.model
         was_training = model.training
@@ -186,11 +190,10 @@ class TrainerActor(Actor):
 
     @endpoint
     def host_info(self) -> dict:
-        import torch.distributed as dist
-
         self._t()
         return {"rank": dist.get_rank(), "world": dist.get_world_size(), "host": host_label(), "pid": os.getpid(),
-                "shadow": (self.spec.model, self.spec.parallelism)}  # what generators need to name the tensors
+                # what generators need to name the tensors
+                "shadow": (self.spec.model, self.spec.parallelism)}
 
     @endpoint
     def publish_shards(self, root: str, token: str, parties: dict[str, int], keep: int = 2,
@@ -203,10 +206,6 @@ class TrainerActor(Actor):
         delta (exposed ranks; `actors.weight_sync.delta`): "delta" also encodes the runs against this rank's previous
         publication (when it has one) for readers to apply; "anchor" only keeps this version as the next base;
         "off" keeps no base (its memory is freed)."""
-        import time
-
-        import torch.distributed as dist
-
         t = self._t()
         kill_point("trainer", "first_sync")
         start = time.perf_counter()
@@ -214,23 +213,21 @@ class TrainerActor(Actor):
         with SegmentWriter(root, host_label(), t.step, token, SegmentLayout.from_model(t.model, getattr(torch, dtype)),
                            keep) as writer:
             runs = write_shards(t.model, writer)
-            if torch.device(t.device).type == "cuda":  # the device-to-host copies are done before the seal
+            # the device-to-host copies are done before the seal
+            if torch.device(t.device).type == "cuda":
                 torch.cuda.synchronize()
             published = writer.done(parties[host_label()])
         pieces = coalesce(runs)
         buffers: list = []
         encoded, delta_buffer = None, None
         if dist.get_rank() in expose:
-            from monarch.rdma import RDMABuffer
-
             # the sealed version stays unchanged here: its slot is reused only `keep` versions later
             encoded = self._delta(writer.payload, runs, t.step, token, getattr(torch, dtype).itemsize, delta)
             buffers = [RDMABuffer(writer.payload[p.offset : p.offset + p.nbytes]) for p in pieces]
             if encoded is not None and encoded[0].nbytes:
                 delta_buffer = RDMABuffer(encoded[1])
                 buffers.append(delta_buffer)  # dropped with the version's other buffers
-            # a version published again (a covering publication) replaces its buffers: the publisher waited
-            # for the pulls of the earlier one
+            # a version published again (a covering publication) replaces its buffers; its pulls are done
             stale = self._exposed.pop(t.step, (None, []))[1]
             self._exposed[t.step] = (writer, buffers)
             for old in sorted(self._exposed)[:-keep]:

@@ -36,31 +36,39 @@ from pathlib import Path
 from typing import Iterable
 
 import torch
+import torch.distributed as dist
+from transformers import AutoConfig
 
 from actors.hf_engine import Completion
 from actors.rollout import SamplingParams
+from titan_ext.hf.config import causal_lm_architecture
 
-_SEED_STRIDE = 1_000_003  # row seeds: seed * stride + row, kept below 2**31
+# row seeds: seed * stride + row, kept below 2**31
+_SEED_STRIDE = 1_000_003
 
 
 @dataclass(frozen=True)
 class VLLMEngineConfig:
     """Engine construction knobs (the sampling knobs come per call)."""
 
-    dtype: str = "float32"  # the trainer exports fp32: equal dtypes keep digests comparable
-    gpu_memory_utilization: float = 0.5  # GPU: weights + KV cache share of device memory
-    cpu_kv_cache_mib: int = 256  # CPU: KV cache size (vLLM's CPU worker otherwise reserves a RAM share)
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    enforce_eager: bool = False  # GPU: no CUDA graphs / torch.compile; always on for CPU (start-up time)
+    # the trainer exports fp32: equal dtypes keep digests comparable
+    dtype: str = "float32"
+    # GPU: weights + KV cache share of device memory
+    gpu_memory_utilization: float = 0.5
+    # CPU: KV cache size (vLLM's CPU worker otherwise reserves a share of RAM)
+    cpu_kv_cache_mib: int = 256
+    # None: the model's max_position_embeddings
+    max_model_len: int | None = None
+    # GPU: no CUDA graphs / torch.compile; always on for CPU (start-up time)
+    enforce_eager: bool = False
     seed: int = 0
-    tensor_parallel_size: int = 1  # > 1: that many worker processes, each holding a shard of every weight
+    # > 1: that many worker processes, each holding a shard of every weight
+    tensor_parallel_size: int = 1
 
 
 def _refuse_trainer_process() -> None:
     """The in-process worker makes torch.distributed's default group its own (world 1): in a trainer
     rank (colocated placement) the trainer would then join that group instead of its real world."""
-    import torch.distributed as dist
-
     if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ValueError(
             "the vLLM engine cannot share a process with a torch.distributed world (a trainer rank): "
@@ -73,10 +81,6 @@ def _architecture(model_dir: Path) -> str:
     cfg = json.loads((model_dir / "config.json").read_text())
     if cfg.get("architectures"):
         return cfg["architectures"][0]
-    from transformers import AutoConfig
-
-    from titan_ext.hf_config import causal_lm_architecture
-
     return causal_lm_architecture(AutoConfig.from_pretrained(str(model_dir)))
 
 
@@ -104,6 +108,7 @@ class VLLMEngine:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         # vLLM's CPU worker sets torch to 1 thread and replaces torch.set_num_threads: undone by close().
         self._torch_threads = (torch.get_num_threads(), torch.set_num_threads)
+        # lazy: vllm is optional, and is imported only after the settings above are made
         from vllm import LLM
         from vllm.platforms import current_platform
 
@@ -141,6 +146,7 @@ class VLLMEngine:
         """Sample one completion per prompt (deterministic for a given seed and batch)."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
+        # lazy: vllm is optional (see __init__)
         from vllm import SamplingParams as VSampling
         from vllm.inputs import TokensPrompt
 
@@ -177,7 +183,8 @@ class VLLMEngine:
         batch = list(named)
         self._check({n: tuple(t.shape) for n, t in batch}, None)
         self._rpc("cm_load", batch)
-        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        # cached KV blocks were computed with the old weights
+        self.llm.reset_prefix_cache()
         return len(batch)
 
     def check_coverage(self, names: Iterable[str], version: int) -> None:
@@ -213,6 +220,7 @@ class VLLMEngine:
         default group destroyed, torch's thread count and `set_num_threads` restored."""
         if getattr(self, "llm", None) is None:
             return
+        # lazy: vllm is optional (see __init__)
         from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
         self.llm.llm_engine.engine_core.shutdown()

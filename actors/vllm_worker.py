@@ -24,6 +24,9 @@ that an in-place reload overwrites. `cm_setup` turns the linear repacking off
 (F.linear on the HF-layout weight) and reloads once; after every load the experts
 keep an HF-layout copy (what views and digests read) and the kernel's parameters
 are repacked (docs/application.md "MoE").
+
+Only vLLM's worker processes import this module (by the name given as
+`worker_extension_cls`), so vLLM is imported at module level here.
 """
 
 from __future__ import annotations
@@ -31,6 +34,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size, get_tp_group
+from vllm.model_executor.layers.linear import ColumnParallelLinear, LinearBase, RowParallelLinear
+from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+from vllm.platforms import current_platform
 
 from actors.weight_sync.digest import check_coverage, first_names, uncovered_names, weights_digest
 
@@ -59,9 +66,6 @@ class Shard:
 
 def _module_shard(module: torch.nn.Module, leaf: str) -> Shard:
     """The shard of parameter `leaf` of a vLLM layer (replicated unless the layer is a TP-parallel one)."""
-    from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
-    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
-
     if isinstance(module, VocabParallelEmbedding):
         return Shard(0, rows=module.org_vocab_size)
     if isinstance(module, ColumnParallelLinear):
@@ -82,10 +86,12 @@ def hf_views(model: torch.nn.Module, hf_experts: dict[str, torch.Tensor]) -> dic
         module = modules[prefix]
         parts = packed.get(module_name)
         if leaf in _EXPERT_VIEWS and ".experts" in prefix:
-            data = hf_experts.get(name, param.data)  # CPU: the kernel's parameter is prepacked
+            # on CPU the kernel's parameter is prepacked: read the HF-layout copy
+            data = hf_experts.get(name, param.data)
             base = prefix[: prefix.index(".experts") + len(".experts")]
             projs = _EXPERT_VIEWS[leaf]
-            shard = Shard(0) if leaf == "w13_weight" else Shard(1)  # intermediate dim, per expert view
+            # sharded along the intermediate dim, per expert view
+            shard = Shard(0) if leaf == "w13_weight" else Shard(1)
             for e in range(data.shape[0]):
                 for proj, view in zip(projs, data[e].chunk(len(projs), dim=0)):
                     out[f"{base}.{e}.{proj}.weight"] = (view, shard)
@@ -114,8 +120,6 @@ class WeightsExtension:
 
     def cm_setup(self) -> None:
         """Once after start: CPU kernel fix-ups, then refuse a layout whose views are not what the forward reads."""
-        from vllm.platforms import current_platform
-
         self.cm_hf_experts: dict[str, torch.Tensor] = {}
         self.cm_on_cpu = current_platform.is_cpu()
         if self.cm_on_cpu:
@@ -199,35 +203,32 @@ class WeightsExtension:
     # --- internals --------------------------------------------------------------------------
 
     def _cm_world(self) -> int:
-        from vllm.distributed import get_tensor_model_parallel_world_size
-
         return get_tensor_model_parallel_world_size()
 
     def _cm_rank(self) -> int:
-        from vllm.distributed import get_tensor_model_parallel_rank
-
         return get_tensor_model_parallel_rank()
 
     def _cm_gather(self, t: torch.Tensor, shard: Shard) -> torch.Tensor:
         world = self._cm_world()
         if world == 1 or shard.dim is None:
             return t
-        from vllm.distributed import get_tp_group
-
-        pieces = get_tp_group().all_gather(t.contiguous().unsqueeze(0), 0)  # [world, *local]
+        # [world, *local]
+        pieces = get_tp_group().all_gather(t.contiguous().unsqueeze(0), 0)
         full = torch.cat(list(pieces[:: shard.replicas]), dim=shard.dim)
         return full[: shard.rows] if shard.rows is not None else full
 
     def _cm_keep_hf_layout(self) -> None:
         """Re-process every linear layer without oneDNN repacking: reload from the model directory into
         full-size tensors (vLLM recorded their checkpoint shapes when it first loaded)."""
-        from vllm.model_executor.layers.linear import LinearBase
+        # lazy: a vLLM internal of its CPU reload path, imported on CPU hosts only
         from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
         for module in self.model_runner.model.modules():
             if isinstance(module, LinearBase):
-                module._cpu_skip_gemm_dispatch = True  # vLLM's own opt-out: F.linear on the weight
-                if module.weight.numel() == 0:  # freed by repacking; the reload copies into this
+                # vLLM's own opt-out of repacking: F.linear on the weight
+                module._cpu_skip_gemm_dispatch = True
+                # freed by repacking: give the reload a full-size tensor to copy into
+                if module.weight.numel() == 0:
                     shape = get_layerwise_info(module).restore_metadata[0]["weight"].shape
                     module.weight.data = torch.empty(shape, dtype=module.weight.dtype)
         self.reload_weights()
@@ -242,9 +243,10 @@ class WeightsExtension:
 
     def _cm_pack_experts(self) -> None:
         """CPU fused MoE: vLLM's CPU expert kernel (`cpu_fused_moe`) reads `w13_weight` / `w2_weight` in a
-        prepacked layout, but a reload (ours, in place) leaves them in the checkpoint's layout — the kernel then
-        computes garbage experts (measured 0.097 nats per token against HF before this). After every load: keep
-        the HF-layout bytes as the copy the views and digests read, and repack the parameter for the kernel."""
+        prepacked layout, but a reload (ours, in place) leaves them in the checkpoint's layout, and the kernel
+        then computes wrong experts (docs/application.md "MoE"). After every load: keep the HF-layout bytes as
+        the copy the views and digests read, and repack the parameter for the kernel."""
+        # lazy: the CPU build's kernel op, imported on CPU hosts only
         from vllm._custom_ops import cpu_prepack_moe_weight
 
         for name, module in self.model_runner.model.named_modules():
@@ -255,6 +257,7 @@ class WeightsExtension:
                 param = getattr(module, leaf)
                 key = f"{name}.{leaf}"
                 hf = self.cm_hf_experts.setdefault(key, torch.empty_like(param.data))
-                hf.copy_(param.data)  # the layout the loader just wrote
+                # the layout the loader just wrote
+                hf.copy_(param.data)
                 param.data.copy_(cpu_prepack_moe_weight(hf, isa))
 

@@ -2,7 +2,7 @@
 
 Two replica groups (threads of this process, each its own model, TCPStore and
 torchft Manager under one in-process lighthouse) train the tiny LM task
-(`titan_ext.diloco_lm`) for the same inner steps under three methods:
+(`tests/titan_ext/diloco_lm.py`) for the same inner steps under three methods:
 
 - DDP: every step, every gradient all-reduced through the torchft Manager
   (what torchft's DDP does), optimizer step on commit;
@@ -26,14 +26,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from configs.sections.diloco import DiLoCoConfig
 from titan_ext.diloco import CountingProcessGroupGloo, build_manager
-from titan_ext.diloco_lm import LMTaskConfig, heldout_loss, lm_loss, run_diloco_threads, run_in_threads, train_batch
+
+# The tiny LM task is a test helper shared with the DiLoCo tests.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "titan_ext"))
+from diloco_lm import LMTaskConfig, heldout_loss, lm_loss, run_diloco_threads, run_in_threads, train_batch  # noqa: E402
 
 
 class _DDPMember:

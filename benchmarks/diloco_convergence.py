@@ -1,6 +1,6 @@
 """Held-out loss: DiLoCo (2 replicas, H = 8) vs synchronous data parallel at the same tokens, per outer setting.
 
-The tiny LM task of `titan_ext.diloco_lm` (the convergence test's task): both
+The tiny LM task of `tests/titan_ext/diloco_lm.py` (the convergence test's task): both
 methods see the same training rows (DiLoCo replica r at inner step s trains on
 rows (r, s); the DDP baseline's step s on their union), the baseline is
 measured in the same run for each inner learning rate. Replicas are threads
@@ -17,12 +17,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from configs.sections.diloco import DiLoCoConfig
-from titan_ext.diloco_lm import LMTaskConfig, heldout_loss, run_ddp, run_diloco_threads
+
+# The tiny LM task is a test helper shared with the DiLoCo tests.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "titan_ext"))
+from diloco_lm import LMTaskConfig, heldout_loss, run_ddp, run_diloco_threads  # noqa: E402
 
 H = 8
 SETTINGS = [  # (inner lr, outer lr, outer momentum, inner steps per replica)

@@ -52,7 +52,8 @@ def worker(
 
     import torch
 
-    from losses.composer import ComposerConfig, DistillInputs, PolicyInputs, PreferenceInputs, compose_loss
+    from configs.sections.loss import LossConfig
+    from losses.composer import DistillInputs, PolicyInputs, PreferenceInputs, compose_loss
 
     torch.set_num_threads(threads)
     gen = torch.Generator().manual_seed(0)
@@ -70,7 +71,7 @@ def worker(
         hid(), ids(), full, hid(), ids(), full, 1,
         ref_chosen_logps_P=torch.tensor([-10.0 * seq]), ref_rejected_logps_P=torch.tensor([-10.0 * seq]),
     )
-    cfg = dataclasses.replace(ComposerConfig(), chunked=variant == "chunked", chunk_budget_mib=budget)
+    cfg = dataclasses.replace(LossConfig(), chunked=variant == "chunked", chunk_budget_mib=budget)
     leaves = [weight, policy.hidden_BTD, distill.hidden_BTD, preference.chosen_hidden_BTD, preference.rejected_hidden_BTD]
     wanted = ("policy", "distill", "preference") if channels == "all" else tuple(channels.split(","))
     inputs = {k: v for k, v in (("policy", policy), ("distill", distill), ("preference", preference)) if k in wanted}

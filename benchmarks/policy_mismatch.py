@@ -27,7 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from losses.composer import ComposerConfig, PolicyInputs, compose_loss  # noqa: E402
+from configs.sections.loss import LossConfig  # noqa: E402
+from losses.composer import PolicyInputs, compose_loss  # noqa: E402
 from losses.mismatch import packed_sequence_ids  # noqa: E402
 
 MODES = {
@@ -64,7 +65,7 @@ def main() -> None:
         args.seq, args.rounds = 1024, 3
     torch.set_num_threads(args.threads)
     weight, inputs = build(args.vocab, args.dim, args.seq)
-    base = ComposerConfig()
+    base = LossConfig()
     best = {name: (float("inf"), float("inf")) for name in MODES}
     for _ in range(args.rounds):
         for name, overrides in MODES.items():

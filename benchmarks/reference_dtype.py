@@ -58,7 +58,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="a 4-layer 256-wide model, 16 sequences of 128 tokens")
     a = p.parse_args()
     from configs.sections.model import ModelConfig
-    from titan_ext.models import build_model
+    from titan_ext.build import build_model
 
     hidden, layers, n, s = (256, 4, 16, 128) if a.quick else (512, 8, 32, 512)
     with tempfile.TemporaryDirectory(prefix="reference_dtype-") as tmp:

@@ -76,7 +76,7 @@ FLAVOUR = "composer_bench"
 
 def register_shape(shape: dict) -> None:
     """Add the benchmark's Qwen3 shape as flavour `qwen3:composer_bench` (in every process that builds it)."""
-    from titan_ext.models import TINY_SHAPES, TinyShape
+    from titan_ext.tiny import TINY_SHAPES, TinyShape
 
     TINY_SHAPES.setdefault(FLAVOUR, TinyShape(**shape))
 

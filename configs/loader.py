@@ -1,9 +1,11 @@
 """TOML recipe → frozen `JobConfig`, with includes, CLI overrides and validation.
 
 Precedence, lowest first: dataclass defaults < `base = "..."` recipe(s) < the
-recipe file < `--section.key=value` overrides. Every error names the file (or
-"override"), the dotted key, what was expected and what was found, and for an
-unknown key the nearest valid one.
+recipe file < overrides: CLI items `--section.key=value` (TOML literals) or a
+mapping of dotted key -> Python value (`{"trainer.steps": 4}`), validated by the
+schema like any recipe value. Every error names the file (or "override"), the
+dotted key, what was expected and what was found, and for an unknown key the
+nearest valid one.
 """
 
 from __future__ import annotations
@@ -47,17 +49,23 @@ def list_recipes() -> list[str]:
 
 def load_config(
     path: str | os.PathLike | None = None,
-    overrides: Iterable[str] = (),
+    overrides: Iterable[str] | Mapping[str, Any] = (),
     *,
     environ: Mapping[str, str] | None = None,
 ) -> JobConfig:
-    """Load a recipe (or only defaults when `path` is None), apply overrides, validate."""
+    """Load a recipe (or only defaults when `path` is None), apply overrides, validate.
+
+    overrides: CLI items `["--trainer.steps=4"]`, or typed `{"trainer.steps": 4}` (dotted key -> value).
+    """
     data: dict[str, Any] = {}
     sources: dict[tuple[str, ...], str] = {}
     if path is not None:
         data = _read_with_bases(resolve_config_path(path), chain=(), sources=sources)
-    for item in overrides:
-        key, value = _parse_override(item)
+    if isinstance(overrides, Mapping):
+        items = [(_override_key(str(dotted), repr(dotted)), value) for dotted, value in overrides.items()]
+    else:
+        items = [_parse_override(item) for item in overrides]
+    for key, value in items:
         _set_path(data, key, value, sources)
     return from_dict(JobConfig, data, sources=sources, environ=os.environ if environ is None else environ)
 
@@ -132,14 +140,21 @@ def _parse_override(item: str) -> tuple[tuple[str, ...], Any]:
     if "=" not in text:
         raise ConfigError(f"override {item!r}: expected --section.key=value")
     dotted, raw = text.split("=", 1)
-    key = tuple(part for part in dotted.strip().split("."))
-    if len(key) < 2 or not all(key):
-        raise ConfigError(f"override {item!r}: expected --section.key=value")
-    try:  # a TOML literal (numbers, booleans, arrays, quoted strings) ...
+    key = _override_key(dotted, repr(item))
+    # a TOML literal (numbers, booleans, arrays, quoted strings) ...
+    try:
         value: Any = tomli.loads(f"v = {raw}")["v"]
     except tomli.TOMLDecodeError:  # ... or a bare string
         value = raw
     return key, value
+
+
+def _override_key(dotted: str, shown: str) -> tuple[str, ...]:
+    """`section.key` (or deeper) as a key path; `shown` is how the error names the override."""
+    key = tuple(dotted.strip().split("."))
+    if len(key) < 2 or not all(key):
+        raise ConfigError(f"override {shown}: expected --section.key=value")
+    return key
 
 
 def _set_path(data: dict[str, Any], key: tuple[str, ...], value: Any, sources: dict) -> None:
@@ -314,6 +329,7 @@ def _to_plain(obj: Any) -> Any:
         return [_to_plain(v) for v in obj]
     if isinstance(obj, dict):
         return {str(k): _to_plain(v) for k, v in obj.items()}
-    if obj is None:  # TOML has no null; optional fields read "none" back as None
+    # TOML has no null; optional fields read "none" back as None
+    if obj is None:
         return "none"
     return obj

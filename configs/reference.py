@@ -16,7 +16,8 @@ def render_reference() -> str:
         "Every key can be set in a recipe's `[section]` or on the command line as `--section.key=value`.",
         "",
     ]
-    hints = typing.get_type_hints(JobConfig)  # annotations are strings (PEP 563)
+    # annotations are strings (PEP 563)
+    hints = typing.get_type_hints(JobConfig)
     for f in dataclasses.fields(JobConfig):
         _section(hints[f.name], f.name, lines)
     return "\n".join(lines) + "\n"

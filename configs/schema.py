@@ -46,8 +46,9 @@ class JobConfig:
     def __post_init__(self) -> None:
         """Checks that span sections (each section validates its own keys)."""
         ds = self.env.dataset
+        # without held-out rows it would score training rows as held-out
         if (self.env.task == "dataset" and self.trainer.eval_every > 0 and not ds.heldout_file
-                and ds.heldout_fraction == 0):  # it would score training rows as held-out
+                and ds.heldout_fraction == 0):
             raise ValueError("trainer.eval_every > 0 needs held-out rows: set env.dataset.heldout_file or "
                              "env.dataset.heldout_fraction (or trainer.eval_every = 0)")
         if self.diloco.enabled and self.trainer.eval_every > 0:

@@ -5,6 +5,7 @@ the LM head is applied here, chunk by chunk, see `losses/logprobs.py`). Each
 channel is a sum over its valid tokens (or pairs) divided by the *global* count
 the caller passes in, so microbatches and data-parallel ranks add up to the
 full-batch loss. A channel is off when its weight is 0 or its inputs are None.
+The configuration is the `[loss]` section itself (`configs.sections.loss.LossConfig`).
 
 Metrics are 0-d tensors ready for distributed reduction: names ending in `_max`
 reduce with MAX, all others with SUM (losses are already divided by global
@@ -15,11 +16,12 @@ turns reduced sums into means.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
+from configs.sections.loss import DistillLossConfig, LossConfig, PolicyLossConfig, PreferenceLossConfig
 from losses.distill import DistillSpec
 from losses.logprobs import (
     ChunkLossFn,
@@ -32,103 +34,12 @@ from losses.logprobs import (
     fused_token_loss,
     token_stats_naive,
 )
-from losses.mismatch import MismatchConfig, mismatch_weights
+from losses.mismatch import mismatch_weights, needs_sequences
 from losses.policy import dapo_token_loss, prime_dppo_token_loss
 from losses.preference import dpo_loss, ipo_loss, simpo_loss
 from losses.reduce import global_mean, math_dtype, segment_sum, upcast
 
 CHANNELS = ("policy", "distill", "preference")
-
-
-# --- configuration (mirrors `[loss]` in configs/sections/loss.py field for field) ---
-
-
-@dataclass(frozen=True)
-class PolicyConfig:
-    kind: Literal["dapo", "prime_dppo"] = "dapo"
-    adv_scale: Literal["group", "batch", "none"] = "group"
-    adv_std: Literal["unbiased", "biased"] = "unbiased"
-    adv_eps: float = 1e-6
-    singleton: Literal["zero", "verl"] = "zero"
-    eps_low: float = 0.2
-    eps_high: float = 0.28
-    dual_clip_c: float | None = None
-    is_level: Literal["token", "sequence", "none"] = "token"
-    tis_cap: float | None = 2.0
-    tis_floor: float | None = None
-    rs_level: Literal["none", "token", "sequence", "geometric"] = "none"
-    rs_max: float = 2.0
-    rs_min: float | None = None
-    rs_veto: float | None = None
-    log_ratio_clamp: float | None = 20.0
-    adv_tau: float = 1.0
-    dppo_delta_low: float = 0.2
-    dppo_delta_high: float = 0.2
-    kl_tau: float = 1e-3
-    overlong_max_len: int = 0
-    overlong_buffer: int = 0
-    dynamic_sampling: bool = True
-
-    @property
-    def mismatch(self) -> MismatchConfig:
-        return MismatchConfig(
-            self.is_level, self.tis_cap, self.tis_floor, self.rs_level, self.rs_max, self.rs_min, self.rs_veto
-        )
-
-
-@dataclass(frozen=True)
-class DistillConfig:
-    kind: Literal["jsd", "taid", "eopd"] = "jsd"
-    beta: float = 0.5
-    temperature: float = 1.0
-    top_k: int = 0
-    taid_t_start: float = 0.4
-    taid_t_end: float = 1.0
-    taid_alpha: float = 5e-4
-    taid_beta: float = 0.99
-    taid_adaptive: bool = True
-    eopd_h_max: float | None = None
-
-
-@dataclass(frozen=True)
-class PreferenceConfig:
-    kind: Literal["dpo", "ipo", "simpo"] = "dpo"
-    dpo_beta: float = 0.1
-    simpo_beta: float = 2.0
-    simpo_gamma: float = 0.5
-    label_smoothing: float = 0.0
-    ipo_average: bool = True
-
-    @property
-    def length_averaged(self) -> bool:
-        """The loss sees each response's mean token logprob (SimPO; IPO as TRL), not the sum."""
-        return self.kind == "simpo" or (self.kind == "ipo" and self.ipo_average)
-
-
-@dataclass(frozen=True)
-class ComposerConfig:
-    policy_weight: float = 1.0
-    alpha: float = 1.0
-    beta: float = 1.0
-    chunked: bool = True
-    chunk_tokens: int = 0
-    chunk_budget_mib: float = 32.0
-    policy: PolicyConfig = field(default_factory=PolicyConfig)
-    distill: DistillConfig = field(default_factory=DistillConfig)
-    preference: PreferenceConfig = field(default_factory=PreferenceConfig)
-
-    @classmethod
-    def from_section(cls, section: Any) -> "ComposerConfig":
-        """Build from the `[loss]` section object (`configs.sections.loss.LossConfig`)."""
-        return _from_object(cls, section)
-
-
-def _from_object(cls: type, obj: Any) -> Any:
-    values = {}
-    for f in dataclasses.fields(cls):
-        value = getattr(obj, f.name)
-        values[f.name] = _from_object(f.default_factory, value) if dataclasses.is_dataclass(value) else value
-    return cls(**values)
 
 
 # --- per-channel inputs ---
@@ -199,7 +110,8 @@ class PreferenceInputs:
 
 @dataclass
 class ComposerOutput:
-    loss: torch.Tensor  # scalar: policy + α·distill + β·preference
+    # scalar: policy + α·distill + β·preference
+    loss: torch.Tensor
     active_channels: tuple[str, ...]
     metrics: dict[str, torch.Tensor]
 
@@ -213,12 +125,12 @@ def _bool_mask(mask_BT: torch.Tensor, like_BT: torch.Size, what: str) -> torch.T
     return mask_BT.bool()
 
 
-def _chunk_tokens(cfg: ComposerConfig, weight_VD: torch.Tensor, label_only: bool) -> int:
+def _chunk_tokens(cfg: LossConfig, weight_VD: torch.Tensor, label_only: bool) -> int:
     return cfg.chunk_tokens or chunk_tokens_for(weight_VD.shape[0], cfg.chunk_budget_mib, label_only=label_only)
 
 
 def _head_loss(
-    cfg: ComposerConfig,
+    cfg: LossConfig,
     head: FusedHead | None,
     scale: float,
     hidden_nD: torch.Tensor,
@@ -241,7 +153,7 @@ def _head_loss(
     return loss, detached
 
 
-def _policy_terms(cfg: PolicyConfig, logp, old, gen, adv, weight):
+def _policy_terms(cfg: PolicyLossConfig, logp, old, gen, adv, weight):
     """Per-token terms; `weight` is the precomputed mismatch weight (None: from this chunk's
     tokens, token-level only)."""
     if cfg.kind == "prime_dppo":
@@ -251,7 +163,7 @@ def _policy_terms(cfg: PolicyConfig, logp, old, gen, adv, weight):
         )
     old = logp.detach() if old is None else old
     if weight is None and gen is not None:
-        weight = mismatch_weights(old, gen, None, cfg.mismatch).weight
+        weight = mismatch_weights(old, gen, None, cfg).weight
     return dapo_token_loss(
         logp, old, adv, eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip_c=cfg.dual_clip_c,
         mismatch_weight=weight, log_ratio_clamp=cfg.log_ratio_clamp,
@@ -269,7 +181,7 @@ def _sequence_index(inputs: PolicyInputs, mask: torch.Tensor) -> torch.Tensor:
     return torch.unique(ids_BT[mask], return_inverse=True)[1]
 
 
-def _sequence_mismatch(cfg: ComposerConfig, head, weight_VD, inputs, mask, labels_n, old_n, gen_n):
+def _sequence_mismatch(cfg: LossConfig, head, weight_VD, inputs, mask, labels_n, old_n, gen_n):
     """Mismatch weights of all valid tokens before the head loop (when π_old is given, or a
     correction looks at whole sequences); on-policy (no π_old given) π_old is the current
     policy, scored here without gradient (one extra head matmul per token).  # MismatchWeights of [n]"""
@@ -283,11 +195,11 @@ def _sequence_mismatch(cfg: ComposerConfig, head, weight_VD, inputs, mask, label
                 ).logprobs
             else:
                 old_n = token_stats_naive(hidden_nD, weight_VD.detach(), labels_n, want_entropy=False).logprobs
-    return mismatch_weights(old_n, gen_n, _sequence_index(inputs, mask), cfg.policy.mismatch)
+    return mismatch_weights(old_n, gen_n, _sequence_index(inputs, mask), cfg.policy)
 
 
 def policy_channel(
-    cfg: ComposerConfig,
+    cfg: LossConfig,
     weight_VD: torch.Tensor,
     inputs: PolicyInputs,
     head: FusedHead | None = None,
@@ -307,7 +219,7 @@ def policy_channel(
     old_n = None if inputs.old_logprobs_BT is None else inputs.old_logprobs_BT[mask]
     gen_n = None if inputs.gen_logprobs_BT is None else inputs.gen_logprobs_BT[mask]
     mismatch = None
-    if pcfg.kind == "dapo" and gen_n is not None and (old_n is not None or pcfg.mismatch.needs_sequences):
+    if pcfg.kind == "dapo" and gen_n is not None and (old_n is not None or needs_sequences(pcfg)):
         mismatch = _sequence_mismatch(cfg, head, weight_VD, inputs, mask, labels_n, old_n, gen_n)
     count = torch.as_tensor(inputs.num_tokens, dtype=torch.float32, device=mask.device)
     part = lambda x, sl: None if x is None else x[sl]  # noqa: E731
@@ -320,10 +232,11 @@ def policy_channel(
     loss, stats = _head_loss(cfg, head, scale, inputs.hidden_BTD[mask], weight_VD, labels_n, loss_fn, want_entropy=True)
     old = stats.logprobs if old_n is None else upcast(old_n)
     if mismatch is None and pcfg.kind == "dapo" and gen_n is not None:
-        mismatch = mismatch_weights(old, gen_n, None, pcfg.mismatch)
+        mismatch = mismatch_weights(old, gen_n, None, pcfg)
     terms = _policy_terms(pcfg, stats.logprobs, old_n, gen_n, adv_n, None if mismatch is None else mismatch.weight)
     bound = pcfg.log_ratio_clamp or float("inf")
-    log_r = (stats.logprobs - old).clamp(-bound, bound)  # log π_θ / π_old on samples from π_old
+    # log π_θ / π_old on samples from π_old
+    log_r = (stats.logprobs - old).clamp(-bound, bound)
     metrics = {
         "policy/loss": loss.detach(),
         "policy/tokens": loss.new_tensor(float(adv_n.numel())),
@@ -334,7 +247,8 @@ def policy_channel(
         "policy/kl_k3_sum": (log_r.exp() - 1 - log_r).sum(),
     }
     if gen_n is not None:
-        log_m = (old - upcast(gen_n)).clamp(-bound, bound)  # log π_train_old / π_gen on samples from π_gen
+        # log π_train_old / π_gen on samples from π_gen
+        log_m = (old - upcast(gen_n)).clamp(-bound, bound)
         metrics["policy/mismatch_k3_sum"] = (log_m.exp() - 1 - log_m).sum()
     if mismatch is not None:
         metrics["policy/is_weight_sum"] = mismatch.weight.sum()
@@ -342,7 +256,7 @@ def policy_channel(
     return loss, metrics
 
 
-def distill_spec(cfg: DistillConfig, taid_t: float | None = None) -> DistillSpec:
+def distill_spec(cfg: DistillLossConfig, taid_t: float | None = None) -> DistillSpec:
     """The per-step divergence spec (`taid_t` from a `TAIDSchedule`; default t_start)."""
     return DistillSpec(
         kind=cfg.kind,
@@ -355,7 +269,7 @@ def distill_spec(cfg: DistillConfig, taid_t: float | None = None) -> DistillSpec
 
 
 def distill_channel(
-    cfg: ComposerConfig,
+    cfg: LossConfig,
     weight_VD: torch.Tensor,
     inputs: DistillInputs,
     taid_t: float | None = None,
@@ -395,7 +309,7 @@ def distill_channel(
 MIN_FUSED_PAIR_TOKENS = 64
 
 
-def _pair_losses(pref: PreferenceConfig, inputs: PreferenceInputs, chosen_P, rejected_P, c_len_P, r_len_P):
+def _pair_losses(pref: PreferenceLossConfig, inputs: PreferenceInputs, chosen_P, rejected_P, c_len_P, r_len_P):
     """(per-pair loss, margin) from sequence logprob sums (averaged here when the kind wants means)."""
     ref_c, ref_r = inputs.ref_chosen_logps_P, inputs.ref_rejected_logps_P
     if pref.length_averaged:
@@ -457,7 +371,7 @@ def _fused_pair_seq_logps(cfg, head, scale, weight_VD, inputs, c_mask, r_mask, c
 
 
 def preference_channel(
-    cfg: ComposerConfig,
+    cfg: LossConfig,
     weight_VD: torch.Tensor,
     inputs: PreferenceInputs,
     head: FusedHead | None = None,
@@ -506,7 +420,7 @@ def preference_channel(
 
 
 def compose_loss(
-    cfg: ComposerConfig,
+    cfg: LossConfig,
     head_weight_VD: torch.Tensor,
     *,
     policy: PolicyInputs | None = None,

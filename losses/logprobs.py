@@ -42,7 +42,7 @@ class TokenStats:
 
     logprobs: torch.Tensor | None  # [N] log p(label)
     entropy: torch.Tensor | None  # [N] H(p_student)
-    divergence: torch.Tensor | None  # [N] distillation divergence vs the teacher
+    divergence: torch.Tensor | None  # [N] vs the teacher
 
 
 @dataclass(frozen=True)
@@ -58,11 +58,8 @@ class Teacher:
 ChunkLossFn = Callable[[TokenStats, slice], torch.Tensor]
 
 
-# Live fp32 `[chunk, V]` blocks per chunk: the label path (policy, preference: no autograd
-# inside the chunk) keeps logits-then-probabilities and log-probabilities, 2 blocks; autograd
-# through a distillation divergence keeps about 9 (measured, docs/losses.md). At one budget
-# the label path takes this many times the tokens and both reach about the same peak, with
-# fewer, larger head matmuls.
+# The label path keeps 2 live `[chunk, V]` blocks against the divergence path's ~9, so it takes this many
+# times the tokens per chunk at the same budget (docs/losses.md, "Chunk size").
 LABEL_CHUNK_FACTOR = 4
 
 
@@ -255,7 +252,8 @@ def _label_stats(
     """
     z_nV = upcast(hidden_nD @ weight_VD.T)
     logp_nV = z_nV.log_softmax(-1)
-    p_nV = torch.exp(logp_nV, out=z_nV)  # z is a fresh fp32 block (upcast or matmul output)
+    # z is a fresh fp32 block (upcast or matmul output)
+    p_nV = torch.exp(logp_nV, out=z_nV)
     logprobs = entropy = None
     if labels_n is not None:
         valid_n = (labels_n >= 0) & (labels_n < logp_nV.shape[-1])
@@ -362,14 +360,16 @@ class FusedHead:
         if grad_w_VD is not None:
             if grad_w_VD.dtype == g_nV.dtype:
                 grad_w_VD.addmm_(g_nV.T, hidden_nD)
-            else:  # low-precision head: accumulate the chunk products in fp32
+            # low-precision head: accumulate the chunk products in fp32
+            else:
                 grad_w_VD += (g_nV.T @ hidden_nD).to(grad_w_VD.dtype)
 
     def attach(self, value: torch.Tensor) -> torch.Tensor:
         """`value` (detached) as a scalar whose gradient is what this head accumulated."""
         if not (self.tracks_weight or self._inputs):
             return value
-        self.weight_grad()  # zeros when no token reached the head: the graph still includes it
+        # zeros when no token reached the head: the graph still includes it
+        self.weight_grad()
         return _Attach.apply(value, self, self.weight_VD, *self._inputs)
 
 
@@ -382,8 +382,7 @@ class _Attach(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_total):
         head = ctx.head
-        # in place: a second [V, D] buffer would cost 0.6 GB at V = 151,936, D = 1024
-        # (a retain_graph second backward then returns scaled-twice gradients: not supported)
+        # in place, so no second [V, D] buffer; a retain_graph second backward is therefore not supported
         scale = lambda g: None if g is None else g.mul_(g_total.to(g.dtype))  # noqa: E731
         grad_w = scale(head.grad_w_VD)
         grad_w = None if grad_w is None else grad_w.to(head.weight_VD.dtype)
@@ -403,7 +402,8 @@ def _token_chunk(
 ) -> tuple[torch.Tensor, TokenStats]:
     """One chunk of a token-separable loss: value, stats, and its gradients into `head`."""
     grads_needed = grad_h_nD is not None or head.tracks_weight
-    if teacher is not None:  # divergences: autograd from a logits leaf (the per-kind math is in distill.py)
+    # divergences: autograd from a logits leaf (the per-kind math is in distill.py)
+    if teacher is not None:
         logits = _logits_leaf(hidden_nD, head.weight_VD)
         with torch.enable_grad():
             stats = _stats_from_logits(logits, labels_n, _teacher_chunk(teacher, sl), teacher.spec, want_entropy)

@@ -26,48 +26,25 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
-
 import torch
 
+from configs.sections.loss import PolicyLossConfig
 from losses.reduce import segment_sum, upcast
 
 # verl's SAFETY_BOUND: exp(20) ≈ 4.9e8, exp(−20) ≈ 2e-9.
 LOG_RATIO_BOUND = 20.0
 
-ISLevel = Literal["token", "sequence", "none"]
-RSLevel = Literal["none", "token", "sequence", "geometric"]
-
-
-@dataclass(frozen=True)
-class MismatchConfig:
-    """How π_old/π_gen mismatch weights each policy token.
-
-    is_level: IS weight per token, per sequence (product of ratios), or none (1).
-    is_cap / is_floor: truncation bounds of the IS weight (None: unbounded on that side).
-    rs_level: rejection statistic: none, token ratio, sequence product, sequence geometric mean.
-    rs_max / rs_min: keep the statistic in [rs_min, rs_max]; rs_min None = 1/rs_max (verl), 0 = no lower bound.
-    veto: drop a sequence with any token ratio below this (None: off).
-    """
-
-    is_level: ISLevel = "token"
-    is_cap: float | None = 2.0
-    is_floor: float | None = None
-    rs_level: RSLevel = "none"
-    rs_max: float = 2.0
-    rs_min: float | None = None
-    veto: float | None = None
-
-    @property
-    def needs_sequences(self) -> bool:
-        """Whether the weight of a token depends on the other tokens of its sequence."""
-        return self.is_level == "sequence" or self.rs_level in ("sequence", "geometric") or self.veto is not None
+def needs_sequences(cfg: PolicyLossConfig) -> bool:
+    """Whether the weight of a token depends on the other tokens of its sequence."""
+    return cfg.is_level == "sequence" or cfg.rs_level in ("sequence", "geometric") or cfg.rs_veto is not None
 
 
 @dataclass(frozen=True)
 class MismatchWeights:
-    weight: torch.Tensor  # [N] IS weight × keep (detached)
-    rejected: torch.Tensor  # [N] bool: dropped by rejection sampling or veto
+    # [N] IS weight × keep (detached)
+    weight: torch.Tensor
+    # [N] bool: dropped by rejection sampling or veto
+    rejected: torch.Tensor
 
 
 def _log_bound(x: float | None, default: float) -> float:
@@ -78,16 +55,19 @@ def mismatch_weights(
     old_logprobs_N: torch.Tensor,
     gen_logprobs_N: torch.Tensor,
     seq_N: torch.Tensor | None,
-    cfg: MismatchConfig,
+    cfg: PolicyLossConfig,
 ) -> MismatchWeights:
     """The detached per-token weight (IS × rejection keep) of N policy tokens.
 
-    seq_N: sequence index of each token in [0, S) (needed when `cfg.needs_sequences`).
+    cfg: the `[loss.policy]` section; its `is_level`, `tis_cap` / `tis_floor` (IS truncation, None:
+        unbounded on that side), `rs_level`, `rs_max` / `rs_min` (rejection bounds; rs_min None =
+        1/rs_max as verl, 0 = no lower bound) and `rs_veto` apply.
+    seq_N: sequence index of each token in [0, S) (needed when `needs_sequences(cfg)`).
     """
     log_m_N = (upcast(old_logprobs_N) - upcast(gen_logprobs_N)).detach()
     token_N = log_m_N.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     seq_sum_N = seq_mean_N = None
-    if cfg.needs_sequences:
+    if needs_sequences(cfg):
         if seq_N is None or seq_N.shape != log_m_N.shape:
             raise ValueError("sequence-level mismatch correction needs the sequence index of every token")
         n_seq = int(seq_N.max()) + 1 if seq_N.numel() else 0
@@ -99,8 +79,8 @@ def mismatch_weights(
         weight_N = torch.ones_like(log_m_N)
     else:
         weight_N = (token_N if cfg.is_level == "token" else seq_sum_N).exp()
-        if cfg.is_cap is not None or cfg.is_floor is not None:
-            weight_N = weight_N.clamp(min=cfg.is_floor, max=cfg.is_cap)
+        if cfg.tis_cap is not None or cfg.tis_floor is not None:
+            weight_N = weight_N.clamp(min=cfg.tis_floor, max=cfg.tis_cap)
 
     keep_N = torch.ones_like(log_m_N, dtype=torch.bool)
     if cfg.rs_level != "none":
@@ -108,8 +88,8 @@ def mismatch_weights(
         upper = math.log(cfg.rs_max)
         lower = _log_bound(cfg.rs_min, -upper)
         keep_N = (stat_N >= lower) & (stat_N <= upper)
-    if cfg.veto is not None:
-        bad_N = (log_m_N < math.log(cfg.veto)).to(log_m_N.dtype)
+    if cfg.rs_veto is not None:
+        bad_N = (log_m_N < math.log(cfg.rs_veto)).to(log_m_N.dtype)
         keep_N = keep_N & (segment_sum(bad_N, seq_N, n_seq)[seq_N] == 0)
     return MismatchWeights(torch.where(keep_N, weight_N, 0.0), ~keep_N)
 

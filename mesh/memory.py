@@ -28,19 +28,20 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
 from actors.weight_sync.sync import sync_keep
 from configs.schema import JobConfig
 
 logger = logging.getLogger(__name__)
 
 GIB = 1 << 30
-# Measured with `python benchmarks/memory_scale.py --quick` (0.2M, 6.8M and 65M-parameter Qwen3 shapes, debug
-# recipe: Muon, DPO reference, fp32, 2 cores, [mesh] malloc_mmap_threshold_mib = 4; 2026-11-25): peak anonymous
-# RSS = fixed + slope x params, least squares. Trainer slope 20.1 B/param = 16 (params, grads, Muon state,
-# reference) + the rest below (the step's transients, freed tensors under the mmap threshold); generator slope
-# 4.7 = 4 (fp32 weights) + the rest.
-TRAINER_REST_BYTES_PER_PARAM = 4.1  # beyond params, grads, optimizer state and the reference
-GENERATOR_REST_BYTES_PER_PARAM = 0.7  # beyond the serving-dtype weights
+# Fitted by `benchmarks/memory_scale.py --quick` (how, and what the rests hold: docs/cluster.md, "Sizing a node").
+# Trainer: beyond params, grads, optimizer state and the reference.
+TRAINER_REST_BYTES_PER_PARAM = 4.1
+# Generator: beyond the serving-dtype weights.
+GENERATOR_REST_BYTES_PER_PARAM = 0.7
 FIXED_BYTES = {"controller": 445 << 20, "trainer": 478 << 20, "generator": 425 << 20, "replay": 333 << 20}
 OPTIMIZER_BYTES_PER_PARAM = {"adamw": 8, "muon": 4}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -54,7 +55,8 @@ class MemoryEstimate:
     per_process: dict[str, int]
     processes: dict[str, int]
     shm: int
-    terms: dict[str, str] = field(default_factory=dict)  # role -> how its figure is made, for the message
+    # role -> how its figure is made, for the message
+    terms: dict[str, str] = field(default_factory=dict)
 
     @property
     def host(self) -> int:
@@ -68,9 +70,6 @@ class MemoryEstimate:
 
 def parameter_count(model_dir: str) -> int:
     """Parameters of the HF checkpoint at `model_dir`, counted on the meta device (no weights read)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     config = AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
@@ -82,7 +81,8 @@ def estimate(job: JobConfig, params: int) -> MemoryEstimate:
     mesh, gen = job.mesh, job.generator
     trainer_procs = mesh.trainer_procs
     shard = params / trainer_procs  # FSDP over every trainer rank of the host
-    replay = job.loss.beta > 0 and mesh.replay_procs > 0  # the preference channel runs (mesh.api: a replay actor)
+    # the preference channel runs (mesh.api: a replay actor)
+    replay = job.loss.beta > 0 and mesh.replay_procs > 0
     # the trainer builds the frozen reference only then (mesh.placement.trainer_spec_for, titan_ext.trainer)
     frozen = replay and job.trainer.dpo_reference == "frozen" and job.loss.preference.needs_reference
     reference = 4 if frozen else 0
@@ -102,10 +102,12 @@ def estimate(job: JobConfig, params: int) -> MemoryEstimate:
                  "replay": 1 if replay else 0}
     if colocated:  # a generator in each trainer process
         per_process["trainer"] += per_process["generator"] - FIXED_BYTES["generator"]
-    slots = sync_keep(job.trainer.max_staleness) + 1  # the ring the controller's TopologySync keeps
+    # the ring the controller's TopologySync keeps
+    slots = sync_keep(job.trainer.max_staleness) + 1
     terms = {"trainer": f"{trainer_bpp:.1f} B/param of a 1/{trainer_procs} shard + fixed",
              "generator": f"{generator_bpp:.1f} B/param ({gen.dtype}) + fixed"}
-    return MemoryEstimate(params, per_process, processes, int(slots * serving * params), terms)  # serving-dtype slots
+    # serving-dtype slots
+    return MemoryEstimate(params, per_process, processes, int(slots * serving * params), terms)
 
 
 def available() -> tuple[int, int]:

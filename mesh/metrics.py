@@ -15,10 +15,13 @@ import math
 from pathlib import Path
 from typing import Any
 
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
 from configs.sections.metrics import MetricsConfig
 
 CHANNEL_LOSSES = ("policy/loss", "distill/loss", "preference/loss")
-HELDOUT = ("eval/heldout_greedy", "eval/heldout_sampled")  # mesh.evaluation, on the steps it ran
+# logged by mesh.evaluation, on the steps it ran
+HELDOUT = ("eval/heldout_greedy", "eval/heldout_sampled")
 
 
 class MetricsSink:
@@ -34,13 +37,12 @@ class MetricsSink:
             self.jsonl = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")
         self.tb = None
         if cfg.tensorboard:
+            # lazy: start-up time; torch's TensorBoard writer loads only when [metrics] tensorboard is on
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
         self.progress = None
         if cfg.progress_bar:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
             self.progress = Progress(
                 TextColumn("train"), BarColumn(), MofNCompleteColumn(),
                 TextColumn("reward {task.fields[reward]:.3f}  policy {task.fields[policy]:.4f}  "
@@ -121,9 +123,11 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
 
 def plot_run(metrics_path: str | Path, out_png: str | Path) -> Path:
     """Reward (training, and held-out where evaluated) and each channel's loss per step, one panel each, as a PNG."""
+    # lazy: choosing the Agg backend is process-wide, so only plotting may do it, before pyplot loads
     import matplotlib
 
     matplotlib.use("Agg")
+    # lazy: pyplot must load after the backend is chosen
     import matplotlib.pyplot as plt
 
     rows = read_metrics(metrics_path)

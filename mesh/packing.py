@@ -30,7 +30,7 @@ from actors.episodes import ChatTokens
 from actors.rollout import Rollout, RolloutGroup
 from configs.records import ErrorSite
 from configs.sections.loss import PolicyLossConfig
-from losses.policy import AdvantageConfig, dynamic_sampling_keep, grpo_advantages, overlong_penalty
+from losses.policy import dynamic_sampling_keep, grpo_advantages, overlong_penalty
 from titan_ext.batch import IGNORE_INDEX, TrainBatch
 
 
@@ -78,7 +78,7 @@ def select_rollouts(groups: Sequence[RolloutGroup], cfg: PolicyLossConfig) -> Se
         lengths_N = torch.tensor([r.completion_tokens for r in rollouts])
         rewards_N = rewards_N + overlong_penalty(lengths_N, cfg.overlong_max_len, cfg.overlong_buffer).double()
     ids_N = torch.tensor([r.group_id for r in rollouts])
-    adv_N = grpo_advantages(rewards_N, ids_N, AdvantageConfig(cfg.adv_scale, cfg.adv_std, cfg.adv_eps, cfg.singleton))
+    adv_N = grpo_advantages(rewards_N, ids_N, cfg)
     keep_N = dynamic_sampling_keep(rewards_N, ids_N) if cfg.dynamic_sampling else torch.ones(len(rollouts), dtype=torch.bool)
     kept_groups = {int(g) for g, k in zip(ids_N, keep_N) if k}
     return Selection(
@@ -174,7 +174,8 @@ def pack_batch(
                 j = torch.arange(n - 1)
                 # student position j predicts token j+1; the teacher's copy of token j+1 sits at j+1 (+h past o)
                 hint_index[b, at : at + n - 1] = torch.where(j + 1 < o, base + j, base + j + h)
-                hint_index[b, at + o - 1] = -1  # predicts the header in the student, the hint in the teacher
+                # position o-1 predicts the header in the student but the hint in the teacher: no target
+                hint_index[b, at + o - 1] = -1
                 _, start, end = next(s for s in r.turn_spans if s[0] == hint.site.turn)
                 dmask[b, at + start - 1 : at + end - 1] = torch.tensor(r.loss_mask[start:end])
             at += n

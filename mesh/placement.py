@@ -12,11 +12,11 @@ Roles:
 - generators: `disaggregated` — `generator_procs` processes per host of their
   own; `colocated` — one generator actor in each trainer process. Each
   disaggregated generator is an actor mesh on a proc mesh of its own with one
-  process: Monarch 0.7 stops the surviving ranks of an actor mesh that lost a
-  rank ("orphaned", ≈2 min later), and on a proc mesh of several processes
-  even new calls to an actor on the dead one fail only then (measured 122 s;
-  on a one-process mesh they fail within the supervision poll, ≈2 s), so a
-  failure stays with the generator that died and is noticed at once;
+  process: on a proc mesh of several processes, calls to an actor on a dead
+  one fail only when Monarch stops the mesh's orphaned ranks, minutes later
+  (docs/supervision.md), while on a one-process mesh they fail within the
+  supervision poll; so a failure stays with the generator that died and is
+  noticed at once;
 - teacher replay: one actor on a process of its own on the controller's host
   (it only talks HTTP and asks the trainer for scores), so its failure is
   isolated and respawnable; `replay_procs = 0` disables it.
@@ -38,8 +38,18 @@ from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any
 
+from monarch.actor import this_host
+from monarch.job import load_current_job
+from monarch.spmd import setup_torch_elastic_env
+
+from actors.generator import GeneratorActor, GeneratorSpec
 from actors.phase_memory import MMAP_THRESHOLD_ENV
+from actors.teacher_replay import TeacherReplayActor
+from actors.trainer import TrainerActor
 from configs.sections.mesh import MeshConfig
+from mesh.errors import phase
+from mesh.supervision import configure_supervision, is_alive
+from titan_ext.trainer import TrainerSpec
 
 
 @dataclass
@@ -52,21 +62,28 @@ class Placement:
     trainer: Any
     generators: list[Any]
     replay: Any | None
-    trainer_setup: list[dict] = field(default_factory=list)  # per rank: rank, world, step, pid, params
+    # per rank: rank, world, step, pid, params
+    trainer_setup: list[dict] = field(default_factory=list)
     proc_meshes: list[Any] = field(default_factory=list)
     cfg: MeshConfig = field(default_factory=MeshConfig)
-    specs: dict[str, Any] = field(default_factory=dict)  # role → spec its actors are built from
-    generator_procs: list[Any] = field(default_factory=list)  # per generator: its single-process proc mesh (view)
-    generator_hosts: list[Any] = field(default_factory=list)  # per generator: the host mesh of its host
+    # role → spec its actors are built from
+    specs: dict[str, Any] = field(default_factory=dict)
+    # per generator: its single-process proc mesh (view)
+    generator_procs: list[Any] = field(default_factory=list)
+    # per generator: the host mesh of its host
+    generator_hosts: list[Any] = field(default_factory=list)
     trainer_procs: Any = None
-    generator_pids: list[int] = field(default_factory=list)  # per generator: its OS pid (a hung one cannot say)
-    retired_pids: set[int] = field(default_factory=set)  # processes killed as hung
+    # per generator: its OS pid (a hung one cannot say)
+    generator_pids: list[int] = field(default_factory=list)
+    # processes killed as hung
+    retired_pids: set[int] = field(default_factory=set)
     _names: Any = field(default_factory=itertools.count)
-    _pids_written: int | None = None  # the restart count processes.json was last written at
+    # the restart count processes.json was last written at
+    _pids_written: int | None = None
 
     def stop(self) -> None:
-        """Stop every process mesh, each on a thread of its own (a stop waits ≈1.5 s for its processes to exit;
-        its future only runs when waited on)."""
+        """Stop every process mesh, each on a thread of its own (a stop waits for its processes to exit; its
+        future only runs when waited on)."""
         with concurrent.futures.ThreadPoolExecutor(max(1, len(self.proc_meshes))) as pool:
             for stopped in [pool.submit(lambda p: p.stop().get(), procs) for procs in self.proc_meshes]:
                 stopped.result()
@@ -98,9 +115,6 @@ class Placement:
     def respawn_generator(self, index: int) -> Any:
         """A new generator actor for dead generator `index`: on a live generator process (`respawn = "live"`)
         or on a fresh process; its weights are loaded by the caller."""
-        from actors.generator import GeneratorActor
-        from mesh.supervision import is_alive
-
         procs = None
         if self.cfg.respawn == "live":
             live = [j for j, g in enumerate(self.generators)
@@ -127,7 +141,8 @@ class Placement:
             return
         try:
             self.generator_procs[index].stop().get(timeout=30)
-        except Exception:  # noqa: BLE001 — a wedged host agent: the replacement goes ahead regardless
+        # a wedged host agent: the replacement goes ahead regardless
+        except Exception:  # noqa: BLE001
             pass
 
     def restart_trainer(self) -> Any:
@@ -139,17 +154,14 @@ class Placement:
             self.proc_meshes.remove(old)
         try:
             old.stop().get(timeout=60)
-        except Exception:  # a mesh with a dead rank may not stop cleanly; its processes are gone or going
+        # a mesh with a dead rank may not stop cleanly; its processes are gone or going
+        except Exception:
             pass
         self.trainer, self.trainer_procs, self.trainer_setup = _spawn_trainer(self.cfg, spec, self.proc_meshes)
         return self.trainer
 
     def respawn_replay(self) -> Any:
         """A new teacher-replay actor on a fresh process (its in-memory state is restored by the caller)."""
-        from monarch.actor import this_host
-
-        from actors.teacher_replay import TeacherReplayActor
-
         procs = self._fresh_proc(this_host())
         self.replay = procs.spawn(f"teacher_replay-r{next(self._names)}", TeacherReplayActor, self.specs["replay"],
                                   self.trainer)
@@ -158,8 +170,8 @@ class Placement:
 
 def torch_threads(cfg: MeshConfig, role: str, cpus: int) -> int:
     """Torch threads per `role` ("trainer" | "generator") process: the configured count, else the host's `cpus`
-    shared by the processes placed on it (on `local` every role shares this host; two trainer threads were
-    measured 2-4x slower than one on an oversubscribed 2-core box). Hosts are taken as alike."""
+    shared by the processes placed on it (on `local` every role shares this host; docs/application.md,
+    "Placement", says why). Hosts are taken as alike."""
     configured = cfg.trainer_threads if role == "trainer" else cfg.generator_threads
     if configured:
         return configured
@@ -174,8 +186,6 @@ def torch_threads(cfg: MeshConfig, role: str, cpus: int) -> int:
 def generator_spec(job: Any, weights: str) -> Any:
     """The generators' `GeneratorSpec`: the recipe's weights, sampling, environment and device
     (`[model] device`; "auto" resolves in each generator process)."""
-    from actors.generator import GeneratorSpec
-
     return GeneratorSpec(model_dir=weights, tokenizer_dir=job.model.tokenizer_path, generator=job.generator,
                          env=job.env, max_context_tokens=job.trainer.max_seq_len, device=job.model.device,
                          seed=job.job.seed, torch_threads=torch_threads(job.mesh, "generator", os.cpu_count() or 1),
@@ -185,8 +195,6 @@ def generator_spec(job: Any, weights: str) -> Any:
 def trainer_spec_for(job: Any, *, preference_pairs: bool) -> Any:
     """The trainer's `TrainerSpec`; without a preference channel that can run (no replay actor, DiLoCo) the
     frozen DPO reference — one more parameter copy per rank — is not built (`dpo_reference = "policy"`)."""
-    from titan_ext.trainer import TrainerSpec
-
     if not preference_pairs and job.trainer.dpo_reference == "frozen":
         job = dataclasses.replace(job, trainer=dataclasses.replace(job.trainer, dpo_reference="policy"))
     threads = torch_threads(job.mesh, "trainer", os.cpu_count() or 1)
@@ -196,11 +204,7 @@ def trainer_spec_for(job: Any, *, preference_pairs: bool) -> Any:
 def host_meshes(cfg: MeshConfig) -> tuple[Any, Any]:
     """(trainer hosts, generator hosts) for the backend."""
     if cfg.backend == "local":
-        from monarch.actor import this_host
-
         return this_host(), this_host()
-    from monarch.job import load_current_job
-
     state = load_current_job().state()
     return state.trainer, state.generator
 
@@ -221,10 +225,6 @@ def _host(hosts: Any, point: dict[str, int]) -> Any:
 def _start_trainer(cfg: MeshConfig, spec: Any, meshes: list[Any]) -> tuple[Any, Any, Any]:
     """(trainer actor mesh, its proc mesh, its `setup` call in flight): the caller starts the other roles while
     the trainer processes import and build the model (resumed from a checkpoint if one exists)."""
-    from monarch.spmd import setup_torch_elastic_env
-
-    from actors.trainer import TrainerActor
-
     procs = host_meshes(cfg)[0].spawn_procs(per_host={"gpus": cfg.trainer_procs})
     setup_torch_elastic_env(procs)
     meshes.append(procs)
@@ -243,8 +243,6 @@ def spawn_generators(cfg: MeshConfig, trainer_procs: list[Any], spec: Any, meshe
     """(generator actors, their proc meshes, their hosts' host meshes), one of each per generator process:
     colocated — one in each process of `trainer_procs`; disaggregated — `generator_procs` one-process proc
     meshes per generator host (added to `meshes`)."""
-    from actors.generator import GeneratorActor
-
     if cfg.placement == "colocated":
         hosts = host_meshes(cfg)[0]
         points = [(tp, p) for tp in trainer_procs for p in _points(tp)]
@@ -260,10 +258,6 @@ def spawn_generators(cfg: MeshConfig, trainer_procs: list[Any], spec: Any, meshe
 
 def spawn_replay(cfg: MeshConfig, spec: Any | None, trainer: Any, meshes: list[Any]) -> Any | None:
     """The teacher-replay actor on a process of its own (added to `meshes`), scoring with `trainer`; None when off."""
-    from monarch.actor import this_host
-
-    from actors.teacher_replay import TeacherReplayActor
-
     if spec is None or cfg.replay_procs == 0:
         return None
     procs = this_host().spawn_procs(per_host={"gpus": 1})
@@ -273,24 +267,25 @@ def spawn_replay(cfg: MeshConfig, spec: Any | None, trainer: Any, meshes: list[A
 
 def place(cfg: MeshConfig, trainer_spec: Any, generator_spec: Any, replay_spec: Any | None = None) -> Placement:
     """Spawn the trainer mesh (set up), the generators and the replay actor (on a process of its own), all
-    starting together (measured on the vs_trl task, 2 cores: trainer then generators took 12.0 s one after the
-    other)."""
-    from mesh.errors import phase
-    from mesh.supervision import configure_supervision
-
-    configure_supervision(cfg.supervision_poll_s, cfg.state_query_s)  # before the first process is spawned
-    os.environ[MMAP_THRESHOLD_ENV] = str(int(cfg.malloc_mmap_threshold_mib * (1 << 20)))  # the actors inherit it
+    starting together rather than one after the other (docs/application.md, "Placement")."""
+    # before the first process is spawned
+    configure_supervision(cfg.supervision_poll_s, cfg.state_query_s)
+    # the actors inherit it
+    os.environ[MMAP_THRESHOLD_ENV] = str(int(cfg.malloc_mmap_threshold_mib * (1 << 20)))
     meshes: list[Any] = []
     try:
-        with phase("setup"):  # every role's processes start (import, build, load) at once
+        # every role's processes start (import, build, load) at once
+        with phase("setup"):
             trainer, trainer_procs, setup_call = _start_trainer(cfg, trainer_spec, meshes)
-            setup = list(setup_call.get().values()) if cfg.placement == "colocated" else None  # same processes
+            # colocated generators share the trainer's processes: its setup finishes first
+            setup = list(setup_call.get().values()) if cfg.placement == "colocated" else None
             generators, procs, gen_hosts = spawn_generators(cfg, [trainer_procs], generator_spec, meshes)
             replay = spawn_replay(cfg, replay_spec, trainer, meshes)
             setup = setup or list(setup_call.get().values())
             pids = [g.info.call_one().get()["pid"] for g in generators]
     except BaseException:
-        with contextlib.suppress(Exception):  # the processes spawned before the failure; its error is the news
+        # the processes spawned before the failure; its error is the news
+        with contextlib.suppress(Exception):
             Placement(None, [], None, proc_meshes=meshes).stop()
         raise
     specs = {"trainer": trainer_spec, "generator": generator_spec, "replay": replay_spec}

@@ -27,5 +27,6 @@ def train_step_sharded(trainer: Any, batch: TrainBatch, points: list[tuple[Any, 
     points = shard_points(trainer) if points is None else points
     futures = {rank: trainer.slice(**point).train_step_shard.call_one(batch.shard(rank, world))
                for point, rank, world in points}
-    results = {rank: f.get() for rank, f in futures.items()}  # issued to all ranks before waiting: collective
+    # issued to all ranks before waiting: collective
+    results = {rank: f.get() for rank, f in futures.items()}
     return results[0]

@@ -1,10 +1,9 @@
 """Supervision and recovery: notice dead actors, replace them, and checkpoint the controller's own state.
 
-How Monarch 0.7 reports a dead actor process to the controller (measured, see
-docs/supervision.md): a pending or later endpoint call on the dead actor
-raises `SupervisionError` (a `RuntimeError`) from `.get()` once the mesh
-controller's poll sees the process gone (`HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY`,
-≈10 s by default); the other ranks of the mesh keep serving through their
+How Monarch reports a dead actor process to the controller (docs/supervision.md):
+a pending or later endpoint call on the dead actor raises `SupervisionError`
+(a `RuntimeError`) from `.get()` once the mesh controller's supervision poll
+sees the process gone; the other ranks of the mesh keep serving through their
 slices. The same failure also reaches the client's root actor as a `MeshFailure`,
 whose default `monarch.actor.unhandled_fault_hook` exits the controller:
 `install_fault_hook` replaces it with one that records the event, so the
@@ -35,7 +34,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import monarch.actor
+
+from actors.monarch_compat import SupervisionError, reload_config_from_env
 from actors.rollout import EpisodeRequest, RolloutGroup
+from configs.sections.checkpoint import CheckpointConfig
+from titan_ext.checkpoint import Checkpointer
 
 ROLES = ("generator", "trainer", "replay")
 
@@ -50,7 +54,7 @@ class Deadline:
     max(floor_s, tokens × max(s_per_token, slack × the slowest seconds per token measured in this run)).
 
     The floor covers fixed costs (first-call warm-up, a weight load queued before the call); the per-token
-    term lets long requests run. Measured figures: docs/supervision.md ("Hung generators")."""
+    term lets long requests run (docs/supervision.md, "Hung generators")."""
 
     floor_s: float
     s_per_token: float
@@ -60,8 +64,8 @@ class Deadline:
         return max(self.floor_s, tokens * max(self.s_per_token, self.slack * measured_s_per_token))
 
 
-# Monarch's report of a process whose agent did not answer the supervision poll within `[mesh] state_query_s`:
-# dead, or frozen (SIGSTOP, a wedged host) — a frozen one still holds its memory and must be killed
+# Monarch's report of a process that did not answer the supervision poll within `[mesh] state_query_s`.
+# Dead or frozen: a frozen one still holds its memory, so it is killed before its replacement.
 UNANSWERED = "timeout waiting for message from proc mesh agent"
 
 
@@ -79,15 +83,11 @@ def is_unanswered(exc: BaseException) -> bool:
 
 def is_actor_failure(exc: BaseException) -> bool:
     """True when `exc` (or what it wraps) says an actor or its process died or hung, not that its code raised."""
-    from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
-
     return any(isinstance(e, (SupervisionError, ActorHung)) for e in causes(exc))
 
 
 def install_fault_hook(events: list[str]) -> None:
     """Record unhandled mesh failures in `events` instead of exiting the controller (Monarch's default)."""
-    import monarch.actor
-
     def record(failure: Any) -> None:
         events.append(str(failure))
 
@@ -98,11 +98,8 @@ def configure_supervision(poll_s: float, state_query_s: float) -> None:
     """Monarch's supervision poll period and state-query timeout for this process and the processes it spawns
     (they inherit the environment): `[mesh] supervision_poll_s` and `state_query_s`.
 
-    A dead process is reported when a poll finds it gone, or when the process agent does not answer the poll's
-    state query within `state_query_s`: measured, 1 in 5–8 trainer SIGKILLs took the second path and was noticed
-    30 s later with Monarch's defaults, 4 s with a 4 s timeout."""
-    from monarch._rust_bindings.monarch_hyperactor.config import reload_config_from_env
-
+    A dead process is reported when a poll finds it gone, or when its process agent does not answer the poll's
+    state query within `state_query_s`; how often each path is taken: docs/supervision.md."""
     os.environ["HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY"] = f"{round(poll_s * 1000)}ms"
     os.environ["HYPERACTOR_MESH_GET_ACTOR_STATE_MAX_IDLE"] = f"{round(state_query_s * 1000)}ms"
     reload_config_from_env()
@@ -111,10 +108,9 @@ def configure_supervision(poll_s: float, state_query_s: float) -> None:
 def is_alive(call: Any, timeout_s: float = 30.0, retry_s: float = 2.0) -> bool:
     """Probe one actor (or mesh) with a cheap endpoint call (a `.call_one`/`.call` of an endpoint).
 
-    A dead actor's call fails with `SupervisionError` once Monarch has noticed the death; a call sent to a process
-    that died before that waits far longer (measured ≈30 s on a 2-rank trainer), so the probe is re-sent every
-    `retry_s`: a fresh call after the supervision poll fails at once. One that no probe answers within `timeout_s`
-    is taken as alive (busy), not dead."""
+    A dead actor's call fails with `SupervisionError` once Monarch has noticed the death; a call sent before that
+    can wait far longer (docs/supervision.md), so the probe is re-sent every `retry_s`: a fresh call after the
+    supervision poll fails at once. One that no probe answers within `timeout_s` is taken as alive (busy)."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -137,9 +133,12 @@ class Restart:
     role: str
     index: int
     error: str
-    seconds: float  # building the replacement
-    started: float = 0.0  # time.monotonic() when the replacement began (a drill's detection time)
-    at: float = 0.0  # time.time() then (compared with a kill's time by drills in another process)
+    # seconds spent building the replacement
+    seconds: float
+    # time.monotonic() when the replacement began (a drill's detection time)
+    started: float = 0.0
+    # time.time() then, compared with a kill's time by drills in another process
+    at: float = 0.0
 
 
 @dataclass
@@ -180,7 +179,8 @@ class Supervisor:
             start, started, at = time.perf_counter(), time.monotonic(), time.time()
             if role == "generator" and (isinstance(exc, ActorHung) or is_unanswered(exc)) \
                     and self.retire_generator is not None:
-                self.retire_generator(index)  # a hung process would hold its memory (and its late answers)
+                # a hung process would hold its memory (and its late answers)
+                self.retire_generator(index)
             actor = make()
             error = f"{type(exc).__name__}: {exc}"[:300]
             self.restarts.append(Restart(role, index, error, time.perf_counter() - start, started, at))
@@ -254,8 +254,5 @@ def load_state(directory: str | Path, version: int) -> ControllerState | None:
 
 def oldest_checkpoint(folder: str | Path) -> int | None:
     """The oldest complete trainer checkpoint step in `folder`, None when there is none."""
-    from configs.sections.checkpoint import CheckpointConfig
-    from titan_ext.checkpoint import Checkpointer
-
     steps = Checkpointer(CheckpointConfig(), folder).complete_steps()
     return steps[0] if steps else None

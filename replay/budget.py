@@ -34,7 +34,8 @@ class Budget:
         self.spent_nusd = spent_nusd
         self.reserved_nusd = 0
         self.refusals = 0
-        self.overruns = 0  # settlements above their reservation (usage above the worst-case bound)
+        # settlements above their reservation (usage above the worst-case bound)
+        self.overruns = 0
         self._cond: asyncio.Condition | None = None
 
     @property

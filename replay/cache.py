@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-NANO = 1_000_000_000  # journal amounts are integer nano-USD: sums are exact
+# journal amounts are integer nano-USD: sums are exact
+NANO = 1_000_000_000
 
 
 def canonical_json(obj: Any) -> str:
@@ -64,19 +65,23 @@ class ResponseCache:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._responses: dict[str, CachedResponse] = {}
         self._open_intents: dict[str, int] = {}  # attempt id -> worst nano-USD
-        self.prior_spend_nusd = 0  # spend recorded by earlier runs (see module doc)
-        self.unresolved_at_load = 0  # requests in flight when an earlier run died
+        # spend recorded by earlier runs (see module doc)
+        self.prior_spend_nusd = 0
+        # requests in flight when an earlier run died
+        self.unresolved_at_load = 0
         self.corrupt_lines = 0
         self._lock = threading.Lock()
         self._file = open(self.path, "ab")
-        try:  # two live runs sharing one cache could both buy the same response
+        # two live runs sharing one cache could both buy the same response
+        try:
             fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             self._file.close()
             raise RuntimeError(f"response cache {self.path} is in use by another run") from None
         self._load()
         if self._file.tell() and not self.path.read_bytes().endswith(b"\n"):
-            self._file.write(b"\n")  # never glue onto a line a killed run left unterminated
+            # never glue onto a line a killed run left unterminated
+            self._file.write(b"\n")
         self._seq = 0
         self._run = os.urandom(6).hex()
 
@@ -115,7 +120,8 @@ class ResponseCache:
             self._file.write(data)
             self._file.flush()  # from here a SIGKILL cannot lose the line
             fd = self._file.fileno()
-        os.fsync(fd)  # outside the lock: concurrent writers share the disk flush
+        # outside the lock: concurrent writers share the disk flush
+        os.fsync(fd)
 
     def intent(self, key: str, teacher: str, worst_nusd: int, context: str = "") -> str:
         """Journal a request about to be sent (context: hash of its messages); returns its attempt id."""

@@ -118,7 +118,8 @@ def drop_reason(rec: dict) -> str | None:
     if kind not in _CONVERSATION:
         return "unknown_type"
     if kind == "assistant" and rec["message"].get("model") == "<synthetic>":
-        return "synthetic"  # client-made placeholder (API error, interruption), not a model action
+        # client-made placeholder (API error, interruption), not a model action
+        return "synthetic"
     return None
 
 
@@ -137,7 +138,8 @@ def _assistant_message(blocks: list[dict], notes: ParseStats, where: str) -> dic
             function = {"name": block["name"], "arguments": arguments}
             calls.append({"id": block["id"], "type": "function", "function": function})
         elif kind != "tool_use":
-            notes.note(notes.notes, f"omitted_block:{kind}", where)  # redacted_thinking, server tools, ...
+            # redacted_thinking, server tools, ...
+            notes.note(notes.notes, f"omitted_block:{kind}", where)
     msg: dict = {"role": "assistant", "content": "\n".join(t for t in text if t)}
     if calls:
         msg["tool_calls"] = calls
@@ -187,7 +189,8 @@ class _Session:
             for block in content if isinstance(content, list) else ():
                 if block["type"] == "tool_result":
                     self.results.setdefault((rec.side, block["tool_use_id"]), (rec, block))
-        self.called = {  # every tool_use id of the file's assistant records
+        # every tool_use id of the file's assistant records
+        self.called = {
             b["id"] for parts in self.parts.values() for p in parts for b in _blocks(p) if b["type"] == "tool_use"
         }
 
@@ -210,7 +213,8 @@ class _Session:
         """(sidechain name or None, last record) of the main thread and of each sidechain."""
         main = next((r for r in reversed(self.recs) if r.is_turn and not r.side), None)
         out: list[tuple[str | None, _Rec]] = [(None, main)] if main else []
-        roots: dict[str, _Rec] = {}  # root uuid -> last sidechain turn under it
+        # root uuid -> last sidechain turn under it
+        roots: dict[str, _Rec] = {}
         names: dict[str, str] = {}
         root_of: dict[str, _Rec] = {}
         for rec in self.recs:
@@ -219,7 +223,8 @@ class _Session:
                 roots[root.uuid] = rec
                 if root.uuid not in names:
                     name = rec.raw.get("agentId") or root.uuid
-                    names[root.uuid] = root.uuid if name in names.values() else name  # unique trace ids
+                    # unique trace ids
+                    names[root.uuid] = root.uuid if name in names.values() else name
         out.extend((names[root], leaf) for root, leaf in roots.items())
         return out
 
@@ -324,7 +329,8 @@ class _Session:
         for call in msg.get("tool_calls", ()):
             found = self.results.get((rec.side, call["id"]))
             if found is None:
-                continue  # the state check (`trace_states`) refuses contexts that hold this call
+                # the state check (`trace_states`) refuses contexts that hold this call
+                continue
             result_rec, block = found
             out.append(self._tool_message(block, result_rec))
             answered.add(call["id"])

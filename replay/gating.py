@@ -35,6 +35,7 @@ Scorer = Callable[[TraceState], Uncertainty]
 
 def uncertainty_from_logits(logits_TV: Any) -> Uncertainty:
     """Uncertainty of T action tokens from their next-token logits [T, V] (a torch tensor)."""
+    # lazy: torch is needed only to score with a model; the replay run starts without it
     import torch
 
     logp_TV = torch.log_softmax(logits_TV.float(), dim=-1)
@@ -47,12 +48,14 @@ class HFScorer:
     """Uncertainty of a local HF causal LM on the recorded action, given the context."""
 
     def __init__(self, model_dir: str | Path) -> None:
+        # lazy: transformers is needed only to score with a local model; the replay run starts without it
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         self.model = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
 
     def __call__(self, state: TraceState) -> Uncertainty:
+        # lazy: torch is needed only to score with a local model; the replay run starts without it
         import torch
 
         context = [

@@ -236,7 +236,8 @@ def hint_token_spans(
     """
     def ids(messages: list[dict]) -> list[int]:
         out = apply_chat_template(messages, tokenize=True, **template_kwargs)
-        return list(out["input_ids"] if isinstance(out, Mapping) else out)  # HF may return a BatchEncoding
+        # HF may return a BatchEncoding
+        return list(out["input_ids"] if isinstance(out, Mapping) else out)
 
     student, with_hint = ids(list(student_messages)), ids(hinted.messages)
     limit = min(len(student), len(with_hint))

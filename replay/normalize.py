@@ -85,7 +85,8 @@ def run_recipe(records: list[dict], out_dir: str | Path, recipe: str = "default"
     out_dir.mkdir(parents=True, exist_ok=True)
     valid, dropped = validate_pairs(records)
     dataset = out_dir / "dataset.jsonl"
-    if not valid:  # data-juicer cannot load an empty JSONL; an empty dataset is the answer
+    # data-juicer cannot load an empty JSONL; an empty dataset is the answer
+    if not valid:
         dataset.write_text("")
         return NormalizeResult(dataset, len(records), 0, dict(dropped))
     work = out_dir / "dj"
@@ -120,6 +121,7 @@ def run_recipe(records: list[dict], out_dir: str | Path, recipe: str = "default"
 
 def _dj_main(cfg_path: str) -> int:
     """Child process: data-juicer's default executor on one config file."""
+    # lazy: data-juicer is slow to import and only this child process needs it
     from data_juicer.config import init_configs
     from data_juicer.core import DefaultExecutor
 

@@ -88,12 +88,14 @@ class PreferencePair:
     context: tuple[dict, ...]
     chosen: dict
     rejected: dict
-    votes: dict[str, str]  # teacher -> "chosen" | "student" | "other" | "failed"
+    # teacher -> "chosen" | "student" | "other" | "failed"
+    votes: dict[str, str]
     agree: int
     teachers: tuple[str, ...]
     costs_usd: dict[str, float] = field(default_factory=dict)
     strategy: str = "plurality"
-    support: float = 0.0  # winner's share of the valid votes (or of the voting weight)
+    # winner's share of the valid votes (or of the voting weight)
+    support: float = 0.0
 
     def to_record(self) -> dict[str, Any]:
         """A flat JSONL record (uniform schema: data-juicer's JSON loader needs it)."""

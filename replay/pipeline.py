@@ -35,7 +35,8 @@ class StateResult:
 
     trace_id: str
     step: int
-    outcome: str  # pair | agrees_with_student | no_consensus | too_few_votes | gated_out | budget | context_length
+    # pair | agrees_with_student | no_consensus | too_few_votes | gated_out | budget | context_length
+    outcome: str
     teachers_asked: tuple[str, ...] = ()
     failures: list[dict] = field(default_factory=list)
     pair: PreferencePair | None = None
@@ -133,7 +134,8 @@ async def _replay_one(state, client, cfg, groups, weights, gate) -> StateResult:
     outcome = decision.outcome
     if decision.pair is None and failures:
         skips = [f["kind"] for f in failures if f["kind"] in SKIPS]
-        if len(skips) == len(failures) and "context_length" in skips:  # too long for the teachers, nothing failed
+        # too long for the teachers, nothing failed
+        if len(skips) == len(failures) and "context_length" in skips:
             outcome = "context_length"
         if "budget" in skips:
             outcome = "budget"

@@ -103,27 +103,32 @@ class ConsensusResponder:
         return f"answer {base}"
 
 
-class SolverResponder:
-    """The demo task's solver (`envs.demo.solve`) as teachers that sometimes slip: each model
-    answers exactly, except that with probability `noise` (a hash of model and context, so
-    repeated requests repeat) it gives a near miss, the result off by ±1 or ±2. Two slipping
-    teachers mostly miss differently, so the teachers disagree and the vote decides."""
+# A task's solver: (messages, slip) -> the answer, off by `slip` when slip != 0.
+Solver = Callable[[list[dict], int], str]
 
-    def __init__(self, noise: float = 0.0) -> None:
+
+class SolverResponder:
+    """A task's solver as teachers that sometimes slip: each model answers exactly, except that
+    with probability `noise` (a hash of model and context, so repeated requests repeat) it gives
+    a near miss, the result off by ±1 or ±2. Two slipping teachers mostly miss differently, so
+    the teachers disagree and the vote decides. The demo task's is `envs.demo.solve`
+    (`mesh.responders` joins the two: replay does not import envs)."""
+
+    def __init__(self, solve: Solver, noise: float = 0.0) -> None:
+        self.solve = solve
         self.noise = noise
 
     def __call__(self, model: str, messages: list[dict], params: dict) -> str:
-        from envs.demo import solve
-
         ctx = json.dumps(messages, sort_keys=True)
         slip = (1, -1, 2, -2)[_hash(model, ctx) % 4] if _departs(model, ctx, self.noise) else 0
-        return solve(messages, slip)
+        return self.solve(messages, slip)
 
 
 class HFResponder:
     """A local Hugging Face causal LM directory answering greedily (one request at a time)."""
 
     def __init__(self, model_dir: str | Path) -> None:
+        # lazy: start-up time: transformers and torch load only when an HF responder is asked for
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
@@ -144,6 +149,7 @@ class HFResponder:
         return self._prompt_ids(messages)["input_ids"].shape[1]
 
     def __call__(self, model: str, messages: list[dict], params: dict) -> dict:
+        # lazy: start-up time: torch loads only when an HF responder is asked for
         import torch
 
         ids = self._prompt_ids(messages)
@@ -203,7 +209,8 @@ class TeacherServer:
         config = uvicorn.Config(
             self.app(), log_level="critical", access_log=False, lifespan="off", timeout_keep_alive=60,
             server_header=False, date_header=False,
-            timeout_graceful_shutdown=1,  # stop() does not wait out an injected slow answer
+            # stop() does not wait out an injected slow answer
+            timeout_graceful_shutdown=1,
         )
         self._uvicorn = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
@@ -290,7 +297,8 @@ class TeacherServer:
             return _error(400, f"bad request: {exc}", "invalid_request_error")
         if self.api_key is not None:
             given = request.headers.get("Authorization", "").removeprefix("Bearer ")
-            if given != self.api_key:  # echoes the key it got, as public APIs do: clients must redact
+            # echoes the key it got, as public APIs do: clients must redact
+            if given != self.api_key:
                 return _error(401, f"Incorrect API key provided: {given}", "invalid_request_error")
         if self.models is not None and model not in self.models:
             return _error(404, f"model {model!r} not found", "not_found")
@@ -316,7 +324,8 @@ class TeacherServer:
             return _error(500, "injected server error", "server_error")
         try:
             message, usage, finish = await run_in_threadpool(self._completion, model, messages, params)
-        except Exception as exc:  # a responder bug is the server's 500, not a crash
+        # a responder bug is the server's 500, not a crash
+        except Exception as exc:
             self._record({**rec, "outcome": "responder_error"})
             return _error(500, f"responder failed: {type(exc).__name__}: {exc}", "server_error")
         rec.update(billed=True, prompt_tokens=usage["prompt_tokens"], completion_tokens=usage["completion_tokens"])
@@ -375,7 +384,8 @@ class TeacherServer:
         message = {"role": "assistant", "content": out} if isinstance(out, str) else {"role": "assistant", **out}
         message.setdefault("content", "")
         usage = message.pop("usage", None)
-        if usage is not None:  # the responder counted with its own tokenizer (and obeyed max_tokens)
+        # the responder counted with its own tokenizer (and obeyed max_tokens)
+        if usage is not None:
             finish = "length" if usage["completion_tokens"] >= int(params.get("max_tokens") or 1 << 30) else "stop"
             return message, {**usage, "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"]}, finish
         text = message["content"] or ""

@@ -38,6 +38,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
+import certifi
 import httpx
 
 from configs.sections.teachers import TeacherSpec, TeachersConfig
@@ -80,11 +81,15 @@ class ClientStats:
     requests: int = 0  # HTTP attempts sent
     cache_hits: int = 0
     retries: int = 0
-    answered: Counter = field(default_factory=Counter)  # teacher -> replies received (tiers above 0: escalations)
-    trimmed: int = 0  # requests sent with their oldest messages dropped to fit the context
+    # teacher -> replies received (tiers above 0: escalations)
+    answered: Counter = field(default_factory=Counter)
+    # requests sent with their oldest messages dropped to fit the context
+    trimmed: int = 0
     failures: Counter = field(default_factory=Counter)
-    context_limits: dict = field(default_factory=dict)  # teacher -> tokens (None: unknown, no limit)
-    stopped: dict = field(default_factory=dict)  # teacher -> the client error that stopped it
+    # teacher -> tokens (None: unknown, no limit)
+    context_limits: dict = field(default_factory=dict)
+    # teacher -> the client error that stopped it
+    stopped: dict = field(default_factory=dict)
 
     @property
     def successes(self) -> int:
@@ -97,9 +102,7 @@ class ClientStats:
 
 @functools.cache
 def _tls_context() -> ssl.SSLContext:
-    """One verifying TLS context per process (building one per client costs ~0.1 s)."""
-    import certifi
-
+    """One verifying TLS context per process (building one per client is slow)."""
     return ssl.create_default_context(cafile=certifi.where())
 
 
@@ -162,7 +165,8 @@ class TeacherClient:
         self._http: dict[str, httpx.AsyncClient] = {}
         self._slots: dict[str, asyncio.Semaphore] = {}
         self._limit_locks: dict[str, asyncio.Lock] = {}
-        self._first_errors: dict[str, list[str] | None] = {}  # teacher -> its first client errors; None: settled
+        # teacher -> its first client errors; None: settled
+        self._first_errors: dict[str, list[str] | None] = {}
         self._deciding_locks: dict[str, asyncio.Lock] = {}
         for spec in cfg.models:
             env = spec.api_key_env or cfg.api_key_env
@@ -219,7 +223,8 @@ class TeacherClient:
             entry = next((m for m in models if isinstance(m, dict) and m.get("id") == spec.model), {})
             return int(entry["max_model_len"]) if entry.get("max_model_len") else None
         except (httpx.HTTPError, ValueError, KeyError, TypeError):
-            return None  # no such route or no such field: the server's own 400 is the fallback
+            # no such route or no such field: the server's own 400 is the fallback
+            return None
 
     def fit(self, spec: TeacherSpec, messages: list[dict], tools: list[dict] | None, limit: int | None) -> list[dict] | None:
         """`messages` within the context limit: as they are, trimmed (oldest non-system messages first,
@@ -272,14 +277,16 @@ class TeacherClient:
 
     async def complete(self, teacher: str, messages: list[dict], tools: list[dict] | None = None) -> TeacherReply:
         """The teacher's next assistant message for `messages` (cached, budgeted, retried)."""
-        if self._deciding(teacher):  # one call at a time until the stop rule is settled: no burst of refusals
+        # one call at a time until the stop rule is settled: no burst of refusals
+        if self._deciding(teacher):
             lock = self._deciding_locks.setdefault(teacher, asyncio.Lock())
             await lock.acquire()
             try:
                 if self._deciding(teacher):
                     return await self._complete(teacher, messages, tools)
             finally:
-                lock.release()  # settled while this call waited: it goes on concurrently
+                # settled while this call waited: it goes on concurrently
+                lock.release()
         return await self._complete(teacher, messages, tools)
 
     async def _complete(self, teacher: str, messages: list[dict], tools: list[dict] | None) -> TeacherReply:
@@ -363,10 +370,12 @@ class TeacherClient:
                     "server_error" if resp.status_code in _RETRYABLE_STATUS or resp.status_code >= 500 else "client_error"
                 )
                 if kind == "client_error" and any(m in text for m in _CONTEXT_400):
-                    kind = "context_length"  # the server's own count: a free refusal, skipped
+                    # the server's own count: a free refusal, skipped
+                    kind = "context_length"
                 error = TeacherError(kind, f"HTTP {resp.status_code}: {text}", resp.status_code)
                 delay = retry_after_s(resp.headers) if kind != "client_error" else None
-        if journal is not None:  # durable before the caller sees the response
+        # durable before the caller sees the response
+        if journal is not None:
             if reply is not None:
                 await asyncio.to_thread(self.cache.result, journal, key, spec.name, spec.model, charged, reply.message, reply.usage)
             else:
@@ -394,7 +403,8 @@ class TeacherClient:
                 int(usage["prompt_tokens"]), int(usage["completion_tokens"]), spec.price_in_per_mtok, spec.price_out_per_mtok
             )
         except (KeyError, TypeError, ValueError):
-            charged = worst  # no usage reported: assume the worst we allowed
+            # no usage reported: assume the worst we allowed
+            charged = worst
         usage = {"prompt_tokens": usage.get("prompt_tokens"), "completion_tokens": usage.get("completion_tokens")}
         return TeacherReply(spec.name, spec.model, message, usage, charged / NANO, attempts=attempt), None, charged
 

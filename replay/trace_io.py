@@ -105,7 +105,8 @@ def read_jsonl(path: str | Path) -> tuple[list[tuple[int, dict]], ParseStats]:
     raw = Path(path).read_bytes()
     lines = raw.split(b"\n")
     if lines and lines[-1] == b"":
-        lines.pop()  # the newline after the last line ends it; it adds no line
+        # the newline after the last line ends it; it adds no line
+        lines.pop()
     last_unterminated = not raw.endswith(b"\n")
     for i, line in enumerate(lines, start=1):
         stats.lines += 1

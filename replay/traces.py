@@ -93,7 +93,8 @@ def _openai_message(m: Any) -> tuple[dict | None, str | None]:
     if role == "tool" and not isinstance(m.get("tool_call_id"), str):
         return None, "bad_type:tool_call_id"
     if m.get("name") is not None and not isinstance(m["name"], str):
-        return None, "bad_type:name"  # sent as is: an API would refuse the request
+        # sent as is: an API would refuse the request
+        return None, "bad_type:name"
     if role == "assistant":
         thought = msg.pop("reasoning_content", None) or msg.get("reasoning")
         if thought:
@@ -246,7 +247,8 @@ def trace_states(trace: Trace, max_context_messages: int = 0, stats: ParseStats 
             continue
         start = max(0, i - max_context_messages) if max_context_messages else 0
         while start < i and msgs[start].get("role") == "tool":
-            start += 1  # never open a context with results whose call was cut off
+            # never open a context with results whose call was cut off
+            start += 1
         if i > start:
             context = tuple(strip_reasoning(m) for m in msgs[start:i])
             problem = context_problem(context)

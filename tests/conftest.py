@@ -1,13 +1,28 @@
-"""Suite-wide fixtures: the tiny offline model assets, built once per session."""
+"""Suite-wide fixtures: the tiny offline model assets (built once per session), the trainer and
+generator specs the actor and mesh tests run, free loopback ports, and a vLLM server."""
 
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    """A loopback TCP port that was free a moment ago (another process may still take it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def free_port():
+    """`free_port()` → a loopback TCP port for a test's process group or server (see `_free_port`)."""
+    return _free_port
 
 
 def _assets_cache_dir() -> Path:
@@ -45,19 +60,39 @@ def tiny_trainer_spec(tiny_assets):
     return make
 
 
+@pytest.fixture(scope="session")
+def make_generator_spec(tiny_assets):
+    """`make(max_context_tokens=512, **generator)` → a GeneratorSpec of the tiny dense model on the HF
+    engine; `generator` overrides fields of its GeneratorConfig."""
+    from actors.generator import GeneratorSpec
+    from configs.sections.generator import GeneratorConfig
+
+    def make(max_context_tokens: int = GeneratorSpec.max_context_tokens, **generator):
+        return GeneratorSpec(
+            model_dir=str(tiny_assets.dense_dir),
+            generator=GeneratorConfig(engine="hf", **generator),
+            max_context_tokens=max_context_tokens,
+        )
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def generator_spec(make_generator_spec):
+    """The tiny dense model on the demo task: groups of 3, two turns of at most 10 tokens."""
+    return make_generator_spec(max_context_tokens=160, group_size=3, max_new_tokens=10, max_turns=2)
+
+
 class VLLMServer:
     """vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`) on a free loopback port,
     started at construction; `wait()` → `(url, /v1/models answer)` once it answers; `stop()` ends
     its process group. Start several, then wait for each: they load in parallel."""
 
     def __init__(self, model_dir: Path, log_path: Path, *args: str) -> None:
-        import socket
         import subprocess
         import sys
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = _free_port()
         self.url, self.log_path = f"http://127.0.0.1:{port}", log_path
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                "--host", "127.0.0.1", "--port", str(port), "--kv-cache-memory-bytes", str(256 << 20), *args]

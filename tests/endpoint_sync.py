@@ -1,6 +1,6 @@
 """The endpoint weight sync, kept as a test oracle for the topology-aware sync (`actors.weight_sync`).
 
-The trainer's rank 0 writes each exported HF-named bucket (`titan_ext.export`)
+The trainer's rank 0 writes each exported HF-named bucket (`titan_ext.hf.adapters`)
 to `<root>/v<version>/bucket_<i>.safetensors` and returns a `WeightManifest`
 (`EndpointTrainer.publish_weights`); every generator maps the files, copies the
 tensors into its running engine and reports the digest of what it now holds

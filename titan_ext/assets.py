@@ -2,14 +2,14 @@
 
 `build_assets(cache_dir, seed)` writes three HF-format directories that load
 with `HF_HUB_OFFLINE=1` (transformers, vLLM, TorchTitan via
-`titan_ext.hf_checkpoint`):
+`titan_ext.hf.read`):
 
 - `tokenizer/`: a byte-level BPE (2048 tokens, Qwen2-style pre-tokenizer that
   splits digits) trained on `titan_ext/data/tokenizer_corpus.txt`, with a
   ChatML chat template that renders system/user/assistant/tool turns, tool
   definitions, assistant tool calls, tool results, and `{% generation %}`
   markers for assistant-token masks;
-- `tiny/`: the dense tiny Qwen3 (`models.TINY_SHAPES["composer_tiny"]`);
+- `tiny/`: the dense tiny Qwen3 (`tiny.TINY_SHAPES["composer_tiny"]`);
 - `tiny_moe/`: the tiny Qwen3-MoE (4 experts, top-2).
 
 `hf_dir_for(model_cfg)` / `tokenizer_dir_for(model_cfg)` name the directories
@@ -35,16 +35,28 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
+import safetensors
+import tokenizers
+import torch
+import torchtitan
+import transformers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
 from configs.sections.model import ModelConfig
+from titan_ext.build import build_model
+from titan_ext.hf.write import save_hf_dir
+from titan_ext.models import resolve_model
+from titan_ext.platform import detect_platform
+from titan_ext.tiny import SPECIAL_TOKENS, TINY_MAX_SEQ_LEN, TINY_VOCAB_SIZE, TOOL_TOKENS
 
-ASSETS_FORMAT = 2  # 2: config.json carries `architectures`
-CORPUS_PATH = Path(__file__).parent / "data" / "tokenizer_corpus.txt"
-TOKENIZER_VOCAB_SIZE = 2048
-
-# Special tokens take ids 0..2 (the BPE trainer adds them first), tool markers the last 6.
-SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>")
-TOKEN_IDS = {"bos_token_id": 0, "pad_token_id": 0, "eos_token_id": 2}
+# Bumped when the files' format changes (docs/models.md lists the formats).
+ASSETS_FORMAT = 2
+_PACKAGE_DIR = Path(__file__).parent
+CORPUS_PATH = _PACKAGE_DIR / "data" / "tokenizer_corpus.txt"
+# The code that makes the assets (titan_ext/ paths): a change to any of them rebuilds them.
+_SOURCES = ("tiny.py", "torchtitan_compat.py", "models.py", "build.py", "hf/adapters.py", "hf/config.py",
+            "hf/derive.py", "hf/read.py", "hf/write.py")
 
 # Qwen2/Qwen3 pre-tokenizer split: contractions, words, single digits, punctuation runs, newlines.
 _SPLIT_PATTERN = (
@@ -114,13 +126,8 @@ def asset_paths(cache_dir: Path, seed: int) -> AssetPaths:
     return _paths_under(Path(cache_dir) / f"seed{seed}")
 
 
-def build_tokenizer(corpus_path: Path = CORPUS_PATH, vocab_size: int = TOKENIZER_VOCAB_SIZE):
+def build_tokenizer(corpus_path: Path = CORPUS_PATH, vocab_size: int = TINY_VOCAB_SIZE) -> PreTrainedTokenizerFast:
     """Train the byte-level BPE and wrap it as a `PreTrainedTokenizerFast` with the chat template."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    from titan_ext.models import TINY_MAX_SEQ_LEN
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
@@ -155,20 +162,12 @@ def build_tokenizer(corpus_path: Path = CORPUS_PATH, vocab_size: int = TOKENIZER
 
 def _input_stamp(seed: int) -> str:
     """Hash of everything the assets depend on."""
-    import safetensors
-    import tokenizers
-    import torch
-    import torchtitan
-    import transformers
-
-    from titan_ext import hf_checkpoint, hf_config, hf_export, models
-
     h = hashlib.sha256()
     h.update(f"format={ASSETS_FORMAT} seed={seed}".encode())
     for lib in (torch, transformers, tokenizers, safetensors, torchtitan):
         h.update(f"{lib.__name__}={getattr(lib, '__version__', '?')}".encode())
-    for module in (models, hf_checkpoint, hf_config, hf_export):
-        h.update(Path(module.__file__).read_bytes())
+    for name in _SOURCES:
+        h.update((_PACKAGE_DIR / name).read_bytes())
     for path in (CORPUS_PATH, Path(__file__)):
         h.update(path.read_bytes())
     return h.hexdigest()
@@ -192,14 +191,10 @@ def _file_lock(path: Path) -> Iterator[None]:
 
 
 def _write_model(out_dir: Path, flavour: str, seed: int, tokenizer_dir: Path) -> None:
-    from titan_ext.hf_export import write_hf_dir
-    from titan_ext.models import build_model, resolve_model
-    from titan_ext.platform import detect_platform
-
     cfg = ModelConfig(flavour=flavour, seed=seed, device="cpu")
     platform = detect_platform("cpu")
     model = build_model(cfg, device="cpu", platform=platform)
-    write_hf_dir(model, out_dir, resolve_model(cfg, platform).hf_config, tokenizer_dir=tokenizer_dir)
+    save_hf_dir(model, out_dir, resolve_model(cfg, platform).hf_config, tokenizer_dir=tokenizer_dir)
 
 
 def _write_assets(paths: AssetPaths, seed: int) -> None:

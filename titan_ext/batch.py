@@ -53,29 +53,47 @@ _PAIR_FIELDS = (
 class TrainBatch:
     """One rank's step data; shapes in the suffixes (B rows, L / H / S lengths, P pairs)."""
 
-    tokens_BL: torch.Tensor  # int64 student token ids, packed
-    positions_BL: torch.Tensor  # int64 position in its packed document (0 at each start)
-    labels_BL: torch.Tensor  # int64 next-token target, -100 = none
-    policy_mask_BL: torch.Tensor  # bool tokens in the policy channel (generated tokens)
-    advantages_BL: torch.Tensor  # float32 advantage of the token's rollout
-    generator_logprobs_BL: torch.Tensor  # float32 log π_gen(label) from the generator
-    policy_tokens: int  # global count of policy_mask tokens
+    # int64 student token ids, packed
+    tokens_BL: torch.Tensor
+    # int64 position in its packed document (0 at each start)
+    positions_BL: torch.Tensor
+    # int64 next-token target, -100 = none
+    labels_BL: torch.Tensor
+    # bool tokens in the policy channel (generated tokens)
+    policy_mask_BL: torch.Tensor
+    # float32 advantage of the token's rollout
+    advantages_BL: torch.Tensor
+    # float32 log π_gen(label) from the generator
+    generator_logprobs_BL: torch.Tensor
+    # global count of policy_mask tokens
+    policy_tokens: int
 
-    distill_mask_BL: torch.Tensor | None = None  # bool student tokens scored against the teacher
-    hint_tokens_BH: torch.Tensor | None = None  # int64 hint-injected teacher context
-    hint_positions_BH: torch.Tensor | None = None  # int64 positions of the teacher context
-    hint_index_BL: torch.Tensor | None = None  # int64 teacher position aligned to student position, -1 = none
-    distill_tokens: int = 0  # global count of distill_mask tokens
+    # bool student tokens scored against the teacher
+    distill_mask_BL: torch.Tensor | None = None
+    # int64 hint-injected teacher context
+    hint_tokens_BH: torch.Tensor | None = None
+    # int64 positions of the teacher context
+    hint_positions_BH: torch.Tensor | None = None
+    # int64 teacher position aligned to student position, -1 = none
+    hint_index_BL: torch.Tensor | None = None
+    # global count of distill_mask tokens
+    distill_tokens: int = 0
 
-    chosen_tokens_PS: torch.Tensor | None = None  # int64 state + chosen action
+    # int64 state + chosen action
+    chosen_tokens_PS: torch.Tensor | None = None
     chosen_positions_PS: torch.Tensor | None = None  # int64
-    chosen_labels_PS: torch.Tensor | None = None  # int64 next token on the action, -100 elsewhere
-    rejected_tokens_PS: torch.Tensor | None = None  # int64 state + rejected (student) action
+    # int64 next token on the action, -100 elsewhere
+    chosen_labels_PS: torch.Tensor | None = None
+    # int64 state + rejected (student) action
+    rejected_tokens_PS: torch.Tensor | None = None
     rejected_positions_PS: torch.Tensor | None = None  # int64
     rejected_labels_PS: torch.Tensor | None = None  # int64
-    ref_chosen_logprobs_P: torch.Tensor | None = None  # float32 Σ log π_ref(chosen action) (DPO)
-    ref_rejected_logprobs_P: torch.Tensor | None = None  # float32 Σ log π_ref(rejected action) (DPO)
-    pairs: int = 0  # global count of real pairs
+    # float32 Σ log π_ref(chosen action) (DPO)
+    ref_chosen_logprobs_P: torch.Tensor | None = None
+    # float32 Σ log π_ref(rejected action) (DPO)
+    ref_rejected_logprobs_P: torch.Tensor | None = None
+    # global count of real pairs
+    pairs: int = 0
 
     def __post_init__(self) -> None:
         self.validate()

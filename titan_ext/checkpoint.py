@@ -12,7 +12,7 @@ Layout of one checkpoint, `<folder>/step-00000006/`:
   it (a process killed mid-save) is ignored on resume and overwritten on save.
 
 Only the newest `keep_last` complete checkpoints are kept. HF weights are
-loaded by `titan_ext.hf_checkpoint.load_hf_into_titan`.
+loaded by `titan_ext.hf.read.load_hf_into_titan`.
 """
 
 from __future__ import annotations
@@ -114,7 +114,8 @@ class Checkpointer:
         path = self.folder / step_dir_name(step)
         if _rank() == 0:
             if path.exists():
-                shutil.rmtree(path)  # leftovers of an interrupted save
+                # leftovers of an interrupted save
+                shutil.rmtree(path)
             path.mkdir(parents=True)
         _barrier()
         dcp.save(_dcp_state(model, optimizer), checkpoint_id=str(path))

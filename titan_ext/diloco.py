@@ -54,6 +54,15 @@ from torchft.manager import Manager
 from torchft.process_group import ProcessGroupGloo
 
 from configs.sections.diloco import DiLoCoConfig
+from titan_ext.torchft_compat import (
+    diloco_fragments,
+    diloco_local_step,
+    outer_optimizer,
+    pending_quorum,
+    quorum_id,
+    replace_quorum_executor,
+    set_diloco_local_step,
+)
 
 
 @dataclass(frozen=True)
@@ -101,7 +110,8 @@ def split_fragments(model: nn.Module, n: int) -> list[nn.Module]:
     direct = [name for name, _ in model.named_parameters(recurse=False)]
     if direct:
         raise ValueError(f"cannot fragment a model with parameters outside its blocks: {direct}")
-    units: list[list[nn.Module]] = []  # blocks grouped by shared parameters, in first-seen order
+    # blocks grouped by shared parameters, in first-seen order
+    units: list[list[nn.Module]] = []
     owner: dict[int, int] = {}
     for child in model.children():
         for block in child.children() if isinstance(child, (nn.ModuleList, nn.ModuleDict)) else [child]:
@@ -188,7 +198,8 @@ class _DaemonExecutor:
             try:
                 result = fn(*args, **kwargs)
             except BaseException as exc:
-                with contextlib.suppress(InvalidStateError):  # `DiLoCoReplica.abort` may have failed it already
+                # `DiLoCoReplica.abort` may have failed it already
+                with contextlib.suppress(InvalidStateError):
                     future.set_exception(exc)
             else:
                 with contextlib.suppress(InvalidStateError):
@@ -228,8 +239,8 @@ def build_manager(
         replica_id=assignment.replica_id,
         init_sync=False,
     )
-    manager._executor.shutdown(wait=False)
-    manager._executor = _DaemonExecutor()  # before the first quorum: no quorum ever runs on the pool
+    # Before the first quorum: no quorum ever runs on the pool.
+    replace_quorum_executor(manager, _DaemonExecutor())
     return manager
 
 
@@ -289,11 +300,13 @@ class DiLoCoReplica:
             fragment_update_alpha=cfg.fragment_update_alpha,
         )
         self.diloco.__enter__()
-        self.sync_bytes: list[int] = []  # payload bytes of each committed or failed sync, in order
+        # payload bytes of each committed or failed sync, in order
+        self.sync_bytes: list[int] = []
         self.commits = 0
         self.failed_syncs = 0
         self.healed = 0
-        self._last = (0, 0)  # (manager step, bytes) at the previous sync boundary
+        # (manager step, bytes) at the previous sync boundary
+        self._last = (0, 0)
         self._hook = optimizer.register_step_post_hook(self._after_step)  # runs after DiLoCo's hook
         self._aborted: BaseException | None = None
         self._pre_hook = optimizer.register_step_pre_hook(self._refuse_if_aborted)
@@ -325,26 +338,27 @@ class DiLoCoReplica:
         and outer optimizer (local shards). Every group checkpoints at the same step."""
         return {
             "manager": self.manager.state_dict(),
-            "local_step": self.diloco._local_step,
+            "local_step": diloco_local_step(self.diloco),
             "fragments": [{"original_parameters": _local(f.original_parameters),
-                           "outer_optimizer": _local(f._outer_optimizer.state_dict())}
-                          for f in self.diloco._fragments],
+                           "outer_optimizer": _local(outer_optimizer(f).state_dict())}
+                          for f in diloco_fragments(self.diloco)],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from `state_dict()`: the next sync continues the round and the outer momentum exactly."""
-        if len(state["fragments"]) != len(self.diloco._fragments):
+        if len(state["fragments"]) != len(diloco_fragments(self.diloco)):
             raise ValueError(f"checkpoint has {len(state['fragments'])} DiLoCo fragments, "
-                             f"diloco.fragments = {len(self.diloco._fragments)}")
+                             f"diloco.fragments = {len(diloco_fragments(self.diloco))}")
         self.manager.load_state_dict(state["manager"])
-        self.diloco._local_step = state["local_step"]
-        for fragment, saved in zip(self.diloco._fragments, state["fragments"]):
+        set_diloco_local_step(self.diloco, state["local_step"])
+        for fragment, saved in zip(diloco_fragments(self.diloco), state["fragments"]):
             with torch.no_grad():
                 for name, t in saved["original_parameters"].items():
                     fragment.original_parameters[name].copy_(t)
-            outer = fragment._outer_optimizer
+            outer = outer_optimizer(fragment)
             params = [p for group in outer.param_groups for p in group["params"]]
-            template = {"state": {i: {"momentum_buffer": p} for i, p in enumerate(params)}}  # momentum is shaped like p
+            # momentum is shaped like p
+            template = {"state": {i: {"momentum_buffer": p} for i, p in enumerate(params)}}
             outer.load_state_dict(_like(template, saved["outer_optimizer"]))
         self._last = (self.manager.current_step(), self.pg.bytes_sent)
 
@@ -352,7 +366,7 @@ class DiLoCoReplica:
 
     def _after_step(self, *_: Any) -> None:
         """Record bytes per sync: a sync happened when DiLoCo's local step counter wrapped to 0."""
-        if self.diloco._local_step != 0:
+        if diloco_local_step(self.diloco) != 0:
             return
         step, sent = self.manager.current_step(), self.pg.bytes_sent
         self.sync_bytes.append(sent - self._last[1])
@@ -368,8 +382,8 @@ class DiLoCoReplica:
         return {
             "replica_id": self.assignment.replica_id,
             "outer_step": m.current_step(),
-            "quorum_id": m._quorum_id,
-            "participants": m.num_participants() if m._quorum_id >= 0 else 0,
+            "quorum_id": quorum_id(m),
+            "participants": m.num_participants() if quorum_id(m) >= 0 else 0,
             "batches_committed": m.batches_committed(),
             "commits": self.commits,
             "failed_syncs": self.failed_syncs,
@@ -407,9 +421,11 @@ class DiLoCoReplica:
     def abort(self, reason: str) -> None:
         """Fail this replica's pending quorum now and every later inner step, with `reason`."""
         self._aborted = RuntimeError(f"{self.assignment.replica_id}: {reason}")
-        pending = self.manager._quorum_future  # torchft's in-flight quorum; the step thread waits on it
+        # torchft's in-flight quorum; the step thread waits on it
+        pending = pending_quorum(self.manager)
         if pending is not None:
-            with contextlib.suppress(InvalidStateError):  # it finished meanwhile: the next step is refused
+            # it finished meanwhile: the next step is refused
+            with contextlib.suppress(InvalidStateError):
                 pending.set_exception(self._aborted)
 
     def _refuse_if_aborted(self, *_: Any) -> None:

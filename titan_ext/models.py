@@ -5,17 +5,21 @@ Every flavour, tiny or real, comes out of a TorchTitan registry
 special-cases one. The two tiny flavours are registered into the Qwen3
 registry here (`composer_tiny`, `composer_tiny_moe`): a dense Qwen3 and a
 Qwen3-MoE (4 experts, top-2) small enough for CPU RL, with head_dim 32 (the
-smallest head size the vLLM CPU backend accepts) and exact HF equivalents.
-With flavour "auto" and `hf_path`, a Qwen3 / Qwen3-MoE / Llama model is
-derived from the checkpoint's config.json instead (`titan_ext.hf_config`).
+smallest head size the vLLM CPU backend accepts, shapes in `titan_ext.tiny`)
+and exact HF equivalents. With flavour "auto" and `hf_path`, a Qwen3 /
+Qwen3-MoE / Llama model is derived from the checkpoint's config.json instead
+(`titan_ext.hf.derive`).
 
 `resolve_model` then applies the platform's code paths to the config (masked
-SDPA attention and per-expert fp32 experts on CPU, see `titan_ext.platform`).
+SDPA attention and per-expert fp32 experts on CPU, see `titan_ext.platform`);
+`init_model` materialises a meta-built model with TorchTitan's seeded init.
+`titan_ext.build.build_model` does all steps for one device.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,46 +27,18 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import torchtitan.models.qwen3 as qwen3
+from torchtitan.models.common import CosSinRoPE
 from torchtitan.models.common.moe import GroupedExperts
 from torchtitan.protocols.model_spec import ModelSpec
 
 from configs.sections.model import ModelConfig
 from titan_ext.attention import use_masked_sdpa
-from titan_ext.hf_checkpoint import load_hf_into_titan
-from titan_ext.hf_config import (
-    architecture_signature,
-    check_supported,
-    hf_config_for,
-    read_checkpoint_config,
-    titan_config_from_hf,
-    titan_family,
-)
-from titan_ext.hf_parity import verify_hf_checkpoint
+from titan_ext.hf.config import architecture_signature, check_supported, read_checkpoint_config, titan_family
+from titan_ext.hf.derive import hf_config_for, titan_config_from_hf
 from titan_ext.platform import Platform, detect_platform
-
-# Tiny flavours: shared constants, then one TinyShape per flavour.
-TINY_VOCAB_SIZE = 2048  # the tiny tokenizer's size (titan_ext.assets)
-TINY_MAX_SEQ_LEN = 4096
-TINY_ROPE_THETA = 1_000_000.0
-
-
-@dataclass(frozen=True)
-class TinyShape:
-    dim: int = 128
-    n_layers: int = 2
-    n_heads: int = 4
-    n_kv_heads: int = 2
-    head_dim: int = 32
-    hidden_dim: int = 384  # dense FFN width, or each expert's width
-    num_experts: int = 0  # 0: dense
-    top_k: int = 0
-    tie_embeddings: bool = True
-
-
-TINY_SHAPES: dict[str, TinyShape] = {
-    "composer_tiny": TinyShape(),
-    "composer_tiny_moe": TinyShape(hidden_dim=128, num_experts=4, top_k=2, tie_embeddings=False),
-}
+from titan_ext.tiny import TINY_MAX_SEQ_LEN, TINY_ROPE_THETA, TINY_SHAPES, TINY_VOCAB_SIZE, TOKEN_IDS, TinyShape
+from titan_ext.torchtitan_compat import build_qwen3_layers, build_qwen3_moe_layers, qwen3_model_config
 
 # Friendly flavour names -> (TorchTitan family, registry flavor).
 FLAVOURS: dict[str, tuple[str, str]] = {
@@ -87,9 +63,6 @@ FAMILIES = ("qwen3", "deepseek_v3", "kimi_k2_7", "llama3")
 
 def _tiny_config(shape: TinyShape, attn_backend: str, moe_comm_backend: str = "standard") -> Any:
     """A Qwen3Model.Config built with TorchTitan's own Qwen3 layer builders."""
-    import torchtitan.models.qwen3 as qwen3
-    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
-
     V, D = TINY_VOCAB_SIZE, shape.dim
     attention = dict(
         n_layers=shape.n_layers,
@@ -101,7 +74,7 @@ def _tiny_config(shape: TinyShape, attn_backend: str, moe_comm_backend: str = "s
         rope=CosSinRoPE.Config(dim=shape.head_dim, max_seq_len=TINY_MAX_SEQ_LEN, theta=TINY_ROPE_THETA),
     )
     if shape.num_experts:
-        layers = qwen3._build_qwen3_moe_layers(
+        layers = build_qwen3_moe_layers(
             moe_hidden_dim=shape.hidden_dim,
             num_experts=shape.num_experts,
             top_k=shape.top_k,
@@ -112,28 +85,12 @@ def _tiny_config(shape: TinyShape, attn_backend: str, moe_comm_backend: str = "s
             # HF Qwen3-MoE has no router bias: keep routing identical in both worlds.
             layer.moe.load_balance_coeff = None
     else:
-        layers = qwen3._build_qwen3_layers(hidden_dim=shape.hidden_dim, **attention)
-    return qwen3.Qwen3Model.Config(
-        vocab_size=V,
-        dim=D,
-        norm=qwen3._qwen3_norm(D),
-        enable_weight_tying=shape.tie_embeddings,
-        tok_embeddings=Embedding.Config(
-            num_embeddings=V,
-            embedding_dim=D,
-            param_init=qwen3._EMBEDDING_SKIP_INIT if shape.tie_embeddings else qwen3._EMBEDDING_INIT,
-        ),
-        lm_head=Linear.Config(in_features=D, out_features=V, param_init=qwen3._LINEAR_INIT),
-        layers=layers,
-    )
+        layers = build_qwen3_layers(hidden_dim=shape.hidden_dim, **attention)
+    return qwen3_model_config(V, D, shape.tie_embeddings, layers)
 
 
 def register_tiny_flavours() -> None:
     """Add the tiny flavours to TorchTitan's Qwen3 registry (idempotent)."""
-    import functools
-
-    import torchtitan.models.qwen3 as qwen3
-
     for name, shape in TINY_SHAPES.items():
         qwen3.qwen3_configs.setdefault(name, functools.partial(_tiny_config, shape))
 
@@ -216,7 +173,8 @@ def resolve_model(model_cfg: ModelConfig, platform: Platform | None = None) -> R
     backend = "flex" if attention == "sdpa" else attention
     flavour = model_cfg.registry_flavour()
     checkpoint = read_checkpoint_config(model_cfg.hf_path) if model_cfg.hf_path else None
-    if flavour is None:  # "auto" with hf_path: the shape is the checkpoint's
+    # "auto" with hf_path: the shape is the checkpoint's
+    if flavour is None:
         spec, hf_config = _derived_spec(checkpoint, backend, model_cfg.hf_path), checkpoint
         family = spec.name
     else:
@@ -272,8 +230,6 @@ def _tiny_token_ids(flavour: str) -> dict[str, int]:
     """Special-token ids recorded in the tiny flavours' HF config."""
     if flavour not in ("tiny", "tiny_moe"):
         return {}
-    from titan_ext.assets import TOKEN_IDS
-
     return dict(TOKEN_IDS)
 
 
@@ -288,30 +244,3 @@ def init_model(model: torch.nn.Module, device: torch.device | str, seed: int) ->
     with torch.random.fork_rng(devices=fork_devices), torch.no_grad():
         torch.manual_seed(seed)
         model.init_states(buffer_device=device)
-
-
-def build_model(
-    model_cfg: ModelConfig,
-    device: torch.device | str | None = None,
-    platform: Platform | None = None,
-) -> torch.nn.Module:
-    """Build and initialize a model on one device; load `hf_path` when set.
-
-    With no hf_path the weights are TorchTitan's init under `seed`; for the
-    tiny flavours on CPU that is exactly what the built assets hold. A
-    checkpoint is first checked against transformers (`hf_parity`). The
-    parallel trainer does the same steps with parallelization between
-    the meta build and `init_model`: resolve_model -> build on meta ->
-    parallelize -> init_model -> load_hf_into_titan.
-    """
-    resolved = resolve_model(model_cfg, platform)
-    device = torch.device(device) if device is not None else resolved.platform.device_type
-    with torch.device("meta"):
-        model = resolved.spec.model.build()
-    init_model(model, device, model_cfg.seed)
-    if model_cfg.hf_path:
-        verify_hf_checkpoint(model_cfg)
-        load_hf_into_titan(model, model_cfg.hf_path)
-    dtype = getattr(torch, model_cfg.dtype)
-    # Floating tensors only: `Module.to(dtype)` would also cast ComplexRoPE's complex cache to real (Llama).
-    return model._apply(lambda t: t.to(dtype) if t.is_floating_point() else t)

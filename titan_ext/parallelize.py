@@ -25,6 +25,7 @@ from types import SimpleNamespace
 from typing import Iterator
 
 import torch
+import torchtitan.distributed.parallel_dims as pd
 from torch import nn
 from torchtitan.config import CompileConfig, TrainingConfig
 from torchtitan.config import ParallelismConfig as TitanParallelismConfig
@@ -58,8 +59,6 @@ def prepare_model_config(model_config, cfg: ParallelismConfig) -> None:
 @contextlib.contextmanager
 def _mesh_device(device_type: str) -> Iterator[None]:
     """TorchTitan builds meshes on its module-level `device_type` ("cuda" without a GPU)."""
-    import torchtitan.distributed.parallel_dims as pd
-
     saved = pd.device_type
     pd.device_type = device_type
     try:

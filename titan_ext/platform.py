@@ -25,6 +25,8 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
+from torch.distributed.fsdp import FSDPModule
 
 
 @dataclass(frozen=True)
@@ -33,8 +35,10 @@ class Platform:
 
     device_type: Literal["cpu", "cuda"]
     backend: Literal["gloo", "nccl"]
-    attention: Literal["sdpa", "flex"]  # inner attention for training
-    exact_experts: bool  # MoE experts as a per-expert loop in the parameter dtype
+    # inner attention for training
+    attention: Literal["sdpa", "flex"]
+    # MoE experts as a per-expert loop in the parameter dtype
+    exact_experts: bool
 
     @property
     def needs_force_sum_reduction(self) -> bool:
@@ -66,8 +70,6 @@ def install_torch_shims() -> None:
     `distributed_c10d._set_pg_timeout` with the same signature.
     """
     if not hasattr(dist, "set_timeout"):
-        from torch.distributed import distributed_c10d
-
         def set_timeout(timeout: datetime.timedelta, group: dist.ProcessGroup | None = None) -> None:
             distributed_c10d._set_pg_timeout(timeout, group)
 
@@ -115,8 +117,6 @@ def configure_fsdp_comms(model: torch.nn.Module, platform: Platform) -> int:
     """
     if not platform.needs_force_sum_reduction:
         return 0
-    from torch.distributed.fsdp import FSDPModule
-
     count = 0
     for module in model.modules():
         if isinstance(module, FSDPModule):

@@ -47,7 +47,6 @@ from configs.sections.optimizer import OptimizerConfig
 from configs.sections.parallelism import ParallelismConfig
 from configs.sections.trainer import TrainerConfig
 from losses.composer import (
-    ComposerConfig,
     DistillInputs,
     PolicyInputs,
     PreferenceInputs,
@@ -57,17 +56,19 @@ from losses.composer import (
 )
 from losses.distill import TAIDSchedule
 from losses.mismatch import packed_sequence_ids
+from titan_ext.assets import tokenizer_dir_for
 from titan_ext.attention import attention_masks
 from titan_ext.batch import TrainBatch
 from titan_ext.checkpoint import Checkpointer
-from titan_ext.export import HFBucket, iter_hf_buckets
-from titan_ext.hf_checkpoint import load_hf_into_titan
-from titan_ext.hf_export import write_hf_dir
-from titan_ext.hf_parity import verify_hf_checkpoint
+from titan_ext.hf.adapters import HFBucket, iter_hf_buckets
+from titan_ext.hf.parity import verify_hf_checkpoint
+from titan_ext.hf.read import load_hf_into_titan
+from titan_ext.hf.write import save_hf_dir
 from titan_ext.models import init_model, resolve_model
-from titan_ext.muon import build_lr_scheduler, build_optimizer
+from titan_ext.optimizer import build_lr_scheduler, build_optimizer
 from titan_ext.parallelize import build_parallel_dims, parallelize_model, prepare_model_config
 from titan_ext.platform import Platform, detect_platform, init_process_group
+from titan_ext.torchtitan_compat import skip_lm_head
 
 if TYPE_CHECKING:
     from configs.schema import JobConfig
@@ -84,7 +85,8 @@ class TrainerSpec:
     loss: LossConfig = field(default_factory=LossConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     checkpoint_dir: str = ""
-    torch_threads: int = 0  # intra-op threads of each trainer process (mesh.placement.torch_threads); 0 = torch's
+    # intra-op threads of each trainer process (mesh.placement.torch_threads); 0 = torch's
+    torch_threads: int = 0
 
     @classmethod
     def from_job(cls, job: "JobConfig") -> "TrainerSpec":
@@ -126,7 +128,7 @@ class Trainer:
         self.spec = spec
         self.platform = platform or detect_platform(spec.model.device)
         self.device = ensure_process_group(self.platform)
-        self.loss_cfg = ComposerConfig.from_section(spec.loss)
+        self.loss_cfg = spec.loss
 
         resolved = resolve_model(spec.model, self.platform)
         self._verify_checkpoint()
@@ -142,7 +144,8 @@ class Trainer:
 
         self.optimizer = build_optimizer(model, spec.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, spec.optimizer, spec.trainer.steps)
-        if self.model_spec.post_optimizer_build_fn is not None:  # MoE load-balancing bias updates
+        # MoE load-balancing bias updates
+        if self.model_spec.post_optimizer_build_fn is not None:
             self.model_spec.post_optimizer_build_fn(self.optimizer, [model], self.parallel_dims)
 
         d = spec.loss.distill
@@ -156,7 +159,8 @@ class Trainer:
         self.phase: Callable[[str], ContextManager[None]] = lambda name: contextlib.nullcontext()
         # state of wrappers around model + optimizer (DiLoCo), saved in the checkpoint beside the trainer's
         self.wrappers: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
-        self._wrapper_state: dict[str, Any] = {}  # loaded from a checkpoint before its wrapper registered
+        # loaded from a checkpoint before its wrapper registered
+        self._wrapper_state: dict[str, Any] = {}
         self.checkpointer = Checkpointer(spec.checkpoint, spec.checkpoint_dir) if spec.checkpoint_dir else None
         if self.checkpointer is not None:
             resume = self.checkpointer.resume_step()
@@ -164,7 +168,7 @@ class Trainer:
                 self.load_checkpoint(resume)
 
     def _verify_checkpoint(self) -> None:
-        """`hf_parity.verify_hf_checkpoint` on rank 0 only (a CPU copy of a few layers per host is enough);
+        """`hf.parity.verify_hf_checkpoint` on rank 0 only (a CPU copy of a few layers per host is enough);
         every rank raises its error, so no rank waits in a collective for one that failed."""
         error = [None]
         if dist.get_rank() == 0:
@@ -187,10 +191,11 @@ class Trainer:
             with torch.no_grad():
                 for mine, theirs in zip(itertools.chain(model.parameters(), model.buffers()),
                                         itertools.chain(copy_of.parameters(), copy_of.buffers()), strict=True):
-                    mine.copy_(theirs)  # parameters, not state-dict entries: the fused-QKV hook returns copies
+                    # parameters, not state-dict entries: the fused-QKV hook returns copies
+                    mine.copy_(theirs)
         elif self.spec.model.hf_path:
             load_hf_into_titan(model, self.spec.model.hf_path)
-        model._skip_lm_head = True  # forward returns final hidden states; the loss applies the head
+        skip_lm_head(model)
         return model
 
     # ---- forward pieces ----------------------------------------------------------------------
@@ -207,7 +212,8 @@ class Trainer:
         """The LM-head weight `[V, D]` as the forward uses it (gathered when FSDP-sharded)."""
         head = (self.model if model is None else model).lm_head
         if isinstance(head, FSDPModule):
-            head.unshard()  # no-op right after a forward: the head group does not reshard
+            # no-op right after a forward: the head group does not reshard
+            head.unshard()
         return head.weight
 
     @torch.no_grad()
@@ -239,7 +245,8 @@ class Trainer:
                 f"non-finite gradient norm ({float(grad_norm)}) at step {self.step + 1}; the step was skipped, "
                 "weights and optimizer state are unchanged (check the batch's advantages and logprobs)"
             )
-        lr = float(self.lr_scheduler.schedulers[0].get_last_lr()[0])  # this step's own (the scheduler moves next)
+        # this step's own (the scheduler moves next)
+        lr = float(self.lr_scheduler.schedulers[0].get_last_lr()[0])
         self.optimizer.step()
         self.lr_scheduler.step()
         self.step += 1
@@ -439,15 +446,13 @@ class Trainer:
                 load(self._wrapper_state.pop(key))
 
     def save_hf_dir(self, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
-        """The current weights as a servable HF directory (collective; see `titan_ext.hf_export`)."""
-        from titan_ext.assets import tokenizer_dir_for
-
+        """The current weights as a servable HF directory (collective; see `titan_ext.hf.write`)."""
         m = self.spec.model
-        return write_hf_dir(self.model, out_dir, self.hf_config, tokenizer_dir=tokenizer_dir_for(m),
-                            generation_from=m.hf_path or None, dtype=dtype)
+        return save_hf_dir(self.model, out_dir, self.hf_config, tokenizer_dir=tokenizer_dir_for(m),
+                           generation_from=m.hf_path or None, dtype=dtype)
 
     def export_weights(self, dtype: torch.dtype | None = None) -> Iterator[HFBucket]:
-        """HF-named weight buckets for generators (collective; see `titan_ext.export`)."""
+        """HF-named weight buckets for generators (collective; see `titan_ext.hf.adapters`)."""
         return iter_hf_buckets(self.model, int(self.spec.trainer.export_bucket_mib * 2**20), dtype=dtype)
 
     def named_full_parameters(self) -> dict[str, torch.Tensor]:

@@ -26,10 +26,15 @@ from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
+from transformers import AutoTokenizer
 
 from configs.sections.model import ModelConfig
 from titan_ext.assets import build_once
 from titan_ext.attention import attention_masks
+from titan_ext.build import build_model
+from titan_ext.hf.write import save_hf_weights
+from titan_ext.models import resolve_model
+from titan_ext.platform import detect_platform
 
 
 @dataclass(frozen=True)
@@ -104,12 +109,6 @@ def warm_start_dir(
 ) -> Path:
     """The HF directory of `model_cfg`'s model (weights and tokenizer from its `hf_path`) after SFT on
     `conversations`, built once under `root`."""
-    from transformers import AutoTokenizer
-
-    from titan_ext.hf_checkpoint import save_hf
-    from titan_ext.models import build_model, resolve_model
-    from titan_ext.platform import detect_platform
-
     if not model_cfg.hf_path:
         raise ValueError("warm start needs model.hf_path (the weights and tokenizer to start from)")
     src_dir = Path(model_cfg.hf_path)
@@ -122,8 +121,9 @@ def warm_start_dir(
         torch.manual_seed(cfg.seed)
         model = build_model(dataclasses.replace(model_cfg, device="cpu"), device="cpu", platform=platform)
         losses = sft(model, sft_rows(AutoTokenizer.from_pretrained(src_dir), conversations), cfg)
-        save_hf(model, tmp, resolve_model(model_cfg, platform).hf_config)
-        for f in sorted(src_dir.iterdir()):  # tokenizer and generation config travel with the weights
+        save_hf_weights(model, tmp, resolve_model(model_cfg, platform).hf_config)
+        # tokenizer and generation config travel with the weights
+        for f in sorted(src_dir.iterdir()):
             if f.is_file() and not (tmp / f.name).exists() and f.name != "stamp.json":
                 shutil.copy2(f, tmp / f.name)
         (tmp / "warm_start.json").write_text(json.dumps(

@@ -1,7 +1,7 @@
 """Reading a sealed version: pinning it, and copying it into a generator's engine under HF names.
 
 A generator maps the segment and sees full TorchTitan tensors as zero-copy
-views, renames them to HF with the export's own code (`titan_ext.export
+views, renames them to HF with the export's own code (`titan_ext.hf.adapters
 .iter_hf_buckets` over a meta-built "shadow" model whose parameters are those
 views) and copies them into its engine through `load_weights(named)`.
 """
@@ -136,7 +136,7 @@ def load_segment(engine: Any, bound: nn.Module, segment: PinnedSegment, hf_names
     any copy so a mismatch leaves the engine as it was.
     """
     # lazy: the export and TorchTitan model code take seconds to import; the controller imports this module
-    from titan_ext.export import iter_hf_buckets
+    from titan_ext.hf.adapters import iter_hf_buckets
 
     engine.check_coverage(hf_names, segment.version)
     segment.verify()
@@ -158,7 +158,7 @@ def load_segment(engine: Any, bound: nn.Module, segment: PinnedSegment, hf_names
 def hf_names_of(shadow: nn.Module) -> list[str]:
     """HF names the export gives `shadow` (run on the meta model: no data touched)."""
     # lazy: the export and TorchTitan model code take seconds to import; the controller imports this module
-    from titan_ext.export import iter_hf_buckets
+    from titan_ext.hf.adapters import iter_hf_buckets
 
     return [name for bucket in iter_hf_buckets(shadow, 1 << 62) for name, _ in bucket]
 

@@ -1,8 +1,7 @@
 """`[loss]`: the three-channel loss (policy + α·hint-distill + β·trace-replay).
 
-Nested tables `[loss.policy]`, `[loss.distill]`, `[loss.preference]`. The
-runtime twin is `losses.composer.ComposerConfig.from_section(job.loss)`; a test
-keeps the two field for field in step.
+Nested tables `[loss.policy]`, `[loss.distill]`, `[loss.preference]`. The loss
+code (`losses/`) takes these dataclasses as its configuration, field for field.
 """
 
 from __future__ import annotations
@@ -112,6 +111,11 @@ class PreferenceLossConfig:
     def needs_reference(self) -> bool:
         """DPO and IPO score against a frozen reference policy."""
         return self.kind in ("dpo", "ipo")
+
+    @property
+    def length_averaged(self) -> bool:
+        """The loss sees each response's mean token logprob (SimPO; IPO as TRL), not the sum."""
+        return self.kind == "simpo" or (self.kind == "ipo" and self.ipo_average)
 
 
 @dataclass(frozen=True)

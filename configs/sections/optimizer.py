@@ -1,7 +1,7 @@
 """[optimizer]: Muon for hidden matrices + AdamW for the rest, and the LR schedule knobs.
 
-Consumed by `titan_ext.muon.build_optimizer` (the optimizer) and
-`titan_ext.muon.build_lr_scheduler` (TorchTitan's warmup-stable-decay schedule). With `name = "adamw"` every parameter uses AdamW
+Consumed by `titan_ext.optimizer.build_optimizer` (the optimizer) and
+`titan_ext.optimizer.build_lr_scheduler` (TorchTitan's warmup-stable-decay schedule). With `name = "adamw"` every parameter uses AdamW
 at `lr`; with `name = "muon"` matrices use Muon at `lr` and embeddings, norms,
 the head and biases use AdamW at `adamw_lr`.
 """

@@ -12,6 +12,9 @@ from typing import Literal
 
 from configs.fields import option
 
+# Who answers on the local teacher server (`mesh.responders.build_responder`).
+RESPONDERS = ("consensus", "echo", "solver", "hf")
+
 
 @dataclass(frozen=True)
 class GatingConfig:
@@ -35,7 +38,7 @@ class LocalServerConfig:
     responder: Literal["consensus", "echo", "solver", "hf"] = option(
         "consensus",
         doc="who answers: a deterministic consensus responder, echo, the demo-task solver, or a local HF model",
-        choices=("consensus", "echo", "solver", "hf"),
+        choices=RESPONDERS,
     )
     noise: float = option(
         0.2, doc="consensus / solver responders: chance a model departs from the shared (solver: exact) answer",

@@ -12,6 +12,7 @@ if TYPE_CHECKING:
 
 def load_job(args: argparse.Namespace) -> JobConfig | None:
     """`args.config` with `args.overrides` applied; prints the error and returns None if invalid."""
+    # lazy: start-up time: the schema (every config section) loads when a command reads a recipe, not for --help
     from configs.loader import ConfigError, load_config
 
     try:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import sys
+import time
+from pathlib import Path
 
 NAME = "assets"
 HELP = "Build the tiny offline assets (tokenizer, dense and MoE checkpoints) into a cache directory."
@@ -20,10 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import sys
-    import time
-    from pathlib import Path
-
+    # lazy: start-up time: every command module loads to build the CLI; TorchTitan and transformers load only here
     from titan_ext.assets import build_assets, default_cache_dir
 
     if args.seed < 0:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import sys
+
+from mesh.commands import load_job
 
 NAME = "config"
 HELP = "Show resolved configs, list shipped recipes, print the configuration reference."
@@ -18,11 +21,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import sys
-
+    # lazy: start-up time: every command module loads to build the CLI; the schema loads only here
     from configs.loader import dump_config, list_recipes
     from configs.reference import render_reference
-    from mesh.commands import load_job
 
     if args.action == "list":
         print("\n".join(list_recipes()))

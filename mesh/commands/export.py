@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import sys
+import time
+from pathlib import Path
 
 NAME = "export"
 HELP = "Export a training run's checkpoint as an HF directory that transformers loads and `vllm serve` runs."
@@ -17,13 +20,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import sys
-    import time
-    from pathlib import Path
-
+    # lazy: start-up time: every command module loads to build the CLI; torch and TorchTitan load only here
     import torch
-
-    from titan_ext.hf_export import export_run
+    from titan_ext.hf.export import export_run
 
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):

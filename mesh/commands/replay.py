@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import json
+import sys
+from collections import Counter
+
+from mesh.commands import load_job
 
 NAME = "replay"
 HELP = "Replay frozen agent traces with teacher models into a normalized preference dataset (resumable)."
@@ -15,12 +20,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import json
-    import sys
-    from collections import Counter
-
-    from mesh.commands import load_job
-    from mesh.commands.serve_teachers import build_responder
+    # lazy: start-up time: every command module loads to build the CLI; the replay pipeline and teacher server load only here
+    from mesh.responders import build_responder
     from replay.pipeline import run_replay
     from replay.teachers import SKIPS
 
@@ -35,6 +36,7 @@ def run(args: argparse.Namespace) -> int:
         )
         scorer = None
         if rc.gating.enabled:
+            # lazy: the HF scorer loads only when gating is on
             from replay.gating import HFScorer
 
             scorer = HFScorer(rc.gating.scorer_model)
@@ -69,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
 
 def failure_report(by_teacher: dict[str, dict[str, dict]], stopped: dict[str, str]) -> str:
     """Human summary of failed and skipped teacher calls: a row per teacher and reason, with the first message."""
+    # lazy: start-up time: every command module loads to build the CLI; the teacher client loads only here
     from replay.teachers import SKIPS
 
     lines = ["teacher calls without an answer (teacher, reason, calls, first message):"]
@@ -98,6 +101,7 @@ def parse_report(files: dict[str, dict], total: dict, states: int) -> str:
 
 
 def _with_progress_bar(run_replay, rc, tc, responder, scorer):
+    # lazy: rich loads only when a progress bar is drawn
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     columns = (

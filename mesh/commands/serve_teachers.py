@@ -3,29 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import signal
+import threading
+
+from configs.sections.replay import RESPONDERS
 
 NAME = "serve-teachers"
 HELP = "Serve /v1/chat/completions locally (consensus, echo, demo-task solver or local HF model), with fault injection."
-
-RESPONDERS = ("consensus", "echo", "solver", "hf")
-
-
-def build_responder(kind: str, model_dir: str = "", noise: float = 0.2):
-    """The responder named by a config / command line."""
-    from replay.server import ConsensusResponder, HFResponder, SolverResponder, echo_responder
-
-    if kind == "consensus":
-        return ConsensusResponder(noise=noise)
-    if kind == "echo":
-        return echo_responder
-    if kind == "solver":
-        return SolverResponder(noise=noise)
-    if kind == "hf":
-        if not model_dir:
-            raise ValueError("responder 'hf' needs a local model directory")
-        return HFResponder(model_dir)
-    raise ValueError(f"unknown responder {kind!r}; choose from {', '.join(RESPONDERS)}")
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (keep it loopback)")
@@ -52,9 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import signal
-    import threading
-
+    # lazy: start-up time: the server stack (uvicorn, transformers) loads only when this command runs
+    from mesh.responders import build_responder
     from replay.server import FaultPlan, TeacherServer
 
     plan = FaultPlan(

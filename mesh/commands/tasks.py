@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import sys
+
+from configs.sections.env import FeatureDeletionConfig
 
 NAME = "tasks"
 HELP = "Generate verified feature-deletion tasks from a local Python repository; --check grades oracle and no-op."
@@ -17,9 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import sys
-
-    from configs.sections.env import FeatureDeletionConfig
+    # lazy: start-up time: every command module loads to build the CLI; the task generator and sandbox load only here
     from envs.feature_deletion import TaskStore, generate_tasks
     from envs.sandbox import Sandbox, SandboxUnavailable
 

@@ -15,6 +15,9 @@ import argparse
 import json
 import sys
 
+from mesh.commands import load_job
+from mesh.errors import describe
+
 NAME = "train"
 HELP = "Run RL post-training: generators, teacher replay and the trainer on Monarch meshes."
 
@@ -37,9 +40,8 @@ def heldout_line(heldout: dict[str, dict[str, float]]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    # lazy: start-up time: every command module loads to build the CLI; torch and the mesh stack load only here
     from mesh.api import Run
-    from mesh.commands import load_job
-    from mesh.errors import describe
 
     job = load_job(args)
     if job is None:
@@ -47,12 +49,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         with Run(job, resume=not args.no_resume, progress=not args.no_progress) as run_:
             summary = run_.run()
-    except (FileNotFoundError, ValueError) as e:  # a recipe the controller refused before placing actors
+    # a recipe the controller refused before placing actors
+    except (FileNotFoundError, ValueError) as e:
         if args.debug:
             raise
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except Exception as e:  # an actor failed (Monarch ActorError) or the run broke: one line, --debug for all
+    # an actor failed (Monarch ActorError) or the run broke: one line, --debug for all
+    except Exception as e:
         if args.debug:
             raise
         print(f"error: {describe(e)}", file=sys.stderr)

@@ -18,6 +18,8 @@ from configs.sections.model import ModelConfig
 from configs.sections.optimizer import OptimizerConfig
 from configs.sections.trainer import TrainerConfig
 
+pytestmark = pytest.mark.slow
+
 H, ROUNDS, VOCAB, L = 2, 2, 2048, 16
 
 
@@ -125,6 +127,6 @@ def test_shutting_the_lighthouse_fails_a_waiting_sync_within_seconds(replicas):
 
 
 def _tiny_model():
-    from titan_ext.diloco_lm import build_lm
+    from titan_ext.build import build_model
 
-    return build_lm(0)
+    return build_model(ModelConfig(flavour="tiny", device="cpu", seed=0), device="cpu")

@@ -19,6 +19,8 @@ from actors.rollout import EpisodeRequest
 
 from test_actors_generator import SAMPLING, check_logprobs, hf_model
 
+pytestmark = pytest.mark.slow
+
 VOCAB = 2048
 
 

@@ -23,6 +23,8 @@ import torch
 from actors.rollout import SamplingParams
 from test_actors_generator import reference_logprobs  # the sibling module: one reference for both engines
 
+pytestmark = pytest.mark.slow
+
 if importlib.util.find_spec("vllm") is None:
     if os.environ.get("COMPOSER_MESH_EXPECT_VLLM") == "1":
         pytest.fail("COMPOSER_MESH_EXPECT_VLLM=1 but vllm is not importable", pytrace=False)

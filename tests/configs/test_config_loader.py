@@ -205,3 +205,18 @@ def test_generator_tensor_parallelism_needs_the_vllm_engine():
         load_config(None, ["--generator.engine=hf", "--generator.tensor_parallel_size=2"])
     with pytest.raises(ConfigError, match="generator.tensor_parallel_size"):
         load_config(None, ["--generator.tensor_parallel_size=0"])
+
+
+def test_typed_overrides_are_validated_like_recipe_values():
+    cfg = load_config(None, {"generator.temperature": 1, "metrics.jsonl": False, "job.name": "run 7",
+                             "job.python_path": ["a", "b"], "loss.policy.tis_cap": None})
+    assert cfg.generator.temperature == 1.0 and isinstance(cfg.generator.temperature, float)
+    assert (cfg.metrics.jsonl, cfg.job.name, cfg.job.python_path) == (False, "run 7", ("a", "b"))
+    assert cfg.loss.policy.tis_cap is None
+    assert load_config(None, {"trainer.steps": 13}) == load_config(None, ["--trainer.steps=13"])
+    for overrides, words in (({"trainer.steps": "many"}, r"override: key 'trainer\.steps': expected int"),
+                             ({"trainer.steps": -1}, r"override: key 'trainer\.steps': expected a value >= "),
+                             ({"trainer.stepz": 3}, r"trainer\.stepz.*did you mean 'steps'"),
+                             ({"steps": 3}, r"override 'steps': expected --section\.key=value")):
+        with pytest.raises(ConfigError, match=words):
+            load_config(None, overrides)

@@ -9,7 +9,6 @@ import torch
 
 from configs.sections.loss import LossConfig
 from losses.composer import (
-    ComposerConfig,
     DistillInputs,
     PolicyInputs,
     PreferenceInputs,
@@ -60,9 +59,9 @@ def _leaves(policy, distill, preference):
 def test_microbatches_give_the_same_loss_and_gradients(kind, pref_kind):
     """Split into 1, 2 or 4 microbatches (each with the global counts) and sum: same result."""
     B, T = 4, 9
-    cfg = dataclasses.replace(ComposerConfig(alpha=0.7, beta=0.3, chunk_tokens=5), policy=dataclasses.replace(
-        ComposerConfig().policy, kind=kind, dual_clip_c=3.0), preference=dataclasses.replace(
-        ComposerConfig().preference, kind=pref_kind))
+    cfg = dataclasses.replace(LossConfig(alpha=0.7, beta=0.3, chunk_tokens=5), policy=dataclasses.replace(
+        LossConfig().policy, kind=kind, dual_clip_c=3.0), preference=dataclasses.replace(
+        LossConfig().preference, kind=pref_kind))
     w = (torch.randn(V, D, generator=torch.Generator().manual_seed(0)) / D**0.5).requires_grad_()
     policy, distill, preference = _batch(B, T, seed=1)
     leaves = _leaves(policy, distill, preference)
@@ -91,8 +90,8 @@ def test_chunked_composer_equals_naive(shape, distill_kind):
     w = (torch.randn(V, D, generator=torch.Generator().manual_seed(2)) / D**0.5).requires_grad_()
     outs = []
     for chunked in (False, True):
-        cfg = dataclasses.replace(ComposerConfig(chunked=chunked, chunk_tokens=4),
-                                  distill=dataclasses.replace(ComposerConfig().distill, kind=distill_kind))
+        cfg = dataclasses.replace(LossConfig(chunked=chunked, chunk_tokens=4),
+                                  distill=dataclasses.replace(LossConfig().distill, kind=distill_kind))
         out = compose_loss(cfg, w, policy=policy, distill=distill, preference=preference, taid_t=0.55)
         outs.append((out, torch.autograd.grad(out.loss, [w, *leaves])))
     (a, ga), (b, gb) = outs
@@ -106,7 +105,7 @@ def test_chunked_composer_equals_naive(shape, distill_kind):
 def test_total_is_weighted_sum_and_channels_switch_off():
     policy, distill, preference = _batch(2, 7, seed=5)
     w = torch.randn(V, D) / D**0.5
-    cfg = ComposerConfig(policy_weight=0.6, alpha=0.3, beta=2.0, chunk_tokens=3)
+    cfg = LossConfig(policy_weight=0.6, alpha=0.3, beta=2.0, chunk_tokens=3)
     full = compose_loss(cfg, w, policy=policy, distill=distill, preference=preference)
     assert full.active_channels == ("policy", "distill", "preference")
     parts = {
@@ -138,7 +137,7 @@ def test_empty_masks_give_zero_not_nan():
     distill.mask_BT = torch.zeros_like(distill.mask_BT)
     distill.num_tokens = 0
     w = (torch.randn(V, D) / D**0.5).requires_grad_()
-    out = compose_loss(ComposerConfig(), w, policy=policy, distill=distill)
+    out = compose_loss(LossConfig(), w, policy=policy, distill=distill)
     assert out.loss.item() == 0.0
     out.loss.backward()
     assert torch.isfinite(w.grad).all() and w.grad.abs().sum() == 0
@@ -146,7 +145,7 @@ def test_empty_masks_give_zero_not_nan():
 
 def test_metrics_are_reducible_tensors():
     policy, distill, preference = _batch(3, 8, seed=7)
-    out = compose_loss(ComposerConfig(chunk_tokens=4), torch.randn(V, D) / D**0.5,
+    out = compose_loss(LossConfig(chunk_tokens=4), torch.randn(V, D) / D**0.5,
                        policy=policy, distill=distill, preference=preference)
     for k, v in out.metrics.items():
         assert torch.is_tensor(v) and v.dim() == 0 and not v.requires_grad, k
@@ -162,32 +161,23 @@ def test_metrics_are_reducible_tensors():
 def test_bad_inputs_are_named():
     policy, distill, preference = _batch(2, 5, seed=8)
     w = torch.randn(V, D)
-    prime = dataclasses.replace(ComposerConfig(), policy=dataclasses.replace(ComposerConfig().policy, kind="prime_dppo"))
+    prime = dataclasses.replace(LossConfig(), policy=dataclasses.replace(LossConfig().policy, kind="prime_dppo"))
     with pytest.raises(ValueError, match="gen_logprobs"):
         compose_loss(prime, w, policy=dataclasses.replace(policy, gen_logprobs_BT=None))
     with pytest.raises(ValueError, match="ref_chosen"):
-        compose_loss(ComposerConfig(), w, preference=dataclasses.replace(preference, ref_chosen_logps_P=None))
-    ipo = dataclasses.replace(ComposerConfig(), preference=dataclasses.replace(ComposerConfig().preference, kind="ipo"))
+        compose_loss(LossConfig(), w, preference=dataclasses.replace(preference, ref_chosen_logps_P=None))
+    ipo = dataclasses.replace(LossConfig(), preference=dataclasses.replace(LossConfig().preference, kind="ipo"))
     with pytest.raises(ValueError, match="ipo needs ref_chosen"):
         compose_loss(ipo, w, preference=dataclasses.replace(preference, ref_rejected_logps_P=None))
     with pytest.raises(ValueError, match="aligned"):
-        compose_loss(ComposerConfig(), w, distill=dataclasses.replace(distill, teacher_hidden_BTD=distill.teacher_hidden_BTD[:, :3]))
+        compose_loss(LossConfig(), w, distill=dataclasses.replace(distill, teacher_hidden_BTD=distill.teacher_hidden_BTD[:, :3]))
     with pytest.raises(ValueError, match="policy mask"):
-        compose_loss(ComposerConfig(), w, policy=dataclasses.replace(policy, mask_BT=policy.mask_BT[:, :2]))
+        compose_loss(LossConfig(), w, policy=dataclasses.replace(policy, mask_BT=policy.mask_BT[:, :2]))
 
 
-def _tree(obj):
-    return {f.name: _tree(getattr(obj, f.name)) if dataclasses.is_dataclass(getattr(obj, f.name)) else getattr(obj, f.name)
-            for f in dataclasses.fields(obj)}
-
-
-def test_config_section_and_runtime_config_agree():
-    assert _tree(ComposerConfig.from_section(LossConfig())) == _tree(LossConfig()) == _tree(ComposerConfig())
-    custom = LossConfig(alpha=0.2, policy=dataclasses.replace(LossConfig().policy, kind="prime_dppo", tis_cap=None))
-    cfg = ComposerConfig.from_section(custom)
-    assert cfg.alpha == 0.2 and cfg.policy.kind == "prime_dppo" and cfg.policy.tis_cap is None
+def test_loss_section_options_are_documented():
     for f in dataclasses.fields(LossConfig):
         assert f.metadata["doc"], f.name
-    assert ComposerConfig.from_section(LossConfig(policy_weight=0.0)).policy_weight == 0.0
+    assert LossConfig(policy_weight=0.0).policy_weight == 0.0
     with pytest.raises(ValueError, match="all 0"):
         LossConfig(policy_weight=0.0, alpha=0.0, beta=0.0)

@@ -162,7 +162,8 @@ def test_jsd_batchmean_is_the_channel_divided_by_sequences():
     """TRL/OPSD `generalized_jsd_loss` without labels returns Σ_{b,t} jsd / B ("batchmean");
     this channel divides by the count passed in (valid tokens): passing B as that count
     reproduces TRL's unmasked value."""
-    from losses.composer import ComposerConfig, DistillInputs, compose_loss
+    from configs.sections.loss import LossConfig
+    from losses.composer import DistillInputs, compose_loss
 
     g = torch.Generator().manual_seed(12)
     B, T, Dm, Vm = 3, 7, 6, 19
@@ -171,7 +172,7 @@ def test_jsd_batchmean_is_the_channel_divided_by_sequences():
     mask = torch.ones(B, T, dtype=torch.bool)
     trl_batchmean = jsd_ref(h_s @ w.T, h_t @ w.T, 0.5).sum() / B
     for chunked in (False, True):
-        cfg = ComposerConfig(chunked=chunked, chunk_tokens=4)
+        cfg = LossConfig(chunked=chunked, chunk_tokens=4)
         per_token = compose_loss(cfg, w, distill=DistillInputs(h_s, h_t, mask, num_tokens=B * T)).loss
         per_seq = compose_loss(cfg, w, distill=DistillInputs(h_s, h_t, mask, num_tokens=B)).loss
         torch.testing.assert_close(per_seq.double(), trl_batchmean, atol=1e-5, rtol=1e-5)

@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from losses.composer import ComposerConfig, PolicyInputs, PreferenceInputs, compose_loss, preference_channel
+from configs.sections.loss import LossConfig
+from losses.composer import PolicyInputs, PreferenceInputs, compose_loss, preference_channel
 from losses.logprobs import FusedHead, fused_token_loss
 
 V, D = 41, 10
@@ -72,7 +73,7 @@ PREF_CASES = [
 def test_preference_paths_equal_reference(shape, kind, chunk):
     inputs = _pairs(*shape, seed=sum(shape))
     w = (torch.randn(V, D, generator=torch.Generator().manual_seed(3)) / D**0.5).requires_grad_()
-    cfg = ComposerConfig(chunk_tokens=chunk, beta=0.7)
+    cfg = LossConfig(chunk_tokens=chunk, beta=0.7)
     cfg = dataclasses.replace(cfg, preference=dataclasses.replace(cfg.preference, kind=kind))
     pref = cfg.preference
     beta = pref.dpo_beta if kind == "dpo" else pref.simpo_beta
@@ -102,7 +103,7 @@ OPTION_CASES = [
 def test_preference_options_equal_reference_on_both_paths(shape, kind, chunk, eps, ipo_average):
     inputs = _pairs(*shape, seed=3 * sum(shape))
     w = (torch.randn(V, D, generator=torch.Generator().manual_seed(4)) / D**0.5).requires_grad_()
-    cfg = ComposerConfig(chunk_tokens=chunk)
+    cfg = LossConfig(chunk_tokens=chunk)
     cfg = dataclasses.replace(cfg, preference=dataclasses.replace(
         cfg.preference, kind=kind, dpo_beta=0.3, label_smoothing=eps, ipo_average=ipo_average))
     beta = cfg.preference.simpo_beta if kind == "simpo" else 0.3
@@ -120,7 +121,7 @@ def test_pair_gradient_sign_through_the_fused_path():
     """Descending the DPO loss raises the chosen and lowers the rejected sequence logprob."""
     inputs = _pairs(2, 8, 8, seed=4)
     w = (torch.randn(V, D, generator=torch.Generator().manual_seed(5)) / D**0.5).requires_grad_()
-    cfg = ComposerConfig(chunk_tokens=2)
+    cfg = LossConfig(chunk_tokens=2)
     out = compose_loss(cfg, w, preference=inputs)
     (g_w,) = torch.autograd.grad(out.loss, w)
     w2 = (w - 0.5 * g_w).detach()
@@ -169,7 +170,7 @@ def test_channels_share_one_head_and_frozen_inputs_get_no_buffer():
     inputs = _pairs(2, 7, 6, seed=8)
     outs = []
     for chunked in (False, True):
-        out = compose_loss(ComposerConfig(chunked=chunked, chunk_tokens=4), w, policy=policy, preference=inputs)
+        out = compose_loss(LossConfig(chunked=chunked, chunk_tokens=4), w, policy=policy, preference=inputs)
         outs.append((out.loss, torch.autograd.grad(out.loss, [w, inputs.chosen_hidden_BTD])))
     (a, ga), (b, gb) = outs
     torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)

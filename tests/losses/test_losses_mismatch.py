@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from configs.loader import ConfigError, load_config
-from losses.composer import ComposerConfig, PolicyInputs, compose_loss
-from losses.mismatch import MismatchConfig, mismatch_weights, packed_sequence_ids
+from configs.sections.loss import LossConfig, PolicyLossConfig
+from losses.composer import PolicyInputs, compose_loss
+from losses.mismatch import mismatch_weights, packed_sequence_ids
 from losses.policy import dapo_token_loss, prime_dppo_token_loss
 
 V, D = 37, 8
@@ -73,10 +74,10 @@ def verl_ref(old, gen, seq, is_level, is_cap, rs_level, rs_max, rs_min, veto):
 
 
 TRL_MODES = {  # TRL mode -> the same correction as this project's keys
-    "token_truncate": lambda lo, hi: MismatchConfig("token", hi, lo, "none"),
-    "token_mask": lambda lo, hi: MismatchConfig("token", None, None, "token", hi, lo or 0.0),
-    "sequence_truncate": lambda lo, hi: MismatchConfig("sequence", hi, lo, "none"),
-    "sequence_mask": lambda lo, hi: MismatchConfig("sequence", None, None, "sequence", hi, lo or 0.0),
+    "token_truncate": lambda lo, hi: PolicyLossConfig(is_level="token", tis_cap=hi, tis_floor=lo),
+    "token_mask": lambda lo, hi: PolicyLossConfig(is_level="token", tis_cap=None, rs_level="token", rs_max=hi, rs_min=lo or 0.0),
+    "sequence_truncate": lambda lo, hi: PolicyLossConfig(is_level="sequence", tis_cap=hi, tis_floor=lo),
+    "sequence_mask": lambda lo, hi: PolicyLossConfig(is_level="sequence", tis_cap=None, rs_level="sequence", rs_max=hi, rs_min=lo or 0.0),
 }
 
 
@@ -98,7 +99,7 @@ def test_trl_modes_match_trl_reference(mode, c_min, c_max):
 def test_verl_is_rs_and_veto_match_verl_reference(is_level, rs_level, veto):
     old, gen, seq = _tokens(120, 11, seed=3, scale=0.5)
     rs_max = 4.0 if rs_level == "sequence" else 1.3
-    cfg = MismatchConfig(is_level, 2.0, None, rs_level, rs_max, None, veto)
+    cfg = PolicyLossConfig(is_level=is_level, rs_level=rs_level, rs_max=rs_max, rs_veto=veto)
     got = mismatch_weights(old, gen, seq, cfg)
     want = verl_ref(old, gen, seq, is_level, 2.0, rs_level, rs_max, None, veto)
     torch.testing.assert_close(got.weight, want, atol=1e-12, rtol=1e-10)
@@ -113,10 +114,10 @@ def test_extreme_sequences_stay_finite_and_are_rejected_or_capped():
     seq = torch.zeros(400, dtype=torch.long)
     seq[200:] = 1
     gen = torch.cat([torch.full((200,), -0.3, dtype=torch.float64), torch.full((200,), 0.3, dtype=torch.float64)])
-    trunc = mismatch_weights(old, gen, seq, MismatchConfig("sequence", 5.0, None))
+    trunc = mismatch_weights(old, gen, seq, PolicyLossConfig(is_level="sequence", tis_cap=5.0))
     want = torch.cat([torch.full((200,), 5.0, dtype=torch.float64), torch.full((200,), math.exp(-20), dtype=torch.float64)])
     torch.testing.assert_close(trunc.weight, want, rtol=1e-12, atol=0)
-    masked = mismatch_weights(old, gen, seq, MismatchConfig("sequence", None, None, "sequence", 5.0, 0.0))
+    masked = mismatch_weights(old, gen, seq, PolicyLossConfig(is_level="sequence", tis_cap=None, rs_level="sequence", rs_max=5.0, rs_min=0.0))
     assert masked.rejected[:200].all() and not masked.rejected[200:].any()
     assert torch.isfinite(masked.weight).all()
 
@@ -124,10 +125,10 @@ def test_extreme_sequences_stay_finite_and_are_rejected_or_capped():
 def test_sequence_modes_need_sequence_ids():
     old, gen, _ = _tokens(10, 2, seed=1)
     with pytest.raises(ValueError, match="sequence index"):
-        mismatch_weights(old, gen, None, MismatchConfig("sequence"))
+        mismatch_weights(old, gen, None, PolicyLossConfig(is_level="sequence"))
     w = torch.randn(V, D)
     inputs = _policy_inputs(seed=2, on_policy=True, w=w)
-    cfg = dataclasses.replace(ComposerConfig(), policy=dataclasses.replace(ComposerConfig().policy, is_level="sequence"))
+    cfg = dataclasses.replace(LossConfig(), policy=dataclasses.replace(LossConfig().policy, is_level="sequence"))
     with pytest.raises(ValueError, match="seq_ids_BT must be"):
         compose_loss(cfg, w, policy=dataclasses.replace(inputs, seq_ids_BT=inputs.seq_ids_BT[:, :5]))
 
@@ -162,12 +163,12 @@ def test_log_ratio_clamp_keeps_huge_ratios_finite():
                           -0.5 - torch.rand(2, generator=g), 24, old_logprobs_BT=-60 - 60 * torch.rand(2, 12, generator=g))
     outs = []
     for chunked in (False, True):
-        out = compose_loss(ComposerConfig(chunked=chunked, chunk_tokens=5), w, policy=inputs)
+        out = compose_loss(LossConfig(chunked=chunked, chunk_tokens=5), w, policy=inputs)
         grads = torch.autograd.grad(out.loss, [w, h])
         assert torch.isfinite(out.loss) and out.loss > 1e7 and all(torch.isfinite(x).all() for x in grads)
         outs.append((out.loss, grads))
     torch.testing.assert_close(outs[0][0], outs[1][0])
-    unclamped = dataclasses.replace(ComposerConfig(), policy=dataclasses.replace(ComposerConfig().policy, log_ratio_clamp=None))
+    unclamped = dataclasses.replace(LossConfig(), policy=dataclasses.replace(LossConfig().policy, log_ratio_clamp=None))
     assert torch.isinf(compose_loss(unclamped, w, policy=inputs).loss)
 
 
@@ -178,7 +179,7 @@ def _ref_logprobs(h_nD, w_VD, y_n):
     return (h_nD.double() @ w_VD.double().T).log_softmax(-1).gather(-1, y_n.unsqueeze(-1)).squeeze(-1)
 
 
-def ref_policy_channel(cfg: ComposerConfig, w, inputs: PolicyInputs, seq_ids_BT):
+def ref_policy_channel(cfg: LossConfig, w, inputs: PolicyInputs, seq_ids_BT):
     """Σ_valid ℓ_t / N in float64 from full logits: DAPO × verl-style mismatch weight, or
     PRIME-RL's −keep·τ_A·Â·r + τ_KL·(log r)²."""
     p = cfg.policy
@@ -240,7 +241,7 @@ def test_policy_channel_options_equal_reference_on_both_paths(overrides, on_poli
     inputs = _policy_inputs(seed=len(overrides) + on_policy, on_policy=on_policy, w=w)
     ids = packed_sequence_ids(POSITIONS)
     assert ids[0, :5].unique().numel() == 1 and ids[0, 5:].unique().numel() == 1 and ids[0, 0] != ids[0, 5]
-    base = ComposerConfig()
+    base = LossConfig()
     ref = ref_policy_channel(dataclasses.replace(base, policy=dataclasses.replace(base.policy, **overrides)),
                              w, inputs, ids)
     want = torch.autograd.grad(ref, [w, inputs.hidden_BTD])
@@ -259,8 +260,8 @@ def test_packing_does_not_change_sequence_level_weights():
     """The same three rollouts packed two-in-a-row or one per row: same loss and gradient."""
     w = torch.randn(V, D, generator=torch.Generator().manual_seed(2)) / D**0.5
     inputs = _policy_inputs(seed=4, on_policy=True, w=w)
-    cfg = dataclasses.replace(ComposerConfig(chunk_tokens=4), policy=dataclasses.replace(
-        ComposerConfig().policy, is_level="sequence", tis_cap=50.0, rs_level="geometric", rs_max=1.5))
+    cfg = dataclasses.replace(LossConfig(chunk_tokens=4), policy=dataclasses.replace(
+        LossConfig().policy, is_level="sequence", tis_cap=50.0, rs_level="geometric", rs_max=1.5))
     rows = [(0, slice(0, 5)), (0, slice(5, 12)), (1, slice(0, 12))]
 
     def pad(t, fill):  # one rollout per row, right-padded to 12
@@ -315,5 +316,5 @@ def test_inconsistent_values_name_the_keys(overrides, words):
 def test_options_reach_the_runtime_config():
     job = load_config(None, ["--loss.policy.is_level=sequence", "--loss.policy.rs_level=geometric",
                              "--loss.policy.rs_min=0.5", "--loss.policy.rs_veto=1e-4", "--loss.policy.tis_floor=0.1"])
-    m = ComposerConfig.from_section(job.loss).policy.mismatch
-    assert m == MismatchConfig("sequence", 2.0, 0.1, "geometric", 2.0, 0.5, 1e-4)
+    assert job.loss.policy == PolicyLossConfig(is_level="sequence", tis_cap=2.0, tis_floor=0.1, rs_level="geometric",
+                                               rs_max=2.0, rs_min=0.5, rs_veto=1e-4)

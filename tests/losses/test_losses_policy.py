@@ -7,15 +7,15 @@ import math
 import pytest
 import torch
 
+from configs.sections.loss import PolicyLossConfig
 from losses.policy import (
-    AdvantageConfig,
     dapo_token_loss,
     dynamic_sampling_keep,
     grpo_advantages,
     overlong_penalty,
     prime_dppo_token_loss,
 )
-from losses.mismatch import MismatchConfig, mismatch_weights
+from losses.mismatch import mismatch_weights
 
 SHAPES = [(2, 5), (3, 17), (4, 40)]
 
@@ -53,7 +53,7 @@ def test_grpo_advantages_match_reference(scale, unbiased, singleton):
     g = torch.Generator().manual_seed(1)
     groups = torch.tensor([0, 0, 0, 0, 3, 3, 7, 1, 1, 1, 9])  # groups 7 and 9 are singletons
     rewards = torch.randint(0, 2, (11,), generator=g).double() + 0.1 * torch.randn(11, generator=g, dtype=torch.float64)
-    cfg = AdvantageConfig(scale=scale, std_kind="unbiased" if unbiased else "biased", eps=1e-6, singleton=singleton)
+    cfg = PolicyLossConfig(adv_scale=scale, adv_std="unbiased" if unbiased else "biased", adv_eps=1e-6, singleton=singleton)
     got = grpo_advantages(rewards.float(), groups, cfg)
     want = ref_advantages(rewards.float().double().tolist(), groups.tolist(), eps=1e-6, unbiased=unbiased, scale=scale, singleton=singleton)
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
@@ -64,21 +64,21 @@ def test_verl_and_trl_conventions_are_options():
     groups = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
     # verl: unbiased std, eps 1e-6;  TRL: unbiased std, eps 1e-4 (torch .std() is unbiased)
     for eps in (1e-6, 1e-4):
-        got = grpo_advantages(rewards, groups, AdvantageConfig(eps=eps))
+        got = grpo_advantages(rewards, groups, PolicyLossConfig(adv_eps=eps))
         r = rewards.view(2, 4)
         want = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps)).view(-1)
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
     # TRL scale_rewards="batch": group mean, batch std
-    got = grpo_advantages(rewards, groups, AdvantageConfig(scale="batch", eps=1e-4))
+    got = grpo_advantages(rewards, groups, PolicyLossConfig(adv_scale="batch", adv_eps=1e-4))
     want = ((r - r.mean(1, keepdim=True)).view(-1)) / (rewards.std() + 1e-4)
     torch.testing.assert_close(got, want)
     # Dr.GRPO: mean only
-    got = grpo_advantages(rewards, groups, AdvantageConfig(scale="none"))
+    got = grpo_advantages(rewards, groups, PolicyLossConfig(adv_scale="none"))
     torch.testing.assert_close(got, (r - r.mean(1, keepdim=True)).view(-1))
 
 
 def test_singleton_group_defaults_to_zero_advantage():
-    adv = grpo_advantages(torch.tensor([0.7, 1.0, 0.0]), torch.tensor([5, 6, 6]), AdvantageConfig())
+    adv = grpo_advantages(torch.tensor([0.7, 1.0, 0.0]), torch.tensor([5, 6, 6]), PolicyLossConfig())
     assert adv[0].item() == 0.0 and not torch.isnan(adv).any()
 
 
@@ -121,7 +121,7 @@ def test_dapo_token_loss_matches_reference(shape, dual, with_tis):
     old = logp + 0.5 * torch.randn(shape, generator=g)  # ratios well outside the clip range too
     gen = old + 0.3 * torch.randn(shape, generator=g)
     adv = torch.randn(shape, generator=g)
-    tis = mismatch_weights(old.view(-1), gen.view(-1), None, MismatchConfig(is_cap=2.0)).weight.view(shape) if with_tis else None
+    tis = mismatch_weights(old.view(-1), gen.view(-1), None, PolicyLossConfig(tis_cap=2.0)).weight.view(shape) if with_tis else None
     if with_tis:
         torch.testing.assert_close(tis.double(), (old.double() - gen.double()).exp().clamp(max=2.0))
     terms = dapo_token_loss(logp, old, adv, eps_low=0.2, eps_high=0.28, dual_clip_c=dual, mismatch_weight=tis)

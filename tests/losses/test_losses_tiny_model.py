@@ -7,8 +7,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from losses.composer import ComposerConfig, DistillInputs, PolicyInputs, PreferenceInputs, compose_loss  # noqa: E402
-from losses.policy import AdvantageConfig, grpo_advantages  # noqa: E402
+from configs.sections.loss import LossConfig, PolicyLossConfig  # noqa: E402
+from losses.composer import DistillInputs, PolicyInputs, PreferenceInputs, compose_loss  # noqa: E402
+from losses.policy import grpo_advantages  # noqa: E402
 
 VOCAB = 512
 
@@ -62,7 +63,7 @@ def test_one_step_all_three_channels_active_and_nonzero():
     for b in range(B):
         mask[b, P - 1 : P - 1 + lengths[b]] = True
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0])
-    adv = grpo_advantages(rewards, torch.arange(B) // 4, AdvantageConfig())
+    adv = grpo_advantages(rewards, torch.arange(B) // 4, PolicyLossConfig())
     with torch.no_grad():
         old = model.lm_head(hidden(model, rollouts)[:, :-1]).log_softmax(-1).gather(-1, rollouts[:, 1:, None])[..., 0]
     gen = old + 0.05 * torch.randn(old.shape, generator=g)  # engine mismatch
@@ -83,7 +84,7 @@ def test_one_step_all_three_channels_active_and_nonzero():
     cm = torch.ones(2, 6, dtype=torch.bool)
     preference = PreferenceInputs(seq_hidden(chosen), chosen, cm, seq_hidden(rejected), rejected, cm, 2, ref_c, ref_r)
 
-    out = compose_loss(ComposerConfig(alpha=1.0, beta=1.0, chunk_tokens=16), W, policy=policy, distill=distill, preference=preference)
+    out = compose_loss(LossConfig(alpha=1.0, beta=1.0, chunk_tokens=16), W, policy=policy, distill=distill, preference=preference)
     assert out.active_channels == ("policy", "distill", "preference")
     for name in ("policy", "distill", "preference"):
         assert out.metrics[f"{name}/loss"].abs() > 1e-6, name
@@ -106,7 +107,7 @@ def test_hint_distillation_lowers_heldout_kl():
     batches = [(ids(8, 8), ids(8, 12)) for _ in range(2)]
     heldout = (ids(16, 8), ids(16, 12))
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    cfg = ComposerConfig(chunk_tokens=32)
+    cfg = LossConfig(chunk_tokens=32)
     kl0 = forward_kl_teacher_student(model, heldout[0], hint, heldout[1])
     losses = []
     for step in range(20):

@@ -52,7 +52,7 @@ def runs(tmp_path_factory, tiny_assets):
         out["a_metrics"] = a.metrics
         out["summary_a"] = a.run()  # nothing left to train: finishes (final checkpoint, hf/) and summarises
         pids = json.loads((a.run_dir / "processes.json").read_text())
-        weight_dir = a._weight_dir
+        weight_dir = a._launch.weight_dir
     out["pids"], out["weight_dir"] = pids, weight_dir
     with Run.from_toml(_recipe(tmp_b), overrides, resume=False) as b:
         out["summary_b"] = b.run()
@@ -60,6 +60,7 @@ def runs(tmp_path_factory, tiny_assets):
     return out
 
 
+@pytest.mark.slow
 def test_stepping_with_generate_and_evaluate_trains_as_run(runs):
     from safetensors.torch import load_file
 
@@ -74,6 +75,7 @@ def test_stepping_with_generate_and_evaluate_trains_as_run(runs):
     assert _trained(rows) == _trained(runs["a_metrics"])  # the API's metrics are the log's rows
 
 
+@pytest.mark.slow
 def test_generate_evaluate_and_export(runs):
     import torch
     from safetensors.torch import load_file
@@ -91,6 +93,7 @@ def test_generate_evaluate_and_export(runs):
     assert all(torch.equal(state[k], v) for k, v in final.items())
 
 
+@pytest.mark.slow
 def test_stop_removes_actors_and_shared_memory(runs):
     assert runs["weight_dir"] and not Path(runs["weight_dir"]).exists()
     pids = [p for role, ps in runs["pids"].items() if role != "controller" for p in ps]  # the controller: this test

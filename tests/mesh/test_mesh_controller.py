@@ -25,6 +25,8 @@ from configs.sections.optimizer import OptimizerConfig
 from configs.sections.trainer import TrainerConfig
 from monarch.actor import endpoint
 
+pytestmark = pytest.mark.slow
+
 SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=8, seed=0)
 
 
@@ -48,7 +50,7 @@ class DiesOnce:
         return self
 
     def get(self, timeout=None):
-        from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
+        from actors.monarch_compat import SupervisionError
 
         raise SupervisionError("generator process killed (test)")
 
@@ -89,16 +91,9 @@ def trainer_mesh(colocated):
 
 
 @pytest.fixture(scope="module")
-def gen_spec(tiny_assets):
+def gen_spec(make_generator_spec):
     """Groups of 3, two turns of at most 8 tokens, episodes within the trainer's 160-token rows."""
-    from actors.generator import GeneratorSpec
-    from configs.sections.generator import GeneratorConfig
-
-    return GeneratorSpec(
-        model_dir=str(tiny_assets.dense_dir),
-        generator=GeneratorConfig(engine="hf", group_size=3, max_new_tokens=8, max_turns=2),
-        max_context_tokens=160,
-    )
+    return make_generator_spec(max_context_tokens=160, group_size=3, max_new_tokens=8, max_turns=2)
 
 
 @pytest.fixture(scope="module")
@@ -269,3 +264,19 @@ def test_sync_mode_all_three_channels(trainer_mesh, gen_spec, teacher_server, ti
         m = h.metrics
         assert m["policy/tokens"] > 0 and m["distill/loss"] > 0
         assert m["preference/pairs"] == 2 and m["preference/loss"] > 0
+
+
+def test_controller_config_is_built_from_the_recipe():
+    """`ControllerConfig.from_job`: the one place the recipe's sections become controller settings."""
+    from configs.loader import load_config
+    from mesh.controller import ControllerConfig
+
+    job = load_config("debug_cpu.toml", {"loss.alpha": 0.0, "trainer.eval_every": 5})
+    cfg = ControllerConfig.from_job(job, steps=7, weight_dir="/w", state_dir="/s", replay=True)
+    assert (cfg.steps, cfg.weight_dir, cfg.state_dir) == (7, "/w", "/s")
+    assert (cfg.prompts_per_step, cfg.max_seq_len, cfg.mode, cfg.seed) == (8, 256, "sync", 0)
+    assert cfg.policy is job.loss.policy and cfg.pairs_per_step == 8 and cfg.dpo_reference
+    assert not cfg.hints and cfg.policy_channel and cfg.serving_dtype == job.generator.dtype
+    assert cfg.tokens_per_request == 4 * 24 * 2 and cfg.deadline.floor_s == job.mesh.hang_floor_s
+    assert (cfg.eval.every, cfg.eval.samples, cfg.eval.sampling.seed) == (5, 16, 0)
+    assert ControllerConfig.from_job(job, steps=1, weight_dir="", state_dir="", replay=False).pairs_per_step == 0

@@ -20,7 +20,11 @@ import json
 import math
 from pathlib import Path
 
+import pytest
+
 from test_mesh_train import REPO, train
+
+pytestmark = pytest.mark.slow
 
 STEPS = 30
 MARGIN_SHORT = 0.02  # reward units (0 malformed .. 1 exact); see docs/application.md

@@ -46,6 +46,7 @@ def _group_model(folder: Path) -> dict:
     return torch.load(folder / "gathered.pt", weights_only=False)["model"]
 
 
+@pytest.mark.slow
 def test_diloco_recipe_trains_checkpoints_and_resumes(tmp_path, tiny_assets):
     """2 groups × 2 FSDP procs, all three channels (one teacher-replay actor for both groups), H = 2:
     3 steps (one outer sync; each group checkpoints step 3, one step into round 2), then a resumed run
@@ -109,6 +110,7 @@ def test_unsupported_combinations_are_clear_errors(overrides, message):
         check_supported(job)
 
 
+@pytest.mark.slow
 def test_a_failing_group_stops_the_other_within_seconds():
     """Group 1 fails right after its first outer sync (say its generator died); group 0 goes on into the
     second sync and waits for a quorum group 1 will never join (its Manager still heartbeats, and
@@ -177,12 +179,13 @@ def test_a_failing_group_stops_the_other_within_seconds():
 def test_group_streams_split_the_step_and_resume_each_stream():
     """prompts_per_step 5 and 3 pairs over 2 groups, resumed at step 4: shares 3 + 2 and 2 + 1, each group
     continues its own stream at step × share, and the groups' problem seeds never meet."""
-    from mesh.controller import ControllerConfig, _Requests
+    from mesh.controller import ControllerConfig
+    from mesh.requests import RequestLedger
     from mesh.replicas import group_streams
 
     cfg = ControllerConfig(steps=10, prompts_per_step=5, max_seq_len=64, pairs_per_step=3, seed=7)
     streams = group_streams(cfg, 2, prompt_cursor=4 * 5)
     assert [(c.prompts_per_step, c.pairs_per_step, cursor) for c, cursor in streams] == [(3, 2, 12), (2, 1, 8)]
-    seeds = [{r.seed for r in _Requests(c.seed, 0).take(10_000)} for c, _ in streams]
+    seeds = [{r.seed for r in RequestLedger(c.seed, 0).take(10_000)} for c, _ in streams]
     assert not seeds[0] & seeds[1]
     assert all(c.steps == 10 and c.max_seq_len == 64 for c, _ in streams)

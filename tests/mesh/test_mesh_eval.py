@@ -44,6 +44,7 @@ def _trained(row: dict) -> dict:
     return {k: v for k, v in row.items() if not k.startswith(("eval/", "time/")) and k != "seconds"}
 
 
+@pytest.mark.slow
 def test_eval_does_not_change_training(runs):
     on, off = _rows(runs[1]), _rows(runs[0])
     assert [r["step"] for r in on] == [r["step"] for r in off] == list(range(1, STEPS + 1))
@@ -73,6 +74,7 @@ def _assert_same(a, b, path: str = "") -> None:
         assert a == b, path
 
 
+@pytest.mark.slow
 def test_eval_is_logged_everywhere(runs):
     summary = runs[1]
     rows = _rows(summary)

@@ -72,6 +72,7 @@ SLOW = pytest.mark.timeout(1500)  # two child runs in the fixture; a loaded 2-co
 HANG_FLOOR_S = 20.0  # the deadline floor in the hung drill; the others keep the default (120 s)
 
 
+@pytest.mark.slow
 @SLOW
 def test_hung_generator_is_replaced_within_its_deadline(runs, tmp_path, tiny_assets):
     base, _ = runs
@@ -104,6 +105,7 @@ def test_hung_generator_is_replaced_within_its_deadline(runs, tmp_path, tiny_ass
     assert set(hit["generator_digests"]) == {hit["trainer_digest"]}
 
 
+@pytest.mark.slow
 @SLOW
 def test_generator_sigkill_loses_no_rollout_group(runs):
     base, hit = runs
@@ -124,6 +126,7 @@ def test_generator_sigkill_loses_no_rollout_group(runs):
     assert set(hit["generator_digests"]) == {hit["trainer_digest"]}
 
 
+@pytest.mark.slow
 @SLOW
 def test_trainer_sigkill_resumes_bitwise(runs):
     base, hit = runs
@@ -143,6 +146,7 @@ def test_trainer_sigkill_resumes_bitwise(runs):
     assert set(hit["generator_digests"]) == {base["trainer_digest"]}
 
 
+@pytest.mark.slow
 @SLOW
 def test_async_trainer_sigkill_trains_every_group_once_within_staleness(tmp_path, tiny_assets):
     """Async mode (max_staleness 1, two generators) across a trainer SIGKILL after step 3, checkpoints every 2
@@ -169,6 +173,7 @@ def test_async_trainer_sigkill_trains_every_group_once_within_staleness(tmp_path
           f"{len(set(hit['records'][2]['seeds']) & set(trained))} of the rolled-back step's 4 trained again")
 
 
+@pytest.mark.slow
 @SLOW
 def test_dead_rank_of_a_two_rank_trainer_is_noticed_in_seconds(tmp_path, tiny_assets):
     """FSDP over 2 gloo ranks, rank 1 SIGKILLed after step 3: rank 0's collective fails first (gloo: connection
@@ -231,6 +236,7 @@ def teacher_cmd(tmp_path: Path, steps: int, log: Path) -> tuple[list[str], Path]
     return cmd, tmp_path / "runs" / "debug_cpu"
 
 
+@pytest.mark.slow
 @SLOW
 def test_replay_sigkill_respawns_restores_and_repeats_no_teacher_call(tmp_path, tiny_assets):
     """The replay actor's process is SIGKILLed between teacher calls after step 2; the controller replaces it on a
@@ -277,6 +283,7 @@ def test_replay_sigkill_respawns_restores_and_repeats_no_teacher_call(tmp_path, 
           f"{status['pairs_ready']} ready, {status['pairs_made']} made")
 
 
+@pytest.mark.slow
 @SLOW
 def test_controller_sigkill_then_resume_loses_no_step_and_repeats_no_teacher_call(tmp_path, tiny_assets):
     steps, kill_after = 4, 2
@@ -310,9 +317,9 @@ def test_controller_sigkill_then_resume_loses_no_step_and_repeats_no_teacher_cal
 
 
 def test_request_ledger_requeues_and_dedupes():
-    from mesh.controller import StaleWorker, _Requests
+    from mesh.requests import RequestLedger, StaleWorker
 
-    ledger = _Requests(seed=2)
+    ledger = RequestLedger(seed=2)
     first = ledger.take(3)
     assert [(r.group_id, r.seed) for r in first] == [(0, 2_000_006), (1, 2_000_007), (2, 2_000_008)]
     ledger.lose(first[1:])  # their generator died

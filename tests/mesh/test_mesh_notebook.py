@@ -8,6 +8,8 @@ import ast
 import os
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 NOTEBOOK = REPO / "notebooks" / "interactive.ipynb"
 PROJECT_PACKAGES = {"actors", "mesh", "titan_ext", "losses", "replay", "envs", "configs"}
@@ -32,6 +34,7 @@ def test_notebook_uses_only_the_public_api():
     assert project == {"mesh.api"}, f"the notebook imports project internals: {sorted(project - {'mesh.api'})}"
 
 
+@pytest.mark.slow
 def test_interactive_notebook_executes(tiny_assets, monkeypatch):
     import nbformat
     from nbclient import NotebookClient

@@ -66,6 +66,7 @@ def assert_died(stderr: str, head: str) -> None:
     print(f"reported: {line}")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_trainer_killed_in_setup_fails_with_one_line(tmp_path, tiny_assets):
     rc, err, _, to_end, _ = train_with_kill(tmp_path, tiny_assets, "trainer:setup")
@@ -75,6 +76,7 @@ def test_trainer_killed_in_setup_fails_with_one_line(tmp_path, tiny_assets):
     assert to_end < 30, f"the run ended {to_end:.1f} s after the kill"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_trainer_killed_in_first_sync_recovers(tmp_path, tiny_assets):
     rc, err, summary, _, to_restart = train_with_kill(tmp_path, tiny_assets, "trainer:first_sync")
@@ -85,6 +87,7 @@ def test_trainer_killed_in_first_sync_recovers(tmp_path, tiny_assets):
     assert to_restart < 30, f"the restart began {to_restart:.1f} s after the kill"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_generator_killed_in_first_load_recovers_and_without_restarts_fails_with_one_line(tmp_path, tiny_assets):
     rc, err, summary, _, to_restart = train_with_kill(tmp_path / "a", tiny_assets, "generator:first_load")
@@ -102,8 +105,7 @@ def test_generator_killed_in_first_load_recovers_and_without_restarts_fails_with
 
 
 def test_describe_death_names_role_phase_and_how_the_process_ended():
-    from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
-
+    from actors.monarch_compat import SupervisionError
     from mesh.errors import describe, phase
 
     def died(text: str, *phases: str) -> str:

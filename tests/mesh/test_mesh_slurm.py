@@ -34,6 +34,8 @@ import pytest
 from slurm_cluster import NODES, SlurmCluster, install, skip_reason  # tests/mesh is on sys.path
 from test_mesh_train import RECIPE  # the shortened debug_cpu recipe of the local train test
 
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent  # the venv's `monarch` and `composer-mesh` scripts
 STEPS, KILL_AFTER = 5, 2

@@ -19,6 +19,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 COMMON = """
@@ -115,6 +117,7 @@ def _train(tmp_path: Path, name: str, extra: str, max_turns: int, cache: Path) -
     return summary, rows
 
 
+@pytest.mark.slow
 def test_jsonl_dataset_and_trl_rewards_train_from_toml(tmp_path, tiny_assets):
     plugins = tmp_path / "plugins"
     plugins.mkdir()
@@ -146,6 +149,7 @@ def test_jsonl_dataset_and_trl_rewards_train_from_toml(tmp_path, tiny_assets):
     assert len(got) == 2 and all(abs(g - m) < 1e-6 for g, m in zip(got, means)), (got, means)
 
 
+@pytest.mark.slow
 def test_multi_turn_plugin_env_trains_from_toml(tmp_path, tiny_assets):
     plugins = tmp_path / "plugins"
     plugins.mkdir()
@@ -167,6 +171,7 @@ def test_multi_turn_plugin_env_trains_from_toml(tmp_path, tiny_assets):
     assert any("loss" in r for r in rows)
 
 
+@pytest.mark.slow
 def test_actor_failure_prints_one_line(tmp_path, tiny_assets):
     """A reward function raising inside the generator: exit 1, one `error:` line naming the actor and the
     function, no traceback (the controller's checks pass: rewards are only called in the generator)."""
@@ -197,8 +202,6 @@ def test_actor_failure_prints_one_line(tmp_path, tiny_assets):
 def test_heldout_evaluation_without_heldout_rows_is_refused(tmp_path):
     """`eval_every > 0` on a dataset with neither heldout_file nor heldout_fraction would score training rows as
     held-out: the loader refuses the recipe (so `config show` does too), naming the keys; and eval with DiLoCo."""
-    import pytest
-
     from configs.loader import ConfigError, load_config
     from mesh.cli import main
 

@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 RECIPE = """
@@ -65,6 +67,7 @@ def train(recipe: Path, steps: int, cache: Path, timeout: float = 500) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_train_command_runs_and_resumes(tmp_path, tiny_assets):
     recipe = tmp_path / "demo.toml"
     recipe.write_text(RECIPE.format(repo=REPO, out=tmp_path / "runs"))

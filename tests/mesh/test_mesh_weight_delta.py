@@ -70,7 +70,7 @@ def test_delta_rebuilds_every_bit_and_falls_back_to_full(dtype):
     import zstandard
 
     bits = {2: np.int16, 4: np.int32}[size]
-    for rd, k in zip(delta.runs, n):
+    for rd, _k in zip(delta.runs, n):
         old_bits = old_p[rd.run.offset : rd.run.offset + rd.run.nbytes].numpy().view(bits)
         new_bits = new_p[rd.run.offset : rd.run.offset + rd.run.nbytes].numpy().view(bits)
         assert rd.changed == int((old_bits != new_bits).sum())
@@ -172,6 +172,7 @@ def _trainer(state, spec):
     return procs, trainer
 
 
+@pytest.mark.slow
 def test_deltas_over_20_steps_stay_bitwise_through_respawn_restart_and_lag(delta_meshes):
     from actors.mesh_utils import rank0
     from actors.weight_sync.sync import TopologySync

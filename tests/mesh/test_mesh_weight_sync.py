@@ -159,15 +159,7 @@ def test_unsealed_segment_is_invisible_and_bad_input_is_refused(tmp_path):
 # ---- fake hosts: FSDP trainer (2 procs) + 2 generators on host A, one generator on each of hosts B, C ----
 
 @pytest.fixture(scope="module")
-def generator_spec(tiny_assets):
-    from actors.generator import GeneratorSpec
-    from configs.sections.generator import GeneratorConfig
-
-    return GeneratorSpec(model_dir=str(tiny_assets.dense_dir), generator=GeneratorConfig(engine="hf"))
-
-
-@pytest.fixture(scope="module")
-def meshes(tiny_trainer_spec, generator_spec, tmp_path_factory):
+def meshes(tiny_trainer_spec, make_generator_spec, tmp_path_factory):
     """Monarch `ProcessJob` fake hosts: "trainer_0" runs the trainer mesh and two generator processes
     (same-host fan-out); "generator_0" and "generator_1" run one generator each (cross-host reads)."""
     from monarch.job import ProcessJob
@@ -178,6 +170,7 @@ def meshes(tiny_trainer_spec, generator_spec, tmp_path_factory):
 
     out = tmp_path_factory.mktemp("wsync")
     spec = tiny_trainer_spec(out / "ckpt")
+    generator_spec = make_generator_spec()
     job = ProcessJob({"trainer": 1, "generator": 2})
     try:
         state = job.state(cached_path=None)
@@ -193,6 +186,7 @@ def meshes(tiny_trainer_spec, generator_spec, tmp_path_factory):
         job.kill()
 
 
+@pytest.mark.slow
 def test_sync_matches_trainer_digest_while_next_step_runs(meshes, tmp_path):
     from actors.mesh_utils import rank0
     from actors.weight_sync.sync import TopologySync
@@ -231,6 +225,7 @@ def test_sync_matches_trainer_digest_while_next_step_runs(meshes, tmp_path):
         assert sorted(p.name for p in host_dir(tmp_path, host).glob("*.seg")) == ["slot001.seg", "slot002.seg"]
 
 
+@pytest.mark.slow
 def test_serving_dtype_slots_halve_the_bytes_and_load_the_rounded_weights(meshes, tmp_path):
     """bf16 slots (`[generator] dtype`): each byte that crosses a host or sits in /dev/shm is half the fp32
     one, and every generator holds exactly the trainer's export rounded to bf16, not anything else."""
@@ -250,6 +245,7 @@ def test_serving_dtype_slots_halve_the_bytes_and_load_the_rounded_weights(meshes
     assert slot < next(host_dir(tmp_path / "fp32", "generator_0").glob("*.seg")).stat().st_size * 0.51 + 8192
 
 
+@pytest.mark.slow
 def test_publish_then_load_one_generator_at_a_time(meshes, tmp_path):
     """What the controller's async workers and respawns do: publish once, then a generator loads alone once its
     host holds the version whole, checked against the first load's digest; a generator respawned on a host the
@@ -280,6 +276,7 @@ def test_publish_then_load_one_generator_at_a_time(meshes, tmp_path):
     assert versions[2] == versions[3] == first.version and versions[0] < first.version  # the others untouched
 
 
+@pytest.mark.slow
 def test_rollout_exchange_sends_each_rank_only_its_shard(meshes):
     """Sharded on the controller == sliced on every rank: same metrics, bit-identical weights."""
     from actors.mesh_utils import rank0

@@ -161,6 +161,7 @@ def _journal(path: Path) -> tuple[set, set]:
     return done, set(intents.values())
 
 
+@pytest.mark.slow
 def test_sigkill_mid_run_then_resume_repeats_no_paid_request(tmp_path):
     traces = tmp_path / "traces.jsonl"
     _write_traces(traces, 60)  # 120 states x 3 teachers

@@ -310,7 +310,7 @@ def test_solver_teachers_slip_apart_and_the_vote_decides():
         finally:
             await client.aclose()
 
-    with TeacherServer(SolverResponder(noise=0.3)) as server:
+    with TeacherServer(SolverResponder(solve, noise=0.3)) as server:
         answers = _run(ask(_cfg(server.url, *specs)))
         assert _run(ask(_cfg(server.url, *specs))) == answers
     slips = [[m["content"] != solve(ctx) for m in row] for row, ctx in zip(answers, contexts)]
@@ -332,6 +332,6 @@ def test_solver_teachers_slip_apart_and_the_vote_decides():
     assert outcomes.count("no_consensus") + outcomes.count("too_few_votes") > 0
     assert sum(not all(s) and any(s) for s in slips) > 0  # some states split the teachers
 
-    with TeacherServer(SolverResponder(noise=0.0)) as server:
+    with TeacherServer(SolverResponder(solve, noise=0.0)) as server:
         exact = _run(ask(_cfg(server.url, *specs)))
     assert all(m["content"] == solve(ctx) for row, ctx in zip(exact, contexts) for m in row)

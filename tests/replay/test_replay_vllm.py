@@ -21,6 +21,8 @@ import pytest
 
 from mesh.cli import main
 
+pytestmark = pytest.mark.slow
+
 FIXTURES = Path(__file__).parent / "fixtures"
 TRACES = [FIXTURES / "claude_session.jsonl", FIXTURES / "openai_traces.jsonl"]
 CONTEXT = 2048

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from titan_ext.assets import TOKEN_IDS, TOOL_TOKENS
+from titan_ext.tiny import TOKEN_IDS, TOOL_TOKENS
 
 REPO = Path(__file__).resolve().parents[2]
 

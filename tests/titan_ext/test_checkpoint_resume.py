@@ -36,6 +36,7 @@ def _wait_ready(pids: list[int], out_dir: Path, timeout: float = 400) -> None:
     raise AssertionError(f"phase 1 did not reach its step-3 checkpoint:\n{_tail(out_dir / 'rank0.log')}")
 
 
+@pytest.mark.slow
 def test_kill_and_resume_is_bitwise_identical(tiny_assets, tmp_path):
     hf = str(tiny_assets.dense_dir)
     straight = torch.load(two_rank_run(hf)[1] / "params_fsdp_muon.pt")

@@ -1,7 +1,7 @@
 """Convergence: DiLoCo (H = 8, 2 replicas) vs synchronous data parallel at the same tokens.
 
 Task: next-token loss of the tiny TorchTitan model on the repo's tokenizer
-corpus, the last 10% held out (`titan_ext.diloco_lm`). Both runs see exactly
+corpus, the last 10% held out (`tests/titan_ext/diloco_lm.py`). Both runs see exactly
 the same training rows: DiLoCo replica r at inner step s trains on rows
 (r, s); DDP step s trains on the union of rows (0, s) and (1, s), i.e. the
 average of both replicas' gradients every step. 80 steps each, inner AdamW
@@ -18,11 +18,14 @@ the first outer step averaged both replicas, see docs/diloco.md).
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from configs.sections.diloco import DiLoCoConfig
 from titan_ext.diloco import parameters_digest
-from titan_ext.diloco_lm import LMTaskConfig, build_lm, heldout_loss, run_ddp, run_diloco_threads
+from diloco_lm import LMTaskConfig, build_lm, heldout_loss, run_ddp, run_diloco_threads
+
+pytestmark = pytest.mark.slow
 
 H, ROUNDS = 8, 10
 

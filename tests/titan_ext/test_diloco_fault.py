@@ -20,6 +20,10 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[2]
 SYNCS, H = 12, 4
 STEP_SLEEP_S = 0.2  # simulated compute per inner step: the survivor is still training when the restart arrives
@@ -30,7 +34,7 @@ def _zygote_main() -> None:
     import torch
 
     import titan_ext.diloco  # noqa: F401  (preloaded for the children)
-    import titan_ext.diloco_lm as lm
+    import diloco_lm as lm
 
     torch.set_num_threads(1)
     lm.corpus_ids()
@@ -65,7 +69,7 @@ def _replica_main(index: int, lighthouse: str, out_dir: str, seed: int, start_di
 
     from configs.sections.diloco import DiLoCoConfig
     from titan_ext.diloco import DiLoCoReplica, ReplicaAssignment, parameters_digest
-    from titan_ext.diloco_lm import LMTaskConfig, build_lm, inner_optimizer, run_replica
+    from diloco_lm import LMTaskConfig, build_lm, inner_optimizer, run_replica
 
     log = open(Path(out_dir) / f"replica{index}.log", "a", buffering=1)
     os.dup2(log.fileno(), 1)
@@ -132,10 +136,10 @@ def _wait_for(cond, what: str, out: Path, timeout: float = 120) -> None:
 
 
 def test_sigkill_one_replica_then_restart_heals_from_peer(tmp_path):
-    from torchft._torchft import LighthouseServer
+    from titan_ext.torchft_compat import LighthouseServer
 
     from titan_ext.diloco import parameters_digest
-    from titan_ext.diloco_lm import build_lm
+    from diloco_lm import build_lm
 
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=3000, heartbeat_timeout_ms=1000)
     zygote = Zygote()

@@ -20,7 +20,7 @@ from titan_ext.diloco import DiLoCoReplica, ReplicaAssignment, build_outer_optim
 
 @pytest.fixture
 def lighthouse():
-    from torchft._torchft import LighthouseServer
+    from titan_ext.torchft_compat import LighthouseServer
 
     server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=100)
     yield server.address()

@@ -7,9 +7,8 @@ import torch
 from torchtitan.distributed.activation_checkpoint import FullAC
 
 from configs.sections.model import ModelConfig
-from titan_ext.export import iter_hf_buckets
-from titan_ext.hf_checkpoint import titan_to_hf_state_dict
-from titan_ext.models import build_model
+from titan_ext.build import build_model
+from titan_ext.hf.adapters import iter_hf_buckets, titan_to_hf_state_dict
 
 
 @pytest.mark.parametrize("flavour", ["tiny", "tiny_moe"])

@@ -11,7 +11,7 @@ import pytest
 
 from test_trainer_harness import EXPORT_BUCKET_MIB, two_rank_run
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def test_exported_weights_give_the_trainer_logits(tiny_assets):

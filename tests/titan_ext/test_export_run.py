@@ -10,7 +10,6 @@ in a fresh process. vLLM's OpenAI server is started on the export with
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -26,8 +25,8 @@ from configs.sections.checkpoint import CheckpointConfig
 from configs.sections.model import ModelConfig
 from titan_ext.attention import attention_masks
 from titan_ext.checkpoint import Checkpointer
-from titan_ext.hf_export import record_run_model
-from titan_ext.models import build_model
+from titan_ext.build import build_model
+from titan_ext.hf.export import record_run_model
 from test_models_byo import DENSE, save_random  # the sibling module's user checkpoint maker
 
 REPO = Path(__file__).resolve().parents[2]
@@ -94,6 +93,7 @@ def exported(run, tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_export_gives_the_trained_logits_in_transformers(run, exported, base):
     from transformers import AutoModelForCausalLM
 
@@ -108,6 +108,7 @@ def test_export_gives_the_trained_logits_in_transformers(run, exported, base):
     assert (start_BLV - trained_BLV).abs().max() > 1e-2  # the trained weights, not the starting checkpoint
 
 
+@pytest.mark.slow
 def test_export_directory_is_complete(exported, base):
     from transformers import AutoTokenizer, GenerationConfig
 
@@ -126,6 +127,7 @@ def test_export_directory_is_complete(exported, base):
     ]
 
 
+@pytest.mark.slow
 def test_export_of_an_older_step_and_bad_requests(run, tmp_path, capsys):
     from mesh.cli import main  # in this process: the same command, without another interpreter start
 
@@ -174,6 +176,7 @@ def vllm_server(exported, tmp_path_factory, vllm_openai_server):
         server.stop()
 
 
+@pytest.mark.slow
 def test_vllm_serves_the_export_as_a_chat_model(vllm_server, exported):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -16,8 +16,9 @@ import torch
 
 from configs.sections.model import ModelConfig
 from titan_ext.attention import attention_masks
-from titan_ext.hf_parity import verify_hf_checkpoint
-from titan_ext.models import build_model, resolve_model
+from titan_ext.build import build_model
+from titan_ext.hf.parity import verify_hf_checkpoint
+from titan_ext.models import resolve_model
 from titan_ext.platform import detect_platform
 
 CPU = detect_platform("cpu")
@@ -242,18 +243,14 @@ def _verify_on_rank(rank: int, port: int, hf_dir: str, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_trainer_ranks_share_the_rank0_check(tmp_path):
+def test_trainer_ranks_share_the_rank0_check(tmp_path, free_port):
     """Only rank 0 runs the check; every rank raises its error (none waits in a collective for a failed one)."""
-    import socket
-
     import torch.multiprocessing as mp
 
     hf_dir = save_random(tmp_path / "llama", "llama", LLAMA_DEBUG, seed=4)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    mp.start_processes(_verify_on_rank, args=(port, str(hf_dir), str(tmp_path)), nprocs=2, start_method="spawn")
+    mp.start_processes(_verify_on_rank, args=(free_port(), str(hf_dir), str(tmp_path)), nprocs=2, start_method="spawn")
     for rank in range(2):
         assert (tmp_path / f"rank{rank}.txt").read_text().startswith(
             f"refused: model.hf_path {hf_dir}: TorchTitan's logits differ from transformers'")
@@ -263,7 +260,7 @@ class _TrackedDir:
     """A `SafetensorsDir` that records the bytes of tensors read from disk and still alive, at their peak."""
 
     def __init__(self, hf_dir: Path) -> None:
-        from titan_ext.hf_checkpoint import SafetensorsDir
+        from titan_ext.hf.read import SafetensorsDir
 
         self.inner, self.live, self.peak, self.read = SafetensorsDir(hf_dir), 0, 0, 0
 
@@ -295,7 +292,8 @@ class _TrackedDir:
 def test_loading_streams_one_layer_at_a_time(checkpoints, kind):
     """The file's tensors are read once each, at most one decoder layer (or the embeddings) alive at a time,
     and the loaded model equals the all-in-memory reading of the file."""
-    from titan_ext.hf_checkpoint import load_hf_state_dict, read_hf_state_dict, titan_to_hf_state_dict
+    from titan_ext.hf.adapters import titan_to_hf_state_dict
+    from titan_ext.hf.read import load_hf_state_dict, read_hf_state_dict
     from titan_ext.models import init_model
 
     hf_dir = checkpoints[kind]
@@ -325,7 +323,7 @@ def test_streamed_safetensors_round_trip_and_are_deterministic(tmp_path):
     the exports use, and the same bytes twice."""
     from safetensors.torch import load_file
 
-    from titan_ext.hf_checkpoint import write_safetensors
+    from titan_ext.hf.write import write_safetensors
 
     gen = torch.Generator().manual_seed(0)
     tensors = {

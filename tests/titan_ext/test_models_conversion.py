@@ -10,9 +10,12 @@ from safetensors.torch import load_file, save_file
 
 from configs.sections.model import ModelConfig
 from titan_ext.attention import attention_masks
-from titan_ext.hf_checkpoint import load_hf_into_titan, save_hf, titan_to_hf_state_dict
-from titan_ext.hf_config import hf_config_for
-from titan_ext.models import build_model, resolve_model
+from titan_ext.build import build_model
+from titan_ext.hf.adapters import titan_to_hf_state_dict
+from titan_ext.hf.derive import hf_config_for
+from titan_ext.hf.read import load_hf_into_titan
+from titan_ext.hf.write import save_hf_weights
+from titan_ext.models import resolve_model
 
 TOL = 1e-4
 FLAVOURS = ("tiny", "tiny_moe")
@@ -89,7 +92,7 @@ def test_titan_to_hf_same_logits(tmp_path, flavour):
     cfg = ModelConfig(flavour=flavour, seed=7, device="cpu")
     titan = build_model(cfg).eval()
     _randomize(titan.named_parameters(), seed=200)
-    out = save_hf(titan, tmp_path / "hf", resolve_model(cfg).hf_config)
+    out = save_hf_weights(titan, tmp_path / "hf", resolve_model(cfg).hf_config)
     tokens = _tokens(2)
     hf = _hf_logits(out, tokens)
     assert hf.std().item() > 1.0
@@ -145,7 +148,7 @@ def test_bad_checkpoints_raise_and_change_nothing(randomized_hf, tmp_path):
 def test_saved_checkpoint_is_hf_shaped(tmp_path):
     cfg = ModelConfig(flavour="tiny", seed=0, device="cpu")
     model = build_model(cfg)
-    out = save_hf(model, tmp_path, dtype=torch.bfloat16)
+    out = save_hf_weights(model, tmp_path, dtype=torch.bfloat16)
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "qwen3" and config["head_dim"] == 32 and config["tie_word_embeddings"]
     tensors = load_file(out / "model.safetensors")

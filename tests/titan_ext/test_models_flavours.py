@@ -10,7 +10,8 @@ from torchtitan.models.common.moe import GroupedExperts
 
 from configs.sections.model import ModelConfig
 from titan_ext.attention import MaskedSDPA, attention_masks
-from titan_ext.models import ExactGroupedExperts, build_model, resolve_model
+from titan_ext.build import build_model
+from titan_ext.models import ExactGroupedExperts, resolve_model
 from titan_ext.platform import detect_platform
 
 CPU = detect_platform("cpu")

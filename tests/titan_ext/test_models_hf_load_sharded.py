@@ -21,6 +21,8 @@ from safetensors.torch import load_file, save_file
 
 from test_trainer_harness import _scratch, run_ranks
 
+pytestmark = pytest.mark.slow
+
 CONFIGS = {
     "tiny_fsdp": {"flavour": "tiny", "parallelism": {}},
     "tiny_hsdp21_ac": {"flavour": "tiny", "parallelism": {"dp_replicate": 2, "dp_shard": 1,

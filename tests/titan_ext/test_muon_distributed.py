@@ -11,7 +11,6 @@ matrices — on the same gradients (`grad.full_tensor()`), and compares after 3 
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -26,20 +25,15 @@ from torchtitan.distributed.flex_shard import Owned
 
 from test_muon_reference import ref_muon_step  # the in-test formula, shared
 from configs.sections.optimizer import OptimizerConfig
-from titan_ext.muon import ShardedMuon, _dist_muon_applicable, _dist_muon_layout, build_optimizer, split_muon_params
+from titan_ext.muon import ShardedMuon
+from titan_ext.optimizer import _dist_muon_applicable, _dist_muon_layout, build_optimizer, split_muon_params
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 LR, WD, MU = 0.02, 0.1, 0.95
 
 
 # --- process harness ------------------------------------------------------------------------------
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _entry(rank: int, world: int, port: int, fn_name: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -51,8 +45,8 @@ def _entry(rank: int, world: int, port: int, fn_name: str) -> None:
         dist.destroy_process_group()
 
 
-def spawn(fn_name: str, world: int) -> None:
-    """Run `fn_name(rank, world)` on `world` gloo ranks; a child's exception fails the test.
+def spawn(fn_name: str, world: int, port: int) -> None:
+    """Run `fn_name(rank, world)` on `world` gloo ranks meeting at loopback `port`; a child's exception fails the test.
 
     Children come from a forkserver that has torch and the code under test
     imported once (a plain spawn re-imports torch per child, ~10 s each on a
@@ -60,7 +54,7 @@ def spawn(fn_name: str, world: int) -> None:
     """
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed.fsdp", "titan_ext.muon", __name__])
-    mp.start_processes(_entry, args=(world, _free_port(), fn_name), nprocs=world, join=True,
+    mp.start_processes(_entry, args=(world, port, fn_name), nprocs=world, join=True,
                        start_method="forkserver")
 
 
@@ -183,8 +177,8 @@ def _fsdp_ep_case(rank: int, world: int) -> None:
     assert all(s[2] == 2 for s in stats), stats
 
 
-def test_sharded_muon_fsdp_and_ep_match_full_matrix_reference_on_2_ranks():
-    spawn("_fsdp_ep_case", 2)
+def test_sharded_muon_fsdp_and_ep_match_full_matrix_reference_on_2_ranks(free_port):
+    spawn("_fsdp_ep_case", 2, free_port())
 
 
 # --- 4 ranks: FSDP over 4 (empty shards), HSDP 2x2, EP over 4 with an empty rank, 2-D sharding ----
@@ -233,5 +227,5 @@ def _four_rank_case(rank: int, world: int) -> None:
     assert all(s[2] == 2 * 5 + 1 for s in stats[1]), stats
 
 
-def test_sharded_muon_hsdp_uneven_and_2d_sharded_match_reference_on_4_ranks():
-    spawn("_four_rank_case", 4)
+def test_sharded_muon_hsdp_uneven_and_2d_sharded_match_reference_on_4_ranks(free_port):
+    spawn("_four_rank_case", 4, free_port())

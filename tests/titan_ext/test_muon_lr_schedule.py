@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from configs.sections.optimizer import OptimizerConfig
-from titan_ext.muon import build_lr_scheduler, build_optimizer
+from titan_ext.optimizer import build_lr_scheduler, build_optimizer
 
 
 def _lrs(cfg: OptimizerConfig, steps: int, run: int | None = None) -> list[float]:

@@ -19,15 +19,8 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 
 from configs.loader import ConfigError, load_config
 from configs.sections.optimizer import OptimizerConfig
-from titan_ext.muon import (
-    ChainedOptimizer,
-    ShardedMuon,
-    assign_owners,
-    build_lr_scheduler,
-    build_optimizer,
-    split_muon_params,
-    zeropower_via_newtonschulz,
-)
+from titan_ext.muon import ShardedMuon, assign_owners, zeropower_via_newtonschulz
+from titan_ext.optimizer import ChainedOptimizer, build_lr_scheduler, build_optimizer, split_muon_params
 
 A, B, C = 3.4445, -4.7750, 2.0315
 

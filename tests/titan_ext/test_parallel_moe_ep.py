@@ -16,7 +16,7 @@ import pytest
 
 from test_trainer_harness import _scratch, run_ranks
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 STEPS = 2
 

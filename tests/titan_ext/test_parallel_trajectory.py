@@ -23,7 +23,7 @@ import pytest
 
 from test_trainer_harness import STEPS, four_rank_run, single_run, two_rank_run
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def _losses(history):

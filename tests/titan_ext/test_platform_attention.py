@@ -12,7 +12,7 @@ from torchtitan.models.common.attention import (
 
 from configs.sections.model import ModelConfig
 from titan_ext.attention import DenseAttentionMask, MaskedSDPA, attention_masks, block_causal_mask
-from titan_ext.models import build_model
+from titan_ext.build import build_model
 from titan_ext.platform import detect_platform
 
 B, L, NQ, NKV, H = 2, 40, 4, 2, 32

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import traceback
 from pathlib import Path
 
@@ -16,12 +15,6 @@ import torch.multiprocessing as mp
 from titan_ext.platform import detect_platform, install_torch_shims
 
 WORLD = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _model() -> torch.nn.Module:
@@ -54,8 +47,10 @@ def _sharded_checkpoint_round_trip(platform, hf_dir: str, out_dir: str) -> tuple
 
     from configs.sections.model import ModelConfig
     from titan_ext.attention import attention_masks
-    from titan_ext.hf_checkpoint import load_hf_into_titan, save_hf
-    from titan_ext.models import build_model, init_model, resolve_model
+    from titan_ext.build import build_model
+    from titan_ext.hf.read import load_hf_into_titan
+    from titan_ext.hf.write import save_hf_weights
+    from titan_ext.models import init_model, resolve_model
 
     cfg = ModelConfig(flavour="tiny_moe", device="cpu", seed=5)
     resolved = resolve_model(cfg, platform)
@@ -72,7 +67,7 @@ def _sharded_checkpoint_round_trip(platform, hf_dir: str, out_dir: str) -> tuple
     with torch.no_grad():
         a = sharded(tokens, positions, attention_masks(sharded, positions))
         b = whole(tokens, positions, attention_masks(whole, positions))
-    saved = save_hf(sharded, Path(out_dir) / "saved", resolved.hf_config)
+    saved = save_hf_weights(sharded, Path(out_dir) / "saved", resolved.hf_config)
     torch.distributed.barrier()
     original, written = load_file(Path(hf_dir) / "model.safetensors"), load_file(saved / "model.safetensors")
     same = original.keys() == written.keys() and all(torch.equal(original[k], written[k]) for k in original)
@@ -123,10 +118,11 @@ def _worker(rank: int, port: int, out_dir: str, hf_dir: str) -> None:
         raise
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_two_gloo_ranks(tmp_path, tiny_assets):
+def test_two_gloo_ranks(tmp_path, tiny_assets, free_port):
     for attempt in range(2):  # a second try only if another process grabbed the port first
-        args = (_free_port(), str(tmp_path), str(tiny_assets.moe_dir))
+        args = (free_port(), str(tmp_path), str(tiny_assets.moe_dir))
         try:
             mp.start_processes(_worker, args=args, nprocs=WORLD, start_method="spawn")
             break

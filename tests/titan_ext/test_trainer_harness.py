@@ -466,7 +466,8 @@ def scenario_hf_load(out_dir: Path, args: dict[str, Any]) -> dict:
 
     from configs.sections.model import ModelConfig
     from configs.sections.parallelism import ParallelismConfig
-    from titan_ext.hf_checkpoint import load_hf_into_titan, read_hf_state_dict, titan_to_hf_state_dict
+    from titan_ext.hf.adapters import titan_to_hf_state_dict
+    from titan_ext.hf.read import load_hf_into_titan, read_hf_state_dict
     from titan_ext.models import init_model, resolve_model
     from titan_ext.parallelize import build_parallel_dims, parallelize_model, prepare_model_config
     from titan_ext.platform import detect_platform, init_process_group

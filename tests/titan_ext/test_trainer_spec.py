@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from configs.loader import load_config
 from titan_ext.trainer import TrainerSpec
 
@@ -18,6 +20,7 @@ def test_spec_from_recipe_sections_and_checkpoint_folder():
     assert off.checkpoint_dir == ""
 
 
+@pytest.mark.slow
 def test_bad_batches_fail_clearly_and_lose_nothing(tiny_assets, tmp_path):
     from test_trainer_harness import run_ranks
 

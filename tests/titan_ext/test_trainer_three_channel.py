@@ -87,6 +87,7 @@ def _reference(hf_dir, sequence_is: bool = False):
             "counts": (len(policy_terms), len(distill_terms), len(pair_losses))}
 
 
+@pytest.mark.slow
 def test_first_step_matches_reference(tiny_assets):
     first = single_run(str(tiny_assets.dense_dir))["history"]["single_adamw"][0]
     ref = _reference(tiny_assets.dense_dir)
@@ -102,6 +103,7 @@ def test_first_step_matches_reference(tiny_assets):
     assert first["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_every_step_has_three_active_channels(tiny_assets):
     for step, metrics in enumerate(single_run(str(tiny_assets.dense_dir))["history"]["single_muon"], 1):
         assert metrics["step"] == step
@@ -110,6 +112,7 @@ def test_every_step_has_three_active_channels(tiny_assets):
         assert min(abs(metrics[f"{c}/loss"]) for c in ("policy", "distill", "preference")) > 0
 
 
+@pytest.mark.slow
 def test_logged_lr_is_the_steps_own(tiny_assets):
     """Each step logs the LR its optimizer step ran at: warmup_steps = 1 and a linear decay to 0 over the
     D = STEPS − 1 steps after it (the [optimizer] docs: step s runs at factor 1 − (s − W) / D after warmup)."""
@@ -121,6 +124,7 @@ def test_logged_lr_is_the_steps_own(tiny_assets):
     assert [m["lr"] for m in history] == pytest.approx(expected, rel=1e-6)
 
 
+@pytest.mark.slow
 def test_sequence_level_is_weights_each_packed_rollout(tiny_assets, tmp_path):
     """`is_level = "sequence"` on the trainer's path: two rollouts per packed row, each weighted
     by its own ratio product (the trainer's sequence ids come from the positions)."""
@@ -134,6 +138,7 @@ def test_sequence_level_is_weights_each_packed_rollout(tiny_assets, tmp_path):
     assert first["policy/loss"] != pytest.approx(_reference(tiny_assets.dense_dir)["policy"], abs=1e-5, rel=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("adaptive", [True, False])
 def test_taid_schedule_advances_and_is_saved(tiny_assets, tmp_path, adaptive):
     from test_trainer_harness import run_ranks

@@ -21,9 +21,13 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
 
 from configs.sections.model import ModelConfig
-from titan_ext.hf_checkpoint import load_hf_state_dict, safetensors_files
+from titan_ext.attention import attention_masks
+from titan_ext.hf.read import load_hf_state_dict, safetensors_files
+from titan_ext.models import init_model, resolve_model
+from titan_ext.platform import detect_platform
 
 PROBE_VOCAB = 4096
 TOL = 1e-4
@@ -64,12 +68,6 @@ def _truncated_titan_config(model_config: Any, layers: int, vocab: int) -> Any:
 @torch.no_grad()
 def probe_max_diff(model_cfg: ModelConfig, layers: int) -> tuple[float, float]:
     """(max |Δlogit|, max |logit|) between TorchTitan and transformers on the truncated checkpoint."""
-    from transformers import AutoModelForCausalLM
-
-    from titan_ext.attention import attention_masks
-    from titan_ext.models import init_model, resolve_model
-    from titan_ext.platform import detect_platform
-
     hf_dir = Path(model_cfg.hf_path)
     resolved = resolve_model(model_cfg, detect_platform("cpu"))
     layers = min(layers, len(resolved.spec.model.layers))
@@ -82,8 +80,9 @@ def probe_max_diff(model_cfg: ModelConfig, layers: int) -> tuple[float, float]:
     load_hf_state_dict(titan, dict(tensors), f"{hf_dir} (first {layers} layers)")
     titan = titan.float().eval()
 
-    with tempfile.TemporaryDirectory(prefix="hf-probe-") as tmp:  # from_pretrained applies transformers'
-        _truncated_hf_config(resolved.hf_config, layers, vocab).save_pretrained(tmp)  # weight conversions
+    # Through files, so that from_pretrained applies transformers' weight conversions.
+    with tempfile.TemporaryDirectory(prefix="hf-probe-") as tmp:
+        _truncated_hf_config(resolved.hf_config, layers, vocab).save_pretrained(tmp)
         save_file(tensors, f"{tmp}/model.safetensors", metadata={"format": "pt"})
         hf, info = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32, output_loading_info=True)
     hf.eval()

@@ -6,17 +6,31 @@ TorchTitan model on one device; seeded random windows per (replica, step).
 `run_replica` is one replica group's loop under a `DiLoCoReplica`; the
 synchronous data-parallel baseline is `run_ddp` (every step averages the
 gradients of all replicas' batches, i.e. one model on their union).
+
+A test helper, not product code: the DiLoCo tests import it as `diloco_lm`
+(tests/titan_ext is on their sys.path), the benchmarks put this directory on
+sys.path first.
 """
 
 from __future__ import annotations
 
 import functools
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed import TCPStore
+
+from configs.sections.model import ModelConfig
+from titan_ext.assets import CORPUS_PATH, build_tokenizer
+from titan_ext.attention import attention_masks
+from titan_ext.build import build_model
+from titan_ext.diloco import DiLoCoReplica, ReplicaAssignment, parameters_digest
+from titan_ext.torchft_compat import LighthouseServer, diloco_local_step
 
 
 @dataclass(frozen=True)
@@ -32,8 +46,6 @@ class LMTaskConfig:
 @functools.lru_cache(maxsize=1)
 def corpus_ids() -> tuple[torch.Tensor, torch.Tensor]:
     """(train ids, held-out ids) `[N]`: the corpus tokenized, the last 10% held out."""
-    from titan_ext.assets import CORPUS_PATH, build_tokenizer
-
     ids = torch.tensor(build_tokenizer().encode(CORPUS_PATH.read_text()), dtype=torch.long)
     cut = int(len(ids) * (1 - LMTaskConfig.heldout_fraction))
     return ids[:cut], ids[cut:]
@@ -53,16 +65,11 @@ def train_batch(cfg: LMTaskConfig, replica: int, step: int) -> torch.Tensor:
 
 def build_lm(seed: int = 0) -> nn.Module:
     """The tiny flavour on CPU, TorchTitan's seeded init (every replica starts identical)."""
-    from configs.sections.model import ModelConfig
-    from titan_ext.models import build_model
-
     return build_model(ModelConfig(flavour="tiny", device="cpu", seed=seed), device="cpu")
 
 
 def lm_loss(model: nn.Module, rows_BL1: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy of `[B, L + 1]` rows."""
-    from titan_ext.attention import attention_masks
-
     tokens_BL, labels_BL = rows_BL1[:, :-1], rows_BL1[:, 1:]
     positions_BL = torch.arange(tokens_BL.shape[1]).expand_as(tokens_BL)
     logits_BLV = model(tokens_BL, positions_BL, attention_masks(model, positions_BL))
@@ -98,7 +105,7 @@ def run_replica(
     taken = 0
     last = replica.manager.current_step()
     while replica.manager.current_step() < syncs:
-        step = replica.manager.current_step() * per_sync + replica.diloco._local_step
+        step = replica.manager.current_step() * per_sync + diloco_local_step(replica.diloco)
         optimizer.zero_grad(set_to_none=True)
         lm_loss(model, train_batch(cfg, index, step)).backward()
         optimizer.step()  # DiLoCo's hook syncs every H / fragments steps
@@ -135,14 +142,6 @@ def run_in_threads(
     not thread-safe); then `body(index, member, model, optimizer)` runs in one
     thread per replica. Returns the final models and the bodies' results.
     """
-    from concurrent.futures import ThreadPoolExecutor
-    from datetime import timedelta
-
-    from torch.distributed import TCPStore
-    from torchft._torchft import LighthouseServer
-
-    from titan_ext.diloco import ReplicaAssignment
-
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=diloco.min_replicas,
                                   join_timeout_ms=diloco.join_timeout_ms,
                                   heartbeat_timeout_ms=diloco.heartbeat_timeout_ms)
@@ -171,8 +170,6 @@ def run_diloco_threads(
 ) -> tuple[list[nn.Module], list[dict]]:
     """DiLoCo on `replicas` thread replicas until `syncs` syncs; returns the models and each replica's status.
     `on_sync(replica, manager_step, model)` runs in the replica's thread after a committed sync."""
-    from titan_ext.diloco import DiLoCoReplica, parameters_digest
-
     start: list[str] = []  # replica 0's start digest (attach runs in replica order)
 
     def attach(model: nn.Module, optimizer: torch.optim.Optimizer, assignment: Any, port: int) -> DiLoCoReplica:

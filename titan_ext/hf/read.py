@@ -1,20 +1,17 @@
-"""HF checkpoints (safetensors + config.json) in and out of TorchTitan models.
+"""HF checkpoints into TorchTitan models: reading (sharded) safetensors directories and loading them.
 
 Weight names and layouts are converted by TorchTitan's own state-dict adapters
-(`ModelSpec.state_dict_adapter`); this module adds the file handling around
-them: reading (sharded) safetensors directories, checking that every weight the
-model needs arrived, writing byte-deterministic safetensors, and deriving the
-HF `config.json` from a TorchTitan model config (`titan_ext.hf_config`).
+(`titan_ext.hf.adapters`); this module adds the file handling around them:
+reading safetensors directories lazily (`SafetensorsDir`), checking that every
+weight the model needs arrived, and loading one decoder layer at a time into a
+plain or sharded model.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
-import shutil
-import struct
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,39 +20,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from titan_ext.hf.adapters import SAFETENSORS_INDEX, make_adapter, model_units
+
 # TorchTitan-only state with no HF counterpart: the aux-loss-free load-balancing
 # bias of MoE routers. Loading an HF checkpoint leaves it at its init (zeros).
 _TITAN_ONLY_SUFFIXES = ("expert_bias_E",)
-
-SAFETENSORS_INDEX = "model.safetensors.index.json"
-
-
-def state_dict_adapter_class(model: torch.nn.Module) -> type:
-    """TorchTitan's HF state-dict adapter class for `model` (by model class)."""
-    from torchtitan.models.deepseek_v3 import DeepSeekV3Model, DeepSeekV3StateDictAdapter
-    from torchtitan.models.kimi_k2_7.model import KimiK25Model
-    from torchtitan.models.kimi_k2_7.state_dict_adapter import KimiK25StateDictAdapter
-    from torchtitan.models.llama3 import Llama3Model, Llama3StateDictAdapter
-    from torchtitan.models.qwen3 import Qwen3Model
-    from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
-
-    # Most specific first: KimiK25Model subclasses DeepSeekV3Model.
-    adapters = (
-        (KimiK25Model, KimiK25StateDictAdapter),
-        (DeepSeekV3Model, DeepSeekV3StateDictAdapter),
-        (Qwen3Model, Qwen3StateDictAdapter),
-        (Llama3Model, Llama3StateDictAdapter),
-    )
-    for model_cls, adapter_cls in adapters:
-        if isinstance(model, model_cls):
-            return adapter_cls
-    raise TypeError(f"no HF state-dict adapter known for {type(model).__name__}")
-
-
-def make_adapter(model: torch.nn.Module, hf_dir: str | Path | None = None) -> Any:
-    """An adapter instance for `model` (reads the shard index in `hf_dir` when present)."""
-    sharded = hf_dir is not None and (Path(hf_dir) / SAFETENSORS_INDEX).is_file()
-    return state_dict_adapter_class(model)(model.config, str(hf_dir) if sharded else None)
 
 
 def safetensors_files(hf_dir: str | Path) -> list[Path]:
@@ -79,22 +48,8 @@ def read_hf_state_dict(hf_dir: str | Path) -> dict[str, torch.Tensor]:
     return state_dict
 
 
-def _full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's state dict with DTensors gathered to full tensors (collective, same order on all ranks)."""
-    return {
-        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach() for k, v in model.state_dict().items()
-    }
-
-
-def titan_to_hf_state_dict(model: torch.nn.Module, adapter: Any = None) -> dict[str, torch.Tensor]:
-    """HF-named, contiguous tensors for `model` (gathered when sharded)."""
-    adapter = adapter or make_adapter(model)
-    hf_state_dict = adapter.to_hf(_full_state_dict(model))
-    return {k: v.detach().contiguous() for k, v in hf_state_dict.items()}
-
-
 # safetensors dtype codes -> torch dtypes (the header's "dtype" field)
-_SAFETENSORS_DTYPES = {
+SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
     "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
@@ -128,20 +83,10 @@ class SafetensorsDir(Mapping[str, torch.Tensor]):
 
     def meta(self, name: str) -> torch.Tensor:
         piece = self._files[name].get_slice(name)
-        dtype = _SAFETENSORS_DTYPES.get(piece.get_dtype())
+        dtype = SAFETENSORS_DTYPES.get(piece.get_dtype())
         if dtype is None:
             raise ValueError(f"{name}: safetensors dtype {piece.get_dtype()} is not supported")
         return torch.empty(piece.get_shape(), dtype=dtype, device="meta")
-
-
-def model_units(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
-    """(prefix, module) for each top-level child, transformer blocks one by one: the unit of streaming."""
-    for name, child in model.named_children():
-        if name == "layers":
-            for block_name, block in child.named_children():
-                yield f"layers.{block_name}", block
-        else:
-            yield name, child
 
 
 def _unit_of(titan_key: str) -> str:
@@ -205,7 +150,8 @@ def load_hf_state_dict(
     adapter = adapter or make_adapter(model)
     meta_of = getattr(hf_state_dict, "meta", None) or (
         lambda k: torch.empty(hf_state_dict[k].shape, dtype=hf_state_dict[k].dtype, device="meta"))
-    expected = {  # one unit's state dict at a time: on sharded models the fused-QKV hook gathers
+    # one unit's state dict at a time: on sharded models the fused-QKV hook gathers
+    expected = {
         key: tuple(value.shape)
         for prefix, unit in model_units(model)
         for key, value in unit.state_dict(prefix=f"{prefix}.").items()
@@ -238,81 +184,11 @@ def _load_group(model: torch.nn.Module, units: dict[str, torch.nn.Module], state
     for key in sorted(state_dict):
         target = targets[key]
         value = state_dict[key].to(device=target.device, dtype=target.dtype)
-        if isinstance(target, DTensor):  # shard the full tensor like the model's own entry
+        # shard the full tensor like the model's own entry
+        if isinstance(target, DTensor):
             value = distribute_tensor(value, target.device_mesh, target.placements)
         state_dict[key] = value
     del targets
     result = model.load_state_dict(state_dict, strict=False)
     if result.unexpected_keys:
         raise ValueError(f"HF checkpoint {source}: {type(model).__name__} did not take {result.unexpected_keys[:8]}")
-
-
-def save_hf(
-    model: torch.nn.Module,
-    out_dir: str | Path,
-    hf_config: Any = None,
-    dtype: torch.dtype | None = None,
-) -> Path:
-    """Write `model` as an HF directory: `config.json` + `model.safetensors`.
-
-    hf_config: a transformers `PretrainedConfig`; derived with `hf_config_for`
-    when omitted; written complete for serving (`serving_config_json`). dtype: cast the weights (e.g. bf16 for serving). The output
-    is byte-identical for identical weights. Call on every rank of a sharded
-    model (the gathers are collective); only rank 0 writes. Streams the export's
-    buckets (`write_safetensors`): no rank holds more than one bucket beside the model.
-    """
-    from titan_ext.export import iter_hf_buckets
-
-    out_dir = Path(out_dir)
-    rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
-    if rank0:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    buckets = iter_hf_buckets(model, SAVE_BUCKET_BYTES, dtype=dtype)
-    saved_dtype = write_safetensors(out_dir / "model.safetensors", buckets, write=rank0)
-    if not rank0:
-        return out_dir
-    from titan_ext.hf_config import hf_config_for, serving_config_json
-
-    hf_config = hf_config if hf_config is not None else hf_config_for(model.config)
-    (out_dir / "config.json").write_text(serving_config_json(hf_config, saved_dtype))
-    return out_dir
-
-
-SAVE_BUCKET_BYTES = 64 << 20
-_DTYPE_CODES = {dtype: code for code, dtype in _SAFETENSORS_DTYPES.items()}
-
-
-def write_safetensors(path: Path, buckets: Iterable[list[tuple[str, torch.Tensor]]], write: bool = True) -> torch.dtype:
-    """Write `(name, tensor)` buckets as one safetensors file, a bucket at a time; returns the first tensor's dtype.
-
-    The data goes to a side file as the buckets arrive (their names and shapes
-    are not known before), then the header (sorted names, `{"format": "pt"}`,
-    padded to 8 bytes as the format asks) and the data are joined into `path`.
-    `write=False` consumes the buckets without writing (the other ranks of a
-    collective export).
-    """
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    first: torch.dtype | None = None
-    offset = 0
-    data_path = path.with_name(f".{path.name}.data")
-    with open(data_path, "wb") if write else contextlib.nullcontext() as data:
-        for bucket in buckets:
-            for name, tensor in bucket:
-                first = first or tensor.dtype
-                if not write:
-                    continue
-                raw = tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
-                data.write(memoryview(raw))
-                header[name] = {"dtype": _DTYPE_CODES[tensor.dtype], "shape": list(tensor.shape),
-                                "data_offsets": [offset, offset + raw.nbytes]}
-                offset += raw.nbytes
-    if first is None:
-        raise ValueError(f"{path}: no tensors to write")
-    if write:
-        encoded = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
-        encoded += b" " * (-len(encoded) % 8)
-        with open(path, "wb") as out, open(data_path, "rb") as data:
-            out.write(struct.pack("<Q", len(encoded)) + encoded)
-            shutil.copyfileobj(data, out, 16 << 20)
-        data_path.unlink()
-    return first
