@@ -40,7 +40,8 @@ class DiLoCoManagerActor(Actor):
         )
         self.address = self.lighthouse.address()
         self.reports: dict[int, dict[str, Any]] = {}
-        self.assigned: dict[int, int] = {}  # replica index -> times assigned (restarts = times - 1)
+        # replica index -> times assigned (restarts = times - 1)
+        self.assigned: dict[int, int] = {}
 
     @endpoint
     def assign(self, index: int) -> ReplicaAssignment:

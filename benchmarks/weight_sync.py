@@ -114,7 +114,8 @@ def _raw_worker(role: str, part: int, parts: int, nbytes: int, commands, done) -
     None ends; with keep_mapping the process maps the file once and reuses that mapping."""
     per = nbytes // parts
     src = torch.randint(0, 255, (per,), dtype=torch.uint8) if role == "w" else None
-    dst = torch.zeros(nbytes, dtype=torch.uint8) if role == "r" else None  # preallocated and faulted in
+    # preallocated and faulted in
+    dst = torch.zeros(nbytes, dtype=torch.uint8) if role == "r" else None
     kept: dict[str, mmap.mmap] = {}
     done.put("ready")
     while (command := commands.get()) is not None:
@@ -226,7 +227,8 @@ def _codec(root: str, host: str, version: int) -> dict:
     index, values = torch.nonzero(changed).flatten().to(torch.int32), b.view(torch.int16)[changed]
     index_s = time.perf_counter() - start
     start = time.perf_counter()
-    _, _, packed = encode_run(b, a, 2, zstandard.ZstdCompressor(level=1))  # a becomes b (the sender's base)
+    # a becomes b (the sender's base)
+    _, _, packed = encode_run(b, a, 2, zstandard.ZstdCompressor(level=1))
     xor_s = time.perf_counter() - start
     return {"xor_zstd": len(packed) / n, "bitmask_values": (bits.nbytes + values.numel() * 2) / n,
             "index_values": (index.numel() * 4 + values.numel() * 2) / n,
@@ -284,7 +286,8 @@ def delta_run(state, trainer_cls, trainer_args: tuple, gen_cls, gen_args: tuple,
         procs.stop().get()
         gen_procs.stop().get()
     ratio = sum(delta_bytes) / (steps * model_bytes)
-    every = 10  # [mesh] weight_sync_anchor_every's default: one anchor, nine deltas
+    # [mesh] weight_sync_anchor_every's default: one anchor, nine deltas
+    every = 10
     return {
         "model_mb": round(model_bytes / 1e6, 2), "steps": steps,
         "changed_fraction": round(statistics.mean(changed), 4), "changed_max": round(max(changed), 4),
@@ -378,7 +381,8 @@ def main() -> None:
     reps = 3 if args.quick else args.reps
     shape = dict(dim=args.dim, n_layers=args.layers, n_heads=16, n_kv_heads=8, head_dim=64, hidden_dim=args.ffn)
 
-    import benchmarks.weight_sync as bench  # actor classes by an importable name, for the child processes
+    # actor classes by an importable name, for the child processes
+    import benchmarks.weight_sync as bench
     from monarch.actor import this_host
     from monarch.spmd import setup_torch_elastic_env
 
@@ -402,11 +406,13 @@ def main() -> None:
         hf_config = resolved.hf_config
         with torch.device("meta"):
             nbytes = sum(p.numel() * p.element_size() for p in resolved.spec.model.build().parameters())
-        raw_shm = RawShm(nbytes)  # its processes start while the meshes come up
+        # its processes start while the meshes come up
+        raw_shm = RawShm(nbytes)
         from transformers import AutoModelForCausalLM
 
         hf_dir = work / "hf"
-        AutoModelForCausalLM.from_config(hf_config).save_pretrained(hf_dir)  # generators' initial weights
+        # generators' initial weights
+        AutoModelForCausalLM.from_config(hf_config).save_pretrained(hf_dir)
         trainer_procs = this_host().spawn_procs(per_host={"gpus": 2})
         setup_torch_elastic_env(trainer_procs)
         trainer = trainer_procs.spawn("trainer", bench.BenchTrainer,
@@ -422,10 +428,12 @@ def main() -> None:
         sync = TopologySync(trainer, gens, str(work / "seg"), keep=1, verify=False)
         raw_shm.wait_ready()
         topo, raw, raw_reused, raw_mapped, model_bytes = [], [], [], [], 0
-        for i in range(reps + 2):  # warm-ups fault the slot and bind the shadows once, as a run's first sync does
+        # warm-ups fault the slot and bind the shadows once, as a run's first sync does
+        for i in range(reps + 2):
             report = sync.sync()
             model_bytes = report.model_bytes
-            if model_bytes != raw_shm.nbytes:  # the trainer tied or split weights unlike the meta build
+            # the trainer tied or split weights unlike the meta build
+            if model_bytes != raw_shm.nbytes:
                 raw_shm.close()
                 raw_shm = RawShm(model_bytes)
                 raw_shm.wait_ready()

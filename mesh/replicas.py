@@ -46,7 +46,8 @@ from mesh.controller import Controller, ControllerConfig, StepRecord
 from mesh.placement import Placement, host_meshes, spawn_generators, spawn_replay
 from mesh.supervision import load_state
 
-MAX_TIED_RETRIES = 20  # batches in a row with nothing to train before a group gives up
+# batches in a row with nothing to train before a group gives up
+MAX_TIED_RETRIES = 20
 
 
 @dataclass
@@ -55,7 +56,8 @@ class ReplicaPlacement(Placement):
 
     manager: Any = None
     groups: list[Any] = field(default_factory=list)
-    checkpoint_dir: str = ""  # group g checkpoints under <checkpoint_dir>/replica_<g> ("" = none)
+    # group g checkpoints under <checkpoint_dir>/replica_<g> ("" = none)
+    checkpoint_dir: str = ""
 
     def stop(self) -> None:
         if self.manager is not None:
@@ -187,7 +189,8 @@ class ReplicaController:
         for g, (trainer, share, (group_cfg, cursor)) in enumerate(
                 zip(placement.groups, shares, group_streams(cfg, R, prompt_cursor))):
             state = None
-            if placement.checkpoint_dir:  # each group's controller state beside its checkpoints, resumed with them
+            # each group's controller state beside its checkpoints, resumed with them
+            if placement.checkpoint_dir:
                 group_cfg = dataclasses.replace(
                     group_cfg, state_dir=str(Path(_group_dir(placement.checkpoint_dir, g)) / "controller"))
                 state = load_state(group_cfg.state_dir, rank0(trainer.policy_version.call().get()))
@@ -235,7 +238,8 @@ class ReplicaController:
                         raise RuntimeError(f"replica group {g}: {ties} batches in a row had nothing to train")
                     continue
                 ties = 0
-                if record.step % self.per_sync == 0:  # a sync ended: report; generators follow group 0
+                # a sync ended: report; generators follow group 0
+                if record.step % self.per_sync == 0:
                     self.placement.manager.report.call_one(g, rank0(c.trainer.diloco_status.call().get())).get()
                     if g == 0:
                         self.sync_generators()

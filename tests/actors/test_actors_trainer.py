@@ -73,7 +73,8 @@ def test_placement_fsdp_over_two_ranks_and_separate_generators(meshes):
     assert sorted(s["rank"] for s in setup) == [0, 1] and {s["world"] for s in setup} == {2}
     assert {s["step"] for s in setup} == {0}
     gen_info = [g.info.call_one().get() for g in gens]
-    assert [i["rank"] for i in gen_info] == [0, 0]  # one single-process actor mesh per generator (mesh.placement)
+    # one single-process actor mesh per generator (mesh.placement)
+    assert [i["rank"] for i in gen_info] == [0, 0]
     pids = {s["pid"] for s in setup} | {i["pid"] for i in gen_info}
     assert len(pids) == 4  # disaggregated: four processes
 
@@ -97,7 +98,8 @@ def test_score_matches_hf_forward(meshes, tiny_assets):
     results = list(trainer.score.call(batch).get().values())
     ref_lp, ref_h = hf_scores(tiny_assets.dense_dir, batch)
     valid = batch.labels_NS >= 0
-    for r in results:  # both ranks agree with the reference
+    # both ranks agree with the reference
+    for r in results:
         assert torch.allclose(r.logprobs_NS.double(), ref_lp, atol=2e-4)
         assert torch.allclose(r.entropy_NS.double(), ref_h, atol=2e-4)
         assert torch.allclose(r.logprob_sums_N.double(), ref_lp.sum(-1), atol=1e-3)
@@ -124,7 +126,8 @@ def test_train_step_weight_sync_and_checkpoint(oracle_meshes, tmp_path):
 
     trainer, gens = oracle_meshes
     digest0 = rank0(trainer.weights_digest.call().get())
-    assert {g.weights_digest.call_one().get() for g in gens} == {digest0}  # both start from the same HF files
+    # both start from the same HF files
+    assert {g.weights_digest.call_one().get() for g in gens} == {digest0}
 
     metrics = list(trainer.train_step.call(policy_batch(trainer, 1)).get().values())
     untimed = [{k: v for k, v in m.items() if not k.startswith("time/")} for m in metrics]
@@ -162,7 +165,8 @@ def test_dpo_reference_stays_the_initial_weights(meshes, tiny_assets):
                         trainer.score.call(batch).get().values()):
         assert torch.allclose(ref.logprobs_NS.double(), init_lp, atol=2e-4)
         assert ref.version == cur.version >= 1
-        assert (cur.logprobs_NS - ref.logprobs_NS).abs().max() > 1e-2  # the policy moved, π_ref did not
+        # the policy moved, π_ref did not
+        assert (cur.logprobs_NS - ref.logprobs_NS).abs().max() > 1e-2
 
 
 def test_two_generator_procs_update_weights_in_place(oracle_meshes, tiny_assets, tmp_path):

@@ -47,8 +47,10 @@ def simulate(t: Topology, bytes_by_rank: dict[int, int]) -> tuple[dict[int, set[
 
 @pytest.mark.parametrize("trainer, generators", [
     ({"a": 2}, {"a": 2}),  # one host
-    ({"a": 2}, {"b": 2}),  # disaggregated, one generator host
-    ({"a": 2}, {"a": 1, "b": 3, "c": 1}),  # mixed, as the fake-host mesh test
+    # disaggregated, one generator host
+    ({"a": 2}, {"b": 2}),
+    # mixed, as the fake-host mesh test
+    ({"a": 2}, {"a": 1, "b": 3, "c": 1}),
     ({"a": 4, "b": 4}, {"a": 2, "c": 2, "d": 8}),  # trainer over two hosts
     ({"a": 1, "b": 1, "c": 1}, {"b": 1, "c": 2}),
 ])
@@ -68,9 +70,11 @@ def test_plan_delivers_everything_and_crosses_each_host_once(trainer, generators
         assert route.parties == len(route.local_sources) + (route.reader is not None)
         assert (route.reader is None) == (not route.remote_sources)
         if route.reader is not None:
-            assert route.reader == min(route.generators)  # one reader per destination host
+            # one reader per destination host
+            assert route.reader == min(route.generators)
     assert plan.remote_ranks == tuple(sorted({r for route in plan.routes for r in route.remote_sources}))
-    for host, ranks in plan.source_hosts.items():  # a trainer-only host seals with its own ranks
+    # a trainer-only host seals with its own ranks
+    for host, ranks in plan.source_hosts.items():
         if plan.route_of(host) is None:
             assert plan.parties_on(host) == len(ranks)
 
