@@ -49,7 +49,7 @@ def _pin_base(root: str, host: str, layout: SegmentLayout, sources: list[RemoteS
 def _pull_deltas(writer: SegmentWriter, base: PinnedSegment, sources: list[RemoteSource]) -> tuple[int, list]:
     """Read every source's delta bytes (one RDMA batch) and write its runs as `base` XOR the delta; returns
     (bytes read, the sources whose CRC after applying did not match: to be pulled whole)."""
-    # lazy: monarch.rdma loads its transport backend; only a host's reader process pulls
+    # lazy: monarch.rdma loads its transport backend; the controller imports this module and never pulls
     from monarch.rdma import RDMAAction
 
     action, received = RDMAAction(), {}
@@ -80,7 +80,7 @@ def pull_pieces(root: str, host: str, version: int, token: str, layout: SegmentL
 
     use_delta: apply the sources' deltas to the host's own sealed copy of their base version instead, when the
     host holds it (else, or for a source whose CRC then disagrees, the full runs are read)."""
-    # lazy: monarch.rdma loads its transport backend; only a host's reader process pulls
+    # lazy: monarch.rdma loads its transport backend; the controller imports this module and never pulls
     from monarch.rdma import RDMAAction
 
     start = time.perf_counter()
