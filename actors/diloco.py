@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import torch.distributed as dist
 from monarch.actor import Actor, endpoint
 
 from actors.trainer import TrainerActor
@@ -39,7 +40,8 @@ class DiLoCoManagerActor(Actor):
         )
         self.address = self.lighthouse.address()
         self.reports: dict[int, dict[str, Any]] = {}
-        self.assigned: dict[int, int] = {}  # replica index -> times assigned (restarts = times - 1)
+        # replica index -> times assigned (restarts = times - 1)
+        self.assigned: dict[int, int] = {}
 
     @endpoint
     def assign(self, index: int) -> ReplicaAssignment:
@@ -92,8 +94,6 @@ class DiLoCoTrainerActor(TrainerActor):
         `start_digests[rank]`: replica group 0's `local_digest` per rank when the groups start together
         (this rank must start from the same weights); None when joining a running quorum (heals).
         """
-        import torch.distributed as dist
-
         t = self._t()
         if self.replica is None:
             rank = dist.get_rank()

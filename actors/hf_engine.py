@@ -27,7 +27,7 @@ from typing import Iterable, Literal
 import torch
 
 from actors.rollout import SamplingParams
-from actors.weights import check_coverage, first_names, weights_digest
+from actors.weight_sync.digest import check_coverage, first_names, weights_digest
 
 
 @dataclass
@@ -161,7 +161,7 @@ class HFEngine:
         return dict(per_expert_views(self.model.state_dict()))
 
     def check_coverage(self, names: Iterable[str], version: int) -> None:
-        """Refuse `names` unless they are exactly this model's tensors (`actors.weights.check_coverage`)."""
+        """Refuse `names` unless they are exactly this model's tensors (`actors.weight_sync.digest.check_coverage`)."""
         check_coverage(self.named_weights(), names, version)
 
     def digest(self, names: list[str] | None = None, dtype: torch.dtype | None = None) -> str:

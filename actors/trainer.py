@@ -10,8 +10,7 @@ parallel layout. The policy version is the number of optimizer steps taken.
 current policy (no gradient), for teacher gating; with `reference=True` under
 DPO's reference π_ref, the frozen initial weights the trainer keeps
 (`Trainer.reference`, sharded like the policy).
-`publish_weights` exports HF-named buckets (collective gathers) and rank 0
-writes them for generators (`actors.weights`).
+Weights reach generators through `publish_shards` (`actors.weight_sync`).
 """
 
 from __future__ import annotations
@@ -27,10 +26,12 @@ from monarch.actor import Actor, endpoint
 from monarch.rdma import RDMABuffer
 
 from actors.chaos import kill_point
+from actors.mesh_utils import host_label
 from actors.phase_memory import PhaseMemory, bound_malloc_retention
-from actors.shm_weights import Piece, SegmentLayout, SegmentWriter, coalesce, host_label, write_shards
-from actors.weight_delta import Delta, DeltaBase
-from actors.weights import WeightManifest, publish_buckets, weights_digest
+from actors.weight_sync.delta import Delta, DeltaBase
+from actors.weight_sync.digest import weights_digest
+from actors.weight_sync.segment import Piece, SegmentLayout, coalesce
+from actors.weight_sync.writer import SegmentWriter, write_shards
 from losses.logprobs import chunked_token_stats
 from titan_ext.batch import IGNORE_INDEX, TrainBatch
 from titan_ext.trainer import Trainer, TrainerSpec
@@ -85,7 +86,7 @@ class ShardReport:
 
 
 class TrainerActor(Actor):
-    """Endpoints: setup, train_step, score, save_checkpoint, load_checkpoint, publish_weights,
+    """Endpoints: setup, train_step, score, save_checkpoint, load_checkpoint,
     weights_digest, policy_version; topology-aware sync: host_info, publish_shards, train_step_shard."""
 
     def __init__(self, spec: TrainerSpec) -> None:
@@ -175,21 +176,6 @@ class TrainerActor(Actor):
         return t.step
 
     @endpoint
-    def publish_weights(self, directory: str, keep: int = 2) -> WeightManifest | None:
-        """Export HF-named weights; rank 0 writes them under `directory` and returns the manifest (others: None)."""
-        t = self._t()
-        buckets = t.export_weights()
-        if dist.get_rank() == 0:
-            manifest = publish_buckets(buckets, directory, t.step, keep=keep)
-        else:
-            # the gathers are collective: every rank walks every bucket
-            for _ in buckets:
-                pass
-            manifest = None
-        dist.barrier()
-        return manifest
-
-    @endpoint
     def weights_digest(self, dtype: str | None = None) -> str:
         """Digest of the full HF-named weights as exported (collective), cast to `dtype` when given (a serving
         dtype), for checks against generators."""
@@ -200,7 +186,7 @@ class TrainerActor(Actor):
     def policy_version(self) -> int:
         return self._t().step
 
-    # ---- topology-aware weight sync and rollout exchange (mesh.weight_sync, mesh.rollout_exchange) ----
+    # ---- topology-aware weight sync and rollout exchange (actors.weight_sync, mesh.rollout_exchange) ----
 
     @endpoint
     def host_info(self) -> dict:
@@ -217,7 +203,7 @@ class TrainerActor(Actor):
         (no collective), cast to the serving `dtype`; the last of `parties[host]` writers seals it. Ranks in
         `expose` keep RDMA buffers over their runs for readers on other hosts (until `keep` newer versions exist).
 
-        delta (exposed ranks; `actors.weight_delta`): "delta" also encodes the runs against this rank's previous
+        delta (exposed ranks; `actors.weight_sync.delta`): "delta" also encodes the runs against this rank's previous
         publication (when it has one) for readers to apply; "anchor" only keeps this version as the next base;
         "off" keeps no base (its memory is freed)."""
         t = self._t()

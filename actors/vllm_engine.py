@@ -188,7 +188,7 @@ class VLLMEngine:
         return len(batch)
 
     def check_coverage(self, names: Iterable[str], version: int) -> None:
-        """`actors.weights.check_coverage` of `names` in every worker (before anything of `version` is copied)."""
+        """`actors.weight_sync.digest.check_coverage` of `names` in every worker (before anything of `version` is copied)."""
         self._check({n: None for n in names}, version)
 
     def _check(self, shapes: dict[str, tuple[int, ...] | None], version: int | None) -> None:

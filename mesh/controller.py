@@ -7,7 +7,7 @@ Plain Python in the launching process, holding actor meshes. One step:
 2. GRPO advantages and dynamic sampling, hints for error sites (channel 2),
    preference pairs from the teacher-replay actor (channel 3, optional);
 3. pack one global `TrainBatch` and call `train_step` on the trainer mesh;
-4. publish the new weights through `mesh.weight_sync.TopologySync` (trainer
+4. publish the new weights through `actors.weight_sync.sync.TopologySync` (trainer
    ranks write their own shards into per-host shared memory, hosts without
    trainer ranks pull them over RDMA; docs/weight_sync.md). Sync mode loads
    them into every generator before the next step (on-policy: staleness 0),
@@ -42,7 +42,9 @@ from typing import Any, Callable, Literal, Sequence
 import torch
 
 from actors.episodes import ChatTokens
+from actors.mesh_utils import rank0
 from actors.rollout import RolloutGroup, SamplingParams
+from actors.weight_sync.sync import Publication, TopologySync, TopologySyncReport, sync_keep, sync_metrics
 from configs.schema import JobConfig
 from configs.sections.loss import PolicyLossConfig
 from mesh.errors import phase
@@ -54,8 +56,6 @@ from mesh.requests import RequestLedger
 from mesh.supervision import (
     ActorHung, ControllerState, Deadline, Supervisor, is_actor_failure, is_alive, load_state, oldest_checkpoint, save_state,
 )
-from mesh.weight_sync import Publication, TopologySync, TopologySyncReport, sync_keep, sync_metrics
-from mesh.weight_sync_baseline import rank0
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class ControllerConfig:
     policy: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     mode: Literal["sync", "async"] = "sync"
     max_staleness: int = 0
-    # shared-memory segment slots (mesh.weight_sync)
+    # shared-memory segment slots (actors.weight_sync)
     weight_dir: str = "/dev/shm/composer-mesh-weights"
     # the slots' dtype: generator.dtype
     serving_dtype: str = "float32"
@@ -472,7 +472,7 @@ class Controller:
                 return None
         return record
 
-    # ---- weight sync (mesh.weight_sync, docs/weight_sync.md) ------------------------------------
+    # ---- weight sync (actors.weight_sync, docs/weight_sync.md) ------------------------------------
 
     def _weights(self) -> TopologySync:
         """The weight sync of the live trainer and generators, built on first use and after a trainer restart

@@ -20,6 +20,7 @@ from typing import Any, Callable
 from transformers import AutoTokenizer
 
 from actors.episodes import ChatTokens
+from actors.mesh_utils import rank0
 from actors.teacher_replay import ReplaySpec
 from configs.schema import JobConfig
 from envs.demo import format_examples
@@ -32,7 +33,6 @@ from mesh.placement import Placement, generator_spec, place, trainer_spec_for
 from mesh.replicas import ReplicaController, check_supported, place_replicas
 from mesh.responders import build_responder
 from mesh.supervision import ControllerState, Supervisor, install_fault_hook, load_state, state_path
-from mesh.weight_sync_baseline import rank0
 from replay.hints import TemplateHintGenerator
 from replay.server import TeacherServer
 from titan_ext.assets import cache_dir_for, hf_dir_for

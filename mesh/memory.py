@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from actors.weight_sync.sync import sync_keep
 from configs.schema import JobConfig
-from mesh.weight_sync import sync_keep
 
 logger = logging.getLogger(__name__)
 

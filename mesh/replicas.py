@@ -14,7 +14,8 @@ fed by its generators (`generators[g::R]`, or all when there are fewer than R).
 Every group generates and trains in its own thread (the DiLoCo sync inside
 `train_step` waits for the whole quorum, which keeps them in step); after a
 step that ended an outer round the generators load group 0's weights, i.e.
-the post-outer-step weights. Between syncs they stay on those weights; the generator logprobs
+the post-outer-step weights, through the same topology-aware sync as the
+main loop (`actors.weight_sync.sync.TopologySync`). Between syncs they stay on those weights; the generator logprobs
 travel with every sample, so the loss's IS correction sees what sampled.
 Teacher replay: one actor for all groups; each group queues its own failed
 turns and draws `pairs_per_step / R` pairs. Checkpoints: each group its own
@@ -33,14 +34,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from monarch.actor import this_proc
+from monarch.spmd import setup_torch_elastic_env
+
+from actors.diloco import DiLoCoManagerActor, DiLoCoTrainerActor
+from actors.mesh_utils import rank0
+from actors.weight_sync.sync import TopologySync, sync_keep
 from configs.sections.diloco import DiLoCoConfig
 from configs.sections.mesh import MeshConfig
 from mesh.controller import Controller, ControllerConfig, StepRecord
 from mesh.placement import Placement, host_meshes, spawn_generators, spawn_replay
 from mesh.supervision import load_state
-from mesh.weight_sync_baseline import rank0, sync_weights
 
-MAX_TIED_RETRIES = 20  # batches in a row with nothing to train before a group gives up
+# batches in a row with nothing to train before a group gives up
+MAX_TIED_RETRIES = 20
 
 
 @dataclass
@@ -49,7 +56,8 @@ class ReplicaPlacement(Placement):
 
     manager: Any = None
     groups: list[Any] = field(default_factory=list)
-    checkpoint_dir: str = ""  # group g checkpoints under <checkpoint_dir>/replica_<g> ("" = none)
+    # group g checkpoints under <checkpoint_dir>/replica_<g> ("" = none)
+    checkpoint_dir: str = ""
 
     def stop(self) -> None:
         if self.manager is not None:
@@ -83,11 +91,6 @@ def place_replicas(cfg: MeshConfig, diloco: DiLoCoConfig, trainer_spec: Any, gen
     and resumes from there. Groups that start fresh must hold group 0's weights (checked per rank at
     join); resumed groups must all be at the same step.
     """
-    from monarch.actor import this_proc
-    from monarch.spmd import setup_torch_elastic_env
-
-    from actors.diloco import DiLoCoManagerActor, DiLoCoTrainerActor
-
     trainer_hosts = host_meshes(cfg)[0]
     manager = this_proc().spawn("diloco_manager", DiLoCoManagerActor, diloco)
     meshes, groups = [], []
@@ -186,18 +189,30 @@ class ReplicaController:
         for g, (trainer, share, (group_cfg, cursor)) in enumerate(
                 zip(placement.groups, shares, group_streams(cfg, R, prompt_cursor))):
             state = None
-            if placement.checkpoint_dir:  # each group's controller state beside its checkpoints, resumed with them
+            # each group's controller state beside its checkpoints, resumed with them
+            if placement.checkpoint_dir:
                 group_cfg = dataclasses.replace(
                     group_cfg, state_dir=str(Path(_group_dir(placement.checkpoint_dir, g)) / "controller"))
                 state = load_state(group_cfg.state_dir, rank0(trainer.policy_version.call().get()))
             # one replay actor for all: each group queues its failed turns and draws its share of pairs
             self.groups.append(Controller(group_cfg, trainer, share, chat, hinter=hinter, replay=placement.replay,
                                           prompt_cursor=cursor, state=state))
+        # built on first use: group 0's trainer and every generator, routed by their topology
+        self._wsync: TopologySync | None = None
 
     def sync_generators(self) -> None:
-        """Load group 0's (post-outer-step) weights into every generator."""
-        for g in self.placement.generators:
-            sync_weights(self.placement.groups[0], g, self.cfg.weight_dir)
+        """Load group 0's (post-outer-step) weights into every generator; raises unless every generator's digest
+        equals group 0's export (in the serving dtype)."""
+        trainer = self.placement.groups[0]
+        if self._wsync is None:
+            self._wsync = TopologySync(trainer, self.placement.generators, self.cfg.weight_dir,
+                                       keep=sync_keep(self.cfg.max_staleness), dtype=self.cfg.serving_dtype,
+                                       anchor_every=self.cfg.anchor_every)
+        report = self._wsync.sync()
+        exported = rank0(trainer.weights_digest.call(self.cfg.serving_dtype).get())
+        if report.digest != exported:
+            raise RuntimeError(f"weight sync v{report.version}: the generators hold different weights than "
+                               "replica group 0")
 
     def run(self) -> list[StepRecord]:
         """`cfg.steps` optimizer steps on every group, each group in its own thread.
@@ -223,7 +238,8 @@ class ReplicaController:
                         raise RuntimeError(f"replica group {g}: {ties} batches in a row had nothing to train")
                     continue
                 ties = 0
-                if record.step % self.per_sync == 0:  # a sync ended: report; generators follow group 0
+                # a sync ended: report; generators follow group 0
+                if record.step % self.per_sync == 0:
                     self.placement.manager.report.call_one(g, rank0(c.trainer.diloco_status.call().get())).get()
                     if g == 0:
                         self.sync_generators()

@@ -76,7 +76,8 @@ def digests(groups) -> list[list[str]]:
 
 
 def test_two_groups_identical_after_every_outer_sync(replicas):
-    from actors.trainer import TrainerActor  # noqa: F401  (the subclass keeps every trainer endpoint)
+    # noqa: F401  (the subclass keeps every trainer endpoint)
+    from actors.trainer import TrainerActor
 
     manager, groups = replicas
     before = digests(groups)[0]
@@ -115,7 +116,8 @@ def test_shutting_the_lighthouse_fails_a_waiting_sync_within_seconds(replicas):
     manager, groups = replicas
     for h in range(H - 1):
         groups[0].train_step.call(policy_batch(seed=900 + h)).get()
-    waiting = groups[0].train_step.call(policy_batch(seed=999))  # the round's last step: the sync
+    # the round's last step: the sync
+    waiting = groups[0].train_step.call(policy_batch(seed=999))
     time.sleep(3)
     start = time.monotonic()
     manager.shutdown.call_one().get()

@@ -1,4 +1,5 @@
-"""TrainerActor on two local processes (FSDP2 over gloo) and the baseline weight sync to two generator procs.
+"""TrainerActor on two local processes (FSDP2 over gloo) and the endpoint weight sync (the test oracle)
+to two generator procs.
 
 `score` is checked against an independent HF transformers forward of the same
 weights, and DPO's frozen reference (`score(reference=True)`) against the
@@ -36,6 +37,27 @@ def meshes(tiny_trainer_spec, generator_spec, tmp_path_factory):
     placement.stop()
 
 
+@pytest.fixture(scope="module")
+def oracle_meshes(tiny_trainer_spec, generator_spec, tmp_path_factory):
+    """The same layout running the product actors plus the test oracle's endpoint sync
+    (`tests/endpoint_sync.py`): 2 FSDP trainer procs, one single-process mesh per generator."""
+    from monarch.actor import this_host
+    from monarch.spmd import setup_torch_elastic_env
+
+    from endpoint_sync import EndpointGenerator, EndpointTrainer
+
+    out = tmp_path_factory.mktemp("oracle")
+    trainer_procs = this_host().spawn_procs(per_host={"gpus": 2})
+    setup_torch_elastic_env(trainer_procs)
+    trainer = trainer_procs.spawn("trainer", EndpointTrainer, tiny_trainer_spec(out / "ckpt"))
+    gen_procs = this_host().spawn_procs(per_host={"gpus": 2})
+    gens = [gen_procs.slice(gpus=i).spawn("generator", EndpointGenerator, generator_spec) for i in range(2)]
+    trainer.setup.call().get()
+    yield trainer, gens
+    trainer_procs.stop().get()
+    gen_procs.stop().get()
+
+
 def score_batch(seed: int = 0, n: int = 3, s: int = 12):
     from actors.trainer import ScoreBatch
 
@@ -51,7 +73,8 @@ def test_placement_fsdp_over_two_ranks_and_separate_generators(meshes):
     assert sorted(s["rank"] for s in setup) == [0, 1] and {s["world"] for s in setup} == {2}
     assert {s["step"] for s in setup} == {0}
     gen_info = [g.info.call_one().get() for g in gens]
-    assert [i["rank"] for i in gen_info] == [0, 0]  # one single-process actor mesh per generator (mesh.placement)
+    # one single-process actor mesh per generator (mesh.placement)
+    assert [i["rank"] for i in gen_info] == [0, 0]
     pids = {s["pid"] for s in setup} | {i["pid"] for i in gen_info}
     assert len(pids) == 4  # disaggregated: four processes
 
@@ -75,7 +98,8 @@ def test_score_matches_hf_forward(meshes, tiny_assets):
     results = list(trainer.score.call(batch).get().values())
     ref_lp, ref_h = hf_scores(tiny_assets.dense_dir, batch)
     valid = batch.labels_NS >= 0
-    for r in results:  # both ranks agree with the reference
+    # both ranks agree with the reference
+    for r in results:
         assert torch.allclose(r.logprobs_NS.double(), ref_lp, atol=2e-4)
         assert torch.allclose(r.entropy_NS.double(), ref_h, atol=2e-4)
         assert torch.allclose(r.logprob_sums_N.double(), ref_lp.sum(-1), atol=1e-3)
@@ -96,12 +120,14 @@ def policy_batch(trainer, seed: int):
     )
 
 
-def test_train_step_weight_sync_and_checkpoint(meshes, tmp_path):
-    from mesh.weight_sync_baseline import rank0, sync_weights
+def test_train_step_weight_sync_and_checkpoint(oracle_meshes, tmp_path):
+    from actors.mesh_utils import rank0
+    from endpoint_sync import sync_weights
 
-    trainer, gens, _, _ = meshes
+    trainer, gens = oracle_meshes
     digest0 = rank0(trainer.weights_digest.call().get())
-    assert {g.weights_digest.call_one().get() for g in gens} == {digest0}  # both start from the same HF files
+    # both start from the same HF files
+    assert {g.weights_digest.call_one().get() for g in gens} == {digest0}
 
     metrics = list(trainer.train_step.call(policy_batch(trainer, 1)).get().values())
     untimed = [{k: v for k, v in m.items() if not k.startswith("time/")} for m in metrics]
@@ -139,15 +165,17 @@ def test_dpo_reference_stays_the_initial_weights(meshes, tiny_assets):
                         trainer.score.call(batch).get().values()):
         assert torch.allclose(ref.logprobs_NS.double(), init_lp, atol=2e-4)
         assert ref.version == cur.version >= 1
-        assert (cur.logprobs_NS - ref.logprobs_NS).abs().max() > 1e-2  # the policy moved, π_ref did not
+        # the policy moved, π_ref did not
+        assert (cur.logprobs_NS - ref.logprobs_NS).abs().max() > 1e-2
 
 
-def test_two_generator_procs_update_weights_in_place(meshes, tiny_assets, tmp_path):
+def test_two_generator_procs_update_weights_in_place(oracle_meshes, tiny_assets, tmp_path):
     from monarch.actor import ActorError
 
-    from actors.weights import publish_buckets, weights_digest
+    from actors.weight_sync.digest import weights_digest
+    from endpoint_sync import publish_buckets
 
-    _, gens, _, _ = meshes
+    _, gens = oracle_meshes
     before = {g.weights_digest.call_one().get() for g in gens}
     assert len(before) == 1
 

@@ -103,7 +103,8 @@ def test_load_weights_in_place_matches_new_weights_and_trainer_digest(setup, tin
     from transformers import AutoModelForCausalLM
 
     from actors.hf_engine import HFEngine
-    from actors.weights import publish_buckets, read_manifest, weights_digest
+    from actors.weight_sync.digest import weights_digest
+    from endpoint_sync import publish_buckets, read_manifest
 
     vllm_engine, _, stops = setup
     engine_id, llm_id, pid = id(vllm_engine), id(vllm_engine.llm), os.getpid()
@@ -136,7 +137,7 @@ def test_load_weights_in_place_matches_new_weights_and_trainer_digest(setup, tin
 
 
 def test_bad_weights_are_refused_before_loading(setup):
-    from actors.weights import weights_digest
+    from actors.weight_sync.digest import weights_digest
 
     vllm_engine, _, _ = setup
     held = vllm_engine.named_weights()
@@ -176,7 +177,7 @@ def test_moe_logprobs_equal_hf_before_and_after_an_in_place_load(setup, tiny_ass
 
     from actors.hf_engine import HFEngine, per_expert_views
     from actors.vllm_engine import VLLMEngine
-    from actors.weights import weights_digest
+    from actors.weight_sync.digest import weights_digest
 
     stops = setup[2]
     setup[0].close()  # one engine at a time (idempotent; the test before checked what it releases)
@@ -227,7 +228,7 @@ def test_tensor_parallel_2_serves_loads_and_digests_the_full_model(setup, tiny_a
 
     from actors.hf_engine import HFEngine, per_expert_views
     from actors.vllm_engine import VLLMEngine, VLLMEngineConfig
-    from actors.weights import weights_digest
+    from actors.weight_sync.digest import weights_digest
 
     stops = setup[2]
     setup[0].close()  # one engine at a time

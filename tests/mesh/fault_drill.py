@@ -59,7 +59,7 @@ def main() -> None:
     from mesh.controller import Controller, ControllerConfig
     from mesh.placement import place
     from mesh.supervision import Deadline, Supervisor, install_fault_hook
-    from mesh.weight_sync_baseline import rank0
+    from actors.mesh_utils import rank0
     from replay.hints import TemplateHintGenerator
     from titan_ext.trainer import TrainerSpec
 

@@ -116,7 +116,7 @@ def controller_config(tmp_path, **kw):
 
 def test_sync_mode_trains_on_policy_with_hints(colocated, trainer_mesh, chat, tmp_path):
     from mesh.controller import Controller
-    from mesh.weight_sync_baseline import rank0
+    from actors.mesh_utils import rank0
     from replay.hints import TemplateHintGenerator
 
     [gen] = colocated.generators
@@ -142,7 +142,7 @@ def test_async_mode_never_trains_on_stale_samples(trainer_mesh, gen_spec, chat, 
 
     from mesh.controller import Controller
     from mesh.supervision import Supervisor
-    from mesh.weight_sync_baseline import rank0
+    from actors.mesh_utils import rank0
 
     fast = DiesOnce(this_proc().spawn("gen_fast", GeneratorActor, gen_spec))
     slow = this_proc().spawn("gen_slow", SlowGenerator, gen_spec)

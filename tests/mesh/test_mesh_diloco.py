@@ -1,8 +1,9 @@
 """`composer-mesh train configs/diloco_cpu.toml`: DiLoCo in the RL loop, end to end on local process meshes.
 
 Two trainer replica groups (own proc meshes) under the DiLoCo manager actor,
-one generator following the post-outer-step weights (every load is digest-
-checked against group 0's export by `sync_weights`), rollouts split across
+one generator following the post-outer-step weights through `TopologySync`
+(every load is digest-checked against group 0's export by
+`ReplicaController.sync_generators`), rollouts split across
 the groups, a teacher-replay actor serving both, per-group checkpoints and
 a resumed run (2 FSDP procs per group, H = 2, 3 + 1 steps). Plus the recipe
 combinations the loop refuses, with errors that say what to change, and
@@ -70,10 +71,12 @@ def test_diloco_recipe_trains_checkpoints_and_resumes(tmp_path, tiny_assets):
     assert sum(r["preference/pairs_in_batch"] for r in rows) > 0, "no replay pair reached a DiLoCo group"
     ckpt = run_dir / "checkpoints"
     assert all((ckpt / f"replica_{g}" / "step-00000003").is_dir() for g in (0, 1))
-    for g in (0, 1):  # each group's controller state for step 3: its own prompt stream, the replay queue
+    # each group's controller state for step 3: its own prompt stream, the replay queue
+    for g in (0, 1):
         state = load_state(ckpt / f"replica_{g}" / "controller", 3)
         assert state is not None and state.version == 3 and state.replay is not None
-    assert load_state(ckpt / "replica_0" / "controller", 3).prompt_cursor >= 3  # a prompt a step (+ tied retries)
+    # a prompt a step (+ tied retries)
+    assert load_state(ckpt / "replica_0" / "controller", 3).prompt_cursor >= 3
 
     second = _train(tmp_path, tiny_assets, "--trainer.steps=4")
     assert second["start_step"] == 3 and second["final_step"] == 4 and second["steps_run"] == 1
@@ -141,7 +144,8 @@ def test_a_failing_group_stops_the_other_within_seconds():
                 cfg, model, optimizer, ReplicaAssignment(f"replica_{g}", g, lighthouse.address()),
                 store_addr="127.0.0.1", store_port=stores[-1].port)))
 
-        zero_syncing = threading.Event()  # group 0 is entering its second sync
+        # group 0 is entering its second sync
+        zero_syncing = threading.Event()
 
         def drive(g: int, stop: threading.Event) -> None:
             model, optimizer, replica = members[g]
@@ -152,10 +156,12 @@ def test_a_failing_group_stops_the_other_within_seconds():
                     if g == 0 and step == 2 * cfg.inner_steps - 1:
                         zero_syncing.set()
                     model.weight.grad = torch.ones_like(model.weight)
-                    optimizer.step()  # the 2nd, 4th, ... step waits for a quorum of both groups
+                    # the 2nd, 4th, ... step waits for a quorum of both groups
+                    optimizer.step()
                     if g == 1 and replica.commits == 1:
                         assert zero_syncing.wait(30)
-                        time.sleep(0.5)  # group 0 is waiting for the quorum now
+                        # group 0 is waiting for the quorum now
+                        time.sleep(0.5)
                         failed_at.append(time.monotonic())
                         raise ValueError("group 1: its generator died")
             except BaseException as exc:

@@ -111,7 +111,7 @@ def wait_gone(cluster: SlurmCluster, job_id: str, timeout_s: float = 30) -> None
 
 def slurm_context(pid: int) -> dict[str, str]:
     """The Slurm node / job / step a process runs in (its environment), whether a slurmstepd is its ancestor, and
-    its host as the weight sync names it (`actors.shm_weights.host_label`: Monarch's process name)."""
+    its host as the weight sync names it (`actors.mesh_utils.host_label`: Monarch's process name)."""
     env = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0") if "=" in kv)
     ancestors, p = [], pid
     while p > 1:

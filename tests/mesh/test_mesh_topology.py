@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from mesh.topology import MeshTopology, ProcInfo, Topology, plan_routes
+from actors.weight_sync.routes import MeshTopology, ProcInfo, Topology, plan_routes
 
 
 def topo(trainer: dict[str, int], generators: dict[str, int]) -> Topology:
@@ -47,8 +47,10 @@ def simulate(t: Topology, bytes_by_rank: dict[int, int]) -> tuple[dict[int, set[
 
 @pytest.mark.parametrize("trainer, generators", [
     ({"a": 2}, {"a": 2}),  # one host
-    ({"a": 2}, {"b": 2}),  # disaggregated, one generator host
-    ({"a": 2}, {"a": 1, "b": 3, "c": 1}),  # mixed, as the fake-host mesh test
+    # disaggregated, one generator host
+    ({"a": 2}, {"b": 2}),
+    # mixed, as the fake-host mesh test
+    ({"a": 2}, {"a": 1, "b": 3, "c": 1}),
     ({"a": 4, "b": 4}, {"a": 2, "c": 2, "d": 8}),  # trainer over two hosts
     ({"a": 1, "b": 1, "c": 1}, {"b": 1, "c": 2}),
 ])
@@ -68,9 +70,11 @@ def test_plan_delivers_everything_and_crosses_each_host_once(trainer, generators
         assert route.parties == len(route.local_sources) + (route.reader is not None)
         assert (route.reader is None) == (not route.remote_sources)
         if route.reader is not None:
-            assert route.reader == min(route.generators)  # one reader per destination host
+            # one reader per destination host
+            assert route.reader == min(route.generators)
     assert plan.remote_ranks == tuple(sorted({r for route in plan.routes for r in route.remote_sources}))
-    for host, ranks in plan.source_hosts.items():  # a trainer-only host seals with its own ranks
+    # a trainer-only host seals with its own ranks
+    for host, ranks in plan.source_hosts.items():
         if plan.route_of(host) is None:
             assert plan.parties_on(host) == len(ranks)
 
@@ -91,7 +95,8 @@ def test_empty_meshes_are_refused():
 def test_host_label_is_monarchs_host_part(monkeypatch):
     import socket
 
-    from actors.shm_weights import host_dir, host_label
+    from actors.mesh_utils import host_label
+    from actors.weight_sync.segment import host_dir
 
     monkeypatch.setenv("HYPERACTOR_PROCESS_NAME", "anon-0 @ generator_1")
     assert host_label() == "generator_1"

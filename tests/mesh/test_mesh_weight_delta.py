@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 import torch
 
-from actors.shm_weights import Piece
-from actors.weight_delta import FULL, XOR, DeltaBase, apply_delta, runs_crc
+from actors.weight_sync.delta import FULL, XOR, DeltaBase, apply_delta, runs_crc
+from actors.weight_sync.segment import Piece
 from titan_ext.batch import TrainBatch
 
 VOCAB = 2048  # the tiny models' vocabulary
@@ -44,7 +44,8 @@ def _payload(values: torch.Tensor, runs: list[Piece]) -> torch.Tensor:
 def test_delta_rebuilds_every_bit_and_falls_back_to_full(dtype):
     g = torch.Generator().manual_seed(3)
     size = dtype.itemsize
-    n = [64 * 33, 1000, 50_000]  # three runs (tensors' local shards), the middle one all noise
+    # three runs (tensors' local shards), the middle one all noise
+    n = [64 * 33, 1000, 50_000]
     runs, offset = [], 128
     for k in n:
         runs.append(Piece(offset, k * size))
@@ -52,10 +53,13 @@ def test_delta_rebuilds_every_bit_and_falls_back_to_full(dtype):
     old = torch.randn(sum(n), generator=g) * 0.02
     old[7], old[8], old[9] = float("nan"), float("inf"), -0.0
     new = old.clone()
-    new += 1e-5 * torch.sign(torch.randn(sum(n), generator=g))  # a small Adam-like step: few bf16 values move
-    new[7], new[9] = float("-nan"), 0.0  # NaN sign and -0.0 -> +0.0 are bit changes
+    # a small Adam-like step: few bf16 values move
+    new += 1e-5 * torch.sign(torch.randn(sum(n), generator=g))
+    # NaN sign and -0.0 -> +0.0 are bit changes
+    new[7], new[9] = float("-nan"), 0.0
     old_p, new_p = _payload(old.to(dtype), runs), _payload(new.to(dtype), runs)
-    noise = runs[1]  # random bits, incompressible: sent whole
+    # random bits, incompressible: sent whole
+    noise = runs[1]
     new_p[noise.offset : noise.offset + noise.nbytes] = torch.randint(0, 256, (noise.nbytes,), generator=g,
                                                                       dtype=torch.uint8)
 
@@ -70,7 +74,7 @@ def test_delta_rebuilds_every_bit_and_falls_back_to_full(dtype):
     import zstandard
 
     bits = {2: np.int16, 4: np.int32}[size]
-    for rd, k in zip(delta.runs, n):
+    for rd, _k in zip(delta.runs, n):
         old_bits = old_p[rd.run.offset : rd.run.offset + rd.run.nbytes].numpy().view(bits)
         new_bits = new_p[rd.run.offset : rd.run.offset + rd.run.nbytes].numpy().view(bits)
         assert rd.changed == int((old_bits != new_bits).sum())
@@ -78,7 +82,8 @@ def test_delta_rebuilds_every_bit_and_falls_back_to_full(dtype):
         decoded = section if rd.encoding == FULL else zstandard.ZstdDecompressor().decompress(section)
         rebuilt = np.frombuffer(decoded, dtype=bits) if rd.encoding == FULL else old_bits ^ np.frombuffer(decoded, bits)
         assert np.array_equal(rebuilt, new_bits)
-    assert delta.nbytes < 0.6 * sum(r.nbytes for r in runs)  # the noise run dominates what is sent
+    # the noise run dominates what is sent
+    assert delta.nbytes < 0.6 * sum(r.nbytes for r in runs)
 
     target = torch.full_like(old_p, 7)
     apply_delta(target, old_p, delta, buffer.clone())
@@ -86,17 +91,21 @@ def test_delta_rebuilds_every_bit_and_falls_back_to_full(dtype):
         assert torch.equal(target[r.offset : r.offset + r.nbytes], new_p[r.offset : r.offset + r.nbytes])
     assert runs_crc(target, runs) == delta.crc
     stale = old_p.clone()
-    stale[runs[2].offset] ^= 1  # a receiver whose base differs in one bit: the CRC says so
+    # a receiver whose base differs in one bit: the CRC says so
+    stale[runs[2].offset] ^= 1
     apply_delta(target, stale, delta, buffer.clone())
     assert runs_crc(target, runs) != delta.crc
-    with pytest.raises(ValueError, match="expected"):  # a truncated or foreign section is refused, not half-applied
+    # a truncated or foreign section is refused, not half-applied
+    with pytest.raises(ValueError, match="expected"):
         apply_delta(target, old_p, delta, torch.cat([buffer[: delta.runs[2].at + 10],
                                                      torch.zeros(buffer.numel(), dtype=torch.uint8)]))
 
-    other = [runs[0], runs[1]]  # other runs (a changed layout): no delta, a new base
+    # other runs (a changed layout): no delta, a new base
+    other = [runs[0], runs[1]]
     assert base.advance(new_p, other, 2, "tok2", size, encode=True) is None
     base.advance(new_p, runs, 3, "tok3", size, encode=False)
-    same, _ = base.advance(new_p, runs, 4, "tok4", size, encode=True)  # the next delta is against v3
+    # the next delta is against v3
+    same, _ = base.advance(new_p, runs, 4, "tok4", size, encode=True)
     assert (same.base_version, same.changed) == (3, 0) and same.nbytes < 100
 
 # ---- 2 fake hosts, 20 steps: dense and MoE ----------------------------------------------------------
@@ -122,7 +131,8 @@ def delta_meshes(request, tiny_assets, tiny_trainer_spec, tmp_path_factory):
     spec = dataclasses.replace(
         base, model=ModelConfig(flavour=request.param, device="cpu", hf_path=str(model_dir)),
         parallelism=ParallelismConfig(ep=2 if moe else 1),
-        optimizer=dataclasses.replace(base.optimizer, lr=1e-5, decay_ratio=0.0),  # RL-sized constant steps
+        # RL-sized constant steps
+        optimizer=dataclasses.replace(base.optimizer, lr=1e-5, decay_ratio=0.0),
         trainer=dataclasses.replace(base.trainer, steps=30),
         checkpoint=CheckpointConfig(every_steps=ANCHOR_EVERY, keep_last=2),
     )
@@ -143,7 +153,8 @@ def _flip_a_bit(root: str, host: str) -> None:
     """Flip one bit of the newest sealed version on `host` (its header stays valid)."""
     import os
 
-    from actors.shm_weights import Header, host_dir, newest_version
+    from actors.weight_sync.reader import newest_version
+    from actors.weight_sync.segment import Header, host_dir
 
     newest = newest_version(root, host)
     for path in host_dir(root, host).glob("slot*.seg"):
@@ -173,8 +184,8 @@ def _trainer(state, spec):
 
 @pytest.mark.slow
 def test_deltas_over_20_steps_stay_bitwise_through_respawn_restart_and_lag(delta_meshes):
-    from mesh.weight_sync import TopologySync
-    from mesh.weight_sync_baseline import rank0
+    from actors.mesh_utils import rank0
+    from actors.weight_sync.sync import TopologySync
 
     state, spec, new_generator, out = delta_meshes
     root = str(out / "seg")
@@ -201,27 +212,33 @@ def test_deltas_over_20_steps_stay_bitwise_through_respawn_restart_and_lag(delta
         assert digest is not None and held == {rounded}, f"step {step}: generators differ from the trainer"
         if delta:
             assert nbytes < 0.5 * model_bytes, f"step {step}: delta not smaller"
-        elif step != 15:  # (15 reads one rank's runs whole on top of the delta)
+        elif step != 15:
+            # (15 reads one rank's runs whole on top of the delta)
             assert nbytes == model_bytes, f"step {step}: an anchor moved {nbytes} of {model_bytes} bytes"
         return delta, changed / elements if elements else None
 
     sync = TopologySync(trainer, gens, root, keep=2, dtype="bfloat16", anchor_every=ANCHOR_EVERY)
-    assert sync_checked(sync, 0) == (False, None)  # the first publication: an anchor
+    # the first publication: an anchor
+    assert sync_checked(sync, 0) == (False, None)
     kinds, fractions = [], []
     for step in range(1, 21):
         trainer.train_step.call(TrainBatch.synthetic(step, VOCAB)).get()
-        if step == 7:  # the remote generator respawns: its host's next pull is an anchor
+        # the remote generator respawns: its host's next pull is an anchor
+        if step == 7:
             gens[1] = new_generator(state.generator)
             sync = sync.replaced(1, gens[1])
-        if step == 8:  # another root takes v8 and this one skips it: its remote host stays at v7, two behind v9
+        # another root takes v8 and this one skips it: its remote host stays at v7, two behind v9
+        if step == 8:
             TopologySync(trainer, gens, str(out / "other"), keep=2, dtype="bfloat16", anchor_every=2).sync()
             continue
-        if step == 12:  # the trainer restarts from its step-10 checkpoint: a new process, no base
+        # the trainer restarts from its step-10 checkpoint: a new process, no base
+        if step == 12:
             procs.stop().get()
             procs, trainer = _trainer(state, spec)
             assert rank0(trainer.policy_version.call().get()) == 10
             sync = TopologySync(trainer, gens, root, keep=2, dtype="bfloat16", anchor_every=ANCHOR_EVERY)
-        if step == 15:  # one bit of the remote host's base flips: its CRC fails, that rank's runs come whole
+        # one bit of the remote host's base flips: its CRC fails, that rank's runs come whole
+        if step == 15:
             _flip_a_bit(root, remote)
         delta, fraction = sync_checked(sync, step)
         kinds.append("delta" if delta else "full")
@@ -232,6 +249,7 @@ def test_deltas_over_20_steps_stay_bitwise_through_respawn_restart_and_lag(delta
     # base (15); v8 went elsewhere
     assert kinds == ["delta"] * 4 + ["full", "delta", "full", "full", "delta", "full", "full"] + [
         "delta", "delta", "full", "delta", "full"] + ["delta"] * 3, kinds
-    changed = [round(f, 4) for _, f in fractions]  # of the bf16 elements, per delta step
+    # of the bf16 elements, per delta step
+    changed = [round(f, 4) for _, f in fractions]
     assert 0 < min(changed) and max(changed) < 0.5, str(list(zip([k for k, _ in fractions], changed)))
     procs.stop().get()

@@ -21,7 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from actors.shm_weights import PinnedSegment, SegmentLayout, SegmentWriter, host_dir, newest_version
+from actors.weight_sync.reader import PinnedSegment, newest_version
+from actors.weight_sync.segment import SegmentLayout, host_dir
+from actors.weight_sync.writer import SegmentWriter
 from titan_ext.batch import TrainBatch
 
 VOCAB = 2048  # the tiny model's vocabulary
@@ -50,7 +52,8 @@ def _publish(root: str, version: int, layout: SegmentLayout, keep: int) -> None:
 def _writer_proc(root: str, versions: int) -> None:
     layout = _layout()
     for v in range(2, versions + 1):
-        _publish(root, v, layout, keep=1)  # keep=1: two slots, each reused every other version
+        # keep=1: two slots, each reused every other version
+        _publish(root, v, layout, keep=1)
 
 
 def _reader_proc(root: str, seen: "mp.Queue") -> None:
@@ -60,14 +63,16 @@ def _reader_proc(root: str, seen: "mp.Queue") -> None:
         version = newest_version(root, "h")
         try:
             seg = PinnedSegment.open(root, "h", version)
-        except FileNotFoundError:  # its slot was reused between the two calls: not a torn read, just late
+        except FileNotFoundError:
+            # its slot was reused between the two calls: not a torn read, just late
             continue
         with seg:
             values = []
             for i, (_, t) in enumerate(seg.tensors()):
                 values.append(torch.unique(t.clone()).tolist())
                 if i == 2:
-                    time.sleep(0.05)  # the writer publishes newer versions meanwhile
+                    # the writer publishes newer versions meanwhile
+                    time.sleep(0.05)
             seg.verify()
         seen.put((version, values))
         if version >= VERSIONS:
@@ -78,11 +83,13 @@ def test_version_barrier_delayed_readers_never_see_torn_versions(tmp_path):
     root = str(tmp_path)
     layout = _layout()
     _publish(root, 1, layout, keep=1)
-    pinned = PinnedSegment.open(root, "h", 1)  # held by this process: v3 needs its slot
+    # held by this process: v3 needs its slot
+    pinned = PinnedSegment.open(root, "h", 1)
     first = [t.clone() for _, t in list(pinned.tensors())[:3]]
 
-    ctx = mp.get_context("forkserver")  # real processes; torch imported once by the server, not per child
-    ctx.set_forkserver_preload(["torch", "actors.shm_weights"])
+    # real processes; torch imported once by the server, not per child
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "actors.weight_sync.reader", "actors.weight_sync.writer"])
     seen: "mp.Queue" = ctx.Queue()
     writer = ctx.Process(target=_writer_proc, args=(root, VERSIONS))
     readers = [ctx.Process(target=_reader_proc, args=(root, seen)) for _ in range(2)]
@@ -108,9 +115,11 @@ def test_version_barrier_delayed_readers_never_see_torn_versions(tmp_path):
     assert len(reads) >= 2
     for version, values in reads:
         assert values == [[float(version)]] * len(layout.slots)  # whole and single-version
-    assert len({v for v, _ in reads}) >= 2  # the readers overlapped several publishes
+    # the readers overlapped several publishes
+    assert len({v for v, _ in reads}) >= 2
     with pytest.raises(FileNotFoundError, match="not published"):
-        PinnedSegment.open(root, "h", 1)  # its slot now holds a newer version
+        # its slot now holds a newer version
+        PinnedSegment.open(root, "h", 1)
     assert sorted(p.name for p in host_dir(root, "h").glob("*.seg")) == ["slot000.seg", "slot001.seg"]
 
 
@@ -119,8 +128,10 @@ def test_unsealed_segment_is_invisible_and_bad_input_is_refused(tmp_path):
     w = SegmentWriter(tmp_path, "h", 5, "tok", layout, keep=2)
     with pytest.raises(FileNotFoundError, match="not published"):
         PinnedSegment.open(tmp_path, "h", 5, timeout_s=0.05)
-    w2 = SegmentWriter(tmp_path, "h", 5, "tok", layout, keep=2)  # a second party of the same sync
-    assert w.done(2) is False  # one of two parties: still unpublished
+    # a second party of the same sync
+    w2 = SegmentWriter(tmp_path, "h", 5, "tok", layout, keep=2)
+    # one of two parties: still unpublished
+    assert w.done(2) is False
     assert newest_version(tmp_path, "h") is None
     with pytest.raises(ValueError, match="parties"):
         w2.done(0)
@@ -130,20 +141,23 @@ def test_unsealed_segment_is_invisible_and_bad_input_is_refused(tmp_path):
     with pytest.raises(ValueError, match="token"):
         SegmentWriter(tmp_path, "h", 6, "x" * 17, layout, keep=2)
 
-    crashed = SegmentWriter(tmp_path, "h", 7, "crashed", layout, keep=2)  # a sync of v7 that never sealed
+    # a sync of v7 that never sealed
+    crashed = SegmentWriter(tmp_path, "h", 7, "crashed", layout, keep=2)
     crashed.release()
     assert newest_version(tmp_path, "h") == 5
     seg = PinnedSegment.open(tmp_path, "h", 5, token="tok")
     assert [n for n, _ in seg.tensors()] == ["w0", "w1"] and seg.layout == layout
     with pytest.raises(FileNotFoundError, match="not published"):
-        PinnedSegment.open(tmp_path, "h", 5, token="other")  # same version, another sync (a restarted trainer)
+        # same version, another sync (a restarted trainer)
+        PinnedSegment.open(tmp_path, "h", 5, token="other")
     with pytest.raises(FileNotFoundError, match="not published"):
         PinnedSegment.open(tmp_path, "h", 6)
 
     # v8 reuses v5's slot (keep=2: three slots): it waits for the reader, and says so when it gives up
     with pytest.raises(TimeoutError, match="older version"):
         SegmentWriter(tmp_path, "h", 8, "t8", layout, keep=2, timeout_s=0.1)
-    seg.verify()  # the refused writer left v5 untouched
+    # the refused writer left v5 untouched
+    seg.verify()
     seg.release()
     with pytest.raises(RuntimeError, match="released"):
         seg.verify()
@@ -186,8 +200,8 @@ def meshes(tiny_trainer_spec, make_generator_spec, tmp_path_factory):
 
 @pytest.mark.slow
 def test_sync_matches_trainer_digest_while_next_step_runs(meshes, tmp_path):
-    from mesh.weight_sync import TopologySync
-    from mesh.weight_sync_baseline import rank0
+    from actors.mesh_utils import rank0
+    from actors.weight_sync.sync import TopologySync
 
     trainer, gens = meshes
     sync = TopologySync(trainer, gens, str(tmp_path), keep=2)
@@ -195,14 +209,16 @@ def test_sync_matches_trainer_digest_while_next_step_runs(meshes, tmp_path):
     assert sync.topology.generators.shape == {"trainer_0": 2, "generator_0": 1, "generator_1": 1}
     routes = {r.host: r for r in sync.plan.routes}
     assert (routes["trainer_0"].local_sources, routes["trainer_0"].reader) == ((0, 1), None)
-    assert routes["trainer_0"].generators == (0, 1)  # fan-out: two generators read one segment
+    # fan-out: two generators read one segment
+    assert routes["trainer_0"].generators == (0, 1)
     for host, g in (("generator_0", 2), ("generator_1", 3)):
         assert (routes[host].local_sources, routes[host].remote_sources, routes[host].reader) == ((), (0, 1), g)
 
     trainer.train_step.call(TrainBatch.synthetic(1, VOCAB)).get()
     digest1 = rank0(trainer.weights_digest.call().get())
     pending = sync.start()  # shards are in host memory now
-    step = trainer.train_step.call(TrainBatch.synthetic(2, VOCAB))  # the next step runs while generators read v1
+    # the next step runs while generators read v1
+    step = trainer.train_step.call(TrainBatch.synthetic(2, VOCAB))
     report = pending.wait()
     metrics = rank0(step.get())
     assert report.version == 1 and metrics["step"] == 2.0
@@ -218,7 +234,8 @@ def test_sync_matches_trainer_digest_while_next_step_runs(meshes, tmp_path):
     report2 = sync.sync()
     assert (report2.version, report2.digest, report2.cross_host_bytes) == (2, digest2, report.cross_host_bytes)
     assert {g.weights_digest.call_one().get() for g in gens} == {digest2}
-    for host in routes:  # every host holds v1 and v2 in two of its keep + 1 slots
+    # every host holds v1 and v2 in two of its keep + 1 slots
+    for host in routes:
         assert newest_version(tmp_path, host) == 2
         assert sorted(p.name for p in host_dir(tmp_path, host).glob("*.seg")) == ["slot001.seg", "slot002.seg"]
 
@@ -227,8 +244,8 @@ def test_sync_matches_trainer_digest_while_next_step_runs(meshes, tmp_path):
 def test_serving_dtype_slots_halve_the_bytes_and_load_the_rounded_weights(meshes, tmp_path):
     """bf16 slots (`[generator] dtype`): each byte that crosses a host or sits in /dev/shm is half the fp32
     one, and every generator holds exactly the trainer's export rounded to bf16, not anything else."""
-    from mesh.weight_sync import TopologySync
-    from mesh.weight_sync_baseline import rank0
+    from actors.mesh_utils import rank0
+    from actors.weight_sync.sync import TopologySync
 
     trainer, gens = meshes
     trainer.train_step.call(TrainBatch.synthetic(4, VOCAB)).get()
@@ -238,7 +255,8 @@ def test_serving_dtype_slots_halve_the_bytes_and_load_the_rounded_weights(meshes
     assert bf16.cross_host_bytes * 2 == fp32.cross_host_bytes > 0
     rounded = rank0(trainer.weights_digest.call("bfloat16").get())
     assert {g.weights_digest.call_one(dtype="bfloat16").get() for g in gens} == {rounded}
-    assert {g.weights_digest.call_one().get() for g in gens} != {fp32.digest}  # the fp32 engines hold rounded values
+    # the fp32 engines hold rounded values
+    assert {g.weights_digest.call_one().get() for g in gens} != {fp32.digest}
     slot = next(host_dir(tmp_path / "bf16", "generator_0").glob("*.seg")).stat().st_size
     assert slot < next(host_dir(tmp_path / "fp32", "generator_0").glob("*.seg")).stat().st_size * 0.51 + 8192
 
@@ -248,8 +266,8 @@ def test_publish_then_load_one_generator_at_a_time(meshes, tmp_path):
     """What the controller's async workers and respawns do: publish once, then a generator loads alone once its
     host holds the version whole, checked against the first load's digest; a generator respawned on a host the
     last publication did not reach gets a new one."""
-    from mesh.weight_sync import TopologySync
-    from mesh.weight_sync_baseline import rank0
+    from actors.mesh_utils import rank0
+    from actors.weight_sync.sync import TopologySync
 
     trainer, gens = meshes
     trainer.train_step.call(TrainBatch.synthetic(3, VOCAB)).get()
@@ -258,27 +276,31 @@ def test_publish_then_load_one_generator_at_a_time(meshes, tmp_path):
     first = sync.publish()
     assert first.hosts == {"trainer_0", "generator_0"} and set(first.pulls) == {"generator_0"}
     assert first.sealed("generator_0") and not first.sealed("generator_1")
-    assert first.check([first.load(gens[2]).get()]) == digest  # read from the segment its host pulled
+    # read from the segment its host pulled
+    assert first.check([first.load(gens[2]).get()]) == digest
     with pytest.raises(RuntimeError, match="2 distinct digests"):
         first.check([{"version": first.version, "digest": "0" * 64}])
     with pytest.raises(RuntimeError, match=r"wrong version \[0\]"):
         first.check([{"version": first.version - 1, "digest": digest}])
 
-    moved = sync.replaced(2, gens[3])  # generator 2 respawned on host generator_1
+    # generator 2 respawned on host generator_1
+    moved = sync.replaced(2, gens[3])
     assert moved.published is first and moved.plan.route_of("generator_1").reader == 2
     assert moved.plan.route_of("generator_0") is None and moved.covering([0]) is first
-    again = moved.covering([2])  # its host holds no segment: published again, by the new plan
+    # its host holds no segment: published again, by the new plan
+    again = moved.covering([2])
     assert again is not first and again.version == first.version and set(again.pulls) == {"generator_1"}
     assert again.sealed("generator_1") and again.check([again.load(gens[3]).get()]) == digest
     versions = [g.policy_version.call_one().get() for g in gens]
-    assert versions[2] == versions[3] == first.version and versions[0] < first.version  # the others untouched
+    # the others untouched
+    assert versions[2] == versions[3] == first.version and versions[0] < first.version
 
 
 @pytest.mark.slow
 def test_rollout_exchange_sends_each_rank_only_its_shard(meshes):
     """Sharded on the controller == sliced on every rank: same metrics, bit-identical weights."""
+    from actors.mesh_utils import rank0
     from mesh.rollout_exchange import shard_points, train_step_sharded
-    from mesh.weight_sync_baseline import rank0
 
     trainer, _ = meshes
     step = int(rank0(trainer.policy_version.call().get()))
@@ -293,7 +315,8 @@ def test_rollout_exchange_sends_each_rank_only_its_shard(meshes):
     assert strip(sharded) == strip(broadcast)
     points = shard_points(trainer)
     assert sorted(r for _, r, _ in points) == [0, 1] and {w for _, _, w in points} == {2}
-    assert batch.shard(0, 2).tokens_BL.shape[0] == 3  # each rank gets 3 of 5 (padded) rows, not 5
+    # each rank gets 3 of 5 (padded) rows, not 5
+    assert batch.shard(0, 2).tokens_BL.shape[0] == 3
 
 
 def test_failed_pull_fails_waiting_loads_in_seconds(tmp_path):
@@ -301,7 +324,8 @@ def test_failed_pull_fails_waiting_loads_in_seconds(tmp_path):
     so a load waiting on that host raises within moments naming the cause instead of after `timeout_s`."""
     import threading
 
-    from actors.shm_weights import Piece, RemoteSource, pull_pieces
+    from actors.weight_sync.pull import RemoteSource, pull_pieces
+    from actors.weight_sync.segment import Piece
 
     root, layout = str(tmp_path), _layout(n=2, rows=4)
     outcome: dict = {}
@@ -310,13 +334,15 @@ def test_failed_pull_fails_waiting_loads_in_seconds(tmp_path):
         start = time.monotonic()
         try:
             PinnedSegment.open(root, "h", 3, "tok3", timeout_s=120)
-        except Exception as exc:  # noqa: BLE001 — the test inspects it
+        except Exception as exc:
+            # noqa: BLE001 — the test inspects it
             outcome["error"] = exc
         outcome["waited_s"] = time.monotonic() - start
 
     waiting = threading.Thread(target=load)
     waiting.start()
-    time.sleep(0.3)  # the load is waiting for v3 when the pull fails
+    # the load is waiting for v3 when the pull fails
+    time.sleep(0.3)
     bad = RemoteSource(rank=1, pieces=[Piece(0, 64), Piece(64, 64)], buffers=[object()])
     with pytest.raises(ValueError, match="exposed 1 buffers for 2 runs"):
         pull_pieces(root, "h", 3, "tok3", layout, [bad], parties=1, keep=2, bucket_bytes=1 << 20)
@@ -324,13 +350,16 @@ def test_failed_pull_fails_waiting_loads_in_seconds(tmp_path):
     assert not waiting.is_alive()
     assert isinstance(outcome["error"], RuntimeError) and "exposed 1 buffers" in str(outcome["error"])
     assert outcome["waited_s"] < 5, f"the waiting load noticed the failed pull after {outcome['waited_s']:.1f} s"
-    with pytest.raises(FileNotFoundError):  # another sync's token is not affected: it waits out its timeout
+    # another sync's token is not affected: it waits out its timeout
+    with pytest.raises(FileNotFoundError):
         PinnedSegment.open(root, "h", 3, "other", timeout_s=0.05)
 
 
 PULLER = """
 import sys, time
-from actors.shm_weights import SegmentLayout, SegmentWriter, pulling
+from actors.weight_sync.pull_status import pulling
+from actors.weight_sync.segment import SegmentLayout
+from actors.weight_sync.writer import SegmentWriter
 root, layout = sys.argv[1], SegmentLayout.from_json(sys.argv[2].encode())
 with pulling(root, "h", 3, "tok3"), SegmentWriter(root, "h", 3, "tok3", layout, keep=2) as writer:
     writer.payload[:64].fill_(7)  # part of the version written, then the process hangs in its pull
@@ -359,7 +388,8 @@ def test_puller_killed_mid_pull_fails_waiting_loads_in_seconds(tmp_path):
         def load() -> None:
             try:
                 PinnedSegment.open(root, "h", 3, "tok3", timeout_s=120)
-            except Exception as exc:  # noqa: BLE001 — the test inspects it
+            except Exception as exc:
+                # noqa: BLE001 — the test inspects it
                 outcome["error"] = exc
             outcome["done"] = time.monotonic()
 
@@ -375,7 +405,8 @@ def test_puller_killed_mid_pull_fails_waiting_loads_in_seconds(tmp_path):
         assert isinstance(outcome["error"], RuntimeError) and f"pid {child.pid}" in str(outcome["error"])
         assert waited < 5, f"the waiting load noticed the dead puller {waited:.1f} s after its SIGKILL"
         print(f"dead puller noticed {waited:.2f} s after its SIGKILL")
-        with SegmentWriter(root, "h", 6, "tok6", layout, keep=2, timeout_s=5):  # v6 reuses v3's slot: not held
+        # v6 reuses v3's slot: not held
+        with SegmentWriter(root, "h", 6, "tok6", layout, keep=2, timeout_s=5):
             pass
     finally:
         if child.poll() is None:

@@ -4,7 +4,7 @@
 label. `probe` fills it from running actors (each answers `host_info`, whose
 host label is Monarch's: the host part of `HYPERACTOR_PROCESS_NAME`, i.e. the
 hostname on real hosts and the fake host's key under `monarch.job.ProcessJob`;
-`actors.shm_weights.host_label`).
+`actors.mesh_utils.host_label`).
 
 `plan_routes` is pure: for each generator host it names the trainer ranks on
 the same host (they write their shards straight into the host's segment) and
@@ -78,7 +78,8 @@ class HostRoute:
 @dataclass(frozen=True)
 class RoutePlan:
     routes: tuple[HostRoute, ...]
-    source_hosts: dict[str, tuple[int, ...]]  # trainer host -> its ranks (every rank writes its own host's segment)
+    # trainer host -> its ranks (every rank writes its own host's segment)
+    source_hosts: dict[str, tuple[int, ...]]
 
     def route_of(self, host: str) -> HostRoute | None:
         return next((r for r in self.routes if r.host == host), None)

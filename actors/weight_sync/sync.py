@@ -13,9 +13,10 @@ One sync of version v (`TopologySync.start`, then `PendingSync.wait`):
 
 Steps 2–3 are Monarch futures: `start()` returns once step 1 is done, so the
 controller can issue the next `train_step` and call `wait()` afterwards. The
-version barrier (slot locks and sealed headers, see `actors.shm_weights`) keeps
-a generator from reading a half-written version. `sync_weights_topology` is the
-one-call form; `mesh.weight_sync_baseline` stays the reference path.
+version barrier (slot locks and sealed headers, see `actors.weight_sync.segment`)
+keeps a generator from reading a half-written version. `sync_weights_topology`
+is the one-call form. The controller's main loop and the DiLoCo loop
+(`mesh.replicas`) both sync through `TopologySync`.
 
 The controller (`mesh.controller`) uses the parts separately: `publish()` is
 steps 1–2 (a `Publication`; it first waits for the previous publication's
@@ -34,9 +35,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from actors.shm_weights import DEFAULT_BUCKET_BYTES, RemoteSource
-from actors.weights import DEFAULT_ROOT
-from mesh.topology import MeshTopology, ProcInfo, RoutePlan, Topology, plan_routes, probe
+from actors.weight_sync.pull import RemoteSource
+from actors.weight_sync.routes import MeshTopology, ProcInfo, RoutePlan, Topology, plan_routes, probe
+from actors.weight_sync.segment import DEFAULT_BUCKET_BYTES, DEFAULT_ROOT
 
 
 @dataclass(frozen=True)
@@ -46,16 +47,25 @@ class TopologySyncReport:
     version: int
     generators: int
     digest: str | None
-    model_bytes: int  # bytes of one full copy of the weights
-    cross_host_bytes: int  # counted by the readers' transfer layer
-    publish_s: float  # trainer shard copies (the part the next step waits for), as the controller sees it
-    total_s: float  # until the last generator held the version
-    write_s: float  # the slowest trainer rank's copy into the segment, inside the actor
-    load_s: float  # the slowest generator's load into its engine, inside the actor
+    # bytes of one full copy of the weights
+    model_bytes: int
+    # counted by the readers' transfer layer
+    cross_host_bytes: int
+    # trainer shard copies (the part the next step waits for), as the controller sees it
+    publish_s: float
+    # until the last generator held the version
+    total_s: float
+    # the slowest trainer rank's copy into the segment, inside the actor
+    write_s: float
+    # the slowest generator's load into its engine, inside the actor
+    load_s: float
     pull_s: dict[str, float] = field(default_factory=dict)  # per reader host
-    delta: dict[str, bool] = field(default_factory=dict)  # per reader host: it applied a delta (else full runs)
-    changed: int = 0  # elements of the pulled ranks' runs that changed since their last publication (deltas on)
-    elements: int = 0  # elements of those runs (0: no delta was encoded, e.g. an anchor)
+    # per reader host: it applied a delta (else full runs)
+    delta: dict[str, bool] = field(default_factory=dict)
+    # elements of the pulled ranks' runs that changed since their last publication (deltas on)
+    changed: int = 0
+    # elements of those runs (0: no delta was encoded, e.g. an anchor)
+    elements: int = 0
 
 
 def sync_metrics(report: TopologySyncReport) -> dict[str, float]:
@@ -95,7 +105,8 @@ class Publication:
     start: float
     publish_s: float
     write_s: float
-    shadow: tuple  # the trainer's (ModelConfig, ParallelismConfig), to name the tensors as its export does
+    # the trainer's (ModelConfig, ParallelismConfig), to name the tensors as its export does
+    shadow: tuple
     changed: int  # see TopologySyncReport
     elements: int
     bucket_bytes: int
@@ -103,7 +114,8 @@ class Publication:
     verify: bool
     digest: str | None = None
     _digest_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-    _pulls_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # one thread gets a future
+    # one thread gets a future
+    _pulls_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def load(self, generator: Any) -> Any:
         """Have `generator` copy this version from its host's segment into its engine (a future of its report)."""
@@ -173,7 +185,7 @@ class TopologySync:
     while v+1 lands; a writer waits for the readers of the slot it reuses);
     bucket_bytes: RDMA batch and HF bucket size; verify: generators report digests (sha256 of the
     weights; costs one pass over them);
-    anchor_every: cross-host pulls carry deltas (`actors.weight_delta`) with a full anchor every this many
+    anchor_every: cross-host pulls carry deltas (`actors.weight_sync.delta`) with a full anchor every this many
     publications, on the first, and for a host whose reader is new (`replaced`); a host that does not hold a
     delta's base version gets the full runs too; 1 = always full (the trainer keeps no base copy).
     """
@@ -186,15 +198,20 @@ class TopologySync:
         if anchor_every < 1:
             raise ValueError(f"anchor_every must be >= 1, got {anchor_every}")
         self.anchor_every = anchor_every
-        self._publications = 0  # by this sync: the first is an anchor
-        self._anchor_hosts: set[str] = set()  # hosts whose reader is new: their next pull is full
+        # publications by this sync: the first is an anchor
+        self._publications = 0
+        # hosts whose reader is new: their next pull is full
+        self._anchor_hosts: set[str] = set()
         self.trainer, self.generators = trainer, list(generators)
-        self.root, self.keep, self.bucket_bytes, self.verify, self.timeout_s = root, keep, bucket_bytes, verify, timeout_s
-        self.dtype = dtype  # the slots' dtype: the generators' serving dtype
+        self.root, self.keep, self.bucket_bytes = root, keep, bucket_bytes
+        self.verify, self.timeout_s = verify, timeout_s
+        # the slots' dtype: the generators' serving dtype
+        self.dtype = dtype
         self.topology: Topology = probe(trainer, self.generators)
         self.plan: RoutePlan = plan_routes(self.topology)
         self.shadow = next(iter(trainer.host_info.call().get().values()))["shadow"]
-        self.published: Publication | None = None  # the newest version published (its pulls may be in flight)
+        # the newest version published (its pulls may be in flight)
+        self.published: Publication | None = None
 
     def publish(self) -> Publication:
         """Snapshot the trainer's shards into every host's segment (returns once they are in host memory) and
@@ -240,7 +257,8 @@ class TopologySync:
 
     def _delta_mode(self) -> str:
         """What the trainer ranks pulled from other hosts do this publication (`TrainerActor.publish_shards`)."""
-        if self.anchor_every == 1 or not self.plan.remote_ranks:  # nothing crosses hosts: keep no base copy
+        # nothing crosses hosts: keep no base copy
+        if self.anchor_every == 1 or not self.plan.remote_ranks:
             return "off"
         return "anchor" if self._publications % self.anchor_every == 0 else "delta"
 
@@ -259,7 +277,8 @@ class TopologySync:
         procs = list(self.topology.generators.procs)
         procs[index] = ProcInfo(index, info["host"], info["pid"])
         new = copy.copy(self)
-        new._anchor_hosts = self._anchor_hosts | {info["host"]}  # a new reader: its host's next pull is an anchor
+        # a new reader: its host's next pull is an anchor
+        new._anchor_hosts = self._anchor_hosts | {info["host"]}
         new.generators = [*self.generators[:index], generator, *self.generators[index + 1:]]
         new.topology = Topology(self.topology.trainer, MeshTopology(tuple(procs)))
         new.plan = plan_routes(new.topology)

@@ -11,9 +11,8 @@ tensor's local shard), the smaller of:
 - FULL: the run itself (what an fp32 run under Adam, where every element
   changes, comes down to).
 
-XOR + zstd measured smaller and faster than bitmask + values or int32
-positions + values on bf16 deltas (docs/weight_sync.md "Delta sync"). XOR is
-on raw bits, so -0.0, NaN payloads and every rounding are carried exactly.
+Why XOR + zstd and its level: docs/weight_sync.md "Delta sync". XOR is on raw
+bits, so -0.0, NaN payloads and every rounding are carried exactly.
 The receiving host writes each run as its own sealed copy of the base
 version (named by version *and* sync token: the very bytes the trainer
 encoded against) XOR the decoded bits (`apply_delta`); a CRC-32 of the rank's
@@ -29,19 +28,22 @@ from dataclasses import dataclass
 import torch
 import zstandard
 
-from actors.shm_weights import Piece
+from actors.weight_sync.segment import Piece
 
 XOR, FULL = "xor", "full"
-LEVEL = 1  # zstd level: -1 was larger and slower on bf16 XORs, -3 1.8x larger for 9 % more speed (measured)
+# zstd level of the XOR sections (docs/weight_sync.md "Delta sync")
+LEVEL = 1
 
 
 @dataclass(frozen=True)
 class RunDelta:
     """How one run is encoded in the delta buffer: `size` bytes at `at`."""
 
-    run: Piece  # one tensor's local shard in the segment payload
+    # one tensor's local shard in the segment payload
+    run: Piece
     encoding: str
-    changed: int  # elements that differ from the base
+    # elements that differ from the base
+    changed: int
     at: int
     size: int
 
