@@ -153,7 +153,7 @@ def main() -> None:
                 runs[variant].append(
                     run_case(variant, vocab, seq, args.dim, args.repeats, args.threads, args.budget, args.channels)
                 )
-        for variant, results in runs.items():
+        for results in runs.values():
             best = dict(results[0])
             for key in ("peak_mib", "time_s", "cpu_s"):
                 best[key] = min(r[key] for r in results)

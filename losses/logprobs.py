@@ -484,7 +484,7 @@ def fused_pair_logprobs(
     so sequence-level losses need no recomputation in backward. Returns the
     detached logprobs `[N]`.
     """
-    _check(hidden_ND, weight_VD := head.weight_VD, labels_N, None)
+    _check(hidden_ND, head.weight_VD, labels_N, None)
     grad_h = head.input_grad(hidden_ND)
     logprobs_N = hidden_ND.new_zeros(hidden_ND.shape[0], dtype=math_dtype(hidden_ND))
     with torch.no_grad():

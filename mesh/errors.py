@@ -89,7 +89,7 @@ def describe(error: BaseException) -> str:
         return died
     remote = False
     frames_text = ""
-    while hasattr(error, "exception") and isinstance(getattr(error, "exception"), BaseException):
+    while hasattr(error, "exception") and isinstance(error.exception, BaseException):
         remote = True
         frames_text = getattr(error, "exception_formatted", "") or frames_text
         error = error.exception  # type: ignore[attr-defined]

@@ -76,9 +76,6 @@ def digests(groups) -> list[list[str]]:
 
 
 def test_two_groups_identical_after_every_outer_sync(replicas):
-    # noqa: F401  (the subclass keeps every trainer endpoint)
-    from actors.trainer import TrainerActor
-
     manager, groups = replicas
     before = digests(groups)[0]
     history = []

@@ -12,7 +12,6 @@ import json
 import math
 import random
 import sys
-import textwrap
 
 import pytest
 

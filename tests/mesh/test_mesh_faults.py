@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import signal
 import subprocess
@@ -359,7 +360,7 @@ def test_controller_state_file_is_replaced_atomically(tmp_path):
     kept = sorted(p.name for p in (tmp_path / "controller").iterdir())
     assert kept == ["controller-00000005.pkl", "controller-00000006.pkl"]  # older than the oldest checkpoint: gone
     state_path(tmp_path, 1).write_bytes(b"not a pickle of a state")
-    with pytest.raises(Exception):
+    with pytest.raises(pickle.UnpicklingError):
         load_state(tmp_path, 1)
 
 

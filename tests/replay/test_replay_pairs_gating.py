@@ -65,7 +65,9 @@ def _reference(student: str, votes: list[str | None], k: int, strategy: str, wei
 def test_decide_matches_reference_on_random_votes(strategy):
     rng = random.Random(0)
     actions = ["ANSWER: 1", "answer: 1 ", "ANSWER: 2", "ANSWER: 3"]  # first two are equivalent
-    canon = lambda a: " ".join(a.casefold().split())
+    def canon(a):
+        return " ".join(a.casefold().split())
+
     pairs = 0
     for _ in range(2000):
         n = rng.randint(1, 6)
@@ -108,7 +110,9 @@ def test_uncertainty_from_logits_matches_the_formula():
 
 def test_gate_thresholds():
     gate = VOIGate(GatingConfig(enabled=True, min_entropy=1.0, max_margin=0.1), lambda s: s.action["u"])
-    s = lambda e, m: _state({"role": "assistant", "content": "", "u": Uncertainty(e, m)})
+    def s(e, m):
+        return _state({"role": "assistant", "content": "", "u": Uncertainty(e, m)})
+
     assert gate(s(1.2, 0.9))[0] and gate(s(0.1, 0.05))[0] and not gate(s(0.5, 0.5))[0]
 
 

@@ -216,7 +216,7 @@ def test_chained_optimizer_acts_as_one():
     opt = chain(a)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
     separate = [torch.optim.Muon([b[0]], lr=0.02), torch.optim.AdamW([b[1]], lr=0.01)]
-    for i in range(2):
+    for _ in range(2):
         for x, y in zip(a, b):
             x.grad = torch.randn(x.shape)
             y.grad = x.grad.clone()
@@ -280,7 +280,7 @@ def test_lr_schedule_from_config_is_warmup_stable_decay():
     sched = build_lr_scheduler(opt, cfg, training_steps=10)
     decay_steps, stable_end = 4, 2 + (10 + 1 - 2 - 4)  # torchtitan adds one virtual stable step
     factors = []
-    for step in range(10):
+    for _ in range(10):
         factors.append(opt.param_groups[0]["lr"] / cfg.lr)
         assert opt.param_groups[1]["lr"] / cfg.adamw_lr == pytest.approx(factors[-1])
         opt.step()
