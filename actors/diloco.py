@@ -22,11 +22,11 @@ from typing import Any
 import torch.distributed as dist
 from monarch.actor import Actor, endpoint
 
-from actors.trainer import TrainerActor
-from configs.sections.diloco import DiLoCoConfig
-from titan_ext.diloco import DiLoCoReplica, ReplicaAssignment, parameters_digest
-from titan_ext.torchft_compat import LighthouseServer
-from titan_ext.trainer import TrainerSpec
+from composer_mesh.actors.trainer import TrainerActor
+from composer_mesh.configs.sections.diloco import DiLoCoConfig
+from composer_mesh.titan_ext.diloco import DiLoCoReplica, ReplicaAssignment, parameters_digest
+from composer_mesh.titan_ext.torchft_compat import LighthouseServer
+from composer_mesh.titan_ext.trainer import TrainerSpec
 
 
 class DiLoCoManagerActor(Actor):

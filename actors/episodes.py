@@ -21,9 +21,9 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
 
-from actors.hf_engine import Completion
-from actors.rollout import EpisodeRequest, Rollout, RolloutGroup, SamplingParams
-from envs.base import Environment
+from composer_mesh.actors.hf_engine import Completion
+from composer_mesh.actors.rollout import EpisodeRequest, Rollout, RolloutGroup, SamplingParams
+from composer_mesh.envs.base import Environment
 
 _TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
 

@@ -30,19 +30,19 @@ from typing import Any, Literal
 import torch
 from monarch.actor import Actor, current_rank, endpoint
 
-from actors.chaos import kill_point
-from actors.episodes import ChatTokens, EpisodeRunner
-from actors.hf_engine import HFEngine
-from actors.mesh_utils import host_label
-from actors.phase_memory import PhaseMemory, bound_malloc_retention
-from actors.rollout import EpisodeRequest, RolloutGroup, SamplingParams
-from actors.weight_sync.pull import pull_pieces
-from actors.weight_sync.reader import SegmentLoader
-from configs.sections.env import EnvConfig
-from configs.sections.generator import GeneratorConfig
-from envs.factory import env_factory
-from envs.plugin import add_python_path
-from titan_ext.platform import detect_platform
+from composer_mesh.actors.chaos import kill_point
+from composer_mesh.actors.episodes import ChatTokens, EpisodeRunner
+from composer_mesh.actors.hf_engine import HFEngine
+from composer_mesh.actors.mesh_utils import host_label
+from composer_mesh.actors.phase_memory import PhaseMemory, bound_malloc_retention
+from composer_mesh.actors.rollout import EpisodeRequest, RolloutGroup, SamplingParams
+from composer_mesh.actors.weight_sync.pull import pull_pieces
+from composer_mesh.actors.weight_sync.reader import SegmentLoader
+from composer_mesh.configs.sections.env import EnvConfig
+from composer_mesh.configs.sections.generator import GeneratorConfig
+from composer_mesh.envs.factory import env_factory
+from composer_mesh.envs.plugin import add_python_path
+from composer_mesh.titan_ext.platform import detect_platform
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ class GeneratorActor(Actor):
         stops = [self.tokenizer.eos_token_id]
         if self.engine_kind == "vllm":
             # lazy: only a vLLM generator needs the vLLM engine (vllm is optional)
-            from actors.vllm_engine import VLLMEngine, VLLMEngineConfig
+            from composer_mesh.actors.vllm_engine import VLLMEngine, VLLMEngineConfig
 
             self.engine = VLLMEngine(spec.model_dir, stops, VLLMEngineConfig(
                 dtype=spec.generator.dtype, gpu_memory_utilization=spec.generator.gpu_memory_utilization, seed=spec.seed,

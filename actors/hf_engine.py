@@ -26,8 +26,8 @@ from typing import Iterable, Literal
 
 import torch
 
-from actors.rollout import SamplingParams
-from actors.weight_sync.digest import check_coverage, first_names, weights_digest
+from composer_mesh.actors.rollout import SamplingParams
+from composer_mesh.actors.weight_sync.digest import check_coverage, first_names, weights_digest
 
 
 @dataclass

@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from configs.records import ErrorSite
-from configs.sections.generator import GeneratorConfig
+from composer_mesh.configs.records import ErrorSite
+from composer_mesh.configs.sections.generator import GeneratorConfig
 
 FinishReason = Literal["done", "max_turns", "context"]
 

@@ -34,16 +34,16 @@ from typing import Any, Sequence
 import torch
 from monarch.actor import Actor, endpoint
 
-from actors.episodes import ChatTokens
-from actors.rollout import Rollout
-from configs.sections.replay import ReplayConfig
-from configs.sections.teachers import TeachersConfig
-from replay.cache import ResponseCache
-from replay.gating import Uncertainty, VOIGate
-from replay.pairs import PreferencePair
-from replay.pipeline import load_states, replay_states
-from replay.teachers import TeacherClient
-from replay.traces import TraceState
+from composer_mesh.actors.episodes import ChatTokens
+from composer_mesh.actors.rollout import Rollout
+from composer_mesh.configs.sections.replay import ReplayConfig
+from composer_mesh.configs.sections.teachers import TeachersConfig
+from composer_mesh.replay.cache import ResponseCache
+from composer_mesh.replay.gating import Uncertainty, VOIGate
+from composer_mesh.replay.pairs import PreferencePair
+from composer_mesh.replay.pipeline import load_states, replay_states
+from composer_mesh.replay.teachers import TeacherClient
+from composer_mesh.replay.traces import TraceState
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ class TrainerScorer:
 
     def __call__(self, state: TraceState) -> Uncertainty:
         # lazy: start-up time; the trainer's modules (TorchTitan) load only when gating scores with the trainer
-        from actors.trainer import ScoreBatch
+        from composer_mesh.actors.trainer import ScoreBatch
 
         prompt, action = self.chat.prompt_and_action(list(state.context), state.action)
         ids = list(prompt) + list(action)

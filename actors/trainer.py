@@ -25,16 +25,16 @@ import torch.distributed as dist
 from monarch.actor import Actor, endpoint
 from monarch.rdma import RDMABuffer
 
-from actors.chaos import kill_point
-from actors.mesh_utils import host_label
-from actors.phase_memory import PhaseMemory, bound_malloc_retention
-from actors.weight_sync.delta import Delta, DeltaBase
-from actors.weight_sync.digest import weights_digest
-from actors.weight_sync.segment import Piece, SegmentLayout, coalesce
-from actors.weight_sync.writer import SegmentWriter, write_shards
-from losses.logprobs import chunked_token_stats
-from titan_ext.batch import IGNORE_INDEX, TrainBatch
-from titan_ext.trainer import Trainer, TrainerSpec
+from composer_mesh.actors.chaos import kill_point
+from composer_mesh.actors.mesh_utils import host_label
+from composer_mesh.actors.phase_memory import PhaseMemory, bound_malloc_retention
+from composer_mesh.actors.weight_sync.delta import Delta, DeltaBase
+from composer_mesh.actors.weight_sync.digest import weights_digest
+from composer_mesh.actors.weight_sync.segment import Piece, SegmentLayout, coalesce
+from composer_mesh.actors.weight_sync.writer import SegmentWriter, write_shards
+from composer_mesh.losses.logprobs import chunked_token_stats
+from composer_mesh.titan_ext.batch import IGNORE_INDEX, TrainBatch
+from composer_mesh.titan_ext.trainer import Trainer, TrainerSpec
 
 
 @dataclass

@@ -39,9 +39,9 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig
 
-from actors.hf_engine import Completion
-from actors.rollout import SamplingParams
-from titan_ext.hf.config import causal_lm_architecture
+from composer_mesh.actors.hf_engine import Completion
+from composer_mesh.actors.rollout import SamplingParams
+from composer_mesh.titan_ext.hf.config import causal_lm_architecture
 
 # row seeds: seed * stride + row, kept below 2**31
 _SEED_STRIDE = 1_000_003
@@ -127,7 +127,7 @@ class VLLMEngine:
             model=str(model_dir), skip_tokenizer_init=True, runner="generate", dtype=c.dtype, seed=c.seed,
             enforce_eager=c.enforce_eager or self.on_cpu, max_model_len=c.max_model_len,
             tensor_parallel_size=self.tp, distributed_executor_backend="mp" if self.tp > 1 else None,
-            worker_extension_cls="actors.vllm_worker.WeightsExtension",
+            worker_extension_cls="composer_mesh.actors.vllm_worker.WeightsExtension",
             gpu_memory_utilization=c.gpu_memory_utilization,
             kv_cache_memory_bytes=(c.cpu_kv_cache_mib << 20) if self.on_cpu else None,
             logprobs_mode="processed_logprobs", max_logprobs=1, enable_prefix_caching=True,

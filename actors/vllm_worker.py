@@ -39,7 +39,7 @@ from vllm.model_executor.layers.linear import ColumnParallelLinear, LinearBase, 
 from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from vllm.platforms import current_platform
 
-from actors.weight_sync.digest import check_coverage, first_names, uncovered_names, weights_digest
+from composer_mesh.actors.weight_sync.digest import check_coverage, first_names, uncovered_names, weights_digest
 
 # vLLM's fused MoE tensors -> per-expert HF projections: w13 [E, 2I, H] = [gate; up], w2 [E, H, I] = down.
 _EXPERT_VIEWS = {"w13_weight": ("gate_proj", "up_proj"), "w2_weight": ("down_proj",)}

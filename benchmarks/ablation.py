@@ -48,8 +48,8 @@ from typing import Callable
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from configs.loader import load_config  # noqa: E402
-from mesh.metrics import read_metrics  # noqa: E402
+from composer_mesh.configs.loader import load_config  # noqa: E402
+from composer_mesh.mesh.metrics import read_metrics  # noqa: E402
 
 CONFIGS: dict[str, tuple[str, ...]] = {
     "policy": ("--loss.alpha=0", "--loss.beta=0"),
@@ -89,7 +89,7 @@ def run_one(recipe: Path, overrides: list[str], out: Path, name: str, seed: int,
             eval_every: int) -> RunResult:
     """`composer-mesh train` of `recipe` in configuration `name` at `seed`; its figures from summary.json and
     metrics.jsonl."""
-    cmd = [sys.executable, "-m", "mesh.cli", "train", "--no-progress", "--no-resume", str(recipe),
+    cmd = [sys.executable, "-m", "composer_mesh.mesh.cli", "train", "--no-progress", "--no-resume", str(recipe),
            f"--job.output_dir={out}", "--job.name=run", f"--job.seed={seed}", f"--trainer.steps={steps}",
            f"--trainer.eval_every={eval_every}", f"--checkpoint.every_steps={steps}", *overrides, *CONFIGS[name]]
     env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")

@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from configs.sections.diloco import DiLoCoConfig
-from titan_ext.diloco import CountingProcessGroupGloo, build_manager
+from composer_mesh.configs.sections.diloco import DiLoCoConfig
+from composer_mesh.titan_ext.diloco import CountingProcessGroupGloo, build_manager
 
 # The tiny LM task is a test helper shared with the DiLoCo tests.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "titan_ext"))

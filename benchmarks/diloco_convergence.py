@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from configs.sections.diloco import DiLoCoConfig
+from composer_mesh.configs.sections.diloco import DiLoCoConfig
 
 # The tiny LM task is a test helper shared with the DiLoCo tests.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "titan_ext"))

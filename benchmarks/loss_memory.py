@@ -52,8 +52,8 @@ def worker(
 
     import torch
 
-    from configs.sections.loss import LossConfig
-    from losses.composer import DistillInputs, PolicyInputs, PreferenceInputs, compose_loss
+    from composer_mesh.configs.sections.loss import LossConfig
+    from composer_mesh.losses.composer import DistillInputs, PolicyInputs, PreferenceInputs, compose_loss
 
     torch.set_num_threads(threads)
     gen = torch.Generator().manual_seed(0)

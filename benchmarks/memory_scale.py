@@ -55,7 +55,7 @@ def make_model(root: Path, shape: tuple[int, ...]) -> tuple[Path, int]:
     import torch
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
-    from titan_ext.assets import build_assets, default_cache_dir
+    from composer_mesh.titan_ext.assets import build_assets, default_cache_dir
 
     hidden, inter, layers, heads, kv, head_dim = shape
     tok = AutoTokenizer.from_pretrained(build_assets(default_cache_dir(), seed=0).tokenizer_dir)
@@ -155,7 +155,7 @@ def run_shape(name: str, shape: tuple[int, ...], tmp: Path, steps: int = 2, over
     model_dir, params = make_model(root, shape)
     job = f"mem-{name}".replace(".", "_")
     env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
-    cmd = [sys.executable, "-m", "mesh.cli", "train", "--no-progress", str(REPO / "configs/debug_cpu.toml"),
+    cmd = [sys.executable, "-m", "composer_mesh.mesh.cli", "train", "--no-progress", str(REPO / "configs/debug_cpu.toml"),
            f"--job.name={job}", f"--job.output_dir={root / 'runs'}", f"--model.hf_path={model_dir}",
            f"--trainer.steps={steps}", "--trainer.prompts_per_step=2", "--trainer.eval_every=0",
            "--generator.max_new_tokens=8", f"--checkpoint.every_steps={steps}", "--env.demo.warm_start_steps=0",

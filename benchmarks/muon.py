@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from titan_ext.muon import ShardedMuon
+from composer_mesh.titan_ext.muon import ShardedMuon
 
 LR, WD = 0.02, 0.1
 

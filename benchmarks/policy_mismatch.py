@@ -27,9 +27,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from configs.sections.loss import LossConfig  # noqa: E402
-from losses.composer import PolicyInputs, compose_loss  # noqa: E402
-from losses.mismatch import packed_sequence_ids  # noqa: E402
+from composer_mesh.configs.sections.loss import LossConfig  # noqa: E402
+from composer_mesh.losses.composer import PolicyInputs, compose_loss  # noqa: E402
+from composer_mesh.losses.mismatch import packed_sequence_ids  # noqa: E402
 
 MODES = {
     "token_tis (default)": {},

@@ -45,7 +45,7 @@ def make_model(out: str, hidden: int, layers: int, seed: int = 0) -> str:
 
 def token_logprobs(model: torch.nn.Module, tokens_NS: torch.Tensor) -> torch.Tensor:
     """log π(token t+1 | tokens ≤ t) `[N, S-1]` (fp32 softmax whatever the model's dtype)."""
-    from titan_ext.attention import attention_masks
+    from composer_mesh.titan_ext.attention import attention_masks
 
     positions_NS = torch.arange(tokens_NS.shape[1]).expand_as(tokens_NS)
     with torch.no_grad():
@@ -57,8 +57,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="a 4-layer 256-wide model, 16 sequences of 128 tokens")
     a = p.parse_args()
-    from configs.sections.model import ModelConfig
-    from titan_ext.build import build_model
+    from composer_mesh.configs.sections.model import ModelConfig
+    from composer_mesh.titan_ext.build import build_model
 
     hidden, layers, n, s = (256, 4, 16, 128) if a.quick else (512, 8, 32, 512)
     with tempfile.TemporaryDirectory(prefix="reference_dtype-") as tmp:

@@ -37,21 +37,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from configs.sections.env import DemoTaskConfig  # noqa: E402
-from configs.sections.replay import GatingConfig, ReplayConfig  # noqa: E402
-from configs.sections.teachers import TeachersConfig, TeacherSpec  # noqa: E402
-from envs.demo import make_problem, prompt_messages, solve  # noqa: E402
-from replay.cache import ResponseCache  # noqa: E402
-from replay.gating import Uncertainty, VOIGate, uncertainty_from_logits  # noqa: E402
-from replay.pipeline import replay_states  # noqa: E402
-from replay.server import TeacherServer  # noqa: E402
-from replay.teachers import TeacherClient  # noqa: E402
-from replay.traces import TraceState  # noqa: E402
+from composer_mesh.configs.sections.env import DemoTaskConfig  # noqa: E402
+from composer_mesh.configs.sections.replay import GatingConfig, ReplayConfig  # noqa: E402
+from composer_mesh.configs.sections.teachers import TeachersConfig, TeacherSpec  # noqa: E402
+from composer_mesh.envs.demo import make_problem, prompt_messages, solve  # noqa: E402
+from composer_mesh.replay.cache import ResponseCache  # noqa: E402
+from composer_mesh.replay.gating import Uncertainty, VOIGate, uncertainty_from_logits  # noqa: E402
+from composer_mesh.replay.pipeline import replay_states  # noqa: E402
+from composer_mesh.replay.server import TeacherServer  # noqa: E402
+from composer_mesh.replay.teachers import TeacherClient  # noqa: E402
+from composer_mesh.replay.traces import TraceState  # noqa: E402
 
 
 def start_server(latency: float) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mesh.cli", "serve-teachers", "--port", "0", "--responder", "echo", "--latency", str(latency)],
+        [sys.executable, "-m", "composer_mesh.mesh.cli", "serve-teachers", "--port", "0", "--responder", "echo", "--latency", str(latency)],
         cwd=ROOT, stdout=subprocess.PIPE, text=True,
     )
     line = proc.stdout.readline()

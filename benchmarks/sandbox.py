@@ -31,14 +31,14 @@ import sys
 import time
 from pathlib import Path
 
-from configs.sections.env import DemoTaskConfig, FeatureDeletionConfig
-from envs.base import assistant
-from envs.demo import DemoEnv, solve
-from envs.containment import CGROUP_ROOT, CONTROLLERS
-from envs.feature_deletion import FeatureDeletionEnv, TaskStore, generate_tasks
-from envs.grading import PYTEST_ARGS
-from envs.sandbox import Sandbox
-from envs.tool_loop import ToolLoopEnv
+from composer_mesh.configs.sections.env import DemoTaskConfig, FeatureDeletionConfig
+from composer_mesh.envs.base import assistant
+from composer_mesh.envs.demo import DemoEnv, solve
+from composer_mesh.envs.containment import CGROUP_ROOT, CONTROLLERS
+from composer_mesh.envs.feature_deletion import FeatureDeletionEnv, TaskStore, generate_tasks
+from composer_mesh.envs.grading import PYTEST_ARGS
+from composer_mesh.envs.sandbox import Sandbox
+from composer_mesh.envs.tool_loop import ToolLoopEnv
 
 # Module-level payloads appended to the stubbed target (see tests/envs/test_envs_hostile.py for the full corpus).
 HOSTILE = {

@@ -62,7 +62,7 @@ def make_task(root: Path, n_rows: int) -> None:
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
     import torch
 
-    from titan_ext.assets import build_assets, default_cache_dir
+    from composer_mesh.titan_ext.assets import build_assets, default_cache_dir
 
     tok = AutoTokenizer.from_pretrained(build_assets(default_cache_dir(), seed=0).tokenizer_dir)
     torch.manual_seed(0)
@@ -206,7 +206,7 @@ task = "dataset"
 train_file = "{root / "train.jsonl"}"
 rewards = ["bench_reward:correct"]
 ''')
-    from mesh.cli import main
+    from composer_mesh.mesh.cli import main
 
     rc = main(["train", "--no-resume", "--no-progress", str(recipe)])
     if rc:

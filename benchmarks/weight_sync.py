@@ -67,8 +67,8 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 import torch  # noqa: E402
 from monarch.actor import endpoint  # noqa: E402
 
-from actors.generator import GeneratorActor  # noqa: E402
-from actors.trainer import TrainerActor  # noqa: E402
+from composer_mesh.actors.generator import GeneratorActor  # noqa: E402
+from composer_mesh.actors.trainer import TrainerActor  # noqa: E402
 from endpoint_sync import EndpointGenerator, EndpointTrainer, sync_weights  # noqa: E402
 
 FLAVOUR = "composer_bench"
@@ -76,7 +76,7 @@ FLAVOUR = "composer_bench"
 
 def register_shape(shape: dict) -> None:
     """Add the benchmark's Qwen3 shape as flavour `qwen3:composer_bench` (in every process that builds it)."""
-    from titan_ext.tiny import TINY_SHAPES, TinyShape
+    from composer_mesh.titan_ext.tiny import TINY_SHAPES, TinyShape
 
     TINY_SHAPES.setdefault(FLAVOUR, TinyShape(**shape))
 
@@ -212,8 +212,8 @@ def _codec(root: str, host: str, version: int) -> dict:
     import numpy as np
     import zstandard
 
-    from actors.weight_sync.delta import encode_run
-    from actors.weight_sync.reader import PinnedSegment
+    from composer_mesh.actors.weight_sync.delta import encode_run
+    from composer_mesh.actors.weight_sync.reader import PinnedSegment
 
     with PinnedSegment.open(root, host, version - 1) as old, PinnedSegment.open(root, host, version) as new:
         a, b = old.payload.clone(), new.payload.clone()
@@ -243,9 +243,9 @@ def delta_run(state, trainer_cls, trainer_args: tuple, gen_cls, gen_args: tuple,
 
     from monarch.spmd import setup_torch_elastic_env
 
-    from actors.mesh_utils import rank0
-    from actors.weight_sync.sync import TopologySync
-    from titan_ext.batch import TrainBatch
+    from composer_mesh.actors.mesh_utils import rank0
+    from composer_mesh.actors.weight_sync.sync import TopologySync
+    from composer_mesh.titan_ext.batch import TrainBatch
 
     procs = state.trainer.spawn_procs(per_host={"gpus": 2})
     setup_torch_elastic_env(procs)
@@ -308,12 +308,12 @@ def delta_figures(work: Path, tiny, bench_hf: Path, bench_model, shape: dict, st
     from monarch.job import ProcessJob
 
     import benchmarks.weight_sync as bench
-    from actors.generator import GeneratorSpec
-    from configs.sections.generator import GeneratorConfig
-    from configs.sections.model import ModelConfig
-    from configs.sections.optimizer import OptimizerConfig
-    from configs.sections.trainer import TrainerConfig
-    from titan_ext.trainer import TrainerSpec
+    from composer_mesh.actors.generator import GeneratorSpec
+    from composer_mesh.configs.sections.generator import GeneratorConfig
+    from composer_mesh.configs.sections.model import ModelConfig
+    from composer_mesh.configs.sections.optimizer import OptimizerConfig
+    from composer_mesh.configs.sections.trainer import TrainerConfig
+    from composer_mesh.titan_ext.trainer import TrainerSpec
 
     def spec(model, lr: float, folder: str) -> TrainerSpec:
         return TrainerSpec(model=model, trainer=TrainerConfig(steps=10_000, microbatches=1),
@@ -386,14 +386,14 @@ def main() -> None:
     from monarch.actor import this_host
     from monarch.spmd import setup_torch_elastic_env
 
-    from actors.generator import GeneratorSpec
-    from actors.mesh_utils import rank0
-    from actors.weight_sync.sync import TopologySync
-    from configs.sections.generator import GeneratorConfig
-    from configs.sections.model import ModelConfig
-    from titan_ext.assets import build_assets
-    from titan_ext.models import resolve_model
-    from titan_ext.trainer import TrainerSpec
+    from composer_mesh.actors.generator import GeneratorSpec
+    from composer_mesh.actors.mesh_utils import rank0
+    from composer_mesh.actors.weight_sync.sync import TopologySync
+    from composer_mesh.configs.sections.generator import GeneratorConfig
+    from composer_mesh.configs.sections.model import ModelConfig
+    from composer_mesh.titan_ext.assets import build_assets
+    from composer_mesh.titan_ext.models import resolve_model
+    from composer_mesh.titan_ext.trainer import TrainerSpec
 
     t0 = time.perf_counter()
     raw_shm = None

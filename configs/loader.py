@@ -21,7 +21,7 @@ from typing import Any, Iterable, Literal, Mapping
 import tomli
 import tomli_w
 
-from configs.schema import JobConfig
+from composer_mesh.configs.schema import JobConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent
 _BASE_KEY = "base"

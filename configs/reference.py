@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 
-from configs.schema import JobConfig
+from composer_mesh.configs.schema import JobConfig
 
 
 def render_reference() -> str:

@@ -8,20 +8,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from configs.sections.checkpoint import CheckpointConfig
-from configs.sections.diloco import DiLoCoConfig
-from configs.sections.env import EnvConfig
-from configs.sections.generator import GeneratorConfig
-from configs.sections.job import RunConfig
-from configs.sections.loss import LossConfig
-from configs.sections.mesh import MeshConfig
-from configs.sections.metrics import MetricsConfig
-from configs.sections.model import ModelConfig
-from configs.sections.optimizer import OptimizerConfig
-from configs.sections.parallelism import ParallelismConfig
-from configs.sections.replay import ReplayConfig
-from configs.sections.teachers import TeachersConfig
-from configs.sections.trainer import TrainerConfig
+from composer_mesh.configs.sections.checkpoint import CheckpointConfig
+from composer_mesh.configs.sections.diloco import DiLoCoConfig
+from composer_mesh.configs.sections.env import EnvConfig
+from composer_mesh.configs.sections.generator import GeneratorConfig
+from composer_mesh.configs.sections.job import RunConfig
+from composer_mesh.configs.sections.loss import LossConfig
+from composer_mesh.configs.sections.mesh import MeshConfig
+from composer_mesh.configs.sections.metrics import MetricsConfig
+from composer_mesh.configs.sections.model import ModelConfig
+from composer_mesh.configs.sections.optimizer import OptimizerConfig
+from composer_mesh.configs.sections.parallelism import ParallelismConfig
+from composer_mesh.configs.sections.replay import ReplayConfig
+from composer_mesh.configs.sections.teachers import TeachersConfig
+from composer_mesh.configs.sections.trainer import TrainerConfig
 
 
 @dataclass(frozen=True)

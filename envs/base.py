@@ -18,7 +18,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
-from configs.records import ErrorSite
+from composer_mesh.configs.records import ErrorSite
 
 
 @dataclass

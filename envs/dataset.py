@@ -30,10 +30,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable
 
-from configs.sections.env import DatasetTaskConfig
-from envs.base import Environment, Observation
-from envs.demo import Split
-from envs.plugin import check_call, load_callable
+from composer_mesh.configs.sections.env import DatasetTaskConfig
+from composer_mesh.envs.base import Environment, Observation
+from composer_mesh.envs.demo import Split
+from composer_mesh.envs.plugin import check_call, load_callable
 
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 

@@ -23,9 +23,9 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from configs.records import ErrorKind, ErrorSite
-from configs.sections.env import DemoTaskConfig
-from envs.base import Environment, Observation
+from composer_mesh.configs.records import ErrorKind, ErrorSite
+from composer_mesh.configs.sections.env import DemoTaskConfig
+from composer_mesh.envs.base import Environment, Observation
 
 SYSTEM_PROMPT = "Solve it. Reply with one line: ANSWER: <result>"
 _OPS = {"add": "+", "sub": "-", "mul": "*"}

@@ -5,14 +5,14 @@ from __future__ import annotations
 import atexit
 from typing import Callable
 
-from configs.sections.env import EnvConfig
-from envs.base import Environment
-from envs.dataset import DatasetEnv, load_task
-from envs.demo import DemoEnv, Split, stable_split
-from envs.feature_deletion import FeatureDeletionEnv, RepoTask, TaskStore, generate_tasks
-from envs.plugin import check_call, load_callable
-from envs.sandbox import Sandbox
-from envs.tool_loop import ToolLoopEnv
+from composer_mesh.configs.sections.env import EnvConfig
+from composer_mesh.envs.base import Environment
+from composer_mesh.envs.dataset import DatasetEnv, load_task
+from composer_mesh.envs.demo import DemoEnv, Split, stable_split
+from composer_mesh.envs.feature_deletion import FeatureDeletionEnv, RepoTask, TaskStore, generate_tasks
+from composer_mesh.envs.plugin import check_call, load_callable
+from composer_mesh.envs.sandbox import Sandbox
+from composer_mesh.envs.tool_loop import ToolLoopEnv
 
 
 def split_tasks(tasks: list[RepoTask], heldout_fraction: float, split: Split) -> list[RepoTask]:

@@ -23,12 +23,12 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from configs.records import ErrorKind, ErrorSite
-from configs.sections.env import FeatureDeletionConfig
-from envs.base import Environment, Observation
-from envs.grading import Grade, grade_workspace, module_name, provided_modules, run_suite
-from envs.safeguards import is_bytecode, is_test_path, manifest
-from envs.sandbox import Sandbox, Workspace, copy_tree
+from composer_mesh.configs.records import ErrorKind, ErrorSite
+from composer_mesh.configs.sections.env import FeatureDeletionConfig
+from composer_mesh.envs.base import Environment, Observation
+from composer_mesh.envs.grading import Grade, grade_workspace, module_name, provided_modules, run_suite
+from composer_mesh.envs.safeguards import is_bytecode, is_test_path, manifest
+from composer_mesh.envs.sandbox import Sandbox, Workspace, copy_tree
 
 _STUB = 'raise NotImplementedError("deleted feature: rebuild {name}")'
 _log = logging.getLogger(__name__)

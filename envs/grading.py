@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from envs.safeguards import (
+from composer_mesh.envs.safeguards import (
     change_violations, diff_tree, is_bytecode, is_test_config, is_test_path, manifest, scan_source,
 )
-from envs.sandbox import Sandbox, SandboxResult, Workspace
+from composer_mesh.envs.sandbox import Sandbox, SandboxResult, Workspace
 
 _RUNNER = Path(__file__).with_name("_grade_runner.py")
 _CALLEE = Path(__file__).with_name("_callee.py")

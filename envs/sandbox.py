@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
-from configs.sections.env import SandboxConfig
-from envs.containment import ContainmentUnavailable, RunCgroup, probe_cgroups, seccomp_fd, seccomp_filter
+from composer_mesh.configs.sections.env import SandboxConfig
+from composer_mesh.envs.containment import ContainmentUnavailable, RunCgroup, probe_cgroups, seccomp_fd, seccomp_filter
 
 _SETPRIV = "/usr/bin/setpriv"
 _ROOT_LINKS = ("/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32")

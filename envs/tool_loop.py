@@ -23,13 +23,13 @@ import stat
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from configs.records import ErrorKind, ErrorSite
-from configs.sections.env import ToolLoopConfig
-from envs.base import Environment, Observation
-from envs.feature_deletion import RepoTask
-from envs.grading import grade_workspace
-from envs.safeguards import manifest
-from envs.sandbox import Sandbox, SandboxResult, Workspace
+from composer_mesh.configs.records import ErrorKind, ErrorSite
+from composer_mesh.configs.sections.env import ToolLoopConfig
+from composer_mesh.envs.base import Environment, Observation
+from composer_mesh.envs.feature_deletion import RepoTask
+from composer_mesh.envs.grading import grade_workspace
+from composer_mesh.envs.safeguards import manifest
+from composer_mesh.envs.sandbox import Sandbox, SandboxResult, Workspace
 
 _MAX_WRITE = 1 << 20
 _SHELL_META = "|;&<>()"

@@ -21,9 +21,9 @@ from typing import Literal
 
 import torch
 
-from configs.sections.loss import DistillLossConfig, LossConfig, PolicyLossConfig, PreferenceLossConfig
-from losses.distill import DistillSpec
-from losses.logprobs import (
+from composer_mesh.configs.sections.loss import DistillLossConfig, LossConfig, PolicyLossConfig, PreferenceLossConfig
+from composer_mesh.losses.distill import DistillSpec
+from composer_mesh.losses.logprobs import (
     ChunkLossFn,
     FusedHead,
     Teacher,
@@ -34,10 +34,10 @@ from losses.logprobs import (
     fused_token_loss,
     token_stats_naive,
 )
-from losses.mismatch import mismatch_weights, needs_sequences
-from losses.policy import dapo_token_loss, prime_dppo_token_loss
-from losses.preference import dpo_loss, ipo_loss, simpo_loss
-from losses.reduce import global_mean, math_dtype, segment_sum, upcast
+from composer_mesh.losses.mismatch import mismatch_weights, needs_sequences
+from composer_mesh.losses.policy import dapo_token_loss, prime_dppo_token_loss
+from composer_mesh.losses.preference import dpo_loss, ipo_loss, simpo_loss
+from composer_mesh.losses.reduce import global_mean, math_dtype, segment_sum, upcast
 
 CHANNELS = ("policy", "distill", "preference")
 

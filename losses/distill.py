@@ -28,7 +28,7 @@ from typing import Literal
 
 import torch
 
-from losses.reduce import upcast
+from composer_mesh.losses.reduce import upcast
 
 DistillKind = Literal["jsd", "taid", "eopd"]
 

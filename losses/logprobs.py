@@ -30,8 +30,8 @@ from typing import Callable
 
 import torch
 
-from losses.distill import DistillSpec, token_divergence
-from losses.reduce import math_dtype, upcast
+from composer_mesh.losses.distill import DistillSpec, token_divergence
+from composer_mesh.losses.reduce import math_dtype, upcast
 
 DEFAULT_CHUNK_BUDGET_MIB = 32.0
 

@@ -28,8 +28,8 @@ import math
 from dataclasses import dataclass
 import torch
 
-from configs.sections.loss import PolicyLossConfig
-from losses.reduce import segment_sum, upcast
+from composer_mesh.configs.sections.loss import PolicyLossConfig
+from composer_mesh.losses.reduce import segment_sum, upcast
 
 # verl's SAFETY_BOUND: exp(20) ≈ 4.9e8, exp(−20) ≈ 2e-9.
 LOG_RATIO_BOUND = 20.0

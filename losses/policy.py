@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from configs.sections.loss import PolicyLossConfig
-from losses.reduce import segment_sum, upcast
+from composer_mesh.configs.sections.loss import PolicyLossConfig
+from composer_mesh.losses.reduce import segment_sum, upcast
 
 
 def _group_index(group_ids_N: torch.Tensor) -> tuple[torch.Tensor, int]:

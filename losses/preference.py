@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from losses.reduce import upcast
+from composer_mesh.losses.reduce import upcast
 
 
 def sequence_logprobs(token_logprobs_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """The public Python API: build a run from a recipe, step it, sample from it, evaluate it, export it, stop it.
 
-    from mesh.api import Run
+    from composer_mesh.mesh.api import Run
 
     with Run.from_toml("configs/debug_cpu.toml", {"trainer.steps": 4}) as run:
         record = run.step()                         # one controller step (sync mode)
@@ -29,16 +29,16 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
-from actors.mesh_utils import rank0
-from actors.rollout import SamplingParams
-from configs.loader import load_config
-from configs.schema import JobConfig
-from mesh.controller import StepRecord
-from mesh.evaluation import evaluate
-from mesh.metrics import plot_run
+from composer_mesh.actors.mesh_utils import rank0
+from composer_mesh.actors.rollout import SamplingParams
+from composer_mesh.configs.loader import load_config
+from composer_mesh.configs.schema import JobConfig
+from composer_mesh.mesh.controller import StepRecord
+from composer_mesh.mesh.evaluation import evaluate
+from composer_mesh.mesh.metrics import plot_run
 
 if TYPE_CHECKING:
-    from mesh.launch import Launch
+    from composer_mesh.mesh.launch import Launch
 
 __all__ = ["Run", "StepRecord"]
 
@@ -97,7 +97,7 @@ class Run:
             raise RuntimeError("this Run was stopped; build a new one")
         if self._launch is None:
             # lazy: start-up time: the launch stack (transformers, TorchTitan, placement) loads when a run starts
-            from mesh.launch import Launch
+            from composer_mesh.mesh.launch import Launch
 
             try:
                 self._launch = Launch.start(self.job, self.run_dir, resume=self.resume, progress=self.progress,

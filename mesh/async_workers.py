@@ -14,11 +14,11 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from actors.rollout import RolloutGroup
-from mesh.requests import StaleWorker
+from composer_mesh.actors.rollout import RolloutGroup
+from composer_mesh.mesh.requests import StaleWorker
 
 if TYPE_CHECKING:
-    from mesh.controller import Controller
+    from composer_mesh.mesh.controller import Controller
 
 
 class AsyncWorkers:

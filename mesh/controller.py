@@ -41,19 +41,19 @@ from typing import Any, Callable, Literal, Sequence
 
 import torch
 
-from actors.episodes import ChatTokens
-from actors.mesh_utils import rank0
-from actors.rollout import RolloutGroup, SamplingParams
-from actors.weight_sync.sync import Publication, TopologySync, TopologySyncReport, sync_keep, sync_metrics
-from configs.schema import JobConfig
-from configs.sections.loss import PolicyLossConfig
-from mesh.errors import phase
-from mesh.evaluation import EvalConfig, evaluate
-from mesh.async_workers import AsyncWorkers
-from mesh.packing import PairTokens, make_hint, pack_batch, pair_rows, pair_tokens, select_rollouts
-from mesh.rollout_exchange import shard_points, train_step_sharded
-from mesh.requests import RequestLedger
-from mesh.supervision import (
+from composer_mesh.actors.episodes import ChatTokens
+from composer_mesh.actors.mesh_utils import rank0
+from composer_mesh.actors.rollout import RolloutGroup, SamplingParams
+from composer_mesh.actors.weight_sync.sync import Publication, TopologySync, TopologySyncReport, sync_keep, sync_metrics
+from composer_mesh.configs.schema import JobConfig
+from composer_mesh.configs.sections.loss import PolicyLossConfig
+from composer_mesh.mesh.errors import phase
+from composer_mesh.mesh.evaluation import EvalConfig, evaluate
+from composer_mesh.mesh.async_workers import AsyncWorkers
+from composer_mesh.mesh.packing import PairTokens, make_hint, pack_batch, pair_rows, pair_tokens, select_rollouts
+from composer_mesh.mesh.rollout_exchange import shard_points, train_step_sharded
+from composer_mesh.mesh.requests import RequestLedger
+from composer_mesh.mesh.supervision import (
     ActorHung, ControllerState, Deadline, Supervisor, is_actor_failure, is_alive, load_state, oldest_checkpoint, save_state,
 )
 
@@ -325,7 +325,7 @@ class Controller:
         if not pairs or not self.cfg.dpo_reference:
             return pairs, None, keys
         # lazy: start-up time: actors.trainer pulls in TorchTitan, which only a DPO-scored pair needs here
-        from actors.trainer import ScoreBatch
+        from composer_mesh.actors.trainer import ScoreBatch
 
         rows = pair_rows(pairs)
         refs = []

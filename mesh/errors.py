@@ -19,8 +19,8 @@ import signal
 from pathlib import Path
 from typing import Iterator
 
-from actors.monarch_compat import SupervisionError
-from mesh.supervision import UNANSWERED, causes
+from composer_mesh.actors.monarch_compat import SupervisionError
+from composer_mesh.mesh.supervision import UNANSWERED, causes
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 _ROLES = {"generator": "generator", "episodes": "generator", "hf_engine": "generator", "vllm_engine": "generator",

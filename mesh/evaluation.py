@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from actors.rollout import EpisodeRequest, RolloutGroup, SamplingParams
+from composer_mesh.actors.rollout import EpisodeRequest, RolloutGroup, SamplingParams
 
 
 @dataclass(frozen=True)

@@ -19,28 +19,28 @@ from typing import Any, Callable
 
 from transformers import AutoTokenizer
 
-from actors.episodes import ChatTokens
-from actors.mesh_utils import rank0
-from actors.teacher_replay import ReplaySpec
-from configs.schema import JobConfig
-from envs.demo import format_examples
-from envs.factory import check_task
-from envs.plugin import add_python_path
-from mesh.controller import Controller, ControllerConfig, StepRecord
-from mesh.memory import check as memory_check
-from mesh.metrics import MetricsSink, read_metrics
-from mesh.placement import Placement, generator_spec, place, trainer_spec_for
-from mesh.replicas import ReplicaController, check_supported, place_replicas
-from mesh.responders import build_responder
-from mesh.supervision import ControllerState, Supervisor, install_fault_hook, load_state, state_path
-from replay.hints import TemplateHintGenerator
-from replay.server import TeacherServer
-from titan_ext.assets import cache_dir_for, hf_dir_for
-from titan_ext.checkpoint import Checkpointer
-from titan_ext.hf.config import check_supported as check_hf_config
-from titan_ext.hf.config import read_checkpoint_config
-from titan_ext.hf.export import record_run_model
-from titan_ext.warmstart import WarmStartConfig, warm_start_dir
+from composer_mesh.actors.episodes import ChatTokens
+from composer_mesh.actors.mesh_utils import rank0
+from composer_mesh.actors.teacher_replay import ReplaySpec
+from composer_mesh.configs.schema import JobConfig
+from composer_mesh.envs.demo import format_examples
+from composer_mesh.envs.factory import check_task
+from composer_mesh.envs.plugin import add_python_path
+from composer_mesh.mesh.controller import Controller, ControllerConfig, StepRecord
+from composer_mesh.mesh.memory import check as memory_check
+from composer_mesh.mesh.metrics import MetricsSink, read_metrics
+from composer_mesh.mesh.placement import Placement, generator_spec, place, trainer_spec_for
+from composer_mesh.mesh.replicas import ReplicaController, check_supported, place_replicas
+from composer_mesh.mesh.responders import build_responder
+from composer_mesh.mesh.supervision import ControllerState, Supervisor, install_fault_hook, load_state, state_path
+from composer_mesh.replay.hints import TemplateHintGenerator
+from composer_mesh.replay.server import TeacherServer
+from composer_mesh.titan_ext.assets import cache_dir_for, hf_dir_for
+from composer_mesh.titan_ext.checkpoint import Checkpointer
+from composer_mesh.titan_ext.hf.config import check_supported as check_hf_config
+from composer_mesh.titan_ext.hf.config import read_checkpoint_config
+from composer_mesh.titan_ext.hf.export import record_run_model
+from composer_mesh.titan_ext.warmstart import WarmStartConfig, warm_start_dir
 
 
 class Loop:

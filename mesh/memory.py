@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from actors.weight_sync.sync import sync_keep
-from configs.schema import JobConfig
+from composer_mesh.actors.weight_sync.sync import sync_keep
+from composer_mesh.configs.schema import JobConfig
 
 logger = logging.getLogger(__name__)
 

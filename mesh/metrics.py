@@ -17,7 +17,7 @@ from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from configs.sections.metrics import MetricsConfig
+from composer_mesh.configs.sections.metrics import MetricsConfig
 
 CHANNEL_LOSSES = ("policy/loss", "distill/loss", "preference/loss")
 # logged by mesh.evaluation, on the steps it ran

@@ -26,12 +26,12 @@ from typing import Any, Sequence
 
 import torch
 
-from actors.episodes import ChatTokens
-from actors.rollout import Rollout, RolloutGroup
-from configs.records import ErrorSite
-from configs.sections.loss import PolicyLossConfig
-from losses.policy import dynamic_sampling_keep, grpo_advantages, overlong_penalty
-from titan_ext.batch import IGNORE_INDEX, TrainBatch
+from composer_mesh.actors.episodes import ChatTokens
+from composer_mesh.actors.rollout import Rollout, RolloutGroup
+from composer_mesh.configs.records import ErrorSite
+from composer_mesh.configs.sections.loss import PolicyLossConfig
+from composer_mesh.losses.policy import dynamic_sampling_keep, grpo_advantages, overlong_penalty
+from composer_mesh.titan_ext.batch import IGNORE_INDEX, TrainBatch
 
 
 @dataclass(frozen=True)

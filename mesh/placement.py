@@ -42,14 +42,14 @@ from monarch.actor import this_host
 from monarch.job import load_current_job
 from monarch.spmd import setup_torch_elastic_env
 
-from actors.generator import GeneratorActor, GeneratorSpec
-from actors.phase_memory import MMAP_THRESHOLD_ENV
-from actors.teacher_replay import TeacherReplayActor
-from actors.trainer import TrainerActor
-from configs.sections.mesh import MeshConfig
-from mesh.errors import phase
-from mesh.supervision import configure_supervision, is_alive
-from titan_ext.trainer import TrainerSpec
+from composer_mesh.actors.generator import GeneratorActor, GeneratorSpec
+from composer_mesh.actors.phase_memory import MMAP_THRESHOLD_ENV
+from composer_mesh.actors.teacher_replay import TeacherReplayActor
+from composer_mesh.actors.trainer import TrainerActor
+from composer_mesh.configs.sections.mesh import MeshConfig
+from composer_mesh.mesh.errors import phase
+from composer_mesh.mesh.supervision import configure_supervision, is_alive
+from composer_mesh.titan_ext.trainer import TrainerSpec
 
 
 @dataclass

@@ -37,14 +37,14 @@ from typing import Any, Callable, Sequence
 from monarch.actor import this_proc
 from monarch.spmd import setup_torch_elastic_env
 
-from actors.diloco import DiLoCoManagerActor, DiLoCoTrainerActor
-from actors.mesh_utils import rank0
-from actors.weight_sync.sync import TopologySync, sync_keep
-from configs.sections.diloco import DiLoCoConfig
-from configs.sections.mesh import MeshConfig
-from mesh.controller import Controller, ControllerConfig, StepRecord
-from mesh.placement import Placement, host_meshes, spawn_generators, spawn_replay
-from mesh.supervision import load_state
+from composer_mesh.actors.diloco import DiLoCoManagerActor, DiLoCoTrainerActor
+from composer_mesh.actors.mesh_utils import rank0
+from composer_mesh.actors.weight_sync.sync import TopologySync, sync_keep
+from composer_mesh.configs.sections.diloco import DiLoCoConfig
+from composer_mesh.configs.sections.mesh import MeshConfig
+from composer_mesh.mesh.controller import Controller, ControllerConfig, StepRecord
+from composer_mesh.mesh.placement import Placement, host_meshes, spawn_generators, spawn_replay
+from composer_mesh.mesh.supervision import load_state
 
 # batches in a row with nothing to train before a group gives up
 MAX_TIED_RETRIES = 20

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 
-from actors.rollout import EpisodeRequest, RolloutGroup
+from composer_mesh.actors.rollout import EpisodeRequest, RolloutGroup
 
 
 class StaleWorker(Exception):

@@ -6,9 +6,9 @@ is answered for (the demo task's solver in `envs.demo`), so it joins them here.
 
 from __future__ import annotations
 
-from configs.sections.replay import RESPONDERS
-from envs.demo import solve
-from replay.server import ConsensusResponder, HFResponder, Responder, SolverResponder, echo_responder
+from composer_mesh.configs.sections.replay import RESPONDERS
+from composer_mesh.envs.demo import solve
+from composer_mesh.replay.server import ConsensusResponder, HFResponder, Responder, SolverResponder, echo_responder
 
 
 def build_responder(kind: str, model_dir: str = "", noise: float = 0.2) -> Responder:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from titan_ext.batch import TrainBatch
+from composer_mesh.titan_ext.batch import TrainBatch
 
 
 def shard_points(trainer: Any) -> list[tuple[Any, int, int]]:

@@ -36,10 +36,10 @@ from typing import Any, Callable, Iterator
 
 import monarch.actor
 
-from actors.monarch_compat import SupervisionError, reload_config_from_env
-from actors.rollout import EpisodeRequest, RolloutGroup
-from configs.sections.checkpoint import CheckpointConfig
-from titan_ext.checkpoint import Checkpointer
+from composer_mesh.actors.monarch_compat import SupervisionError, reload_config_from_env
+from composer_mesh.actors.rollout import EpisodeRequest, RolloutGroup
+from composer_mesh.configs.sections.checkpoint import CheckpointConfig
+from composer_mesh.titan_ext.checkpoint import Checkpointer
 
 ROLES = ("generator", "trainer", "replay")
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import math
 
-from replay.cache import NANO
+from composer_mesh.replay.cache import NANO
 
 
 class BudgetExceeded(Exception):

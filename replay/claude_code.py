@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from replay.trace_io import ParseStats, Trace, read_jsonl, text_of
+from composer_mesh.replay.trace_io import ParseStats, Trace, read_jsonl, text_of
 
 _CONVERSATION = ("user", "assistant")
 # Record types that never enter the model's context (any other non-turn type is `unknown_type`).

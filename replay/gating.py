@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from configs.sections.replay import GatingConfig
-from replay.pairs import Decision, render_action
-from replay.traces import TraceState
+from composer_mesh.configs.sections.replay import GatingConfig
+from composer_mesh.replay.pairs import Decision, render_action
+from composer_mesh.replay.traces import TraceState
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
-from configs.records import ErrorKind, ErrorSite
+from composer_mesh.configs.records import ErrorKind, ErrorSite
 
 # Checked in order: the first kind whose pattern matches wins (timeouts and bad
 # calls first: their messages often also mention files or commands).

@@ -22,7 +22,7 @@ from typing import Any, Iterable
 
 import yaml
 
-from replay.pairs import action_key
+from composer_mesh.replay.pairs import action_key
 
 RECIPES_DIR = Path(__file__).with_name("recipes")
 _STATS_FIELD = "__dj__stats__"
@@ -109,7 +109,7 @@ def run_recipe(records: list[dict], out_dir: str | Path, recipe: str = "default"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     with open(work / "data_juicer.log", "w") as log:
         proc = subprocess.run(
-            [sys.executable, "-m", "replay.normalize", str(cfg_path)],
+            [sys.executable, "-m", "composer_mesh.replay.normalize", str(cfg_path)],
             stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout_s,
         )
     if proc.returncode != 0 or not dataset.exists():

@@ -16,8 +16,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Literal, Sequence
 
-from replay.cache import canonical_json
-from replay.traces import TraceState
+from composer_mesh.replay.cache import canonical_json
+from composer_mesh.replay.traces import TraceState
 
 Equivalence = Literal["tool_call", "text"]
 Strategy = Literal["plurality", "weighted"]

@@ -17,16 +17,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from configs.sections.replay import ReplayConfig
-from configs.sections.teachers import TeachersConfig
-from replay.cache import ResponseCache
-from replay.gating import Scorer, VOIGate, settled, tiers
-from replay.normalize import run_recipe
-from replay.pairs import PreferencePair, Vote, decide
-from replay.server import FaultPlan, Responder, TeacherServer
-from replay.teachers import SKIPS, TeacherClient, tool_specs
-from replay.trace_io import ParseStats
-from replay.traces import TraceState, load_traces, trace_paths, trace_states
+from composer_mesh.configs.sections.replay import ReplayConfig
+from composer_mesh.configs.sections.teachers import TeachersConfig
+from composer_mesh.replay.cache import ResponseCache
+from composer_mesh.replay.gating import Scorer, VOIGate, settled, tiers
+from composer_mesh.replay.normalize import run_recipe
+from composer_mesh.replay.pairs import PreferencePair, Vote, decide
+from composer_mesh.replay.server import FaultPlan, Responder, TeacherServer
+from composer_mesh.replay.teachers import SKIPS, TeacherClient, tool_specs
+from composer_mesh.replay.trace_io import ParseStats
+from composer_mesh.replay.traces import TraceState, load_traces, trace_paths, trace_states
 
 
 @dataclass

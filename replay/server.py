@@ -43,7 +43,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from replay.cache import context_hash
+from composer_mesh.replay.cache import context_hash
 
 Responder = Callable[[str, list[dict], dict], "str | dict"]
 

@@ -41,9 +41,9 @@ from typing import Any, Awaitable, Callable
 import certifi
 import httpx
 
-from configs.sections.teachers import TeacherSpec, TeachersConfig
-from replay.budget import Budget, BudgetExceeded, cost_nusd
-from replay.cache import NANO, ResponseCache, canonical_json, context_hash, request_key
+from composer_mesh.configs.sections.teachers import TeacherSpec, TeachersConfig
+from composer_mesh.replay.budget import Budget, BudgetExceeded, cost_nusd
+from composer_mesh.replay.cache import NANO, ResponseCache, canonical_json, context_hash, request_key
 
 _WIRE_KEYS = ("role", "content", "tool_calls", "tool_call_id", "name")
 _RETRYABLE_STATUS = (429, 500, 502, 503, 504, 529)

@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Literal
 
-from configs.records import ErrorSite
-from replay.claude_code import NOT_CONVERSATION, parse_claude_code
-from replay.hints import classify_error
-from replay.trace_io import ParseStats, Trace, read_jsonl, text_of
+from composer_mesh.configs.records import ErrorSite
+from composer_mesh.replay.claude_code import NOT_CONVERSATION, parse_claude_code
+from composer_mesh.replay.hints import classify_error
+from composer_mesh.replay.trace_io import ParseStats, Trace, read_jsonl, text_of
 
 TraceFormat = Literal["auto", "claude_code", "openai"]
 _ERROR_MESSAGE_CHARS = 2000

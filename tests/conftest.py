@@ -34,7 +34,7 @@ def _assets_cache_dir() -> Path:
 @pytest.fixture(scope="session")
 def tiny_assets():
     """Tokenizer + tiny dense and MoE HF checkpoints (seed 0), built on first use."""
-    from titan_ext.assets import build_assets
+    from composer_mesh.titan_ext.assets import build_assets
 
     return build_assets(_assets_cache_dir(), seed=0)
 
@@ -42,11 +42,11 @@ def tiny_assets():
 @pytest.fixture(scope="session")
 def tiny_trainer_spec(tiny_assets):
     """`make(checkpoint_dir)` → the tiny dense model's TrainerSpec used by the actor/mesh tests (AdamW 1e-2)."""
-    from configs.sections.checkpoint import CheckpointConfig
-    from configs.sections.model import ModelConfig
-    from configs.sections.optimizer import OptimizerConfig
-    from configs.sections.trainer import TrainerConfig
-    from titan_ext.trainer import TrainerSpec
+    from composer_mesh.configs.sections.checkpoint import CheckpointConfig
+    from composer_mesh.configs.sections.model import ModelConfig
+    from composer_mesh.configs.sections.optimizer import OptimizerConfig
+    from composer_mesh.configs.sections.trainer import TrainerConfig
+    from composer_mesh.titan_ext.trainer import TrainerSpec
 
     def make(checkpoint_dir: Path):
         return TrainerSpec(
@@ -64,8 +64,8 @@ def tiny_trainer_spec(tiny_assets):
 def make_generator_spec(tiny_assets):
     """`make(max_context_tokens=512, **generator)` → a GeneratorSpec of the tiny dense model on the HF
     engine; `generator` overrides fields of its GeneratorConfig."""
-    from actors.generator import GeneratorSpec
-    from configs.sections.generator import GeneratorConfig
+    from composer_mesh.actors.generator import GeneratorSpec
+    from composer_mesh.configs.sections.generator import GeneratorConfig
 
     def make(max_context_tokens: int = GeneratorSpec.max_context_tokens, **generator):
         return GeneratorSpec(

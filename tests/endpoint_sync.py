@@ -33,10 +33,10 @@ import torch.distributed as dist
 from monarch.actor import endpoint
 from safetensors.torch import save_file
 
-from actors.generator import GeneratorActor
-from actors.mesh_utils import rank0
-from actors.trainer import TrainerActor
-from actors.weight_sync.digest import weights_digest
+from composer_mesh.actors.generator import GeneratorActor
+from composer_mesh.actors.mesh_utils import rank0
+from composer_mesh.actors.trainer import TrainerActor
+from composer_mesh.actors.weight_sync.digest import weights_digest
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 

@@ -43,12 +43,12 @@ import transformers
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from configs.sections.model import ModelConfig
-from titan_ext.build import build_model
-from titan_ext.hf.write import save_hf_dir
-from titan_ext.models import resolve_model
-from titan_ext.platform import detect_platform
-from titan_ext.tiny import SPECIAL_TOKENS, TINY_MAX_SEQ_LEN, TINY_VOCAB_SIZE, TOOL_TOKENS
+from composer_mesh.configs.sections.model import ModelConfig
+from composer_mesh.titan_ext.build import build_model
+from composer_mesh.titan_ext.hf.write import save_hf_dir
+from composer_mesh.titan_ext.models import resolve_model
+from composer_mesh.titan_ext.platform import detect_platform
+from composer_mesh.titan_ext.tiny import SPECIAL_TOKENS, TINY_MAX_SEQ_LEN, TINY_VOCAB_SIZE, TOOL_TOKENS
 
 # Bumped when the files' format changes (docs/models.md lists the formats).
 ASSETS_FORMAT = 2

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from configs.sections.model import ModelConfig
-from titan_ext.hf.parity import verify_hf_checkpoint
-from titan_ext.hf.read import load_hf_into_titan
-from titan_ext.models import init_model, resolve_model
-from titan_ext.platform import Platform
+from composer_mesh.configs.sections.model import ModelConfig
+from composer_mesh.titan_ext.hf.parity import verify_hf_checkpoint
+from composer_mesh.titan_ext.hf.read import load_hf_into_titan
+from composer_mesh.titan_ext.models import init_model, resolve_model
+from composer_mesh.titan_ext.platform import Platform
 
 
 def build_model(

@@ -30,7 +30,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-from configs.sections.checkpoint import CheckpointConfig
+from composer_mesh.configs.sections.checkpoint import CheckpointConfig
 
 COMPLETE = "COMPLETE"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")

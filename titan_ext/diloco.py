@@ -53,8 +53,8 @@ from torchft.local_sgd import DiLoCo
 from torchft.manager import Manager
 from torchft.process_group import ProcessGroupGloo
 
-from configs.sections.diloco import DiLoCoConfig
-from titan_ext.torchft_compat import (
+from composer_mesh.configs.sections.diloco import DiLoCoConfig
+from composer_mesh.titan_ext.torchft_compat import (
     diloco_fragments,
     diloco_local_step,
     outer_optimizer,

@@ -32,13 +32,13 @@ from torchtitan.models.common import CosSinRoPE
 from torchtitan.models.common.moe import GroupedExperts
 from torchtitan.protocols.model_spec import ModelSpec
 
-from configs.sections.model import ModelConfig
-from titan_ext.attention import use_masked_sdpa
-from titan_ext.hf.config import architecture_signature, check_supported, read_checkpoint_config, titan_family
-from titan_ext.hf.derive import hf_config_for, titan_config_from_hf
-from titan_ext.platform import Platform, detect_platform
-from titan_ext.tiny import TINY_MAX_SEQ_LEN, TINY_ROPE_THETA, TINY_SHAPES, TINY_VOCAB_SIZE, TOKEN_IDS, TinyShape
-from titan_ext.torchtitan_compat import build_qwen3_layers, build_qwen3_moe_layers, qwen3_model_config
+from composer_mesh.configs.sections.model import ModelConfig
+from composer_mesh.titan_ext.attention import use_masked_sdpa
+from composer_mesh.titan_ext.hf.config import architecture_signature, check_supported, read_checkpoint_config, titan_family
+from composer_mesh.titan_ext.hf.derive import hf_config_for, titan_config_from_hf
+from composer_mesh.titan_ext.platform import Platform, detect_platform
+from composer_mesh.titan_ext.tiny import TINY_MAX_SEQ_LEN, TINY_ROPE_THETA, TINY_SHAPES, TINY_VOCAB_SIZE, TOKEN_IDS, TinyShape
+from composer_mesh.titan_ext.torchtitan_compat import build_qwen3_layers, build_qwen3_moe_layers, qwen3_model_config
 
 # Friendly flavour names -> (TorchTitan family, registry flavor).
 FLAVOURS: dict[str, tuple[str, str]] = {

@@ -22,8 +22,8 @@ from torch.optim import Optimizer
 from torchtitan.components.checkpointer.utils import canonical_fqn
 from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
 
-from configs.sections.optimizer import OptimizerConfig
-from titan_ext.muon import ShardedMuon, run_closure
+from composer_mesh.configs.sections.optimizer import OptimizerConfig
+from composer_mesh.titan_ext.muon import ShardedMuon, run_closure
 
 _ADAMW_MODULES = (nn.Embedding, nn.LayerNorm, nn.RMSNorm)
 

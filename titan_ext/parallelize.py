@@ -34,8 +34,8 @@ from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
 from torchtitan.distributed.utils import set_spmd_backend
 from torchtitan.protocols.model_spec import ModelSpec
 
-from configs.sections.parallelism import ParallelismConfig
-from titan_ext.platform import Platform, configure_fsdp_comms
+from composer_mesh.configs.sections.parallelism import ParallelismConfig
+from composer_mesh.titan_ext.platform import Platform, configure_fsdp_comms
 
 
 def titan_parallelism(cfg: ParallelismConfig) -> TitanParallelismConfig:

@@ -40,13 +40,13 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torchtitan.distributed.utils import clip_grad_norm_
 
-from configs.sections.checkpoint import CheckpointConfig
-from configs.sections.loss import LossConfig
-from configs.sections.model import ModelConfig
-from configs.sections.optimizer import OptimizerConfig
-from configs.sections.parallelism import ParallelismConfig
-from configs.sections.trainer import TrainerConfig
-from losses.composer import (
+from composer_mesh.configs.sections.checkpoint import CheckpointConfig
+from composer_mesh.configs.sections.loss import LossConfig
+from composer_mesh.configs.sections.model import ModelConfig
+from composer_mesh.configs.sections.optimizer import OptimizerConfig
+from composer_mesh.configs.sections.parallelism import ParallelismConfig
+from composer_mesh.configs.sections.trainer import TrainerConfig
+from composer_mesh.losses.composer import (
     DistillInputs,
     PolicyInputs,
     PreferenceInputs,
@@ -54,24 +54,24 @@ from losses.composer import (
     metric_reduce_op,
     summarize_metrics,
 )
-from losses.distill import TAIDSchedule
-from losses.mismatch import packed_sequence_ids
-from titan_ext.assets import tokenizer_dir_for
-from titan_ext.attention import attention_masks
-from titan_ext.batch import TrainBatch
-from titan_ext.checkpoint import Checkpointer
-from titan_ext.hf.adapters import HFBucket, iter_hf_buckets
-from titan_ext.hf.parity import verify_hf_checkpoint
-from titan_ext.hf.read import load_hf_into_titan
-from titan_ext.hf.write import save_hf_dir
-from titan_ext.models import init_model, resolve_model
-from titan_ext.optimizer import build_lr_scheduler, build_optimizer
-from titan_ext.parallelize import build_parallel_dims, parallelize_model, prepare_model_config
-from titan_ext.platform import Platform, detect_platform, init_process_group
-from titan_ext.torchtitan_compat import skip_lm_head
+from composer_mesh.losses.distill import TAIDSchedule
+from composer_mesh.losses.mismatch import packed_sequence_ids
+from composer_mesh.titan_ext.assets import tokenizer_dir_for
+from composer_mesh.titan_ext.attention import attention_masks
+from composer_mesh.titan_ext.batch import TrainBatch
+from composer_mesh.titan_ext.checkpoint import Checkpointer
+from composer_mesh.titan_ext.hf.adapters import HFBucket, iter_hf_buckets
+from composer_mesh.titan_ext.hf.parity import verify_hf_checkpoint
+from composer_mesh.titan_ext.hf.read import load_hf_into_titan
+from composer_mesh.titan_ext.hf.write import save_hf_dir
+from composer_mesh.titan_ext.models import init_model, resolve_model
+from composer_mesh.titan_ext.optimizer import build_lr_scheduler, build_optimizer
+from composer_mesh.titan_ext.parallelize import build_parallel_dims, parallelize_model, prepare_model_config
+from composer_mesh.titan_ext.platform import Platform, detect_platform, init_process_group
+from composer_mesh.titan_ext.torchtitan_compat import skip_lm_head
 
 if TYPE_CHECKING:
-    from configs.schema import JobConfig
+    from composer_mesh.configs.schema import JobConfig
 
 
 @dataclass(frozen=True)

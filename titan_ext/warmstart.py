@@ -28,13 +28,13 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoTokenizer
 
-from configs.sections.model import ModelConfig
-from titan_ext.assets import build_once
-from titan_ext.attention import attention_masks
-from titan_ext.build import build_model
-from titan_ext.hf.write import save_hf_weights
-from titan_ext.models import resolve_model
-from titan_ext.platform import detect_platform
+from composer_mesh.configs.sections.model import ModelConfig
+from composer_mesh.titan_ext.assets import build_once
+from composer_mesh.titan_ext.attention import attention_masks
+from composer_mesh.titan_ext.build import build_model
+from composer_mesh.titan_ext.hf.write import save_hf_weights
+from composer_mesh.titan_ext.models import resolve_model
+from composer_mesh.titan_ext.platform import detect_platform
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import zstandard
 
-from actors.weight_sync.segment import Piece
+from composer_mesh.actors.weight_sync.segment import Piece
 
 XOR, FULL = "xor", "full"
 # zstd level of the XOR sections (docs/weight_sync.md "Delta sync")

@@ -8,12 +8,12 @@ from typing import Any
 
 import torch
 
-from actors.weight_sync.delta import Delta, apply_delta, runs_crc
-from actors.weight_sync.mapping import one_thread
-from actors.weight_sync.pull_status import pulling
-from actors.weight_sync.reader import PinnedSegment
-from actors.weight_sync.segment import Piece, SegmentLayout
-from actors.weight_sync.writer import SegmentWriter
+from composer_mesh.actors.weight_sync.delta import Delta, apply_delta, runs_crc
+from composer_mesh.actors.weight_sync.mapping import one_thread
+from composer_mesh.actors.weight_sync.pull_status import pulling
+from composer_mesh.actors.weight_sync.reader import PinnedSegment
+from composer_mesh.actors.weight_sync.segment import Piece, SegmentLayout
+from composer_mesh.actors.weight_sync.writer import SegmentWriter
 
 
 @dataclass

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from actors.weight_sync.segment import host_dir, path_safe
+from composer_mesh.actors.weight_sync.segment import host_dir, path_safe
 
 
 def failure_path(root: str | os.PathLike, host: str, version: int, token: str) -> Path:

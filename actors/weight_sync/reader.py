@@ -17,9 +17,9 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from actors.weight_sync.mapping import SlotHold, SlotMapping, map_slot, one_thread
-from actors.weight_sync.pull_status import dead_puller, failure_path
-from actors.weight_sync.segment import HEADER, Header, SegmentLayout, host_dir, slot_views
+from composer_mesh.actors.weight_sync.mapping import SlotHold, SlotMapping, map_slot, one_thread
+from composer_mesh.actors.weight_sync.pull_status import dead_puller, failure_path
+from composer_mesh.actors.weight_sync.segment import HEADER, Header, SegmentLayout, host_dir, slot_views
 
 
 class PinnedSegment(SlotHold):
@@ -136,7 +136,7 @@ def load_segment(engine: Any, bound: nn.Module, segment: PinnedSegment, hf_names
     any copy so a mismatch leaves the engine as it was.
     """
     # lazy: the export and TorchTitan model code take seconds to import; the controller imports this module
-    from titan_ext.hf.adapters import iter_hf_buckets
+    from composer_mesh.titan_ext.hf.adapters import iter_hf_buckets
 
     engine.check_coverage(hf_names, segment.version)
     segment.verify()
@@ -158,7 +158,7 @@ def load_segment(engine: Any, bound: nn.Module, segment: PinnedSegment, hf_names
 def hf_names_of(shadow: nn.Module) -> list[str]:
     """HF names the export gives `shadow` (run on the meta model: no data touched)."""
     # lazy: the export and TorchTitan model code take seconds to import; the controller imports this module
-    from titan_ext.hf.adapters import iter_hf_buckets
+    from composer_mesh.titan_ext.hf.adapters import iter_hf_buckets
 
     return [name for bucket in iter_hf_buckets(shadow, 1 << 62) for name, _ in bucket]
 
@@ -194,8 +194,8 @@ class SegmentLoader:
 def shadow_model(model_cfg: Any, parallelism: Any) -> nn.Module:
     """The trainer's TorchTitan model built on the meta device (names and shapes only, no memory)."""
     # lazy: the export and TorchTitan model code take seconds to import; the controller imports this module
-    from titan_ext.models import resolve_model
-    from titan_ext.parallelize import prepare_model_config
+    from composer_mesh.titan_ext.models import resolve_model
+    from composer_mesh.titan_ext.parallelize import prepare_model_config
 
     # reads hf_path's config.json only (the shape may come from it)
     spec = resolve_model(model_cfg).spec

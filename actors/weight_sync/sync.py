@@ -35,9 +35,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from actors.weight_sync.pull import RemoteSource
-from actors.weight_sync.routes import MeshTopology, ProcInfo, RoutePlan, Topology, plan_routes, probe
-from actors.weight_sync.segment import DEFAULT_BUCKET_BYTES, DEFAULT_ROOT
+from composer_mesh.actors.weight_sync.pull import RemoteSource
+from composer_mesh.actors.weight_sync.routes import MeshTopology, ProcInfo, RoutePlan, Topology, plan_routes, probe
+from composer_mesh.actors.weight_sync.segment import DEFAULT_BUCKET_BYTES, DEFAULT_ROOT
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from actors.weight_sync.mapping import SlotHold, locked, map_slot, one_thread
-from actors.weight_sync.segment import (
+from composer_mesh.actors.weight_sync.mapping import SlotHold, locked, map_slot, one_thread
+from composer_mesh.actors.weight_sync.segment import (
     HEADER, MAGIC, Header, Piece, SegmentLayout, Slot, clean_name, pack_token, payload_offset, slot_path, slot_views,
 )
 

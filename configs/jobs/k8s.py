@@ -17,7 +17,7 @@ import os
 
 from monarch.job.kubernetes import ImageSpec, KubernetesJob
 
-from configs.jobs import env_int
+from composer_mesh.configs.jobs import env_int
 
 
 def build_job(

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import os
 
-from configs.jobs import env_int
-from configs.jobs.slurm_compat import CompatSlurmJob
+from composer_mesh.configs.jobs import env_int
+from composer_mesh.configs.jobs.slurm_compat import CompatSlurmJob
 
 
 def build_job(

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from configs.fields import option
+from composer_mesh.configs.fields import option
 
 
 @dataclass(frozen=True)

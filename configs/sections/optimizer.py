@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from configs.fields import option
+from composer_mesh.configs.fields import option
 
 
 @dataclass(frozen=True)

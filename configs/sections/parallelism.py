@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from configs.fields import option
+from composer_mesh.configs.fields import option
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from configs.fields import option
+from composer_mesh.configs.fields import option
 
 # Who answers on the local teacher server (`mesh.responders.build_responder`).
 RESPONDERS = ("consensus", "echo", "solver", "hf")

@@ -24,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # lazy: start-up time: every command module loads to build the CLI; TorchTitan and transformers load only here
-    from titan_ext.assets import build_assets, default_cache_dir
+    from composer_mesh.titan_ext.assets import build_assets, default_cache_dir
 
     if args.seed < 0:
         print(f"error: --seed must be >= 0, got {args.seed}", file=sys.stderr)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mesh.commands import load_job
+from composer_mesh.mesh.commands import load_job
 
 NAME = "config"
 HELP = "Show resolved configs, list shipped recipes, print the configuration reference."
@@ -22,8 +22,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # lazy: start-up time: every command module loads to build the CLI; the schema loads only here
-    from configs.loader import dump_config, list_recipes
-    from configs.reference import render_reference
+    from composer_mesh.configs.loader import dump_config, list_recipes
+    from composer_mesh.configs.reference import render_reference
 
     if args.action == "list":
         print("\n".join(list_recipes()))

@@ -22,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     # lazy: start-up time: every command module loads to build the CLI; torch and TorchTitan load only here
     import torch
-    from titan_ext.hf.export import export_run
+    from composer_mesh.titan_ext.hf.export import export_run
 
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):

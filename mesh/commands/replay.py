@@ -7,7 +7,7 @@ import json
 import sys
 from collections import Counter
 
-from mesh.commands import load_job
+from composer_mesh.mesh.commands import load_job
 
 NAME = "replay"
 HELP = "Replay frozen agent traces with teacher models into a normalized preference dataset (resumable)."
@@ -21,9 +21,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # lazy: start-up time: every command module loads to build the CLI; the replay pipeline and teacher server load only here
-    from mesh.responders import build_responder
-    from replay.pipeline import run_replay
-    from replay.teachers import SKIPS
+    from composer_mesh.mesh.responders import build_responder
+    from composer_mesh.replay.pipeline import run_replay
+    from composer_mesh.replay.teachers import SKIPS
 
     cfg = load_job(args)
     if cfg is None:
@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
         scorer = None
         if rc.gating.enabled:
             # lazy: the HF scorer loads only when gating is on
-            from replay.gating import HFScorer
+            from composer_mesh.replay.gating import HFScorer
 
             scorer = HFScorer(rc.gating.scorer_model)
         if args.no_progress:
@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
 def failure_report(by_teacher: dict[str, dict[str, dict]], stopped: dict[str, str]) -> str:
     """Human summary of failed and skipped teacher calls: a row per teacher and reason, with the first message."""
     # lazy: start-up time: every command module loads to build the CLI; the teacher client loads only here
-    from replay.teachers import SKIPS
+    from composer_mesh.replay.teachers import SKIPS
 
     lines = ["teacher calls without an answer (teacher, reason, calls, first message):"]
     for teacher, reasons in by_teacher.items():

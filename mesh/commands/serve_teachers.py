@@ -6,7 +6,7 @@ import argparse
 import signal
 import threading
 
-from configs.sections.replay import RESPONDERS
+from composer_mesh.configs.sections.replay import RESPONDERS
 
 NAME = "serve-teachers"
 HELP = "Serve /v1/chat/completions locally (consensus, echo, demo-task solver or local HF model), with fault injection."
@@ -37,8 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # lazy: start-up time: the server stack (uvicorn, transformers) loads only when this command runs
-    from mesh.responders import build_responder
-    from replay.server import FaultPlan, TeacherServer
+    from composer_mesh.mesh.responders import build_responder
+    from composer_mesh.replay.server import FaultPlan, TeacherServer
 
     plan = FaultPlan(
         latency_s=args.latency, latency_jitter_s=args.latency_jitter, p_rate_limit=args.p_429,

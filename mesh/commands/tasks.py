@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from configs.sections.env import FeatureDeletionConfig
+from composer_mesh.configs.sections.env import FeatureDeletionConfig
 
 NAME = "tasks"
 HELP = "Generate verified feature-deletion tasks from a local Python repository; --check grades oracle and no-op."
@@ -21,8 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # lazy: start-up time: every command module loads to build the CLI; the task generator and sandbox load only here
-    from envs.feature_deletion import TaskStore, generate_tasks
-    from envs.sandbox import Sandbox, SandboxUnavailable
+    from composer_mesh.envs.feature_deletion import TaskStore, generate_tasks
+    from composer_mesh.envs.sandbox import Sandbox, SandboxUnavailable
 
     if args.max_tasks < 1 or not 1 <= args.functions_per_task <= 4:
         print("error: --max-tasks must be >= 1 and --functions-per-task in 1..4", file=sys.stderr)

@@ -15,8 +15,8 @@ import argparse
 import json
 import sys
 
-from mesh.commands import load_job
-from mesh.errors import describe
+from composer_mesh.mesh.commands import load_job
+from composer_mesh.mesh.errors import describe
 
 NAME = "train"
 HELP = "Run RL post-training: generators, teacher replay and the trainer on Monarch meshes."
@@ -41,7 +41,7 @@ def heldout_line(heldout: dict[str, dict[str, float]]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     # lazy: start-up time: every command module loads to build the CLI; torch and the mesh stack load only here
-    from mesh.api import Run
+    from composer_mesh.mesh.api import Run
 
     job = load_job(args)
     if job is None:

@@ -13,10 +13,10 @@ import time
 import pytest
 import torch
 
-from configs.sections.diloco import DiLoCoConfig
-from configs.sections.model import ModelConfig
-from configs.sections.optimizer import OptimizerConfig
-from configs.sections.trainer import TrainerConfig
+from composer_mesh.configs.sections.diloco import DiLoCoConfig
+from composer_mesh.configs.sections.model import ModelConfig
+from composer_mesh.configs.sections.optimizer import OptimizerConfig
+from composer_mesh.configs.sections.trainer import TrainerConfig
 
 pytestmark = pytest.mark.slow
 
@@ -25,7 +25,7 @@ H, ROUNDS, VOCAB, L = 2, 2, 2048, 16
 
 def policy_batch(seed: int, rows: int = 2):
     """A policy-channel-only batch: random rows, the second half are generated tokens."""
-    from titan_ext.batch import IGNORE_INDEX, TrainBatch
+    from composer_mesh.titan_ext.batch import IGNORE_INDEX, TrainBatch
 
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(3, VOCAB, (rows, L), generator=g)
@@ -44,8 +44,8 @@ def replicas(tiny_assets):
     from monarch.actor import this_host, this_proc
     from monarch.spmd import setup_torch_elastic_env
 
-    from actors.diloco import DiLoCoManagerActor, DiLoCoTrainerActor
-    from titan_ext.trainer import TrainerSpec
+    from composer_mesh.actors.diloco import DiLoCoManagerActor, DiLoCoTrainerActor
+    from composer_mesh.titan_ext.trainer import TrainerSpec
 
     cfg = DiLoCoConfig(enabled=True, replica_groups=2, min_replicas=2, inner_steps=H, timeout_s=60, quorum_timeout_s=120)
     spec = TrainerSpec(
@@ -126,6 +126,6 @@ def test_shutting_the_lighthouse_fails_a_waiting_sync_within_seconds(replicas):
 
 
 def _tiny_model():
-    from titan_ext.build import build_model
+    from composer_mesh.titan_ext.build import build_model
 
     return build_model(ModelConfig(flavour="tiny", device="cpu", seed=0), device="cpu")

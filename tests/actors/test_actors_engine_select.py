@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from actors.generator import select_engine
+from composer_mesh.actors.generator import select_engine
 
 
 @pytest.fixture
@@ -28,7 +28,7 @@ def test_auto_falls_back_when_vllm_would_refuse(tmp_path, vllm_importable, caplo
     model.mkdir()
     config = {"model_type": "qwen3"} | ({"max_position_embeddings": positions} if positions else {})
     (model / "config.json").write_text(json.dumps(config))
-    with caplog.at_level(logging.WARNING, logger="actors.generator"):
+    with caplog.at_level(logging.WARNING, logger="composer_mesh.actors.generator"):
         assert select_engine("auto", str(model), needed) == engine
     assert ("exceeds max_position_embeddings 256" in caplog.text) == (engine == "hf")
 

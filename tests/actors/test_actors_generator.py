@@ -14,8 +14,8 @@ import math
 import pytest
 import torch
 
-from actors.rollout import EpisodeRequest, SamplingParams
-from configs.records import ErrorKind
+from composer_mesh.actors.rollout import EpisodeRequest, SamplingParams
+from composer_mesh.configs.records import ErrorKind
 
 SAMPLING = SamplingParams(temperature=0.7, top_p=0.9, top_k=50, max_new_tokens=10, seed=5)
 
@@ -63,7 +63,7 @@ def check_logprobs(model, rollouts, sampling: SamplingParams, tol: float = 2e-4)
 def local_generator(generator_spec):
     from monarch.actor import this_proc
 
-    from actors.generator import GeneratorActor
+    from composer_mesh.actors.generator import GeneratorActor
 
     return this_proc().spawn("gen_inproc", GeneratorActor, generator_spec)
 
@@ -120,7 +120,7 @@ def test_bf16_serving_dtype(generator_spec, tiny_assets):
     from monarch.actor import this_proc
     from transformers import AutoModelForCausalLM
 
-    from actors.generator import GeneratorActor
+    from composer_mesh.actors.generator import GeneratorActor
 
     spec = dataclasses.replace(generator_spec, generator=dataclasses.replace(generator_spec.generator, dtype="bfloat16"))
     gen = this_proc().spawn("gen_bf16", GeneratorActor, spec)
@@ -136,7 +136,7 @@ def test_hf_engine_addresses_fused_moe_experts_by_checkpoint_names(tiny_assets):
     holding its values, and a load through those names changes what the model computes with."""
     from safetensors.torch import load_file
 
-    from actors.hf_engine import HFEngine
+    from composer_mesh.actors.hf_engine import HFEngine
 
     on_disk = load_file(str(tiny_assets.moe_dir / "model.safetensors"))
     engine = HFEngine(tiny_assets.moe_dir, [0])

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reas
 
 _PHASES = """
 import json, torch
-from actors.phase_memory import PhaseMemory
+from composer_mesh.actors.phase_memory import PhaseMemory
 m = PhaseMemory()
 with m.phase("big"):
     x = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB, touched
@@ -60,7 +60,7 @@ def test_each_phase_keeps_its_own_peak():
 
 _RETENTION = """
 import sys, torch
-from actors.phase_memory import bound_malloc_retention
+from composer_mesh.actors.phase_memory import bound_malloc_retention
 if sys.argv[1] == "bounded":
     assert bound_malloc_retention(1 << 20)
 def anon():
@@ -86,7 +86,7 @@ def test_bounded_malloc_gives_freed_tensors_back():
 
 def test_zero_threshold_leaves_glibc_alone(monkeypatch):
     """`[mesh] malloc_mmap_threshold_mib = 0` reaches the actors as 0 in the environment: nothing is set."""
-    from actors.phase_memory import MMAP_THRESHOLD_ENV, bound_malloc_retention
+    from composer_mesh.actors.phase_memory import MMAP_THRESHOLD_ENV, bound_malloc_retention
 
     monkeypatch.setenv(MMAP_THRESHOLD_ENV, "0")
     assert bound_malloc_retention() is False

@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from actors.rollout import EpisodeRequest
+from composer_mesh.actors.rollout import EpisodeRequest
 
 from test_actors_generator import SAMPLING, check_logprobs, hf_model
 
@@ -27,8 +27,8 @@ VOCAB = 2048
 @pytest.fixture(scope="module")
 def meshes(tiny_trainer_spec, generator_spec, tmp_path_factory):
     """Disaggregated placement: 2 FSDP trainer procs, 2 generator procs of their own."""
-    from configs.sections.mesh import MeshConfig
-    from mesh.placement import place
+    from composer_mesh.configs.sections.mesh import MeshConfig
+    from composer_mesh.mesh.placement import place
 
     out = tmp_path_factory.mktemp("trainer")
     spec = tiny_trainer_spec(out / "ckpt")
@@ -59,7 +59,7 @@ def oracle_meshes(tiny_trainer_spec, generator_spec, tmp_path_factory):
 
 
 def score_batch(seed: int = 0, n: int = 3, s: int = 12):
-    from actors.trainer import ScoreBatch
+    from composer_mesh.actors.trainer import ScoreBatch
 
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(3, VOCAB, (n, s), generator=g)
@@ -108,7 +108,7 @@ def test_score_matches_hf_forward(meshes, tiny_assets):
 
 def policy_batch(trainer, seed: int):
     """A policy-channel batch whose generator logprobs are the trainer's own (on-policy)."""
-    from titan_ext.batch import TrainBatch
+    from composer_mesh.titan_ext.batch import TrainBatch
 
     sb = score_batch(seed, n=4, s=16)
     scored = next(iter(trainer.score.call(sb).get().values()))
@@ -121,7 +121,7 @@ def policy_batch(trainer, seed: int):
 
 
 def test_train_step_weight_sync_and_checkpoint(oracle_meshes, tmp_path):
-    from actors.mesh_utils import rank0
+    from composer_mesh.actors.mesh_utils import rank0
     from endpoint_sync import sync_weights
 
     trainer, gens = oracle_meshes
@@ -172,7 +172,7 @@ def test_dpo_reference_stays_the_initial_weights(meshes, tiny_assets):
 def test_two_generator_procs_update_weights_in_place(oracle_meshes, tiny_assets, tmp_path):
     from monarch.actor import ActorError
 
-    from actors.weight_sync.digest import weights_digest
+    from composer_mesh.actors.weight_sync.digest import weights_digest
     from endpoint_sync import publish_buckets
 
     _, gens = oracle_meshes

@@ -20,7 +20,7 @@ import os
 import pytest
 import torch
 
-from actors.rollout import SamplingParams
+from composer_mesh.actors.rollout import SamplingParams
 from test_actors_generator import reference_logprobs  # the sibling module: one reference for both engines
 
 pytestmark = pytest.mark.slow
@@ -51,7 +51,7 @@ def test_refuses_to_start_in_a_trainer_rank(tiny_assets, monkeypatch):
     """First in the module, before any engine exists: Monarch's torch-elastic env marks a trainer rank."""
     import torch.distributed as dist
 
-    from actors.vllm_engine import VLLMEngine
+    from composer_mesh.actors.vllm_engine import VLLMEngine
 
     assert not dist.is_initialized()
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -63,8 +63,8 @@ def test_refuses_to_start_in_a_trainer_rank(tiny_assets, monkeypatch):
 @pytest.fixture(scope="module")
 def setup(tiny_assets):
     """(vLLM engine, HF engine, stop token ids): a stop token the greedy decode of PROMPTS[1] meets."""
-    from actors.hf_engine import HFEngine
-    from actors.vllm_engine import VLLMEngine
+    from composer_mesh.actors.hf_engine import HFEngine
+    from composer_mesh.actors.vllm_engine import VLLMEngine
 
     eos = 2
     probe = HFEngine(tiny_assets.dense_dir, [eos]).generate([PROMPTS[1]], GREEDY)[0].token_ids
@@ -102,8 +102,8 @@ def test_sampled_logprobs_equal_teacher_forced_transform(setup, tiny_assets):
 def test_load_weights_in_place_matches_new_weights_and_trainer_digest(setup, tiny_assets, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from actors.hf_engine import HFEngine
-    from actors.weight_sync.digest import weights_digest
+    from composer_mesh.actors.hf_engine import HFEngine
+    from composer_mesh.actors.weight_sync.digest import weights_digest
     from endpoint_sync import publish_buckets, read_manifest
 
     vllm_engine, _, stops = setup
@@ -137,7 +137,7 @@ def test_load_weights_in_place_matches_new_weights_and_trainer_digest(setup, tin
 
 
 def test_bad_weights_are_refused_before_loading(setup):
-    from actors.weight_sync.digest import weights_digest
+    from composer_mesh.actors.weight_sync.digest import weights_digest
 
     vllm_engine, _, _ = setup
     held = vllm_engine.named_weights()
@@ -175,9 +175,9 @@ def test_moe_logprobs_equal_hf_before_and_after_an_in_place_load(setup, tiny_ass
     digest as the loaded weights."""
     from transformers import AutoModelForCausalLM
 
-    from actors.hf_engine import HFEngine, per_expert_views
-    from actors.vllm_engine import VLLMEngine
-    from actors.weight_sync.digest import weights_digest
+    from composer_mesh.actors.hf_engine import HFEngine, per_expert_views
+    from composer_mesh.actors.vllm_engine import VLLMEngine
+    from composer_mesh.actors.weight_sync.digest import weights_digest
 
     stops = setup[2]
     setup[0].close()  # one engine at a time (idempotent; the test before checked what it releases)
@@ -226,9 +226,9 @@ def test_tensor_parallel_2_serves_loads_and_digests_the_full_model(setup, tiny_a
     are repacked for the CPU kernel in each worker."""
     from transformers import AutoModelForCausalLM
 
-    from actors.hf_engine import HFEngine, per_expert_views
-    from actors.vllm_engine import VLLMEngine, VLLMEngineConfig
-    from actors.weight_sync.digest import weights_digest
+    from composer_mesh.actors.hf_engine import HFEngine, per_expert_views
+    from composer_mesh.actors.vllm_engine import VLLMEngine, VLLMEngineConfig
+    from composer_mesh.actors.weight_sync.digest import weights_digest
 
     stops = setup[2]
     setup[0].close()  # one engine at a time

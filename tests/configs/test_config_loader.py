@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from configs.loader import ConfigError, dump_config, load_config, loads_config, list_recipes
-from configs.schema import JobConfig
+from composer_mesh.configs.loader import ConfigError, dump_config, load_config, loads_config, list_recipes
+from composer_mesh.configs.schema import JobConfig
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -146,13 +146,13 @@ def test_config_is_frozen():
 
 def test_cli_config_show_prints_resolved_and_exits_2_on_error(tmp_path):
     ok = subprocess.run(
-        [sys.executable, "-m", "mesh.cli", "config", "show", "configs/debug_cpu.toml", "--trainer.steps=3"],
+        [sys.executable, "-m", "composer_mesh.mesh.cli", "config", "show", "configs/debug_cpu.toml", "--trainer.steps=3"],
         cwd=REPO, capture_output=True, text=True,
     )
     assert ok.returncode == 0, ok.stderr
     assert loads_config(ok.stdout).trainer.steps == 3
     bad = subprocess.run(
-        [sys.executable, "-m", "mesh.cli", "config", "show", "configs/debug_cpu.toml", "--trainer.stepz=3"],
+        [sys.executable, "-m", "composer_mesh.mesh.cli", "config", "show", "configs/debug_cpu.toml", "--trainer.stepz=3"],
         cwd=REPO, capture_output=True, text=True,
     )
     assert bad.returncode == 2 and "did you mean 'steps'" in bad.stderr
@@ -160,7 +160,7 @@ def test_cli_config_show_prints_resolved_and_exits_2_on_error(tmp_path):
 
 def test_reference_doc_is_generated_from_schema():
     """docs/configuration.md is the output of `composer-mesh config reference` (regenerate it when the schema changes)."""
-    from configs.reference import render_reference
+    from composer_mesh.configs.reference import render_reference
 
     assert (REPO / "docs" / "configuration.md").read_text() == render_reference()
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from configs.sections.env import FeatureDeletionConfig, SandboxConfig
+from composer_mesh.configs.sections.env import FeatureDeletionConfig, SandboxConfig
 
 collect_ignore_glob = ["fixtures/*"]
 
@@ -23,14 +23,14 @@ SANDBOX_LIMITS = dict(wall_timeout_s=8.0, cpu_time_s=3, address_space_mb=1024, m
 def sandbox(tmp_path_factory):
     """A sandbox with a root of its own: other graders on the box (a second run, a benchmark) add and remove
     their workspaces elsewhere, so a test may compare the root's listing before and after."""
-    from envs.sandbox import Sandbox
+    from composer_mesh.envs.sandbox import Sandbox
 
     return Sandbox(SandboxConfig(root_dir=str(tmp_path_factory.mktemp("sandbox-root")), **SANDBOX_LIMITS))
 
 
 @pytest.fixture(scope="session")
 def task_store(sandbox):
-    from envs.feature_deletion import TaskStore
+    from composer_mesh.envs.feature_deletion import TaskStore
 
     store = TaskStore(sandbox)
     yield store
@@ -40,7 +40,7 @@ def task_store(sandbox):
 @pytest.fixture(scope="session")
 def repo_tasks(sandbox, task_store):
     """Verified single-function tasks, three per vendored repository."""
-    from envs.feature_deletion import generate_tasks
+    from composer_mesh.envs.feature_deletion import generate_tasks
 
     config = FeatureDeletionConfig(max_tasks=3, functions_per_task=1, seed=0)
     return {repo: generate_tasks(FIXTURES / repo, config, sandbox, task_store) for repo in REPOS}
@@ -49,7 +49,7 @@ def repo_tasks(sandbox, task_store):
 @pytest.fixture(scope="session")
 def callable_tasks(sandbox, task_store):
     """The hookkit fixture: tests pass callables in and get callables back; (tasks, refused)."""
-    from envs.feature_deletion import generate_tasks
+    from composer_mesh.envs.feature_deletion import generate_tasks
 
     refused: list[tuple[str, str]] = []
     tasks = generate_tasks(FIXTURES / "hookkit", FeatureDeletionConfig(max_tasks=10, seed=0), sandbox, task_store, refused)

@@ -15,10 +15,10 @@ import sys
 
 import pytest
 
-from configs.sections.env import DatasetTaskConfig, EnvConfig, PluginConfig
-from envs.base import assistant
-from envs.dataset import DatasetEnv, combine, load_task
-from envs.factory import check_task, env_factory
+from composer_mesh.configs.sections.env import DatasetTaskConfig, EnvConfig, PluginConfig
+from composer_mesh.envs.base import assistant
+from composer_mesh.envs.dataset import DatasetEnv, combine, load_task
+from composer_mesh.envs.factory import check_task, env_factory
 
 USER_MODULE = '''
 def exact(completions, prompts, answer, **kwargs):
@@ -59,7 +59,7 @@ def raises(completions, **kwargs):
 NOT_CALLABLE = 3
 
 def make_env(split, target=0):
-    from envs.demo import DemoEnv
+    from composer_mesh.envs.demo import DemoEnv
     return DemoEnv(split=split)
 
 def make_wrong(split):

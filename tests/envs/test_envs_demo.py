@@ -7,11 +7,11 @@ import random
 
 import pytest
 
-from configs.loader import loads_config
-from configs.records import ErrorKind
-from configs.sections.env import DemoTaskConfig
-from envs.base import assistant
-from envs.demo import DemoEnv, Problem, make_problem, prompt_messages, score, solve, split_of
+from composer_mesh.configs.loader import loads_config
+from composer_mesh.configs.records import ErrorKind
+from composer_mesh.configs.sections.env import DemoTaskConfig
+from composer_mesh.envs.base import assistant
+from composer_mesh.envs.demo import DemoEnv, Problem, make_problem, prompt_messages, score, solve, split_of
 
 CONFIG = DemoTaskConfig(ops=("add", "sub", "mul", "max", "reverse"), max_operand=9, heldout_fraction=0.25)
 
@@ -195,7 +195,7 @@ def test_env_section_loads_and_validates():
 def test_format_examples_teach_the_format_not_the_answers():
     """Warm-start data: well-formed replies, replayed through `DemoEnv` turn by turn (feedback text
     included), on train problems only, with answers that carry no information about the problem."""
-    from envs.demo import answer_range, format_examples
+    from composer_mesh.envs.demo import answer_range, format_examples
 
     cfg = DemoTaskConfig(ops=("add", "sub", "reverse"), max_operand=9, heldout_fraction=0.25)
     examples = format_examples(cfg, 600, seed=3)

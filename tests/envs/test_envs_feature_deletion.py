@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from configs.sections.env import FeatureDeletionConfig
-from envs.feature_deletion import generate_tasks, stub_functions
-from envs.grading import grade_workspace, run_suite
-from envs.safeguards import manifest
+from composer_mesh.configs.sections.env import FeatureDeletionConfig
+from composer_mesh.envs.feature_deletion import generate_tasks, stub_functions
+from composer_mesh.envs.grading import grade_workspace, run_suite
+from composer_mesh.envs.safeguards import manifest
 
 FIXTURES = Path(__file__).parent / "fixtures"
 REPOS = ("textkit", "minicalc")
@@ -178,9 +178,9 @@ def test_bytecode_is_not_carried_into_grading(repo_tasks, sandbox):
 
 
 def test_single_turn_env_grades_the_file_in_the_reply(repo_tasks, sandbox):
-    from configs.records import ErrorKind
-    from envs.base import assistant
-    from envs.feature_deletion import FeatureDeletionEnv
+    from composer_mesh.configs.records import ErrorKind
+    from composer_mesh.envs.base import assistant
+    from composer_mesh.envs.feature_deletion import FeatureDeletionEnv
 
     env = FeatureDeletionEnv(repo_tasks["minicalc"], sandbox)
     (prompt,) = env.reset(seed=1).messages
@@ -197,10 +197,10 @@ def test_single_turn_env_grades_the_file_in_the_reply(repo_tasks, sandbox):
 
 
 def test_env_factory_from_the_env_section(task_store, repo_tasks):
-    from configs.sections.env import EnvConfig
-    from envs.demo import DemoEnv
-    from envs.factory import build_env, env_factory, split_tasks
-    from envs.tool_loop import ToolLoopEnv
+    from composer_mesh.configs.sections.env import EnvConfig
+    from composer_mesh.envs.demo import DemoEnv
+    from composer_mesh.envs.factory import build_env, env_factory, split_tasks
+    from composer_mesh.envs.tool_loop import ToolLoopEnv
 
     demo = build_env(EnvConfig(), "heldout")
     assert isinstance(demo, DemoEnv) and demo.split == "heldout"
@@ -267,7 +267,7 @@ def test_the_report_cannot_be_forged_from_the_request(sandbox):
 
 
 def test_tasks_command(capsys, tmp_path):
-    from mesh.cli import main
+    from composer_mesh.mesh.cli import main
 
     assert main(["tasks", str(FIXTURES / "minicalc"), "--max-tasks", "1", "--check"]) == 0
     out = capsys.readouterr().out

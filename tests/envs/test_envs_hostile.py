@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from envs.base import assistant
-from envs.sandbox import processes_of, processes_with
-from envs.tool_loop import ToolLoopEnv
+from composer_mesh.envs.base import assistant
+from composer_mesh.envs.sandbox import processes_of, processes_with
+from composer_mesh.envs.tool_loop import ToolLoopEnv
 
 MARKER = "cmhostile" + uuid.uuid4().hex[:12]
 SECRET = "sk-hostile-" + uuid.uuid4().hex

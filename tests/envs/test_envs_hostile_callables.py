@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from envs.base import assistant
-from envs.containment import CGROUP_ROOT, CONTROLLERS
-from envs.feature_deletion import FeatureDeletionEnv
-from envs.sandbox import Sandbox
-from envs.tool_loop import ToolLoopEnv
+from composer_mesh.envs.base import assistant
+from composer_mesh.envs.containment import CGROUP_ROOT, CONTROLLERS
+from composer_mesh.envs.feature_deletion import FeatureDeletionEnv
+from composer_mesh.envs.sandbox import Sandbox
+from composer_mesh.envs.tool_loop import ToolLoopEnv
 
 _OUT = "import os as _o, sys as _s\n_OUT = int(_s.argv[2])  # the callee's pipe to the judge\n"
 _SUMMARY = '{"done": true, "exit": 0, "tests": {}, "collect_errors": []}'
@@ -196,7 +196,7 @@ def test_new_files_that_shadow_modules_earn_zero(name, tasks, sandbox):
 @pytest.mark.parametrize("name", sorted(set(FILE_CASES) - {"wrong_answer_until_the_deadline"}))
 def test_attacks_earn_zero_without_the_static_checks(name, tasks, sandbox, monkeypatch):
     """The static scan is an early signal only: switched off, the split judge still pays nothing."""
-    monkeypatch.setattr("envs.grading.scan_source", lambda new, old: [])
+    monkeypatch.setattr("composer_mesh.envs.grading.scan_source", lambda new, old: [])
     task = tasks["apply_all"]
     obs = _play("single", task, sandbox, task.stubbed_source + FILE_CASES[name][0])
     assert obs.reward == 0.0 and obs.info["reason"].split()[0] in FILE_CASES[name][1] | {"tests_failed"}, obs.info
@@ -268,8 +268,8 @@ def test_a_virtualenv_reached_through_a_symlink_can_be_sandboxed(tmp_path):
 
 def test_a_target_named_like_an_installed_module_is_refused(tmp_path, sandbox, task_store):
     """The judge never forwards a name the stdlib or site-packages provide, even when the repository owns it."""
-    from configs.sections.env import FeatureDeletionConfig
-    from envs.feature_deletion import generate_tasks
+    from composer_mesh.configs.sections.env import FeatureDeletionConfig
+    from composer_mesh.envs.feature_deletion import generate_tasks
 
     repo = tmp_path / "shadowrepo"
     (repo / "tests").mkdir(parents=True)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from configs.sections.env import SandboxConfig
-from envs.sandbox import Sandbox, SandboxUnavailable, copy_tree, processes_of, processes_with, redact
+from composer_mesh.configs.sections.env import SandboxConfig
+from composer_mesh.envs.sandbox import Sandbox, SandboxUnavailable, copy_tree, processes_of, processes_with, redact
 
 
 def _py(sandbox, ws, code: str, **kw):

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from configs.records import ErrorKind
-from envs.base import assistant
-from envs.safeguards import change_violations, diff_tree, is_test_path, scan_source
-from envs.tool_loop import TOOLS, ToolLoopEnv
+from composer_mesh.configs.records import ErrorKind
+from composer_mesh.envs.base import assistant
+from composer_mesh.envs.safeguards import change_violations, diff_tree, is_test_path, scan_source
+from composer_mesh.envs.tool_loop import TOOLS, ToolLoopEnv
 
 
 LEXER = "minicalc/lexer.py"
@@ -76,7 +76,7 @@ def test_tool_errors_become_error_sites_and_episode_is_graded(episode):
 
 def test_error_sites_become_hints_through_replay(episode):
     """Integration: the sites the loop produces go through replay/'s hint pipeline unchanged."""
-    from replay.hints import TemplateHintGenerator, insert_hint
+    from composer_mesh.replay.hints import TemplateHintGenerator, insert_hint
 
     messages, sites, _ = episode
     generator = TemplateHintGenerator()
@@ -103,7 +103,7 @@ def test_write_file_cannot_follow_a_symlink_out(env):
 
 
 def test_turn_limit_ends_the_episode(repo_tasks, sandbox):
-    from configs.sections.env import ToolLoopConfig
+    from composer_mesh.configs.sections.env import ToolLoopConfig
 
     env = ToolLoopEnv(repo_tasks["minicalc"][:1], sandbox, ToolLoopConfig(max_turns=2))
     env.reset(seed=0)

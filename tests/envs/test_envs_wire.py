@@ -11,8 +11,8 @@ from collections import OrderedDict
 
 import pytest
 
-from envs import _wire as wire
-from envs.grading import _REPORT_BYTES, read_channel
+from composer_mesh.envs import _wire as wire
+from composer_mesh.envs.grading import _REPORT_BYTES, read_channel
 
 NONCE = "ab" * 16
 SUMMARY = {"done": True, "exit": 0, "tests": {"t.py::a": "passed"}, "collect_errors": []}
@@ -227,7 +227,7 @@ def test_callables_cross_as_handles_and_call_back_nested():
 )
 def test_no_reply_to_a_description_request_raises_inside_the_judge(reply):
     """The judge's side (`install_forwarding`) against forged replies: a violation at most, never an exception."""
-    from envs import _grade_runner as runner
+    from composer_mesh.envs import _grade_runner as runner
 
     to_judge, to_callee = os.pipe(), os.pipe()
     os.write(to_judge[1], reply)

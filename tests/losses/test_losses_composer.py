@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from configs.sections.loss import LossConfig
-from losses.composer import (
+from composer_mesh.configs.sections.loss import LossConfig
+from composer_mesh.losses.composer import (
     DistillInputs,
     PolicyInputs,
     PreferenceInputs,

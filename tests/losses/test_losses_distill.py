@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from losses.distill import DistillSpec, TAIDSchedule, token_divergence
+from composer_mesh.losses.distill import DistillSpec, TAIDSchedule, token_divergence
 
 SHAPES = [(3, 11), (17, 64), (40, 257)]  # (tokens, vocab)
 
@@ -162,8 +162,8 @@ def test_jsd_batchmean_is_the_channel_divided_by_sequences():
     """TRL/OPSD `generalized_jsd_loss` without labels returns Σ_{b,t} jsd / B ("batchmean");
     this channel divides by the count passed in (valid tokens): passing B as that count
     reproduces TRL's unmasked value."""
-    from configs.sections.loss import LossConfig
-    from losses.composer import DistillInputs, compose_loss
+    from composer_mesh.configs.sections.loss import LossConfig
+    from composer_mesh.losses.composer import DistillInputs, compose_loss
 
     g = torch.Generator().manual_seed(12)
     B, T, Dm, Vm = 3, 7, 6, 19

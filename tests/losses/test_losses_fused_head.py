@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from configs.sections.loss import LossConfig
-from losses.composer import PolicyInputs, PreferenceInputs, compose_loss, preference_channel
-from losses.logprobs import FusedHead, fused_token_loss
+from composer_mesh.configs.sections.loss import LossConfig
+from composer_mesh.losses.composer import PolicyInputs, PreferenceInputs, compose_loss, preference_channel
+from composer_mesh.losses.logprobs import FusedHead, fused_token_loss
 
 V, D = 41, 10
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from losses.distill import DistillSpec
-from losses.logprobs import (
+from composer_mesh.losses.distill import DistillSpec
+from composer_mesh.losses.logprobs import (
     Teacher,
     chunk_tokens_for,
     chunked_token_stats,

@@ -10,11 +10,11 @@ import math
 import pytest
 import torch
 
-from configs.loader import ConfigError, load_config
-from configs.sections.loss import LossConfig, PolicyLossConfig
-from losses.composer import PolicyInputs, compose_loss
-from losses.mismatch import mismatch_weights, packed_sequence_ids
-from losses.policy import dapo_token_loss, prime_dppo_token_loss
+from composer_mesh.configs.loader import ConfigError, load_config
+from composer_mesh.configs.sections.loss import LossConfig, PolicyLossConfig
+from composer_mesh.losses.composer import PolicyInputs, compose_loss
+from composer_mesh.losses.mismatch import mismatch_weights, packed_sequence_ids
+from composer_mesh.losses.policy import dapo_token_loss, prime_dppo_token_loss
 
 V, D = 37, 8
 

@@ -7,15 +7,15 @@ import math
 import pytest
 import torch
 
-from configs.sections.loss import PolicyLossConfig
-from losses.policy import (
+from composer_mesh.configs.sections.loss import PolicyLossConfig
+from composer_mesh.losses.policy import (
     dapo_token_loss,
     dynamic_sampling_keep,
     grpo_advantages,
     overlong_penalty,
     prime_dppo_token_loss,
 )
-from losses.mismatch import mismatch_weights
+from composer_mesh.losses.mismatch import mismatch_weights
 
 SHAPES = [(2, 5), (3, 17), (4, 40)]
 

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from configs.loader import ConfigError, load_config
-from losses.preference import dpo_loss, ipo_loss, sequence_logprobs, sequence_mean_logprobs, simpo_loss
+from composer_mesh.configs.loader import ConfigError, load_config
+from composer_mesh.losses.preference import dpo_loss, ipo_loss, sequence_logprobs, sequence_mean_logprobs, simpo_loss
 
 SHAPES = [(2, 5), (3, 17), (5, 40)]  # (pairs, tokens)
 

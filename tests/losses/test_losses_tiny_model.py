@@ -7,9 +7,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from configs.sections.loss import LossConfig, PolicyLossConfig  # noqa: E402
-from losses.composer import DistillInputs, PolicyInputs, PreferenceInputs, compose_loss  # noqa: E402
-from losses.policy import grpo_advantages  # noqa: E402
+from composer_mesh.configs.sections.loss import LossConfig, PolicyLossConfig  # noqa: E402
+from composer_mesh.losses.composer import DistillInputs, PolicyInputs, PreferenceInputs, compose_loss  # noqa: E402
+from composer_mesh.losses.policy import grpo_advantages  # noqa: E402
 
 VOCAB = 512
 

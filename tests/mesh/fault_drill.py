@@ -46,22 +46,22 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from actors.episodes import ChatTokens
-    from actors.generator import GeneratorSpec
-    from actors.rollout import SamplingParams
-    from configs.sections.checkpoint import CheckpointConfig
-    from configs.sections.generator import GeneratorConfig
-    from configs.sections.loss import LossConfig, PolicyLossConfig
-    from configs.sections.mesh import MeshConfig
-    from configs.sections.model import ModelConfig
-    from configs.sections.optimizer import OptimizerConfig
-    from configs.sections.trainer import TrainerConfig
-    from mesh.controller import Controller, ControllerConfig
-    from mesh.placement import place
-    from mesh.supervision import Deadline, Supervisor, install_fault_hook
-    from actors.mesh_utils import rank0
-    from replay.hints import TemplateHintGenerator
-    from titan_ext.trainer import TrainerSpec
+    from composer_mesh.actors.episodes import ChatTokens
+    from composer_mesh.actors.generator import GeneratorSpec
+    from composer_mesh.actors.rollout import SamplingParams
+    from composer_mesh.configs.sections.checkpoint import CheckpointConfig
+    from composer_mesh.configs.sections.generator import GeneratorConfig
+    from composer_mesh.configs.sections.loss import LossConfig, PolicyLossConfig
+    from composer_mesh.configs.sections.mesh import MeshConfig
+    from composer_mesh.configs.sections.model import ModelConfig
+    from composer_mesh.configs.sections.optimizer import OptimizerConfig
+    from composer_mesh.configs.sections.trainer import TrainerConfig
+    from composer_mesh.mesh.controller import Controller, ControllerConfig
+    from composer_mesh.mesh.placement import place
+    from composer_mesh.mesh.supervision import Deadline, Supervisor, install_fault_hook
+    from composer_mesh.actors.mesh_utils import rank0
+    from composer_mesh.replay.hints import TemplateHintGenerator
+    from composer_mesh.titan_ext.trainer import TrainerSpec
 
     run = Path(args.run)
     events: list[str] = []

@@ -34,7 +34,7 @@ def _trained(rows: list[dict]) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_assets):
-    from mesh.api import Run
+    from composer_mesh.mesh.api import Run
 
     os.environ["COMPOSER_MESH_CACHE"] = str(tiny_assets.root.parents[1])  # the suite's assets: no rebuild
     overrides = {"trainer.steps": STEPS, "trainer.eval_every": 0, "checkpoint.every_steps": STEPS}
@@ -109,8 +109,8 @@ def test_stop_removes_actors_and_shared_memory(runs):
 
 
 def test_overrides_name_the_key(tmp_path):
-    from configs.loader import ConfigError
-    from mesh.api import Run
+    from composer_mesh.configs.loader import ConfigError
+    from composer_mesh.mesh.api import Run
 
     recipe = _recipe(tmp_path)
     with pytest.raises(ConfigError, match=r"trainer\.stepz.*did you mean 'steps'"):

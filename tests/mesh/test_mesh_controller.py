@@ -16,13 +16,13 @@ import threading
 
 import pytest
 
-from actors.generator import GeneratorActor
-from actors.rollout import EpisodeRequest, RolloutGroup, SamplingParams
-from configs.sections.checkpoint import CheckpointConfig
-from configs.sections.loss import LossConfig, PolicyLossConfig
-from configs.sections.model import ModelConfig
-from configs.sections.optimizer import OptimizerConfig
-from configs.sections.trainer import TrainerConfig
+from composer_mesh.actors.generator import GeneratorActor
+from composer_mesh.actors.rollout import EpisodeRequest, RolloutGroup, SamplingParams
+from composer_mesh.configs.sections.checkpoint import CheckpointConfig
+from composer_mesh.configs.sections.loss import LossConfig, PolicyLossConfig
+from composer_mesh.configs.sections.model import ModelConfig
+from composer_mesh.configs.sections.optimizer import OptimizerConfig
+from composer_mesh.configs.sections.trainer import TrainerConfig
 from monarch.actor import endpoint
 
 pytestmark = pytest.mark.slow
@@ -50,7 +50,7 @@ class DiesOnce:
         return self
 
     def get(self, timeout=None):
-        from actors.monarch_compat import SupervisionError
+        from composer_mesh.actors.monarch_compat import SupervisionError
 
         raise SupervisionError("generator process killed (test)")
 
@@ -69,9 +69,9 @@ class SlowGenerator(GeneratorActor):
 @pytest.fixture(scope="module")
 def colocated(tiny_assets, gen_spec):
     """Colocated placement on one process: the trainer and a generator actor share it."""
-    from configs.sections.mesh import MeshConfig
-    from mesh.placement import place
-    from titan_ext.trainer import TrainerSpec
+    from composer_mesh.configs.sections.mesh import MeshConfig
+    from composer_mesh.mesh.placement import place
+    from composer_mesh.titan_ext.trainer import TrainerSpec
 
     spec = TrainerSpec(
         model=ModelConfig(flavour="tiny", device="cpu", hf_path=str(tiny_assets.dense_dir)),
@@ -100,13 +100,13 @@ def gen_spec(make_generator_spec):
 def chat(tiny_assets):
     from transformers import AutoTokenizer
 
-    from actors.episodes import ChatTokens
+    from composer_mesh.actors.episodes import ChatTokens
 
     return ChatTokens(AutoTokenizer.from_pretrained(str(tiny_assets.dense_dir)))
 
 
 def controller_config(tmp_path, **kw):
-    from mesh.controller import ControllerConfig
+    from composer_mesh.mesh.controller import ControllerConfig
 
     return ControllerConfig(
         prompts_per_step=2, max_seq_len=160, policy=PolicyLossConfig(dynamic_sampling=False),
@@ -115,9 +115,9 @@ def controller_config(tmp_path, **kw):
 
 
 def test_sync_mode_trains_on_policy_with_hints(colocated, trainer_mesh, chat, tmp_path):
-    from mesh.controller import Controller
-    from actors.mesh_utils import rank0
-    from replay.hints import TemplateHintGenerator
+    from composer_mesh.mesh.controller import Controller
+    from composer_mesh.actors.mesh_utils import rank0
+    from composer_mesh.replay.hints import TemplateHintGenerator
 
     [gen] = colocated.generators
     assert gen.info.call_one().get()["pid"] == colocated.trainer_setup[0]["pid"]  # one process, two roles
@@ -140,9 +140,9 @@ def test_sync_mode_trains_on_policy_with_hints(colocated, trainer_mesh, chat, tm
 def test_async_mode_never_trains_on_stale_samples(trainer_mesh, gen_spec, chat, tmp_path):
     from monarch.actor import this_proc
 
-    from mesh.controller import Controller
-    from mesh.supervision import Supervisor
-    from actors.mesh_utils import rank0
+    from composer_mesh.mesh.controller import Controller
+    from composer_mesh.mesh.supervision import Supervisor
+    from composer_mesh.actors.mesh_utils import rank0
 
     fast = DiesOnce(this_proc().spawn("gen_fast", GeneratorActor, gen_spec))
     slow = this_proc().spawn("gen_slow", SlowGenerator, gen_spec)
@@ -171,17 +171,17 @@ def test_async_mode_never_trains_on_stale_samples(trainer_mesh, gen_spec, chat, 
 
 @pytest.fixture(scope="module")
 def teacher_server():
-    from envs.demo import solve
-    from replay.server import TeacherServer
+    from composer_mesh.envs.demo import solve
+    from composer_mesh.replay.server import TeacherServer
 
     with TeacherServer(lambda model, messages, params: solve(messages)) as server:
         yield server
 
 
 def replay_spec(tmp_path, server, tiny_assets, min_entropy: float):
-    from actors.teacher_replay import ReplaySpec
-    from configs.sections.replay import GatingConfig, ReplayConfig
-    from configs.sections.teachers import TeacherSpec, TeachersConfig
+    from composer_mesh.actors.teacher_replay import ReplaySpec
+    from composer_mesh.configs.sections.replay import GatingConfig, ReplayConfig
+    from composer_mesh.configs.sections.teachers import TeacherSpec, TeachersConfig
 
     teachers = TeachersConfig(
         models=tuple(TeacherSpec(name=n, model=f"local-{n}", price_in_per_mtok=1.0, price_out_per_mtok=4.0, max_tokens=16)
@@ -196,8 +196,8 @@ def replay_spec(tmp_path, server, tiny_assets, min_entropy: float):
 def test_teacher_replay_pairs_budget_and_gating(trainer_mesh, gen_spec, teacher_server, tiny_assets, tmp_path):
     from monarch.actor import this_proc
 
-    from actors.teacher_replay import TeacherReplayActor, rollout_states
-    from envs.demo import solve
+    from composer_mesh.actors.teacher_replay import TeacherReplayActor, rollout_states
+    from composer_mesh.envs.demo import solve
 
     gen = this_proc().spawn("gen_replay", GeneratorActor, gen_spec)
     rollouts = [r for g in gen.generate.call_one([EpisodeRequest(0, 21)], SAMPLING).get() for r in g.rollouts]
@@ -251,9 +251,9 @@ def test_teacher_replay_pairs_budget_and_gating(trainer_mesh, gen_spec, teacher_
 def test_sync_mode_all_three_channels(trainer_mesh, gen_spec, teacher_server, tiny_assets, chat, tmp_path):
     from monarch.actor import this_proc
 
-    from actors.teacher_replay import TeacherReplayActor
-    from mesh.controller import Controller
-    from replay.hints import TemplateHintGenerator
+    from composer_mesh.actors.teacher_replay import TeacherReplayActor
+    from composer_mesh.mesh.controller import Controller
+    from composer_mesh.replay.hints import TemplateHintGenerator
 
     gen = this_proc().spawn("gen_three", GeneratorActor, gen_spec)
     replay = this_proc().spawn("replay_three", TeacherReplayActor,
@@ -268,8 +268,8 @@ def test_sync_mode_all_three_channels(trainer_mesh, gen_spec, teacher_server, ti
 
 def test_controller_config_is_built_from_the_recipe():
     """`ControllerConfig.from_job`: the one place the recipe's sections become controller settings."""
-    from configs.loader import load_config
-    from mesh.controller import ControllerConfig
+    from composer_mesh.configs.loader import load_config
+    from composer_mesh.mesh.controller import ControllerConfig
 
     job = load_config("debug_cpu.toml", {"loss.alpha": 0.0, "trainer.eval_every": 5})
     cfg = ControllerConfig.from_job(job, steps=7, weight_dir="/w", state_dir="/s", replay=True)

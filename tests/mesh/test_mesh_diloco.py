@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[2]
 def _train(tmp_path, tiny_assets, *overrides: str) -> dict:
     env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1",
                COMPOSER_MESH_CACHE=str(tiny_assets.root.parents[1]))
-    cmd = [sys.executable, "-m", "mesh.cli", "train", "--no-progress", "configs/diloco_cpu.toml",
+    cmd = [sys.executable, "-m", "composer_mesh.mesh.cli", "train", "--no-progress", "configs/diloco_cpu.toml",
            f"--job.output_dir={tmp_path}", "--diloco.inner_steps=2", "--diloco.procs_per_group=2",
            "--trainer.prompts_per_step=2", "--generator.max_new_tokens=8", *overrides]
     out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
@@ -53,7 +53,7 @@ def test_diloco_recipe_trains_checkpoints_and_resumes(tmp_path, tiny_assets):
     takes step 4, whose sync continues the round: outer step 2, no heal, both groups identical."""
     import torch
 
-    from mesh.supervision import load_state
+    from composer_mesh.mesh.supervision import load_state
 
     first = _train(tmp_path, tiny_assets, "--trainer.steps=3")
     assert first["final_step"] == 3 and first["steps_run"] == 3
@@ -90,7 +90,7 @@ def test_diloco_recipe_trains_checkpoints_and_resumes(tmp_path, tiny_assets):
     # `composer-mesh export` of a DiLoCo run: group 0's newest checkpoint, equal to the run's final hf/.
     from safetensors.torch import load_file
 
-    from mesh.cli import main
+    from composer_mesh.mesh.cli import main
 
     assert main(["export", str(run_dir), str(tmp_path / "export")]) == 0
     final = load_file(run_dir / "hf" / "model.safetensors")
@@ -104,8 +104,8 @@ def test_diloco_recipe_trains_checkpoints_and_resumes(tmp_path, tiny_assets):
     (["--diloco.replica_groups=16"], "prompts_per_step"),
 ])
 def test_unsupported_combinations_are_clear_errors(overrides, message):
-    from configs.loader import load_config
-    from mesh.replicas import check_supported
+    from composer_mesh.configs.loader import load_config
+    from composer_mesh.mesh.replicas import check_supported
 
     job = load_config(REPO / "configs" / "diloco_cpu.toml", overrides)
     with pytest.raises(ValueError, match=message):
@@ -123,9 +123,9 @@ def test_a_failing_group_stops_the_other_within_seconds():
     from torch.distributed import TCPStore
     from torchft._torchft import LighthouseServer
 
-    from configs.sections.diloco import DiLoCoConfig
-    from mesh.replicas import run_groups
-    from titan_ext.diloco import DiLoCoReplica, ReplicaAssignment
+    from composer_mesh.configs.sections.diloco import DiLoCoConfig
+    from composer_mesh.mesh.replicas import run_groups
+    from composer_mesh.titan_ext.diloco import DiLoCoReplica, ReplicaAssignment
 
     cfg = DiLoCoConfig(inner_steps=2, replica_groups=2, min_replicas=2, heartbeat_timeout_ms=1000,
                        timeout_s=30, quorum_timeout_s=600)
@@ -184,9 +184,9 @@ def test_a_failing_group_stops_the_other_within_seconds():
 def test_group_streams_split_the_step_and_resume_each_stream():
     """prompts_per_step 5 and 3 pairs over 2 groups, resumed at step 4: shares 3 + 2 and 2 + 1, each group
     continues its own stream at step × share, and the groups' problem seeds never meet."""
-    from mesh.controller import ControllerConfig
-    from mesh.requests import RequestLedger
-    from mesh.replicas import group_streams
+    from composer_mesh.mesh.controller import ControllerConfig
+    from composer_mesh.mesh.requests import RequestLedger
+    from composer_mesh.mesh.replicas import group_streams
 
     cfg = ControllerConfig(steps=10, prompts_per_step=5, max_seq_len=64, pairs_per_step=3, seed=7)
     streams = group_streams(cfg, 2, prompt_cursor=4 * 5)

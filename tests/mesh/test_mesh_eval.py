@@ -95,9 +95,9 @@ def test_eval_is_logged_everywhere(runs):
 
 
 def test_eval_set_is_heldout_and_disjoint_from_training():
-    from configs.sections.env import DemoTaskConfig
-    from envs.demo import make_problem, split_of
-    from mesh.evaluation import heldout_requests
+    from composer_mesh.configs.sections.env import DemoTaskConfig
+    from composer_mesh.envs.demo import make_problem, split_of
+    from composer_mesh.mesh.evaluation import heldout_requests
 
     for cfg in (DemoTaskConfig(), DemoTaskConfig(max_operand=4), DemoTaskConfig(ops=("add", "reverse"))):
         requests = heldout_requests(16)

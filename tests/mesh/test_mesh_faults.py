@@ -34,8 +34,8 @@ from pathlib import Path
 
 import pytest
 
-from actors.rollout import EpisodeRequest, RolloutGroup
-from mesh.supervision import UNANSWERED
+from composer_mesh.actors.rollout import EpisodeRequest, RolloutGroup
+from composer_mesh.mesh.supervision import UNANSWERED
 from test_mesh_train import RECIPE  # tests/mesh is on sys.path (pytest's rootdir-less "prepend" import)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -231,7 +231,7 @@ def teacher_cmd(tmp_path: Path, steps: int, log: Path) -> tuple[list[str], Path]
     """The train command of the short demo recipe with the local teacher server logging its requests to `log`."""
     recipe = tmp_path / "demo.toml"
     recipe.write_text(RECIPE.format(repo=REPO, out=tmp_path / "runs"))  # the train command test's short demo run
-    cmd = [sys.executable, "-m", "mesh.cli", "train", "--no-progress", str(recipe), f"--trainer.steps={steps}",
+    cmd = [sys.executable, "-m", "composer_mesh.mesh.cli", "train", "--no-progress", str(recipe), f"--trainer.steps={steps}",
            "--checkpoint.every_steps=1", f"--replay.local_server.request_log={log}",
            "--replay.concurrency=1"]  # one state at a time: each step asks the teachers, no pairs pile up
     return cmd, tmp_path / "runs" / "debug_cpu"
@@ -318,7 +318,7 @@ def test_controller_sigkill_then_resume_loses_no_step_and_repeats_no_teacher_cal
 
 
 def test_request_ledger_requeues_and_dedupes():
-    from mesh.requests import RequestLedger, StaleWorker
+    from composer_mesh.mesh.requests import RequestLedger, StaleWorker
 
     ledger = RequestLedger(seed=2)
     first = ledger.take(3)
@@ -344,7 +344,7 @@ def test_request_ledger_requeues_and_dedupes():
 
 
 def test_controller_state_file_is_replaced_atomically(tmp_path):
-    from mesh.supervision import ControllerState, load_state, save_state, state_path
+    from composer_mesh.mesh.supervision import ControllerState, load_state, save_state, state_path
 
     state = ControllerState(3, 4, 9, [EpisodeRequest(8, 8)], [RolloutGroup(7, 7, [])], {"queue": [1]})
     save_state(tmp_path, state)
@@ -365,7 +365,7 @@ def test_controller_state_file_is_replaced_atomically(tmp_path):
 
 
 def test_deadline_grows_with_the_request_and_the_measured_speed():
-    from mesh.supervision import ActorHung, Deadline, is_actor_failure
+    from composer_mesh.mesh.supervision import ActorHung, Deadline, is_actor_failure
 
     d = Deadline(floor_s=20.0, s_per_token=0.05)
     assert d.seconds(100, 0.0) == 20.0  # short call: the floor

@@ -16,8 +16,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 PROBE = """
 import json, sys
-import configs.jobs.slurm as slurm
-import configs.jobs.k8s as k8s
+import composer_mesh.configs.jobs.slurm as slurm
+import composer_mesh.configs.jobs.k8s as k8s
 s, k = slurm.job, k8s.job
 print(json.dumps({
     "slurm_type": type(s).__name__, "slurm_meshes": s._meshes, "gpus": s._gpus_per_node,
@@ -32,7 +32,7 @@ print(json.dumps({
 
 SLURM_PROBE = """
 import json
-from configs.jobs.slurm import job
+from composer_mesh.configs.jobs.slurm import job
 print(json.dumps({"gpus": job._gpus_per_node, "start_timeout": job._job_start_timeout}))
 """
 
@@ -101,7 +101,7 @@ def never_called(hostlist: str) -> list[str]:
 
 
 def test_squeue_22_05_job_is_picked_by_id_and_normalized():
-    from configs.jobs.slurm_compat import find_job, normalize_job
+    from composer_mesh.configs.jobs.slurm_compat import find_job, normalize_job
 
     doc = json.loads(SQUEUE_22.read_text())
     assert [j["job_id"] for j in doc["jobs"]] == [1, 2]  # 22.05 ignores --job: jobs[0] is not always the job
@@ -117,7 +117,7 @@ def test_squeue_22_05_job_is_picked_by_id_and_normalized():
 
 
 def test_squeue_24_05_job_passes_through_unchanged():
-    from configs.jobs.slurm_compat import find_job, normalize_job
+    from composer_mesh.configs.jobs.slurm_compat import find_job, normalize_job
 
     doc = json.loads(SQUEUE_24.read_text())
     for job in doc["jobs"]:
@@ -133,7 +133,7 @@ def test_reference_hostlist_expansion():
 MONARCH_READER = """
 import json, sys
 sys.path.insert(0, {tests!r})
-from configs.jobs.slurm_compat import CompatSlurmJob
+from composer_mesh.configs.jobs.slurm_compat import CompatSlurmJob
 from test_mesh_jobs import reference_hostnames
 
 class FromFile(CompatSlurmJob):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from configs.loader import load_config
+from composer_mesh.configs.loader import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -24,7 +24,7 @@ def job_with(**overrides):
 
 
 def test_estimate_is_the_documented_formula():
-    from mesh import memory
+    from composer_mesh.mesh import memory
 
     params = 123_456_789
     job = job_with(**{"mesh.trainer_procs": 2, "trainer.max_staleness": 1, "generator.dtype": "bfloat16",
@@ -49,7 +49,7 @@ def test_estimate_is_the_documented_formula():
 def test_parameter_count_equals_transformers(tiny_assets):
     from transformers import AutoModelForCausalLM
 
-    from mesh.memory import parameter_count
+    from composer_mesh.mesh.memory import parameter_count
 
     for model_dir in (tiny_assets.dense_dir, tiny_assets.moe_dir):
         model = AutoModelForCausalLM.from_pretrained(model_dir)
@@ -57,13 +57,13 @@ def test_parameter_count_equals_transformers(tiny_assets):
 
 
 def test_check_refuses_warns_or_skips(tiny_assets, monkeypatch, caplog):
-    from mesh import memory
+    from composer_mesh.mesh import memory
 
     monkeypatch.setattr(memory, "available", lambda: (1 << 20, 1 << 40))  # 1 MiB of RAM, plenty of /dev/shm
     with pytest.raises(ValueError, match=r'memory_check = "warn".*') as refused:
         memory.check(job_with(), str(tiny_assets.dense_dir))
     assert "GiB on this host, 0.0 GiB available" in str(refused.value) and "/dev/shm" in str(refused.value)
-    with caplog.at_level("WARNING", logger="mesh.memory"):
+    with caplog.at_level("WARNING", logger="composer_mesh.mesh.memory"):
         assert memory.check(job_with(**{"mesh.memory_check": "warn"}), str(tiny_assets.dense_dir)) is not None
     assert "needs" in caplog.text
     assert memory.check(job_with(**{"mesh.memory_check": "off"}), str(tiny_assets.dense_dir)) is None
@@ -82,7 +82,7 @@ def test_train_refuses_a_model_the_host_cannot_hold(tmp_path, tiny_assets):
     (model / "config.json").write_text(json.dumps(config))
     env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1",
                COMPOSER_MESH_CACHE=str(tiny_assets.root.parents[1]))
-    out = subprocess.run([sys.executable, "-m", "mesh.cli", "train", "--no-progress", str(REPO / "configs/debug_cpu.toml"),
+    out = subprocess.run([sys.executable, "-m", "composer_mesh.mesh.cli", "train", "--no-progress", str(REPO / "configs/debug_cpu.toml"),
                           f"--model.hf_path={model}", f"--job.output_dir={tmp_path / 'runs'}",
                           "--env.demo.warm_start_steps=0"], cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=300)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from configs.sections.metrics import MetricsConfig
-from mesh.controller import StepRecord
+from composer_mesh.configs.sections.metrics import MetricsConfig
+from composer_mesh.mesh.controller import StepRecord
 
 
 def record(step: int, reward: float) -> StepRecord:
@@ -17,7 +17,7 @@ def record(step: int, reward: float) -> StepRecord:
 def test_jsonl_tensorboard_progress_and_plot(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from mesh.metrics import MetricsSink, plot_run, read_metrics
+    from composer_mesh.mesh.metrics import MetricsSink, plot_run, read_metrics
 
     with MetricsSink(MetricsConfig(progress_bar=True), tmp_path, total_steps=3) as sink:
         for step, reward in ((1, 0.1), (2, 0.3), (3, 0.6)):
@@ -42,7 +42,7 @@ def test_jsonl_tensorboard_progress_and_plot(tmp_path):
 def test_a_row_cut_short_by_a_kill_is_skipped_then_overwritten(tmp_path):
     import pytest
 
-    from mesh.metrics import MetricsSink, read_metrics
+    from composer_mesh.mesh.metrics import MetricsSink, read_metrics
 
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "reward/mean": 0.1}\n{"step": 2, "reward/mean": 0.2}\n{"step": 3, "rew')

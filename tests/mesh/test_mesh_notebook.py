@@ -31,7 +31,7 @@ def test_notebook_uses_only_the_public_api():
     nb = nbformat.read(NOTEBOOK, as_version=4)
     imported = set().union(*(_imports(c.source) for c in nb.cells if c.cell_type == "code"))
     project = {m for m in imported if m.split(".")[0] in PROJECT_PACKAGES}
-    assert project == {"mesh.api"}, f"the notebook imports project internals: {sorted(project - {'mesh.api'})}"
+    assert project == {"composer_mesh.mesh.api"}, f"the notebook imports project internals: {sorted(project - {'composer_mesh.mesh.api'})}"
 
 
 @pytest.mark.slow

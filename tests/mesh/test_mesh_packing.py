@@ -14,17 +14,17 @@ import statistics
 import pytest
 import torch
 
-from actors.rollout import EpisodeRequest, SamplingParams
-from configs.sections.loss import PolicyLossConfig
+from composer_mesh.actors.rollout import EpisodeRequest, SamplingParams
+from composer_mesh.configs.sections.loss import PolicyLossConfig
 
 
 @pytest.fixture(scope="module")
 def rollouts_and_chat(tiny_assets):
     from transformers import AutoTokenizer
 
-    from actors.episodes import ChatTokens, EpisodeRunner
-    from actors.hf_engine import HFEngine
-    from envs.demo import DemoEnv
+    from composer_mesh.actors.episodes import ChatTokens, EpisodeRunner
+    from composer_mesh.actors.hf_engine import HFEngine
+    from composer_mesh.envs.demo import DemoEnv
 
     tok = AutoTokenizer.from_pretrained(str(tiny_assets.dense_dir))
     runner = EpisodeRunner(HFEngine(tiny_assets.dense_dir, [tok.eos_token_id]), tok, lambda split: DemoEnv(split=split),
@@ -37,7 +37,7 @@ def rollouts_and_chat(tiny_assets):
 
 
 def test_advantages_and_dynamic_sampling(rollouts_and_chat):
-    from mesh.packing import select_rollouts
+    from composer_mesh.mesh.packing import select_rollouts
 
     groups, _, _ = rollouts_and_chat
     sel = select_rollouts(groups, PolicyLossConfig(adv_eps=1e-6, dynamic_sampling=True))
@@ -50,8 +50,8 @@ def test_advantages_and_dynamic_sampling(rollouts_and_chat):
 
 
 def test_dropped_groups_keep_only_their_hint_channel(rollouts_and_chat):
-    from mesh.packing import make_hint, pack_batch, select_rollouts
-    from replay.hints import TemplateHintGenerator
+    from composer_mesh.mesh.packing import make_hint, pack_batch, select_rollouts
+    from composer_mesh.replay.hints import TemplateHintGenerator
 
     groups, chat, _ = rollouts_and_chat
     sel = select_rollouts(groups, PolicyLossConfig(dynamic_sampling=True))
@@ -65,8 +65,8 @@ def test_dropped_groups_keep_only_their_hint_channel(rollouts_and_chat):
 
 
 def test_pack_policy_and_hint_channels(rollouts_and_chat):
-    from mesh.packing import make_hint, pack_batch, select_rollouts
-    from replay.hints import TemplateHintGenerator
+    from composer_mesh.mesh.packing import make_hint, pack_batch, select_rollouts
+    from composer_mesh.replay.hints import TemplateHintGenerator
 
     groups, chat, tok = rollouts_and_chat
     sel = select_rollouts(groups, PolicyLossConfig(dynamic_sampling=False))
@@ -113,7 +113,7 @@ def test_pack_policy_and_hint_channels(rollouts_and_chat):
 
 
 def test_pack_preference_pairs(rollouts_and_chat):
-    from mesh.packing import pack_batch, pair_tokens, select_rollouts
+    from composer_mesh.mesh.packing import pack_batch, pair_tokens, select_rollouts
 
     groups, chat, tok = rollouts_and_chat
     context = groups[0].rollouts[0].messages[:2]

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.chaos import ENV, MARKS_ENV, kill_point
+from composer_mesh.actors.chaos import ENV, MARKS_ENV, kill_point
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = ["--trainer.steps=2", "--trainer.prompts_per_step=2", "--trainer.eval_every=0", "--generator.max_new_tokens=8",
@@ -40,7 +40,7 @@ def train_with_kill(tmp_path: Path, tiny_assets, kill_at: str, *overrides: str) 
     marks, name = tmp_path / "marks", f"phase-{tmp_path.name}"[:60]
     env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1",
                COMPOSER_MESH_CACHE=str(tiny_assets.root.parents[1]), **{ENV: kill_at, MARKS_ENV: str(marks)})
-    cmd = [sys.executable, "-m", "mesh.cli", "train", "--no-progress", str(REPO / "configs/debug_cpu.toml"),
+    cmd = [sys.executable, "-m", "composer_mesh.mesh.cli", "train", "--no-progress", str(REPO / "configs/debug_cpu.toml"),
            f"--job.output_dir={tmp_path / 'runs'}", f"--job.name={name}", *SMALL, *overrides]
     out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     ended = time.time()
@@ -105,8 +105,8 @@ def test_generator_killed_in_first_load_recovers_and_without_restarts_fails_with
 
 
 def test_describe_death_names_role_phase_and_how_the_process_ended():
-    from actors.monarch_compat import SupervisionError
-    from mesh.errors import describe, phase
+    from composer_mesh.actors.monarch_compat import SupervisionError
+    from composer_mesh.mesh.errors import describe, phase
 
     def died(text: str, *phases: str) -> str:
         exc = SupervisionError(text)
@@ -140,8 +140,8 @@ def test_describe_death_names_role_phase_and_how_the_process_ended():
 RACE = """
 import json, os, signal, sys, time
 sys.path.insert(0, {repo!r})
-from mesh.errors import describe_death, phase
-from mesh.supervision import configure_supervision, install_fault_hook
+from composer_mesh.mesh.errors import describe_death, phase
+from composer_mesh.mesh.supervision import configure_supervision, install_fault_hook
 configure_supervision(1.0, 5.0)
 install_fault_hook([])
 from monarch.actor import Actor, endpoint, this_host

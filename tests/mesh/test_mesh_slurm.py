@@ -44,7 +44,7 @@ TRAINER_NODE, GENERATOR_NODE = NODES  # the job's meshes take the allocation's n
 NOTEBOOK = """
 import json, os, socket
 from monarch.actor import Actor, endpoint
-import configs.jobs.slurm as slurm_job
+import composer_mesh.configs.jobs.slurm as slurm_job
 
 
 class Where(Actor):
@@ -125,7 +125,7 @@ def slurm_context(pid: int) -> dict[str, str]:
 
 def test_hostlists_are_expanded_by_scontrol(cluster, monkeypatch):
     """CompatSlurmJob's expansion is Slurm's own; it agrees with the reference the parsing tests use."""
-    from configs.jobs.slurm_compat import scontrol_hostnames
+    from composer_mesh.configs.jobs.slurm_compat import scontrol_hostnames
     from test_mesh_jobs import reference_hostnames
 
     monkeypatch.setenv("SLURM_CONF", str(cluster.conf))  # scontrol needs a config even to parse a hostlist
@@ -136,7 +136,7 @@ def test_hostlists_are_expanded_by_scontrol(cluster, monkeypatch):
 
 def test_start_timeout_names_job_state_and_reason(cluster, tmp_path):
     env = job_env(cluster, tmp_path, COMPOSER_SLURM_PARTITION="down", COMPOSER_SLURM_START_TIMEOUT="5")
-    out = cluster.run([str(BIN / "monarch"), "apply", "configs.jobs.slurm.job"], cwd=workdir(cluster, "pending"),
+    out = cluster.run([str(BIN / "monarch"), "apply", "composer_mesh.configs.jobs.slurm.job"], cwd=workdir(cluster, "pending"),
                       env=env, timeout=120)
     assert out.returncode != 0
     m = re.search(r"SLURM job (\d+) did not start within 5 s: state PENDING, reason PartitionDown; "
@@ -163,7 +163,7 @@ def test_train_end_to_end_survives_generator_sigkill(cluster, tiny_assets):
     env = job_env(cluster, tiny_assets.root.parents[1])  # the suite's asset cache: no rebuild on the nodes
     monarch = str(BIN / "monarch")
 
-    applied = cluster.run([monarch, "apply", "configs.jobs.slurm.job"], cwd=wd, env=env, timeout=180)
+    applied = cluster.run([monarch, "apply", "composer_mesh.configs.jobs.slurm.job"], cwd=wd, env=env, timeout=180)
     assert applied.returncode == 0 and "Job is ready" in applied.stdout + applied.stderr, applied.stderr[-3000:]
     [job_id] = cluster.squeue_ids()
 

@@ -70,7 +70,7 @@ ENV_PLUGIN = '''
 import json, os
 from pathlib import Path
 
-from envs.base import Environment, Observation
+from composer_mesh.envs.base import Environment, Observation
 
 LOG = Path(__file__).with_name("episodes.jsonl")
 
@@ -108,7 +108,7 @@ def _train(tmp_path: Path, name: str, extra: str, max_turns: int, cache: Path) -
     plugins = tmp_path / "plugins"
     recipe.write_text(COMMON.format(repo=REPO, out=tmp_path / "runs", plugins=plugins, max_turns=max_turns) + extra)
     env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", COMPOSER_MESH_CACHE=str(cache))
-    cmd = [sys.executable, "-m", "mesh.cli", "train", "--no-progress", str(recipe), "--trainer.steps=2",
+    cmd = [sys.executable, "-m", "composer_mesh.mesh.cli", "train", "--no-progress", str(recipe), "--trainer.steps=2",
            f"--job.name={name}"]
     out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
     assert out.returncode == 0, out.stderr[-4000:]
@@ -190,7 +190,7 @@ def test_actor_failure_prints_one_line(tmp_path, tiny_assets):
         rewards = ["bad_rewards:explode"]
         """))
     env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", COMPOSER_MESH_CACHE=str(tiny_assets.root.parents[1]))
-    cmd = [sys.executable, "-m", "mesh.cli", "train", "--no-progress", str(recipe), "--trainer.steps=1"]
+    cmd = [sys.executable, "-m", "composer_mesh.mesh.cli", "train", "--no-progress", str(recipe), "--trainer.steps=1"]
     out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
     assert out.returncode == 1, out.stderr[-3000:]
     last = out.stderr.strip().splitlines()[-1]
@@ -202,8 +202,8 @@ def test_actor_failure_prints_one_line(tmp_path, tiny_assets):
 def test_heldout_evaluation_without_heldout_rows_is_refused(tmp_path):
     """`eval_every > 0` on a dataset with neither heldout_file nor heldout_fraction would score training rows as
     held-out: the loader refuses the recipe (so `config show` does too), naming the keys; and eval with DiLoCo."""
-    from configs.loader import ConfigError, load_config
-    from mesh.cli import main
+    from composer_mesh.configs.loader import ConfigError, load_config
+    from composer_mesh.mesh.cli import main
 
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"Say {w}.", "answer": w}) + "\n" for w in ("cat", "dog", "sun")))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from actors.weight_sync.routes import MeshTopology, ProcInfo, Topology, plan_routes
+from composer_mesh.actors.weight_sync.routes import MeshTopology, ProcInfo, Topology, plan_routes
 
 
 def topo(trainer: dict[str, int], generators: dict[str, int]) -> Topology:
@@ -95,8 +95,8 @@ def test_empty_meshes_are_refused():
 def test_host_label_is_monarchs_host_part(monkeypatch):
     import socket
 
-    from actors.mesh_utils import host_label
-    from actors.weight_sync.segment import host_dir
+    from composer_mesh.actors.mesh_utils import host_label
+    from composer_mesh.actors.weight_sync.segment import host_dir
 
     monkeypatch.setenv("HYPERACTOR_PROCESS_NAME", "anon-0 @ generator_1")
     assert host_label() == "generator_1"

@@ -61,7 +61,7 @@ max_tokens = 16
 
 def train(recipe: Path, steps: int, cache: Path, timeout: float = 500) -> dict:
     env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", COMPOSER_MESH_CACHE=str(cache))
-    cmd = [sys.executable, "-m", "mesh.cli", "train", "--no-progress", str(recipe), f"--trainer.steps={steps}"]
+    cmd = [sys.executable, "-m", "composer_mesh.mesh.cli", "train", "--no-progress", str(recipe), f"--trainer.steps={steps}"]
     out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, out.stderr[-4000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -97,7 +97,7 @@ def test_train_command_runs_and_resumes(tmp_path, tiny_assets):
     # The run's final weights as a servable HF directory, equal to the export of its last checkpoint.
     from safetensors.torch import load_file
 
-    from mesh.cli import main
+    from composer_mesh.mesh.cli import main
 
     assert second["hf"] == str(run / "hf")
     assert json.loads((run / "hf" / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
@@ -109,8 +109,8 @@ def test_train_command_runs_and_resumes(tmp_path, tiny_assets):
 def test_role_specs_follow_the_recipe():
     """The generators get `[model] device` (they stayed on CPU on GPU hosts); the frozen DPO reference — one more
     parameter copy per trainer rank — is built only when a preference channel can run (a replay actor)."""
-    from configs.loader import load_config
-    from mesh.placement import generator_spec, trainer_spec_for
+    from composer_mesh.configs.loader import load_config
+    from composer_mesh.mesh.placement import generator_spec, trainer_spec_for
 
     for device in ("auto", "cpu", "cuda"):
         job = load_config(REPO / "configs" / "debug_cpu.toml", [f"--model.device={device}"])
@@ -125,8 +125,8 @@ def test_role_specs_follow_the_recipe():
 
 def test_torch_threads_share_the_host():
     """0 = the host's CPUs over the processes placed on it (local: all roles share this host); set = as set."""
-    from configs.sections.mesh import MeshConfig
-    from mesh.placement import torch_threads
+    from composer_mesh.configs.sections.mesh import MeshConfig
+    from composer_mesh.mesh.placement import torch_threads
 
     local = MeshConfig(trainer_procs=2, generator_procs=3, replay_procs=1)
     assert [torch_threads(local, r, 12) for r in ("trainer", "generator")] == [2, 2]

@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 import torch
 
-from actors.weight_sync.delta import FULL, XOR, DeltaBase, apply_delta, runs_crc
-from actors.weight_sync.segment import Piece
-from titan_ext.batch import TrainBatch
+from composer_mesh.actors.weight_sync.delta import FULL, XOR, DeltaBase, apply_delta, runs_crc
+from composer_mesh.actors.weight_sync.segment import Piece
+from composer_mesh.titan_ext.batch import TrainBatch
 
 VOCAB = 2048  # the tiny models' vocabulary
 
@@ -118,11 +118,11 @@ def delta_meshes(request, tiny_assets, tiny_trainer_spec, tmp_path_factory):
     """"trainer_0": the trainer mesh (2 ranks) and one generator; "generator_0": one generator (the reader)."""
     from monarch.job import ProcessJob
 
-    from actors.generator import GeneratorActor, GeneratorSpec
-    from configs.sections.checkpoint import CheckpointConfig
-    from configs.sections.generator import GeneratorConfig
-    from configs.sections.model import ModelConfig
-    from configs.sections.parallelism import ParallelismConfig
+    from composer_mesh.actors.generator import GeneratorActor, GeneratorSpec
+    from composer_mesh.configs.sections.checkpoint import CheckpointConfig
+    from composer_mesh.configs.sections.generator import GeneratorConfig
+    from composer_mesh.configs.sections.model import ModelConfig
+    from composer_mesh.configs.sections.parallelism import ParallelismConfig
 
     moe = request.param == "tiny_moe"
     model_dir = tiny_assets.moe_dir if moe else tiny_assets.dense_dir
@@ -153,8 +153,8 @@ def _flip_a_bit(root: str, host: str) -> None:
     """Flip one bit of the newest sealed version on `host` (its header stays valid)."""
     import os
 
-    from actors.weight_sync.reader import newest_version
-    from actors.weight_sync.segment import Header, host_dir
+    from composer_mesh.actors.weight_sync.reader import newest_version
+    from composer_mesh.actors.weight_sync.segment import Header, host_dir
 
     newest = newest_version(root, host)
     for path in host_dir(root, host).glob("slot*.seg"):
@@ -173,7 +173,7 @@ def _flip_a_bit(root: str, host: str) -> None:
 def _trainer(state, spec):
     from monarch.spmd import setup_torch_elastic_env
 
-    from actors.trainer import TrainerActor
+    from composer_mesh.actors.trainer import TrainerActor
 
     procs = state.trainer.spawn_procs(per_host={"gpus": 2})
     setup_torch_elastic_env(procs)
@@ -184,8 +184,8 @@ def _trainer(state, spec):
 
 @pytest.mark.slow
 def test_deltas_over_20_steps_stay_bitwise_through_respawn_restart_and_lag(delta_meshes):
-    from actors.mesh_utils import rank0
-    from actors.weight_sync.sync import TopologySync
+    from composer_mesh.actors.mesh_utils import rank0
+    from composer_mesh.actors.weight_sync.sync import TopologySync
 
     state, spec, new_generator, out = delta_meshes
     root = str(out / "seg")

@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from actors.weight_sync.reader import PinnedSegment, newest_version
-from actors.weight_sync.segment import SegmentLayout, host_dir
-from actors.weight_sync.writer import SegmentWriter
-from titan_ext.batch import TrainBatch
+from composer_mesh.actors.weight_sync.reader import PinnedSegment, newest_version
+from composer_mesh.actors.weight_sync.segment import SegmentLayout, host_dir
+from composer_mesh.actors.weight_sync.writer import SegmentWriter
+from composer_mesh.titan_ext.batch import TrainBatch
 
 VOCAB = 2048  # the tiny model's vocabulary
 VERSIONS = 12
@@ -89,7 +89,7 @@ def test_version_barrier_delayed_readers_never_see_torn_versions(tmp_path):
 
     # real processes; torch imported once by the server, not per child
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "actors.weight_sync.reader", "actors.weight_sync.writer"])
+    ctx.set_forkserver_preload(["torch", "composer_mesh.actors.weight_sync.reader", "composer_mesh.actors.weight_sync.writer"])
     seen: "mp.Queue" = ctx.Queue()
     writer = ctx.Process(target=_writer_proc, args=(root, VERSIONS))
     readers = [ctx.Process(target=_reader_proc, args=(root, seen)) for _ in range(2)]
@@ -177,8 +177,8 @@ def meshes(tiny_trainer_spec, make_generator_spec, tmp_path_factory):
     from monarch.job import ProcessJob
     from monarch.spmd import setup_torch_elastic_env
 
-    from actors.generator import GeneratorActor
-    from actors.trainer import TrainerActor
+    from composer_mesh.actors.generator import GeneratorActor
+    from composer_mesh.actors.trainer import TrainerActor
 
     out = tmp_path_factory.mktemp("wsync")
     spec = tiny_trainer_spec(out / "ckpt")
@@ -200,8 +200,8 @@ def meshes(tiny_trainer_spec, make_generator_spec, tmp_path_factory):
 
 @pytest.mark.slow
 def test_sync_matches_trainer_digest_while_next_step_runs(meshes, tmp_path):
-    from actors.mesh_utils import rank0
-    from actors.weight_sync.sync import TopologySync
+    from composer_mesh.actors.mesh_utils import rank0
+    from composer_mesh.actors.weight_sync.sync import TopologySync
 
     trainer, gens = meshes
     sync = TopologySync(trainer, gens, str(tmp_path), keep=2)
@@ -244,8 +244,8 @@ def test_sync_matches_trainer_digest_while_next_step_runs(meshes, tmp_path):
 def test_serving_dtype_slots_halve_the_bytes_and_load_the_rounded_weights(meshes, tmp_path):
     """bf16 slots (`[generator] dtype`): each byte that crosses a host or sits in /dev/shm is half the fp32
     one, and every generator holds exactly the trainer's export rounded to bf16, not anything else."""
-    from actors.mesh_utils import rank0
-    from actors.weight_sync.sync import TopologySync
+    from composer_mesh.actors.mesh_utils import rank0
+    from composer_mesh.actors.weight_sync.sync import TopologySync
 
     trainer, gens = meshes
     trainer.train_step.call(TrainBatch.synthetic(4, VOCAB)).get()
@@ -266,8 +266,8 @@ def test_publish_then_load_one_generator_at_a_time(meshes, tmp_path):
     """What the controller's async workers and respawns do: publish once, then a generator loads alone once its
     host holds the version whole, checked against the first load's digest; a generator respawned on a host the
     last publication did not reach gets a new one."""
-    from actors.mesh_utils import rank0
-    from actors.weight_sync.sync import TopologySync
+    from composer_mesh.actors.mesh_utils import rank0
+    from composer_mesh.actors.weight_sync.sync import TopologySync
 
     trainer, gens = meshes
     trainer.train_step.call(TrainBatch.synthetic(3, VOCAB)).get()
@@ -299,8 +299,8 @@ def test_publish_then_load_one_generator_at_a_time(meshes, tmp_path):
 @pytest.mark.slow
 def test_rollout_exchange_sends_each_rank_only_its_shard(meshes):
     """Sharded on the controller == sliced on every rank: same metrics, bit-identical weights."""
-    from actors.mesh_utils import rank0
-    from mesh.rollout_exchange import shard_points, train_step_sharded
+    from composer_mesh.actors.mesh_utils import rank0
+    from composer_mesh.mesh.rollout_exchange import shard_points, train_step_sharded
 
     trainer, _ = meshes
     step = int(rank0(trainer.policy_version.call().get()))
@@ -324,8 +324,8 @@ def test_failed_pull_fails_waiting_loads_in_seconds(tmp_path):
     so a load waiting on that host raises within moments naming the cause instead of after `timeout_s`."""
     import threading
 
-    from actors.weight_sync.pull import RemoteSource, pull_pieces
-    from actors.weight_sync.segment import Piece
+    from composer_mesh.actors.weight_sync.pull import RemoteSource, pull_pieces
+    from composer_mesh.actors.weight_sync.segment import Piece
 
     root, layout = str(tmp_path), _layout(n=2, rows=4)
     outcome: dict = {}
@@ -357,9 +357,9 @@ def test_failed_pull_fails_waiting_loads_in_seconds(tmp_path):
 
 PULLER = """
 import sys, time
-from actors.weight_sync.pull_status import pulling
-from actors.weight_sync.segment import SegmentLayout
-from actors.weight_sync.writer import SegmentWriter
+from composer_mesh.actors.weight_sync.pull_status import pulling
+from composer_mesh.actors.weight_sync.segment import SegmentLayout
+from composer_mesh.actors.weight_sync.writer import SegmentWriter
 root, layout = sys.argv[1], SegmentLayout.from_json(sys.argv[2].encode())
 with pulling(root, "h", 3, "tok3"), SegmentWriter(root, "h", 3, "tok3", layout, keep=2) as writer:
     writer.payload[:64].fill_(7)  # part of the version written, then the process hangs in its pull

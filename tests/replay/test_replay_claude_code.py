@@ -10,9 +10,9 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from replay.claude_code import parse_claude_code
-from replay.trace_io import MAX_DEPTH, ParseStats, read_jsonl
-from replay.traces import context_problem, trace_states
+from composer_mesh.replay.claude_code import parse_claude_code
+from composer_mesh.replay.trace_io import MAX_DEPTH, ParseStats, read_jsonl
+from composer_mesh.replay.traces import context_problem, trace_states
 
 FIXTURES = Path(__file__).parent / "fixtures"
 V2 = FIXTURES / "claude_session_v2.jsonl"

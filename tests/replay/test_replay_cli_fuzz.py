@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from replay.claude_code import parse_claude_code
-from replay.traces import load_traces, trace_states
+from composer_mesh.replay.claude_code import parse_claude_code
+from composer_mesh.replay.traces import load_traces, trace_states
 
 FIXTURES = Path(__file__).parent / "fixtures"
 V2 = FIXTURES / "claude_session_v2.jsonl"
@@ -173,7 +173,7 @@ price_in_per_mtok = 30.0
 price_out_per_mtok = 30.0
 """)
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, "-m", "mesh.cli", "replay", "--no-progress", str(cfg)],
+    proc = subprocess.run([sys.executable, "-m", "composer_mesh.mesh.cli", "replay", "--no-progress", str(cfg)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     return cases, expect, proc
 
@@ -227,7 +227,7 @@ def test_missing_path_and_empty_directory(tmp_path):
         cfg = tmp_path / "r.toml"
         cfg.write_text(f'[replay]\ntraces = ["{traces}"]\noutput_dir = "{tmp_path / "out"}"\n'
                        '[replay.local_server]\nenabled = true\n[[teachers.models]]\nname = "a"\nmodel = "a"\n')
-        proc = subprocess.run([sys.executable, "-m", "mesh.cli", "replay", "--no-progress", str(cfg)],
+        proc = subprocess.run([sys.executable, "-m", "composer_mesh.mesh.cli", "replay", "--no-progress", str(cfg)],
                               cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == rc and message in proc.stderr and str(traces) in proc.stderr, proc.stderr[-2000:]
         assert "Traceback" not in proc.stderr

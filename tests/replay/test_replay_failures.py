@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from configs.sections.teachers import TeacherSpec, TeachersConfig
-from mesh.cli import main
-from replay.server import ConsensusResponder, TeacherServer
-from replay.teachers import SyncTeacherClient
+from composer_mesh.configs.sections.teachers import TeacherSpec, TeachersConfig
+from composer_mesh.mesh.cli import main
+from composer_mesh.replay.server import ConsensusResponder, TeacherServer
+from composer_mesh.replay.teachers import SyncTeacherClient
 
 FIXTURES = Path(__file__).parent / "fixtures"
 TRACES = [FIXTURES / "claude_session.jsonl", FIXTURES / "openai_traces.jsonl"]

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from configs.records import ErrorKind, ErrorSite
-from configs.sections.teachers import TeachersConfig, TeacherSpec
-from replay.hints import LLMHintGenerator, TemplateHintGenerator, classify_error, hint_token_spans, insert_hint
-from replay.server import FaultPlan, TeacherServer
-from replay.teachers import SyncTeacherClient
+from composer_mesh.configs.records import ErrorKind, ErrorSite
+from composer_mesh.configs.sections.teachers import TeachersConfig, TeacherSpec
+from composer_mesh.replay.hints import LLMHintGenerator, TemplateHintGenerator, classify_error, hint_token_spans, insert_hint
+from composer_mesh.replay.server import FaultPlan, TeacherServer
+from composer_mesh.replay.teachers import SyncTeacherClient
 
 CASES = [
     ("bash: rg: command not found", "Bash", ErrorKind.COMMAND_NOT_FOUND),

@@ -10,14 +10,14 @@ from collections import Counter
 
 import pytest
 
-from configs.sections.replay import GatingConfig, ReplayConfig
-from configs.sections.teachers import TeachersConfig, TeacherSpec
-from replay.gating import HFScorer, Uncertainty, VOIGate, uncertainty_from_logits
-from replay.pairs import Vote, action_key, decide
-from replay.pipeline import replay_states
-from replay.server import TeacherServer
-from replay.teachers import TeacherClient
-from replay.traces import TraceState
+from composer_mesh.configs.sections.replay import GatingConfig, ReplayConfig
+from composer_mesh.configs.sections.teachers import TeachersConfig, TeacherSpec
+from composer_mesh.replay.gating import HFScorer, Uncertainty, VOIGate, uncertainty_from_logits
+from composer_mesh.replay.pairs import Vote, action_key, decide
+from composer_mesh.replay.pipeline import replay_states
+from composer_mesh.replay.server import TeacherServer
+from composer_mesh.replay.teachers import TeacherClient
+from composer_mesh.replay.traces import TraceState
 
 
 def call(name: str, args: dict, id_: str = "x") -> dict:

@@ -15,11 +15,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from configs.sections.replay import ReplayConfig
-from configs.sections.teachers import TeachersConfig, TeacherSpec
-from replay.normalize import run_recipe, validate_pairs
-from replay.pipeline import run_replay
-from replay.server import ConsensusResponder, FaultPlan, TeacherServer
+from composer_mesh.configs.sections.replay import ReplayConfig
+from composer_mesh.configs.sections.teachers import TeachersConfig, TeacherSpec
+from composer_mesh.replay.normalize import run_recipe, validate_pairs
+from composer_mesh.replay.pipeline import run_replay
+from composer_mesh.replay.server import ConsensusResponder, FaultPlan, TeacherServer
 
 FIXTURES = Path(__file__).parent / "fixtures"
 REPO = Path(__file__).resolve().parents[2]
@@ -141,7 +141,7 @@ price_out_per_mtok = 8.0
 
 
 def _replay_cmd(cfg: Path) -> list[str]:
-    return [sys.executable, "-m", "mesh.cli", "replay", "--no-progress", str(cfg)]
+    return [sys.executable, "-m", "composer_mesh.mesh.cli", "replay", "--no-progress", str(cfg)]
 
 
 def _journal(path: Path) -> tuple[set, set]:
@@ -207,7 +207,7 @@ def test_sigkill_mid_run_then_resume_repeats_no_paid_request(tmp_path):
 def test_serve_teachers_command_and_replay_errors(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mesh.cli", "serve-teachers", "--port", "0", "--responder", "solver", "--noise", "0",
+        [sys.executable, "-m", "composer_mesh.mesh.cli", "serve-teachers", "--port", "0", "--responder", "solver", "--noise", "0",
          "--models", "demo"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, text=True,
     )

@@ -10,10 +10,10 @@ import random
 
 import pytest
 
-from configs.sections.teachers import TeachersConfig, TeacherSpec
-from replay.cache import ResponseCache
-from replay.server import ConsensusResponder, FaultPlan, TeacherServer
-from replay.teachers import TeacherClient
+from composer_mesh.configs.sections.teachers import TeachersConfig, TeacherSpec
+from composer_mesh.replay.cache import ResponseCache
+from composer_mesh.replay.server import ConsensusResponder, FaultPlan, TeacherServer
+from composer_mesh.replay.teachers import TeacherClient
 
 USER = [{"role": "user", "content": "what is 2 + 2"}]
 
@@ -250,7 +250,7 @@ def test_budget_cap_holds_in_1000_randomized_trials():
 
 
 def test_hf_responder_serves_a_local_model_with_exact_usage(tiny_assets):
-    from replay.server import HFResponder
+    from composer_mesh.replay.server import HFResponder
 
     responder = HFResponder(tiny_assets.dense_dir)
     with TeacherServer(responder) as server:
@@ -290,10 +290,10 @@ def test_solver_teachers_slip_apart_and_the_vote_decides():
     """`SolverResponder(noise)` over HTTP: each model is exact except on a hashed `noise` share of contexts,
     where it answers a near miss; slipping models mostly miss differently, so three teachers sometimes
     have no majority; the same request gets the same answer; noise 0 is the exact solver."""
-    from envs.demo import DemoEnv, solve
-    from replay.pairs import Vote, decide
-    from replay.server import SolverResponder
-    from replay.traces import TraceState
+    from composer_mesh.envs.demo import DemoEnv, solve
+    from composer_mesh.replay.pairs import Vote, decide
+    from composer_mesh.replay.server import SolverResponder
+    from composer_mesh.replay.traces import TraceState
 
     specs = [TeacherSpec(name=n, model=f"local-{n}", max_tokens=16) for n in "abc"]
     contexts = []

@@ -8,10 +8,10 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from configs.records import ErrorKind
-from replay.claude_code import parse_claude_code
-from replay.trace_io import read_jsonl
-from replay.traces import load_traces, parse_openai_chat, trace_states
+from composer_mesh.configs.records import ErrorKind
+from composer_mesh.replay.claude_code import parse_claude_code
+from composer_mesh.replay.trace_io import read_jsonl
+from composer_mesh.replay.traces import load_traces, parse_openai_chat, trace_states
 
 FIXTURES = Path(__file__).parent / "fixtures"
 SESSION = FIXTURES / "claude_session.jsonl"

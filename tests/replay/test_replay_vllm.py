@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from mesh.cli import main
+from composer_mesh.mesh.cli import main
 
 pytestmark = pytest.mark.slow
 

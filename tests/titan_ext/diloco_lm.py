@@ -25,12 +25,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import TCPStore
 
-from configs.sections.model import ModelConfig
-from titan_ext.assets import CORPUS_PATH, build_tokenizer
-from titan_ext.attention import attention_masks
-from titan_ext.build import build_model
-from titan_ext.diloco import DiLoCoReplica, ReplicaAssignment, parameters_digest
-from titan_ext.torchft_compat import LighthouseServer, diloco_local_step
+from composer_mesh.configs.sections.model import ModelConfig
+from composer_mesh.titan_ext.assets import CORPUS_PATH, build_tokenizer
+from composer_mesh.titan_ext.attention import attention_masks
+from composer_mesh.titan_ext.build import build_model
+from composer_mesh.titan_ext.diloco import DiLoCoReplica, ReplicaAssignment, parameters_digest
+from composer_mesh.titan_ext.torchft_compat import LighthouseServer, diloco_local_step
 
 
 @dataclass(frozen=True)

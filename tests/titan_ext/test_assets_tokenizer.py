@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from titan_ext.tiny import TOKEN_IDS, TOOL_TOKENS
+from composer_mesh.titan_ext.tiny import TOKEN_IDS, TOOL_TOKENS
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -135,11 +135,11 @@ def _digests(root: Path) -> dict[str, str]:
 def test_cli_build_offline_deterministic_idempotent(tiny_assets, tmp_path):
     """In a fresh process with HF_HUB_OFFLINE=1: `composer-mesh assets build`, then transformers loads
     the tokenizer and both models from disk; the files are byte-identical to the session's build."""
-    from titan_ext.assets import build_assets
+    from composer_mesh.titan_ext.assets import build_assets
 
     script = f"""
 import torch
-from mesh.cli import main
+from composer_mesh.mesh.cli import main
 assert main(["assets", "build", "--cache-dir", {str(tmp_path)!r}, "--seed", "0"]) == 0
 from transformers import AutoModelForCausalLM, AutoTokenizer
 root = {str(tmp_path / "seed0")!r}
@@ -168,7 +168,7 @@ print("offline ok")
 def test_other_seed_changes_weights_only(tiny_assets, tmp_path):
     from safetensors.torch import load_file
 
-    from titan_ext.assets import build_assets
+    from composer_mesh.titan_ext.assets import build_assets
 
     other = build_assets(tmp_path, seed=1)
     assert _digests(other.tokenizer_dir) == _digests(tiny_assets.tokenizer_dir)

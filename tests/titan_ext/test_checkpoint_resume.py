@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from configs.sections.checkpoint import CheckpointConfig
+from composer_mesh.configs.sections.checkpoint import CheckpointConfig
 from test_trainer_harness import STEPS, kill_ranks, launch, run_ranks, two_rank_run, zygote, _tail
-from titan_ext.checkpoint import COMPLETE, Checkpointer, step_dir_name
+from composer_mesh.titan_ext.checkpoint import COMPLETE, Checkpointer, step_dir_name
 
 pytestmark = pytest.mark.timeout(600)
 

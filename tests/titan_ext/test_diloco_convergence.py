@@ -21,8 +21,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from configs.sections.diloco import DiLoCoConfig
-from titan_ext.diloco import parameters_digest
+from composer_mesh.configs.sections.diloco import DiLoCoConfig
+from composer_mesh.titan_ext.diloco import parameters_digest
 from diloco_lm import LMTaskConfig, build_lm, heldout_loss, run_ddp, run_diloco_threads
 
 pytestmark = pytest.mark.slow

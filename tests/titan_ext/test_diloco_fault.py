@@ -33,7 +33,7 @@ def _zygote_main() -> None:
     """Fork a replica per request line (JSON args); reply with its pid. 'wait PID' replies its exit code."""
     import torch
 
-    import titan_ext.diloco  # noqa: F401  (preloaded for the children)
+    import composer_mesh.titan_ext.diloco  # noqa: F401  (preloaded for the children)
     import diloco_lm as lm
 
     torch.set_num_threads(1)
@@ -67,8 +67,8 @@ def _replica_main(index: int, lighthouse: str, out_dir: str, seed: int, start_di
 
     from torch.distributed import TCPStore
 
-    from configs.sections.diloco import DiLoCoConfig
-    from titan_ext.diloco import DiLoCoReplica, ReplicaAssignment, parameters_digest
+    from composer_mesh.configs.sections.diloco import DiLoCoConfig
+    from composer_mesh.titan_ext.diloco import DiLoCoReplica, ReplicaAssignment, parameters_digest
     from diloco_lm import LMTaskConfig, build_lm, inner_optimizer, run_replica
 
     log = open(Path(out_dir) / f"replica{index}.log", "a", buffering=1)
@@ -136,9 +136,9 @@ def _wait_for(cond, what: str, out: Path, timeout: float = 120) -> None:
 
 
 def test_sigkill_one_replica_then_restart_heals_from_peer(tmp_path):
-    from titan_ext.torchft_compat import LighthouseServer
+    from composer_mesh.titan_ext.torchft_compat import LighthouseServer
 
-    from titan_ext.diloco import parameters_digest
+    from composer_mesh.titan_ext.diloco import parameters_digest
     from diloco_lm import build_lm
 
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=3000, heartbeat_timeout_ms=1000)

@@ -14,13 +14,13 @@ import pytest
 import torch
 from torch import nn
 
-from configs.sections.diloco import DiLoCoConfig
-from titan_ext.diloco import DiLoCoReplica, ReplicaAssignment, build_outer_optimizer, split_fragments
+from composer_mesh.configs.sections.diloco import DiLoCoConfig
+from composer_mesh.titan_ext.diloco import DiLoCoReplica, ReplicaAssignment, build_outer_optimizer, split_fragments
 
 
 @pytest.fixture
 def lighthouse():
-    from titan_ext.torchft_compat import LighthouseServer
+    from composer_mesh.titan_ext.torchft_compat import LighthouseServer
 
     server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=100)
     yield server.address()

@@ -20,8 +20,8 @@ import pytest
 import torch
 from torch import nn
 
-from configs.sections.diloco import DiLoCoConfig
-from titan_ext.diloco import DiLoCoReplica, ReplicaAssignment, parameters_digest
+from composer_mesh.configs.sections.diloco import DiLoCoConfig
+from composer_mesh.titan_ext.diloco import DiLoCoReplica, ReplicaAssignment, parameters_digest
 
 LR, MU = 0.7, 0.9
 
@@ -54,7 +54,7 @@ def _run(theta0: torch.Tensor, deltas: list[list[torch.Tensor]], cfg: DiLoCoConf
     taken after its k-th step of this call. `resume`: such checkpoints, loaded before the first step.
     """
     from torch.distributed import TCPStore
-    from titan_ext.torchft_compat import LighthouseServer
+    from composer_mesh.titan_ext.torchft_compat import LighthouseServer
 
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=60_000, heartbeat_timeout_ms=5000)
     stores, models, optimizers, replicas = [], [], [], []

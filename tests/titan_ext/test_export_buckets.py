@@ -6,9 +6,9 @@ import pytest
 import torch
 from torchtitan.distributed.activation_checkpoint import FullAC
 
-from configs.sections.model import ModelConfig
-from titan_ext.build import build_model
-from titan_ext.hf.adapters import iter_hf_buckets, titan_to_hf_state_dict
+from composer_mesh.configs.sections.model import ModelConfig
+from composer_mesh.titan_ext.build import build_model
+from composer_mesh.titan_ext.hf.adapters import iter_hf_buckets, titan_to_hf_state_dict
 
 
 @pytest.mark.parametrize("flavour", ["tiny", "tiny_moe"])

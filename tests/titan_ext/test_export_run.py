@@ -21,12 +21,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from configs.sections.checkpoint import CheckpointConfig
-from configs.sections.model import ModelConfig
-from titan_ext.attention import attention_masks
-from titan_ext.checkpoint import Checkpointer
-from titan_ext.build import build_model
-from titan_ext.hf.export import record_run_model
+from composer_mesh.configs.sections.checkpoint import CheckpointConfig
+from composer_mesh.configs.sections.model import ModelConfig
+from composer_mesh.titan_ext.attention import attention_masks
+from composer_mesh.titan_ext.checkpoint import Checkpointer
+from composer_mesh.titan_ext.build import build_model
+from composer_mesh.titan_ext.hf.export import record_run_model
 from test_models_byo import DENSE, save_random  # the sibling module's user checkpoint maker
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,7 +37,7 @@ pytestmark = pytest.mark.timeout(900)
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
-    return subprocess.run([sys.executable, "-m", "mesh.cli", *args], cwd=REPO, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "composer_mesh.mesh.cli", *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=300)
 
 
@@ -129,7 +129,7 @@ def test_export_directory_is_complete(exported, base):
 
 @pytest.mark.slow
 def test_export_of_an_older_step_and_bad_requests(run, tmp_path, capsys):
-    from mesh.cli import main  # in this process: the same command, without another interpreter start
+    from composer_mesh.mesh.cli import main  # in this process: the same command, without another interpreter start
 
     run_dir, _ = run
     assert main(["export", str(run_dir), "--step", "2", "--dtype", "bfloat16", str(tmp_path / "s2")]) == 0

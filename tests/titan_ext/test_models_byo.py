@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from configs.sections.model import ModelConfig
-from titan_ext.attention import attention_masks
-from titan_ext.build import build_model
-from titan_ext.hf.parity import verify_hf_checkpoint
-from titan_ext.models import resolve_model
-from titan_ext.platform import detect_platform
+from composer_mesh.configs.sections.model import ModelConfig
+from composer_mesh.titan_ext.attention import attention_masks
+from composer_mesh.titan_ext.build import build_model
+from composer_mesh.titan_ext.hf.parity import verify_hf_checkpoint
+from composer_mesh.titan_ext.models import resolve_model
+from composer_mesh.titan_ext.platform import detect_platform
 
 CPU = detect_platform("cpu")
 TOL = 1e-4
@@ -183,8 +183,8 @@ def test_load_time_check_catches_what_the_config_mapping_misses(tmp_path):
 @torch.no_grad()
 def test_hf_engine_generates_what_the_derived_trainer_model_predicts(checkpoints):
     """The generator's HF engine loads the same directory: its greedy tokens are the TorchTitan model's argmax."""
-    from actors.hf_engine import HFEngine
-    from actors.rollout import SamplingParams
+    from composer_mesh.actors.hf_engine import HFEngine
+    from composer_mesh.actors.rollout import SamplingParams
 
     prompt = [5, 6, 7, 8, 900]
     engine = HFEngine(checkpoints["dense"], stop_token_ids=[999])
@@ -201,7 +201,7 @@ def test_hf_engine_generates_what_the_derived_trainer_model_predicts(checkpoints
 
 def test_train_refuses_an_unsupported_checkpoint_in_one_line(tmp_path, capsys):
     """`composer-mesh train` checks config.json before it spawns an actor: one error line, exit 2."""
-    from mesh.cli import main
+    from composer_mesh.mesh.cli import main
 
     hf_dir = _config_only(tmp_path / "ckpt", "qwen3", {**DENSE, "attention_bias": True})
     recipe = Path(__file__).resolve().parents[2] / "configs" / "debug_cpu.toml"
@@ -229,7 +229,7 @@ def _verify_on_rank(rank: int, port: int, hf_dir: str, out_dir: str) -> None:
 
     import torch.distributed as dist
 
-    from titan_ext.trainer import Trainer
+    from composer_mesh.titan_ext.trainer import Trainer
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -260,7 +260,7 @@ class _TrackedDir:
     """A `SafetensorsDir` that records the bytes of tensors read from disk and still alive, at their peak."""
 
     def __init__(self, hf_dir: Path) -> None:
-        from titan_ext.hf.read import SafetensorsDir
+        from composer_mesh.titan_ext.hf.read import SafetensorsDir
 
         self.inner, self.live, self.peak, self.read = SafetensorsDir(hf_dir), 0, 0, 0
 
@@ -292,9 +292,9 @@ class _TrackedDir:
 def test_loading_streams_one_layer_at_a_time(checkpoints, kind):
     """The file's tensors are read once each, at most one decoder layer (or the embeddings) alive at a time,
     and the loaded model equals the all-in-memory reading of the file."""
-    from titan_ext.hf.adapters import titan_to_hf_state_dict
-    from titan_ext.hf.read import load_hf_state_dict, read_hf_state_dict
-    from titan_ext.models import init_model
+    from composer_mesh.titan_ext.hf.adapters import titan_to_hf_state_dict
+    from composer_mesh.titan_ext.hf.read import load_hf_state_dict, read_hf_state_dict
+    from composer_mesh.titan_ext.models import init_model
 
     hf_dir = checkpoints[kind]
     everything = read_hf_state_dict(hf_dir)
@@ -323,7 +323,7 @@ def test_streamed_safetensors_round_trip_and_are_deterministic(tmp_path):
     the exports use, and the same bytes twice."""
     from safetensors.torch import load_file
 
-    from titan_ext.hf.write import write_safetensors
+    from composer_mesh.titan_ext.hf.write import write_safetensors
 
     gen = torch.Generator().manual_seed(0)
     tensors = {

@@ -8,14 +8,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from configs.sections.model import ModelConfig
-from titan_ext.attention import attention_masks
-from titan_ext.build import build_model
-from titan_ext.hf.adapters import titan_to_hf_state_dict
-from titan_ext.hf.derive import hf_config_for
-from titan_ext.hf.read import load_hf_into_titan
-from titan_ext.hf.write import save_hf_weights
-from titan_ext.models import resolve_model
+from composer_mesh.configs.sections.model import ModelConfig
+from composer_mesh.titan_ext.attention import attention_masks
+from composer_mesh.titan_ext.build import build_model
+from composer_mesh.titan_ext.hf.adapters import titan_to_hf_state_dict
+from composer_mesh.titan_ext.hf.derive import hf_config_for
+from composer_mesh.titan_ext.hf.read import load_hf_into_titan
+from composer_mesh.titan_ext.hf.write import save_hf_weights
+from composer_mesh.titan_ext.models import resolve_model
 
 TOL = 1e-4
 FLAVOURS = ("tiny", "tiny_moe")

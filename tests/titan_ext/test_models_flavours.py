@@ -8,11 +8,11 @@ import pytest
 import torch
 from torchtitan.models.common.moe import GroupedExperts
 
-from configs.sections.model import ModelConfig
-from titan_ext.attention import MaskedSDPA, attention_masks
-from titan_ext.build import build_model
-from titan_ext.models import ExactGroupedExperts, resolve_model
-from titan_ext.platform import detect_platform
+from composer_mesh.configs.sections.model import ModelConfig
+from composer_mesh.titan_ext.attention import MaskedSDPA, attention_masks
+from composer_mesh.titan_ext.build import build_model
+from composer_mesh.titan_ext.models import ExactGroupedExperts, resolve_model
+from composer_mesh.titan_ext.platform import detect_platform
 
 CPU = detect_platform("cpu")
 
@@ -138,7 +138,7 @@ def test_tiny_moe_fits_a_fixed_batch_on_cpu_with_packed_documents():
 
 
 def test_model_config_resolves_to_asset_directories(tiny_assets):
-    from titan_ext.assets import hf_dir_for, tokenizer_dir_for
+    from composer_mesh.titan_ext.assets import hf_dir_for, tokenizer_dir_for
 
     cache = str(tiny_assets.root.parent)
     tiny = ModelConfig(flavour="tiny_moe", assets_cache_dir=cache)

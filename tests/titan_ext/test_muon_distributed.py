@@ -24,9 +24,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torchtitan.distributed.flex_shard import Owned
 
 from test_muon_reference import ref_muon_step  # the in-test formula, shared
-from configs.sections.optimizer import OptimizerConfig
-from titan_ext.muon import ShardedMuon
-from titan_ext.optimizer import _dist_muon_applicable, _dist_muon_layout, build_optimizer, split_muon_params
+from composer_mesh.configs.sections.optimizer import OptimizerConfig
+from composer_mesh.titan_ext.muon import ShardedMuon
+from composer_mesh.titan_ext.optimizer import _dist_muon_applicable, _dist_muon_layout, build_optimizer, split_muon_params
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -53,7 +53,7 @@ def spawn(fn_name: str, world: int, port: int) -> None:
     busy 2-core box) and, unlike fork, holds no threads of the test process.
     """
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed.fsdp", "titan_ext.muon", __name__])
+    ctx.set_forkserver_preload(["torch", "torch.distributed.fsdp", "composer_mesh.titan_ext.muon", __name__])
     mp.start_processes(_entry, args=(world, port, fn_name), nprocs=world, join=True,
                        start_method="forkserver")
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch import nn
 
-from configs.sections.optimizer import OptimizerConfig
-from titan_ext.optimizer import build_lr_scheduler, build_optimizer
+from composer_mesh.configs.sections.optimizer import OptimizerConfig
+from composer_mesh.titan_ext.optimizer import build_lr_scheduler, build_optimizer
 
 
 def _lrs(cfg: OptimizerConfig, steps: int, run: int | None = None) -> list[float]:

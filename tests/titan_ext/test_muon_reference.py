@@ -17,10 +17,10 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-from configs.loader import ConfigError, load_config
-from configs.sections.optimizer import OptimizerConfig
-from titan_ext.muon import ShardedMuon, assign_owners, zeropower_via_newtonschulz
-from titan_ext.optimizer import ChainedOptimizer, build_lr_scheduler, build_optimizer, split_muon_params
+from composer_mesh.configs.loader import ConfigError, load_config
+from composer_mesh.configs.sections.optimizer import OptimizerConfig
+from composer_mesh.titan_ext.muon import ShardedMuon, assign_owners, zeropower_via_newtonschulz
+from composer_mesh.titan_ext.optimizer import ChainedOptimizer, build_lr_scheduler, build_optimizer, split_muon_params
 
 A, B, C = 3.4445, -4.7750, 2.0315
 

@@ -10,10 +10,10 @@ from torchtitan.models.common.attention import (
     get_efficient_causal_mask_mod_for_packed_document,
 )
 
-from configs.sections.model import ModelConfig
-from titan_ext.attention import DenseAttentionMask, MaskedSDPA, attention_masks, block_causal_mask
-from titan_ext.build import build_model
-from titan_ext.platform import detect_platform
+from composer_mesh.configs.sections.model import ModelConfig
+from composer_mesh.titan_ext.attention import DenseAttentionMask, MaskedSDPA, attention_masks, block_causal_mask
+from composer_mesh.titan_ext.build import build_model
+from composer_mesh.titan_ext.platform import detect_platform
 
 B, L, NQ, NKV, H = 2, 40, 4, 2, 32
 DOC_LENGTHS = ([10, 17, 13], [40])  # row 0 packs three documents, row 1 holds one

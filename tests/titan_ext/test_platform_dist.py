@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from titan_ext.platform import detect_platform, install_torch_shims
+from composer_mesh.titan_ext.platform import detect_platform, install_torch_shims
 
 WORLD = 2
 
@@ -30,7 +30,7 @@ def _sharded(force_sum: bool, platform):
     """FSDP2 as TorchTitan configures it: no gradient division (sum over ranks)."""
     from torch.distributed.fsdp import fully_shard
 
-    from titan_ext.platform import configure_fsdp_comms
+    from composer_mesh.titan_ext.platform import configure_fsdp_comms
 
     model = _model()
     for module in (model[0], model[2], model):
@@ -45,12 +45,12 @@ def _sharded_checkpoint_round_trip(platform, hf_dir: str, out_dir: str) -> tuple
     from safetensors.torch import load_file
     from torch.distributed.fsdp import fully_shard
 
-    from configs.sections.model import ModelConfig
-    from titan_ext.attention import attention_masks
-    from titan_ext.build import build_model
-    from titan_ext.hf.read import load_hf_into_titan
-    from titan_ext.hf.write import save_hf_weights
-    from titan_ext.models import init_model, resolve_model
+    from composer_mesh.configs.sections.model import ModelConfig
+    from composer_mesh.titan_ext.attention import attention_masks
+    from composer_mesh.titan_ext.build import build_model
+    from composer_mesh.titan_ext.hf.read import load_hf_into_titan
+    from composer_mesh.titan_ext.hf.write import save_hf_weights
+    from composer_mesh.titan_ext.models import init_model, resolve_model
 
     cfg = ModelConfig(flavour="tiny_moe", device="cpu", seed=5)
     resolved = resolve_model(cfg, platform)
@@ -78,7 +78,7 @@ def _worker(rank: int, port: int, out_dir: str, hf_dir: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch.distributed as dist
 
-    from titan_ext.platform import init_process_group
+    from composer_mesh.titan_ext.platform import init_process_group
 
     report = Path(out_dir) / f"rank{rank}.txt"
     try:

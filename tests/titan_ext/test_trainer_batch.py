@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from test_trainer_harness import global_batch
-from titan_ext.batch import IGNORE_INDEX, TrainBatch
+from composer_mesh.titan_ext.batch import IGNORE_INDEX, TrainBatch
 
 
 def _fields(batch: TrainBatch) -> dict:

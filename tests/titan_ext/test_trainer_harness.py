@@ -37,7 +37,7 @@ HARNESS = Path(__file__).resolve()
 VOCAB = 2048
 SEQ_L = 32  # packed student row length
 HINT_LEN = 4
-_PRELOAD = ("torch", "torch.distributed.fsdp", "transformers", "titan_ext.trainer", "safetensors.torch")
+_PRELOAD = ("torch", "torch.distributed.fsdp", "transformers", "composer_mesh.titan_ext.trainer", "safetensors.torch")
 
 
 # ---- launching ranks ---------------------------------------------------------------------------
@@ -222,13 +222,13 @@ def four_rank_run(hf_path: str) -> dict:
 
 def make_spec(args: dict[str, Any], out_dir: Path | None = None):
     """The TrainerSpec of a scenario: tiny flavour, three channels, DPO, Muon."""
-    from configs.sections.checkpoint import CheckpointConfig
-    from configs.sections.loss import DistillLossConfig, LossConfig, PolicyLossConfig
-    from configs.sections.model import ModelConfig
-    from configs.sections.optimizer import OptimizerConfig
-    from configs.sections.parallelism import ParallelismConfig
-    from configs.sections.trainer import TrainerConfig
-    from titan_ext.trainer import TrainerSpec
+    from composer_mesh.configs.sections.checkpoint import CheckpointConfig
+    from composer_mesh.configs.sections.loss import DistillLossConfig, LossConfig, PolicyLossConfig
+    from composer_mesh.configs.sections.model import ModelConfig
+    from composer_mesh.configs.sections.optimizer import OptimizerConfig
+    from composer_mesh.configs.sections.parallelism import ParallelismConfig
+    from composer_mesh.configs.sections.trainer import TrainerConfig
+    from composer_mesh.titan_ext.trainer import TrainerSpec
 
     ckpt = args.get("checkpoint")
     return TrainerSpec(
@@ -249,7 +249,7 @@ def global_batch(cursor: int, rows: int = 4, pairs: int = 3):
     """The global batch number `cursor`: fixed, distinct per cursor, all three channels present."""
     import torch
 
-    from titan_ext.batch import IGNORE_INDEX, TrainBatch
+    from composer_mesh.titan_ext.batch import IGNORE_INDEX, TrainBatch
 
     g = torch.Generator().manual_seed(1000 + cursor)
     docs = 2  # rollouts packed per student row
@@ -340,7 +340,7 @@ def scenario_trajectory(out_dir: Path, args: dict[str, Any]) -> dict:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from titan_ext.trainer import Trainer
+    from composer_mesh.titan_ext.trainer import Trainer
 
     result: dict[str, Any] = {"history": {}, "meshes": {}}
     for name, config in args["configs"].items():
@@ -358,7 +358,7 @@ def scenario_trajectory(out_dir: Path, args: dict[str, Any]) -> dict:
 
 def scenario_resume_phase1(out_dir: Path, args: dict[str, Any]) -> dict:
     """Train until the step-3 checkpoint is complete, say so, then wait to be killed."""
-    from titan_ext.trainer import Trainer
+    from composer_mesh.titan_ext.trainer import Trainer
 
     trainer = Trainer(make_spec(args, out_dir))
     train(trainer, 3)
@@ -369,7 +369,7 @@ def scenario_resume_phase1(out_dir: Path, args: dict[str, Any]) -> dict:
 
 def scenario_resume_phase2(out_dir: Path, args: dict[str, Any]) -> dict:
     """A fresh process: resume from the newest checkpoint and train to step 6."""
-    from titan_ext.trainer import Trainer
+    from composer_mesh.titan_ext.trainer import Trainer
 
     trainer = Trainer(make_spec(args, out_dir))
     resumed_at = trainer.step
@@ -384,7 +384,7 @@ def scenario_moe_ep(out_dir: Path, args: dict[str, Any]) -> dict:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from titan_ext.trainer import Trainer
+    from composer_mesh.titan_ext.trainer import Trainer
 
     trainer = Trainer(make_spec(args))
     placements = {
@@ -415,7 +415,7 @@ def scenario_bad_input(out_dir: Path, args: dict[str, Any]) -> dict:
 
     import torch
 
-    from titan_ext.trainer import Trainer
+    from composer_mesh.titan_ext.trainer import Trainer
 
     trainer = Trainer(make_spec(args))
     train(trainer, 1)
@@ -445,7 +445,7 @@ def scenario_bad_input(out_dir: Path, args: dict[str, Any]) -> dict:
 
 def scenario_taid(out_dir: Path, args: dict[str, Any]) -> dict:
     """Hint distillation with TAID: t moves with the steps and is part of the checkpointed state."""
-    from titan_ext.trainer import Trainer
+    from composer_mesh.titan_ext.trainer import Trainer
 
     trainer = Trainer(make_spec({**args, "distill_kind": "taid"}))
     history = train(trainer, 4)
@@ -464,13 +464,13 @@ def scenario_hf_load(out_dir: Path, args: dict[str, Any]) -> dict:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from configs.sections.model import ModelConfig
-    from configs.sections.parallelism import ParallelismConfig
-    from titan_ext.hf.adapters import titan_to_hf_state_dict
-    from titan_ext.hf.read import load_hf_into_titan, read_hf_state_dict
-    from titan_ext.models import init_model, resolve_model
-    from titan_ext.parallelize import build_parallel_dims, parallelize_model, prepare_model_config
-    from titan_ext.platform import detect_platform, init_process_group
+    from composer_mesh.configs.sections.model import ModelConfig
+    from composer_mesh.configs.sections.parallelism import ParallelismConfig
+    from composer_mesh.titan_ext.hf.adapters import titan_to_hf_state_dict
+    from composer_mesh.titan_ext.hf.read import load_hf_into_titan, read_hf_state_dict
+    from composer_mesh.titan_ext.models import init_model, resolve_model
+    from composer_mesh.titan_ext.parallelize import build_parallel_dims, parallelize_model, prepare_model_config
+    from composer_mesh.titan_ext.platform import detect_platform, init_process_group
 
     platform = detect_platform("cpu")
     init_process_group(platform)

@@ -13,10 +13,10 @@ import json
 
 import torch
 
-from configs.sections.env import DemoTaskConfig
-from configs.sections.model import ModelConfig
-from envs import demo
-from titan_ext.warmstart import WarmStartConfig, warm_start_dir
+from composer_mesh.configs.sections.env import DemoTaskConfig
+from composer_mesh.configs.sections.model import ModelConfig
+from composer_mesh.envs import demo
+from composer_mesh.titan_ext.warmstart import WarmStartConfig, warm_start_dir
 
 CFG = DemoTaskConfig(max_operand=9)
 

@@ -19,8 +19,8 @@ from torchtitan.models.common.nn_modules import RMSNorm
 from torchtitan.models.qwen3 import Qwen3Model
 from transformers import Qwen3Config, Qwen3MoeConfig
 
-from titan_ext.hf.config import check_supported, moe_layer_ids, rope_parameters, titan_family
-from titan_ext.torchtitan_compat import (
+from composer_mesh.titan_ext.hf.config import check_supported, moe_layer_ids, rope_parameters, titan_family
+from composer_mesh.titan_ext.torchtitan_compat import (
     build_llama3_layers,
     build_qwen3_layers,
     build_qwen3_moe_layers,

@@ -14,12 +14,12 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from configs.sections.checkpoint import CheckpointConfig
-from configs.sections.model import ModelConfig
-from titan_ext.checkpoint import COMPLETE, Checkpointer, step_dir_name
-from titan_ext.hf.write import save_hf_dir
-from titan_ext.models import init_model, resolve_model
-from titan_ext.platform import detect_platform
+from composer_mesh.configs.sections.checkpoint import CheckpointConfig
+from composer_mesh.configs.sections.model import ModelConfig
+from composer_mesh.titan_ext.checkpoint import COMPLETE, Checkpointer, step_dir_name
+from composer_mesh.titan_ext.hf.write import save_hf_dir
+from composer_mesh.titan_ext.models import init_model, resolve_model
+from composer_mesh.titan_ext.platform import detect_platform
 
 RUN_MODEL_FILE = "model.json"
 

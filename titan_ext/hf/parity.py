@@ -23,11 +23,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
-from configs.sections.model import ModelConfig
-from titan_ext.attention import attention_masks
-from titan_ext.hf.read import load_hf_state_dict, safetensors_files
-from titan_ext.models import init_model, resolve_model
-from titan_ext.platform import detect_platform
+from composer_mesh.configs.sections.model import ModelConfig
+from composer_mesh.titan_ext.attention import attention_masks
+from composer_mesh.titan_ext.hf.read import load_hf_state_dict, safetensors_files
+from composer_mesh.titan_ext.models import init_model, resolve_model
+from composer_mesh.titan_ext.platform import detect_platform
 
 PROBE_VOCAB = 4096
 TOL = 1e-4

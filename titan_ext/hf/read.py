@@ -20,7 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from titan_ext.hf.adapters import SAFETENSORS_INDEX, make_adapter, model_units
+from composer_mesh.titan_ext.hf.adapters import SAFETENSORS_INDEX, make_adapter, model_units
 
 # TorchTitan-only state with no HF counterpart: the aux-loss-free load-balancing
 # bias of MoE routers. Loading an HF checkpoint leaves it at its init (zeros).

@@ -25,10 +25,10 @@ import torch
 import torch.distributed as dist
 from transformers import AutoTokenizer, GenerationConfig
 
-from titan_ext.hf.adapters import iter_hf_buckets
-from titan_ext.hf.config import serving_config_json
-from titan_ext.hf.derive import hf_config_for
-from titan_ext.hf.read import SAFETENSORS_DTYPES
+from composer_mesh.titan_ext.hf.adapters import iter_hf_buckets
+from composer_mesh.titan_ext.hf.config import serving_config_json
+from composer_mesh.titan_ext.hf.derive import hf_config_for
+from composer_mesh.titan_ext.hf.read import SAFETENSORS_DTYPES
 
 SAVE_BUCKET_BYTES = 64 << 20
 _DTYPE_CODES = {dtype: code for code, dtype in SAFETENSORS_DTYPES.items()}

@@ -1,0 +1,242 @@
+"""The episode loop: environments from `envs/` driven by an engine, turn by turn, as tokens.
+
+All active episodes of a turn are sampled in one engine batch. The token ids
+of an episode are built piece by piece so they are exactly what the model saw
+and produced: the rendered prompt, each sampled assistant turn as sampled
+(its tokens carry loss and logprobs), and the chat-template text the
+environment's answer adds (tool results, feedback, the next assistant header),
+tokenized on its own. Template text is taken as the difference between
+renderings of the message list before and after (the chat template renders
+messages by concatenation), so tool calls parsed out of a reply never have to
+re-render to the sampled text.
+
+Assistant text becomes a message with OpenAI `tool_calls` when it contains the
+template's `<tool_call>{"name": ..., "arguments": ...}</tool_call>` blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol, Sequence
+
+from composer_mesh.actors.hf_engine import Completion
+from composer_mesh.actors.rollout import EpisodeRequest, Rollout, RolloutGroup, SamplingParams
+from composer_mesh.envs.base import Environment
+
+_TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
+
+
+class Engine(Protocol):
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Completion]: ...
+
+
+def parse_assistant(text: str) -> dict[str, Any]:
+    """An assistant message from generated text: content plus any well-formed tool calls.
+
+    A block that is not JSON with a string `name` stays in the content (the
+    environment then sees no call, which is what the model wrote).
+    """
+    calls, kept, last = [], [], 0
+    for m in _TOOL_CALL.finditer(text):
+        try:
+            obj = json.loads(m.group(1))
+        except json.JSONDecodeError:
+            continue
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            continue
+        args = obj.get("arguments", {})
+        calls.append({
+            "id": f"call_{len(calls)}", "type": "function",
+            "function": {"name": obj["name"], "arguments": args if isinstance(args, str) else json.dumps(args)},
+        })
+        kept.append(text[last:m.start()])
+        last = m.end()
+    kept.append(text[last:])
+    msg: dict[str, Any] = {"role": "assistant", "content": "".join(kept).strip() if calls else text}
+    if calls:
+        msg["tool_calls"] = calls
+    return msg
+
+
+@dataclass
+class _Episode:
+    request: EpisodeRequest
+    sample: int
+    env: Environment
+    tools: list[dict] | None
+    ids: list[int]
+    mask: list[bool]
+    logps: list[float]
+    starts: list[int]
+    spans: list[tuple[int, int, int]]
+    prompt_len: int
+    finish: str = ""
+    turns: int = 0
+
+
+class Tokenizer(Protocol):
+    eos_token: str
+
+    def apply_chat_template(self, messages: list[dict], **kwargs: Any) -> Any: ...
+    def __call__(self, text: str, **kwargs: Any) -> Any: ...
+    def decode(self, ids: Sequence[int], **kwargs: Any) -> str: ...
+
+
+class ChatTokens:
+    """Token ids of chat-template pieces: whole renderings, and the text one step of a chat adds.
+
+    `delta(before, after)` is the rendering of `after` minus that of `before` (a
+    prefix when the template renders by concatenation, else ValueError), so
+    pieces can be tokenized on their own and appended to ids already sampled.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tok = tokenizer
+        self.end_text = tokenizer.eos_token
+        self.end_id = self.encode(self.end_text)[-1]
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tok(text, add_special_tokens=False)["input_ids"])
+
+    def render(self, messages: list[dict], tools: list[dict] | None = None, generation: bool = False) -> str:
+        return self.tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=generation)
+
+    def delta(self, before: list[dict], after: list[dict], tools: list[dict] | None = None,
+              generation: bool = False) -> str:
+        old = self.render(before, tools) if before else ""
+        new = self.render(after, tools, generation)
+        if not new.startswith(old):
+            raise ValueError("the chat template does not render messages by concatenation; cannot extend tokens")
+        return new[len(old):]
+
+    def prompt_and_action(self, context: list[dict], message: dict) -> tuple[list[int], list[int]]:
+        """Ids of `context` with the assistant header, and of `message`'s content through its end token."""
+        prompt_text = self.render(context, generation=True)
+        head = prompt_text[len(self.render(context)):] if context else prompt_text
+        text = self.delta(context, context + [message])
+        if not text.startswith(head):
+            raise ValueError("the chat template renders the assistant header differently with content")
+        ids = self.encode(text[len(head):])
+        return self.encode(prompt_text), ids[: ids.index(self.end_id) + 1] if self.end_id in ids else ids
+
+
+class EpisodeRunner:
+    """Runs episodes of `make_env()` environments with an engine and a chat tokenizer.
+
+    max_turns: assistant turns per episode; max_context_tokens: an episode whose
+    next prompt would leave fewer than `max_new_tokens` free ends ("context").
+    """
+
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, make_env: Callable[[str], Environment],
+                 max_turns: int, max_context_tokens: int) -> None:
+        self.engine = engine
+        self.tok = tokenizer
+        self.chat = ChatTokens(tokenizer)
+        self.make_env = make_env
+        self.max_turns = max_turns
+        self.max_context_tokens = max_context_tokens
+
+    def _start(self, request: EpisodeRequest, sample: int) -> _Episode:
+        env = self.make_env(request.split)
+        obs = env.reset(seed=request.seed, episode_id=f"{request.group_id}:{sample}")
+        tools = obs.info.get("tools") or None
+        messages = env.state.messages
+        ids: list[int] = []
+        starts: list[int] = []
+        # per-message pieces when the rendering allows it
+        for i in range(len(messages)):
+            try:
+                piece = self.chat.delta(messages[:i], messages[: i + 1], tools, generation=False)
+            except ValueError:
+                starts, ids = [-1] * len(messages), self.chat.encode(self.chat.render(messages, tools))
+                break
+            starts.append(len(ids))
+            ids += self.chat.encode(piece)
+        ep = _Episode(request, sample, env, tools, ids, [False] * len(ids), [0.0] * len(ids), starts, [], len(ids))
+        self._open_turn(ep)
+        return ep
+
+    def _open_turn(self, ep: _Episode) -> None:
+        """Append the assistant header; the next message (the reply) starts there."""
+        messages = ep.env.state.messages
+        ep.starts.append(len(ep.ids))
+        header = self.chat.delta(messages, messages, ep.tools, generation=True)
+        self._append(ep, self.chat.encode(header))
+
+    @staticmethod
+    def _append(ep: _Episode, ids: list[int], logps: list[float] | None = None) -> None:
+        ep.ids += ids
+        ep.mask += [logps is not None] * len(ids)
+        ep.logps += logps if logps is not None else [0.0] * len(ids)
+
+    def _finish_turn(self, ep: _Episode, done: Completion) -> None:
+        """Record the sampled turn, step the environment, append its answer and the next header."""
+        start = len(ep.ids)
+        self._append(ep, done.token_ids, done.logprobs)
+        text_ids = done.token_ids[:-1] if done.finish_reason == "stop" else done.token_ids
+        # close the turn so the context stays well-formed (no loss)
+        if done.finish_reason == "length":
+            self._append(ep, [self.chat.end_id])
+        message_index = len(ep.env.state.messages)
+        ep.spans.append((message_index, start, start + len(done.token_ids)))
+        ep.env.step(parse_assistant(self.tok.decode(text_ids, skip_special_tokens=False)))
+        ep.turns += 1
+        messages = ep.env.state.messages
+        rendered = self.chat.render(messages[: message_index + 1], ep.tools)
+        # template text after the reply
+        tail = rendered[rendered.rfind(self.chat.end_text) + len(self.chat.end_text):]
+        self._append(ep, self.chat.encode(tail))
+        if ep.env.state.done:
+            ep.finish = "done"
+            return
+        if ep.turns >= self.max_turns:
+            ep.finish = "max_turns"
+            return
+        for i in range(message_index + 1, len(messages)):
+            ep.starts.append(len(ep.ids))
+            self._append(ep, self.chat.encode(self.chat.delta(messages[:i], messages[: i + 1], ep.tools, generation=False)))
+        self._open_turn(ep)
+
+    def run(self, requests: Sequence[EpisodeRequest], group_size: int, sampling: SamplingParams,
+            policy_version: int) -> list[RolloutGroup]:
+        """`group_size` episodes per request, all sampled in lock-step turns."""
+        episodes = [self._start(r, k) for r in requests for k in range(group_size)]
+        try:
+            turn = 0
+            while True:
+                active = [e for e in episodes if not e.finish]
+                for e in active:
+                    if len(e.ids) + sampling.max_new_tokens > self.max_context_tokens:
+                        e.finish = "context"
+                active = [e for e in active if not e.finish]
+                if not active:
+                    break
+                step = SamplingParams(sampling.temperature, sampling.top_p, sampling.top_k,
+                                      sampling.max_new_tokens, sampling.seed * 1009 + turn)
+                for e, done in zip(active, self.engine.generate([e.ids for e in active], step)):
+                    self._finish_turn(e, done)
+                turn += 1
+            return self._groups(requests, episodes, group_size, policy_version)
+        finally:
+            for e in episodes:
+                e.env.close()
+
+    def _groups(self, requests, episodes: list[_Episode], group_size: int, version: int) -> list[RolloutGroup]:
+        groups = []
+        for gi, request in enumerate(requests):
+            rollouts = []
+            for e in episodes[gi * group_size : (gi + 1) * group_size]:
+                state = e.env.state
+                rollouts.append(Rollout(
+                    group_id=request.group_id, sample=e.sample, seed=request.seed, token_ids=e.ids,
+                    prompt_len=e.prompt_len, loss_mask=e.mask, logprobs=e.logps,
+                    messages=list(state.messages),
+                    message_starts=(e.starts + [-1] * len(state.messages))[: len(state.messages)],
+                    turn_spans=e.spans, reward=float(state.reward or 0.0), finish_reason=e.finish,  # type: ignore[arg-type]
+                    policy_version=version, error_sites=list(state.error_sites),
+                    info={"turns": e.turns},
+                ))
+            groups.append(RolloutGroup(request.group_id, request.seed, rollouts))
+        return groups

@@ -1,0 +1,16 @@
+"""Monarch's private APIs, in one place: the rest of the project imports them from here.
+
+Checked against torchmonarch 0.7.0. On an upgrade, check that each name below still exists and
+behaves as used:
+- `SupervisionError`: what a call on an actor whose process died raises from `.get()`
+  (`mesh.supervision.is_actor_failure`, `mesh.errors.describe_death`).
+- `reload_config_from_env`: makes the `HYPERACTOR_MESH_*` variables set in `os.environ` take
+  effect in this process (`mesh.supervision.configure_supervision`).
+"""
+
+from __future__ import annotations
+
+from monarch._rust_bindings.monarch_hyperactor.config import reload_config_from_env
+from monarch._rust_bindings.monarch_hyperactor.supervision import SupervisionError
+
+__all__ = ["SupervisionError", "reload_config_from_env"]

@@ -1,0 +1,100 @@
+"""Rollouts: what a generator returns and the controller packs into a `TrainBatch`.
+
+A `Rollout` is one episode of one environment, as the exact token ids the
+model saw and produced (prompt, sampled assistant turns, the environment's
+answers), with the generator's logprob of every sampled token, the reward,
+the error sites the environment reported and the policy version of the
+weights that sampled it. A `RolloutGroup` is the `group_size` episodes of one
+prompt (the GRPO group). Plain dataclasses of lists: they cross actor
+boundaries by pickling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from composer_mesh.configs.records import ErrorSite
+from composer_mesh.configs.sections.generator import GeneratorConfig
+
+FinishReason = Literal["done", "max_turns", "context"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one assistant turn is sampled.
+
+    Order of the logit processing (as HF and vLLM): temperature, then top-k,
+    then top-p. temperature 0 is greedy decoding (the sampling distribution is a
+    point mass, so every reported logprob is 0).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 32
+    seed: int = 0
+
+    @classmethod
+    def from_config(cls, cfg: GeneratorConfig, seed: int = 0) -> "SamplingParams":
+        return cls(cfg.temperature, cfg.top_p, cfg.top_k, cfg.max_new_tokens, seed)
+
+
+@dataclass(frozen=True)
+class EpisodeRequest:
+    """One prompt to roll out `group_size` times: the environment's problem `seed` in `split`."""
+
+    group_id: int
+    seed: int
+    split: Literal["train", "heldout"] = "train"
+
+
+@dataclass
+class Rollout:
+    """One episode; token lists are `[T]` over the whole episode.
+
+    loss_mask[t]: token t was sampled by the policy (its logprob is in
+    `logprobs[t]`, 0 elsewhere). message_starts[i]: offset of the first token of
+    `messages[i]` (-1 when the prompt's rendering does not split per message, and
+    for feedback after the last turn, which the model never saw);
+    an assistant message starts at its `<|im_start|>assistant` header.
+    turn_spans: (message index, start, end) of each assistant turn's sampled tokens.
+    """
+
+    group_id: int
+    sample: int  # index within the group
+    seed: int
+    token_ids: list[int]
+    prompt_len: int
+    loss_mask: list[bool]
+    logprobs: list[float]
+    messages: list[dict[str, Any]]
+    message_starts: list[int]
+    turn_spans: list[tuple[int, int, int]]
+    reward: float
+    finish_reason: FinishReason
+    policy_version: int
+    error_sites: list[ErrorSite] = field(default_factory=list)
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(self.loss_mask)
+
+
+@dataclass
+class RolloutGroup:
+    """The `group_size` rollouts of one prompt."""
+
+    group_id: int
+    seed: int
+    rollouts: list[Rollout]
+
+    @property
+    def rewards(self) -> list[float]:
+        return [r.reward for r in self.rollouts]
+
+    @property
+    def policy_version(self) -> int:
+        """The oldest weights any of its rollouts was sampled with."""
+        return min(r.policy_version for r in self.rollouts)

@@ -1,0 +1,196 @@
+"""`TeacherReplayActor`: preference pairs from teachers, over `replay/`, streamed to the controller.
+
+States to replay come from frozen trace files (`[replay] traces`) and from the
+run itself: each failed assistant turn of a rollout becomes a state (context =
+the messages before it, action = what the student did). `next_pairs(n)` asks
+the teachers about queued states (tier by tier, cache, budget and retries of
+`replay.teachers`; votes of `replay.pairs`) until it has `n` pairs or runs out
+of states; `status()` reports budget, spend, outcomes and queue sizes.
+`snapshot()` / `restore()` carry the in-memory part (queued states, ready
+pairs, counters) through the controller's state checkpoint, so a respawned
+actor or a resumed run continues where the saved step left; the response cache
+and budget ledger persist on disk themselves (`replay.cache`).
+
+Gating with the trainer's own policy: when `[replay.gating] enabled`, a state
+is sent to teachers only if the current policy is uncertain about its recorded
+action — mean token entropy from `TrainerActor.score` ≥ `min_entropy`. (The
+trainer's score gives entropies, not top-2 margins, so `max_margin` does not
+apply on this path; the offline `HFScorer` uses both.)
+
+The teacher client, its budget and its HTTP connections live on one event loop
+in a thread owned by the actor, so they persist across endpoint calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections import Counter, deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from monarch.actor import Actor, endpoint
+
+from composer_mesh.actors.episodes import ChatTokens
+from composer_mesh.actors.rollout import Rollout
+from composer_mesh.configs.sections.replay import ReplayConfig
+from composer_mesh.configs.sections.teachers import TeachersConfig
+from composer_mesh.replay.cache import ResponseCache
+from composer_mesh.replay.gating import Uncertainty, VOIGate
+from composer_mesh.replay.pairs import PreferencePair
+from composer_mesh.replay.pipeline import load_states, replay_states
+from composer_mesh.replay.teachers import TeacherClient
+from composer_mesh.replay.traces import TraceState
+
+
+@dataclass(frozen=True)
+class ReplaySpec:
+    replay: ReplayConfig
+    teachers: TeachersConfig
+    # needed for gating with the trainer's policy
+    tokenizer_dir: str = ""
+    # states waiting for teachers; the oldest are dropped beyond it
+    max_queue: int = 4096
+
+
+def rollout_states(rollout: Rollout) -> list[TraceState]:
+    """One state per failed assistant turn of a rollout (its error sites)."""
+    states = []
+    for k, site in enumerate(rollout.error_sites):
+        if rollout.messages[site.turn].get("role") != "assistant":
+            continue
+        states.append(TraceState(
+            trace_id=f"rollout:{rollout.group_id}:{rollout.sample}:v{rollout.policy_version}",
+            step=k, context=tuple(rollout.messages[: site.turn]), action=dict(rollout.messages[site.turn]),
+        ))
+    return states
+
+
+class TrainerScorer:
+    """Uncertainty of the trainer's current policy on a state's recorded action."""
+
+    def __init__(self, trainer: Any, chat: ChatTokens) -> None:
+        self.trainer, self.chat = trainer, chat
+
+    def __call__(self, state: TraceState) -> Uncertainty:
+        # lazy: start-up time; the trainer's modules (TorchTitan) load only when gating scores with the trainer
+        from composer_mesh.actors.trainer import ScoreBatch
+
+        prompt, action = self.chat.prompt_and_action(list(state.context), state.action)
+        ids = list(prompt) + list(action)
+        labels = torch.full((1, len(ids)), -100)
+        labels[0, len(prompt) - 1 : len(ids) - 1] = torch.tensor(action)
+        batch = ScoreBatch(torch.tensor([ids]), torch.arange(len(ids)).unsqueeze(0), labels)
+        result = next(iter(self.trainer.score.call(batch).get().values()))
+        entropy = float(result.entropy_NS.sum() / result.tokens_N.sum().clamp(min=1))
+        return Uncertainty(entropy=entropy, margin=1.0)  # margin is not measured on this path
+
+
+@dataclass
+class ReplaySnapshot:
+    """The replay actor's in-memory state between calls."""
+
+    queue: list[TraceState]
+    ready: list[PreferencePair]
+    outcomes: dict[str, int]
+    states_done: int
+    pairs_made: int
+
+
+class TeacherReplayActor(Actor):
+    """Endpoints: add_states, add_rollouts, next_pairs, status, info, snapshot, restore, set_trainer."""
+
+    def __init__(self, spec: ReplaySpec, trainer: Any = None) -> None:
+        self.spec = spec
+        out = Path(spec.replay.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self.cache = ResponseCache(spec.teachers.cache_path or out / "cache.jsonl")
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="teacher-replay", daemon=True)
+        self.thread.start()
+        self.client = self._on_loop(self._make_client(TeacherClient))
+        self.gate = None
+        if spec.replay.gating.enabled:
+            if trainer is None or not spec.tokenizer_dir:
+                raise ValueError("replay.gating.enabled in the application needs the trainer mesh and a tokenizer")
+            # lazy: start-up time; the replay process loads transformers only when it gates
+            from transformers import AutoTokenizer
+
+            self.scorer = TrainerScorer(trainer, ChatTokens(AutoTokenizer.from_pretrained(spec.tokenizer_dir)))
+            self.gate = VOIGate(spec.replay.gating, self.scorer)
+        self.queue: deque[TraceState] = deque(load_states(spec.replay)[0] if spec.replay.traces else [],
+                                              maxlen=spec.max_queue)
+        self.ready: deque[PreferencePair] = deque()
+        self.outcomes: Counter[str] = Counter()
+        self.states_done = 0
+        self.pairs_made = 0
+
+    async def _make_client(self, cls: Any) -> Any:  # built on the loop that will use it
+        return cls(self.spec.teachers, self.cache)
+
+    def _on_loop(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    @endpoint
+    def add_states(self, states: Sequence[TraceState]) -> int:
+        """Queue states for replay; returns the queue length."""
+        self.queue.extend(states)
+        return len(self.queue)
+
+    @endpoint
+    def add_rollouts(self, rollouts: Sequence[Rollout]) -> int:
+        """Queue the failed turns of rollouts; returns the queue length."""
+        for r in rollouts:
+            self.queue.extend(rollout_states(r))
+        return len(self.queue)
+
+    @endpoint
+    def next_pairs(self, n: int) -> list[PreferencePair]:
+        """Up to `n` pairs: from those ready, then by replaying queued states (a chunk at a time)."""
+        while len(self.ready) < n and self.queue:
+            chunk = [self.queue.popleft() for _ in range(min(self.spec.replay.concurrency, len(self.queue)))]
+            results = self._on_loop(replay_states(chunk, self.client, self.spec.replay, gate=self.gate))
+            for r in results:
+                self.outcomes[r.outcome] += 1
+                if r.pair is not None:
+                    self.ready.append(r.pair)
+                    self.pairs_made += 1
+            self.states_done += len(chunk)
+        return [self.ready.popleft() for _ in range(min(n, len(self.ready)))]
+
+    @endpoint
+    def info(self) -> dict:
+        return {"pid": os.getpid()}
+
+    @endpoint
+    def snapshot(self) -> ReplaySnapshot:
+        return ReplaySnapshot(list(self.queue), list(self.ready), dict(self.outcomes), self.states_done,
+                              self.pairs_made)
+
+    @endpoint
+    def restore(self, snap: ReplaySnapshot) -> int:
+        """Replace the in-memory state with `snap`; returns the queue length."""
+        self.queue = deque(snap.queue, maxlen=self.spec.max_queue)
+        self.ready = deque(snap.ready)
+        self.outcomes = Counter(snap.outcomes)
+        self.states_done, self.pairs_made = snap.states_done, snap.pairs_made
+        return len(self.queue)
+
+    @endpoint
+    def set_trainer(self, trainer: Any) -> None:
+        """Score with a restarted trainer mesh (gating)."""
+        if self.gate is not None:
+            self.scorer.trainer = trainer
+
+    @endpoint
+    def status(self) -> dict:
+        budget = self.client.budget
+        return {
+            "budget_usd": budget.cap_usd, "spend_usd": budget.spent_usd, "left_usd": budget.cap_usd - budget.spent_usd,
+            "budget_refusals": budget.refusals, "queued_states": len(self.queue), "states_done": self.states_done,
+            "pairs_made": self.pairs_made, "pairs_ready": len(self.ready), "outcomes": dict(self.outcomes),
+            "client": self.client.stats.as_dict(),
+        }

@@ -1,0 +1,189 @@
+"""Delta weight sync: a trainer rank's serving-dtype runs encoded against the version it published last.
+
+With the small learning rates of RL, most bf16 values do not change from one
+step to the next, so what crosses hosts can be what changed instead of every
+byte. Each trainer rank keeps the bytes it published last (`DeltaBase`, one
+private copy of its shard in the serving dtype) and sends, per run (one
+tensor's local shard), the smaller of:
+
+- XOR: the run XOR its base, zstd-compressed (level 1): unchanged elements are
+  zero bits and compress to almost nothing;
+- FULL: the run itself (what an fp32 run under Adam, where every element
+  changes, comes down to).
+
+Why XOR + zstd and its level: docs/weight_sync.md "Delta sync". XOR is on raw
+bits, so -0.0, NaN payloads and every rounding are carried exactly.
+The receiving host writes each run as its own sealed copy of the base
+version (named by version *and* sync token: the very bytes the trainer
+encoded against) XOR the decoded bits (`apply_delta`); a CRC-32 of the rank's
+runs after applying must equal the trainer's, or the caller falls back to the
+full runs.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import torch
+import zstandard
+
+from composer_mesh.actors.weight_sync.segment import Piece
+
+XOR, FULL = "xor", "full"
+# zstd level of the XOR sections (docs/weight_sync.md "Delta sync")
+LEVEL = 1
+
+
+@dataclass(frozen=True)
+class RunDelta:
+    """How one run is encoded in the delta buffer: `size` bytes at `at`."""
+
+    # one tensor's local shard in the segment payload
+    run: Piece
+    encoding: str
+    # elements that differ from the base
+    changed: int
+    at: int
+    size: int
+
+
+@dataclass
+class Delta:
+    """A rank's runs of version `version` as changes against `base_version` (sync `base_token`): the
+    description a reader needs; the `nbytes` encoded bytes travel separately, in one transfer. `crc` is CRC-32
+    of the rank's runs in order."""
+
+    version: int
+    base_version: int
+    base_token: str
+    itemsize: int
+    runs: list[RunDelta]
+    nbytes: int
+    crc: int
+
+    @property
+    def changed(self) -> int:
+        return sum(r.changed for r in self.runs)
+
+    @property
+    def elements(self) -> int:
+        return sum(r.run.nbytes for r in self.runs) // self.itemsize
+
+
+def runs_crc(payload_U8: torch.Tensor, runs: list[Piece]) -> int:
+    """CRC-32 of `runs` of a segment payload, in order (zlib; no copy)."""
+    crc = 0
+    for r in runs:
+        crc = zlib.crc32(payload_U8[r.offset : r.offset + r.nbytes].numpy(), crc)
+    return crc
+
+
+_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # raw bits per element size
+
+
+def _bits(raw_U8: torch.Tensor, itemsize: int) -> torch.Tensor:
+    if itemsize not in _INT:
+        raise ValueError(f"no raw-bit view for {itemsize}-byte elements")
+    return raw_U8.view(_INT[itemsize])
+
+
+def encode_run(new_U8: torch.Tensor, old_U8: torch.Tensor, itemsize: int,
+               compressor: zstandard.ZstdCompressor) -> tuple[str, int, bytes | torch.Tensor]:
+    """(encoding, changed elements, bytes to send) for one run: XOR + zstd unless that is no smaller.
+    `old_U8` is overwritten with `new_U8` (it is the sender's base: XORed in place, no temporary)."""
+    xor = _bits(old_U8, itemsize).bitwise_xor_(_bits(new_U8, itemsize))
+    changed = int(torch.count_nonzero(xor))
+    packed = compressor.compress(old_U8.numpy())
+    old_U8.copy_(new_U8)
+    if len(packed) >= new_U8.numel():
+        return FULL, changed, new_U8
+    return XOR, changed, packed
+
+
+class DeltaBase:
+    """The bytes one trainer rank published last (its runs, concatenated, in the serving dtype) and which
+    publication that was (version, sync token): what its next delta is taken against."""
+
+    def __init__(self) -> None:
+        self.version: int | None = None
+        self.token = ""
+        self.runs: list[Piece] = []
+        self.copy_U8 = torch.empty(0, dtype=torch.uint8)
+
+    def advance(self, payload_U8: torch.Tensor, runs: list[Piece], version: int, token: str, itemsize: int,
+                encode: bool) -> tuple[Delta, torch.Tensor] | None:
+        """Make `runs` of `payload_U8` (the rank's just-published version `version` of sync `token`) the base;
+        with `encode`, first the delta against the old base and its encoded bytes `[nbytes]` (uint8). None when
+        not encoding or without a base of the same runs (first publication, a restarted trainer, a new layout)."""
+        if not encode or self.version is None or runs != self.runs:
+            self._refresh(payload_U8, runs)
+            self.version, self.token = version, token
+            return None
+        compressor = zstandard.ZstdCompressor(level=LEVEL)
+        sections: list[torch.Tensor] = []
+        out: list[RunDelta] = []
+        at = base = 0
+        for run in runs:
+            new = payload_U8[run.offset : run.offset + run.nbytes]
+            encoding, k, data = encode_run(new, self.copy_U8[base : base + run.nbytes], itemsize, compressor)
+            section = torch.frombuffer(bytearray(data), dtype=torch.uint8) if isinstance(data, bytes) else data
+            sections.append(section)
+            out.append(RunDelta(run, encoding, k, at, section.numel()))
+            at += section.numel()
+            base += run.nbytes
+        buffer = torch.cat(sections) if sections else torch.empty(0, dtype=torch.uint8)
+        delta = Delta(version, self.version, self.token, itemsize, out, buffer.numel(), runs_crc(payload_U8, runs))
+        self.version, self.token = version, token
+        return delta, buffer
+
+    def _refresh(self, payload_U8: torch.Tensor, runs: list[Piece]) -> None:
+        """Copy `runs` of `payload_U8` in (reusing the copy's memory when their total is unchanged)."""
+        total = sum(r.nbytes for r in runs)
+        if self.copy_U8.numel() != total:
+            self.copy_U8 = torch.empty(total, dtype=torch.uint8)
+        at = 0
+        for run in runs:
+            self.copy_U8[at : at + run.nbytes].copy_(payload_U8[run.offset : run.offset + run.nbytes])
+            at += run.nbytes
+        self.runs = list(runs)
+
+    def drop(self) -> None:
+        """Forget the base (deltas off): its memory is freed and the next delta needs a new one."""
+        self.__init__()
+
+
+def apply_delta(target_U8: torch.Tensor, base_U8: torch.Tensor, delta: Delta, buffer_U8: torch.Tensor) -> None:
+    """Write every run of `delta` into `target_U8`: base XOR the decoded bits (read from the same runs of
+    `base_U8`, the base version's payload), or the run itself where it was sent whole."""
+    decompressor = zstandard.ZstdDecompressor()
+    scratch = torch.empty(max((rd.run.nbytes for rd in delta.runs), default=0), dtype=torch.uint8)
+    for rd in delta.runs:
+        lo, hi = rd.run.offset, rd.run.offset + rd.run.nbytes
+        section = buffer_U8[rd.at : rd.at + rd.size]
+        if rd.encoding == FULL:
+            target_U8[lo:hi].copy_(section)
+        elif rd.encoding == XOR:
+            xor = scratch[: rd.run.nbytes]
+            _decompress_into(decompressor, section, xor)
+            torch.bitwise_xor(_bits(base_U8[lo:hi], delta.itemsize), _bits(xor, delta.itemsize),
+                              out=_bits(target_U8[lo:hi], delta.itemsize))
+        else:
+            raise ValueError(f"unknown run encoding {rd.encoding!r}")
+
+
+def _decompress_into(decompressor: zstandard.ZstdDecompressor, packed_U8: torch.Tensor, out_U8: torch.Tensor) -> None:
+    """Decompress `packed_U8` straight into `out_U8` (no intermediate bytes); it must fill it exactly."""
+    view, got = memoryview(out_U8.numpy()), 0
+    try:
+        with decompressor.stream_reader(packed_U8.numpy()) as reader:
+            while got < len(view):
+                n = reader.readinto(view[got:])
+                if n == 0:
+                    break
+                got += n
+            extra = reader.read(1)
+    except zstandard.ZstdError as exc:
+        raise ValueError(f"delta run: not a zstd frame of {len(view)} bytes expected ({exc})") from None
+    if got != len(view) or extra:
+        raise ValueError(f"delta run: decoded {'more than ' if extra else ''}{got} bytes, {len(view)} expected")

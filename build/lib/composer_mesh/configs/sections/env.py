@@ -1,0 +1,151 @@
+"""`[env]`: verifiable tasks, the sandbox that runs model-written code, the tool loop.
+
+`task` picks the environment the generators drive: the CPU demo task (tiny
+arithmetic with a fixed answer format), feature deletion on a local Python
+repository, the multi-turn tool loop over such a repository, a prompt dataset
+scored by TRL-style reward functions (`dataset`), or a user's environment
+factory (`plugin`). docs/tasks.md shows each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from composer_mesh.configs.fields import option
+
+
+@dataclass(frozen=True)
+class SandboxConfig:
+    """Limits for one sandboxed process tree (see docs/envs.md for what enforces each)."""
+
+    wall_timeout_s: float = option(20.0, doc="wall-clock limit; the whole process tree is killed after it", gt=0.0)
+    cpu_time_s: int = option(10, doc="RLIMIT_CPU seconds per process (SIGXCPU, then SIGKILL)", ge=1)
+    address_space_mb: int = option(1024, doc="RLIMIT_AS per process in MiB", ge=64)
+    file_size_mb: int = option(16, doc="RLIMIT_FSIZE: largest file (and stdout/stderr) a process may write, MiB", ge=1)
+    max_processes: int = option(32, doc="RLIMIT_NPROC for the sandbox's private uid", ge=1)
+    max_open_files: int = option(256, doc="RLIMIT_NOFILE", ge=16)
+    output_tail_chars: int = option(4000, doc="characters of stdout/stderr kept in results", ge=0)
+    root_dir: str = option("", doc="where private work directories are made ('' = the system temp dir)")
+    memory_mb: int = option(2048, doc="cgroup memory limit for the whole process tree, MiB (OOM kill beyond it)", ge=64)
+    cpu_cores: float = option(1.0, doc="cgroup CPU quota for the whole process tree, in cores", gt=0.0)
+    tmpfs_mb: int = option(64, doc="size cap of the writable /tmp tmpfs inside the sandbox, MiB", ge=1)
+    expose_paths: tuple[str, ...] = option(
+        (), doc="extra host paths bound read-only into the sandbox's root (besides /usr and the interpreter)"
+    )
+    env_passthrough: tuple[str, ...] = option(
+        ("LANG", "LC_ALL"), doc="host environment variables copied in (names only; never put secrets here)"
+    )
+    uid_base: int = option(200_000, doc="first of the private uids given to sandboxes", ge=1000)
+    uid_count: int = option(100_000, doc="how many private uids to draw from", ge=1)
+    bwrap_binary: str = option("bwrap", doc="bubblewrap binary that builds the namespaces and the minimal root")
+    slow_answer_s: float = option(
+        0.0,
+        doc="a repository grade taking longer than this many seconds earns 0 (reason slow_answer); 0 = no cap "
+        "(wall_timeout_s still bounds what one grade can cost)",
+        ge=0.0,
+    )
+
+
+@dataclass(frozen=True)
+class DemoTaskConfig:
+    """The fast CPU demo task: tiny problems, answer as `ANSWER: <result>`."""
+
+    ops: tuple[str, ...] = option(("add",), doc="problem kinds: add, sub, mul, max, reverse")
+    max_operand: int = option(9, doc="operands are drawn from 0..max_operand", ge=1, le=999)
+    word_length: int = option(3, doc="letters in a reverse problem", ge=1, le=12)
+    heldout_fraction: float = option(0.2, doc="share of the problem space kept for evaluation", ge=0.0, lt=1.0)
+    max_turns: int = option(2, doc="assistant attempts per episode (feedback after a failed attempt)", ge=1)
+    episode_reward: Literal["last", "mean"] = option(
+        "last",
+        doc="multi-turn episodes: the last attempt's reward, or the mean over max_turns attempts "
+        "(attempts after an exact one count as exact, so a retry earns less than a first-time answer)",
+        choices=("last", "mean"),
+    )
+    format_reward: float = option(0.2, doc="reward for a well-formed but wrong answer", ge=0.0, le=1.0)
+    closeness_scale: float = option(
+        5.0, doc="numeric answers: credit falls linearly to the format reward at this distance", gt=0.0
+    )
+    warm_start_steps: int = option(
+        0,
+        doc="train: start RL from a base model made by this many SFT steps on format-only examples "
+        "(answers independent of the problem, envs.demo.format_examples); 0 = the raw weights",
+        ge=0,
+    )
+    warm_start_examples: int = option(512, doc="format-only conversations the warm start draws from", ge=1)
+    warm_start_lr: float = option(3e-3, doc="AdamW learning rate of the warm start", gt=0.0)
+
+
+@dataclass(frozen=True)
+class FeatureDeletionConfig:
+    """Tasks generated from a local Python repository with a passing pytest suite."""
+
+    repo: str = option("", doc="path of the local repository to generate tasks from")
+    max_tasks: int = option(8, doc="tasks to generate (after verification)", ge=1)
+    functions_per_task: int = option(1, doc="functions deleted per task (>1: a feature of related functions)", ge=1, le=4)
+    min_body_statements: int = option(2, doc="only delete functions with at least this many statements", ge=1)
+    seed: int = option(0, doc="order in which candidate functions are tried")
+    heldout_fraction: float = option(
+        0.25, doc="share of tasks (by a hash of the task name) kept for evaluation", ge=0.0, lt=1.0
+    )
+
+
+@dataclass(frozen=True)
+class ToolLoopConfig:
+    """The multi-turn tool loop over a task workspace."""
+
+    max_turns: int = option(12, doc="assistant messages per episode before it is graded as is", ge=1)
+    tool_output_chars: int = option(2000, doc="characters of a tool result shown to the model", ge=64)
+    shell_commands: tuple[str, ...] = option(
+        ("ls", "cat", "head", "tail", "grep", "wc", "find", "diff", "echo", "python"),
+        doc="programs the restricted shell tool may run (no pipes, redirection or chaining)",
+    )
+
+
+@dataclass(frozen=True)
+class DatasetTaskConfig:
+    """Single-turn task from a prompt file and reward functions with TRL GRPOTrainer's signature."""
+
+    train_file: str = option("", doc="prompt rows: a local .jsonl/.json/.parquet/.csv file (HF `datasets`)")
+    heldout_file: str = option("", doc="held-out rows from their own file ('' = split off heldout_fraction)")
+    heldout_fraction: float = option(
+        0.0, doc="share of train_file rows held out (the last rows after the seeded shuffle)", ge=0.0, lt=1.0
+    )
+    prompt_column: str = option(
+        "prompt", doc="column with the prompt: a string (standard format) or a list of chat messages"
+    )
+    order: str = option(
+        "sequential", doc="row order: file order, or a fresh seeded permutation per epoch",
+        choices=("sequential", "shuffle"),
+    )
+    shuffle_seed: int = option(0, doc="seed of the shuffle (and of the held-out fraction's split)", ge=0)
+    rewards: tuple[str, ...] = option(
+        (), doc="reward functions 'package.module:function', called as reward(completions, prompts=..., **columns)"
+    )
+    reward_weights: tuple[float, ...] = option((), doc="one weight per reward function (empty = all 1.0)")
+    system_prompt: str = option("", doc="system message put before string prompts ('' = none)")
+
+
+@dataclass(frozen=True)
+class PluginConfig:
+    """A user's environment: `entry_point(split=..., **kwargs)` returns an `envs.base.Environment`."""
+
+    entry_point: str = option("", doc="'package.module:make_env', importable in every actor process")
+    kwargs: dict[str, Any] = option(default_factory=dict, doc="keyword arguments passed to the entry point")
+
+
+@dataclass(frozen=True)
+class EnvConfig:
+    """Which task generators drive, and how its code runs."""
+
+    task: Literal["demo", "feature_deletion", "tool_loop", "dataset", "plugin"] = option(
+        "demo", doc="environment for rollouts", choices=("demo", "feature_deletion", "tool_loop", "dataset", "plugin")
+    )
+    sandbox: SandboxConfig = option(default_factory=SandboxConfig, doc="sandbox limits")
+    demo: DemoTaskConfig = option(default_factory=DemoTaskConfig, doc="the CPU demo task")
+    feature_deletion: FeatureDeletionConfig = option(
+        default_factory=FeatureDeletionConfig, doc="feature-deletion task generation"
+    )
+    tool_loop: ToolLoopConfig = option(default_factory=ToolLoopConfig, doc="the multi-turn tool loop")
+    dataset: DatasetTaskConfig = option(default_factory=DatasetTaskConfig, doc="prompt dataset + reward functions")
+    plugin: PluginConfig = option(default_factory=PluginConfig, doc="a user's environment factory")

@@ -1,0 +1,84 @@
+"""Build the environments `[env]` asks for (what the generator actors call, once per episode)."""
+
+from __future__ import annotations
+
+import atexit
+from typing import Callable
+
+from composer_mesh.configs.sections.env import EnvConfig
+from composer_mesh.envs.base import Environment
+from composer_mesh.envs.dataset import DatasetEnv, load_task
+from composer_mesh.envs.demo import DemoEnv, Split, stable_split
+from composer_mesh.envs.feature_deletion import FeatureDeletionEnv, RepoTask, TaskStore, generate_tasks
+from composer_mesh.envs.plugin import check_call, load_callable
+from composer_mesh.envs.sandbox import Sandbox
+from composer_mesh.envs.tool_loop import ToolLoopEnv
+
+
+def split_tasks(tasks: list[RepoTask], heldout_fraction: float, split: Split) -> list[RepoTask]:
+    """Tasks of one split, by a stable hash of the task name (all tasks when a split would be empty)."""
+    chosen = [t for t in tasks if stable_split(t.name, heldout_fraction) == split]
+    return chosen or list(tasks)
+
+
+def env_factory(config: EnvConfig, store: TaskStore | None = None) -> Callable[[Split], Environment]:
+    """`make(split)` returning a fresh environment per call.
+
+    Repository tasks are generated and verified once, here, from
+    `feature_deletion.repo` into `store` (the caller cleans up a store it
+    passes; one made here is removed at interpreter exit), then shared by
+    every environment the factory makes.
+    """
+    if config.task == "demo":
+        return lambda split: DemoEnv(config.demo, split)
+    if config.task == "dataset":
+        task = load_task(config.dataset)
+        return lambda split: DatasetEnv(task, split)
+    if config.task == "plugin":
+        return plugin_factory(config)
+    fd = config.feature_deletion
+    if not fd.repo:
+        raise ValueError(f"env.task = {config.task!r} needs env.feature_deletion.repo (a local repository path)")
+    sandbox = Sandbox(config.sandbox)
+    if store is None:
+        store = TaskStore(sandbox)
+        atexit.register(store.cleanup)
+    tasks = generate_tasks(fd.repo, fd, sandbox, store)
+    if not tasks:
+        raise ValueError(f"{fd.repo}: no verifiable feature-deletion task found")
+    by_split = {s: split_tasks(tasks, fd.heldout_fraction, s) for s in ("train", "heldout")}
+    if config.task == "feature_deletion":
+        return lambda split: FeatureDeletionEnv(by_split[split], sandbox)
+    return lambda split: ToolLoopEnv(by_split[split], sandbox, config.tool_loop)
+
+
+def plugin_factory(config: EnvConfig) -> Callable[[Split], Environment]:
+    """`make(split)` calling `env.plugin.entry_point(split=split, **env.plugin.kwargs)`, checking what it returns."""
+    spec, kwargs = config.plugin.entry_point, dict(config.plugin.kwargs)
+    if not spec:
+        raise ValueError("env.task = 'plugin' needs env.plugin.entry_point ('package.module:make_env')")
+    make = load_callable(spec, "env.plugin.entry_point")
+    check_call(make, spec, "env.plugin.entry_point", 0, ["split", *kwargs])
+
+    def build(split: Split) -> Environment:
+        env = make(split=split, **kwargs)
+        if not isinstance(env, Environment):
+            raise TypeError(
+                f"env.plugin.entry_point = {spec!r} returned {type(env).__name__}, not an envs.base.Environment"
+            )
+        return env
+
+    return build
+
+
+def check_task(config: EnvConfig) -> None:
+    """Fail before any actor starts when a dataset or plugin task cannot load (one environment made per split)."""
+    if config.task in ("dataset", "plugin"):
+        make = env_factory(config)
+        for split in ("train", "heldout"):
+            make(split).close()
+
+
+def build_env(config: EnvConfig, split: Split = "train", store: TaskStore | None = None) -> Environment:
+    """One environment (see `env_factory`; use the factory when making many)."""
+    return env_factory(config, store)(split)

@@ -1,0 +1,258 @@
+"""Multi-turn tool loop over a repository task: read_file, write_file, list_dir, run_tests, shell.
+
+Each assistant message may call tools (OpenAI `tool_calls`); every call gets a
+`tool` message back. A failed call also yields an `ErrorSite` whose kind the
+tool knows (missing file, path outside the workspace, unknown tool or bad
+arguments, failing tests, syntax error, timeout, command not allowed), which
+the hint pipeline turns into hints. A message without tool calls, or the turn
+limit, ends the episode: the workspace is graded by `envs.grading`.
+
+File tools run on the host but only inside the workspace (paths are resolved,
+symlinks included, and anything outside is refused); programs (`run_tests`,
+`shell`) run in the sandbox as the workspace's uid. The shell is restricted:
+one allowed program with arguments, no pipes, redirection or chaining.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shlex
+import stat
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from composer_mesh.configs.records import ErrorKind, ErrorSite
+from composer_mesh.configs.sections.env import ToolLoopConfig
+from composer_mesh.envs.base import Environment, Observation
+from composer_mesh.envs.feature_deletion import RepoTask
+from composer_mesh.envs.grading import grade_workspace
+from composer_mesh.envs.safeguards import manifest
+from composer_mesh.envs.sandbox import Sandbox, SandboxResult, Workspace
+
+_MAX_WRITE = 1 << 20
+_SHELL_META = "|;&<>()"
+
+
+def _fn(name: str, doc: str, **params: str) -> dict[str, Any]:
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": doc,
+            "parameters": {
+                "type": "object",
+                "properties": {k: {"type": "string", "description": v} for k, v in params.items()},
+                "required": [k for k in params if k != "path" or name != "list_dir"],
+            },
+        },
+    }
+
+
+TOOLS: list[dict[str, Any]] = [
+    _fn("read_file", "Read a file of the repository.", path="path relative to the repository root"),
+    _fn("write_file", "Create or overwrite a file.", path="path relative to the repository root", content="full text"),
+    _fn("list_dir", "List a directory (default: the root).", path="directory relative to the repository root"),
+    _fn("run_tests", "Run the repository's visible tests."),
+    _fn("shell", "Run one allowed program with arguments (no pipes or redirection).", command="command line"),
+]
+SYSTEM_PROMPT = "You edit a Python repository with tools: " + ", ".join(t["function"]["name"] for t in TOOLS) + "."
+
+
+class ToolError(Exception):
+    def __init__(self, kind: ErrorKind, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class ToolLoopEnv(Environment):
+    """Episodes over `tasks` (picked by seed), graded on the final workspace."""
+
+    def __init__(self, tasks: Sequence[RepoTask], sandbox: Sandbox, config: ToolLoopConfig | None = None) -> None:
+        super().__init__()
+        if not tasks:
+            raise ValueError("ToolLoopEnv needs at least one task")
+        self.tasks = list(tasks)
+        self.sandbox = sandbox
+        self.config = config or ToolLoopConfig()
+        self.task: RepoTask | None = None
+        self.ws: Workspace | None = None
+        self._start_manifest: dict[str, str] = {}
+        self._violations: list[tuple[str, str]] = []
+        self._tools: dict[str, Callable[..., str]] = {
+            "read_file": self._read_file,
+            "write_file": self._write_file,
+            "list_dir": self._list_dir,
+            "run_tests": self._run_tests,
+            "shell": self._shell,
+        }
+
+    def _start(self, seed: int | None) -> Observation:
+        index = seed if seed is not None else random.randrange(len(self.tasks))
+        self.task = self.tasks[index % len(self.tasks)]
+        self.ws = self.task.workspace(self.sandbox)
+        self._start_manifest = manifest(self.ws.path)
+        self._violations = []
+        messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": self.task.prompt()}]
+        return Observation(messages, info={"task": self.task.name, "tools": TOOLS})
+
+    def close(self) -> None:
+        if self.ws is not None:
+            self.ws.cleanup()
+            self.ws = None
+
+    def _answer(self, action: dict[str, Any], turn: int) -> Observation:
+        calls = action.get("tool_calls") or []
+        messages, sites = [], []
+        for call in calls:
+            name, text, kind = self._call(call)
+            messages.append({"role": "tool", "tool_call_id": str(call.get("id", "")), "content": text})
+            if kind is not None:
+                sites.append(ErrorSite(turn=turn, kind=kind, message=text[:500], tool=name))
+        if calls and self.state.step_count < self.config.max_turns:
+            return Observation(messages, error_sites=sites)
+        return self._finish(messages, sites)
+
+    def _finish(self, messages: list[dict[str, Any]], sites: list[ErrorSite]) -> Observation:
+        assert self.task is not None and self.ws is not None
+        grade = grade_workspace(
+            self.sandbox, self.task.pristine, self._start_manifest, self.ws, self.task.expected_tests,
+            targets={self.task.target: self.task.stubbed_source}, episode_violations=self._violations,
+        )
+        self.ws.cleanup()  # the episode is over: free the disk now, whether or not close() is called
+        info = {
+            "task": self.task.name, "reason": grade.reason, "violations": list(grade.violations),
+            "passed": grade.passed, "total": grade.total, "grade_s": grade.grade_s,
+        }
+        return Observation(messages, reward=grade.reward, done=True, error_sites=sites, info=info)
+
+    def _call(self, call: dict[str, Any]) -> tuple[str, str, ErrorKind | None]:
+        """(tool name, result text, error kind or None) for one tool call."""
+        fn = call.get("function") or {}
+        name = str(fn.get("name", ""))
+        raw = fn.get("arguments") or "{}"
+        self._watch(name, str(raw))
+        try:
+            if name not in self._tools:
+                raise ToolError(ErrorKind.BAD_TOOL_CALL, f"unknown tool {name!r}; tools: {', '.join(self._tools)}")
+            try:
+                args = json.loads(raw) if isinstance(raw, str) else dict(raw)
+            except (json.JSONDecodeError, TypeError, ValueError) as exc:
+                raise ToolError(ErrorKind.BAD_TOOL_CALL, f"{name}: arguments are not a JSON object ({exc})") from None
+            if not isinstance(args, dict):
+                raise ToolError(ErrorKind.BAD_TOOL_CALL, f"{name}: arguments must be a JSON object")
+            try:
+                text = self._tools[name](**args)
+            except TypeError as exc:
+                raise ToolError(ErrorKind.BAD_TOOL_CALL, f"{name}: bad arguments ({exc})") from None
+            return name, self._clip(text), None
+        except ToolError as exc:
+            return name, self._clip(f"error: {exc}"), exc.kind
+
+    def _watch(self, name: str, raw: str) -> None:
+        """Record an attempt to reach the hidden tests or the pristine copy (graded as 0)."""
+        assert self.task is not None
+        targets = [str(self.task.pristine), *self.task.hidden_tests]
+        hit = next((t for t in targets if t in raw), None)
+        if hit is not None:
+            self._violations.append(("reads_hidden_tests", f"{name}: {hit}"))
+
+    def _clip(self, text: str) -> str:
+        n = self.config.tool_output_chars
+        return text if len(text) <= n else text[: n // 2] + "\n...[truncated]...\n" + text[-n // 2 :]
+
+    def _resolve(self, path: str) -> Path:
+        assert self.ws is not None
+        if not isinstance(path, str) or not path:
+            raise ToolError(ErrorKind.BAD_TOOL_CALL, "path must be a non-empty string")
+        root = Path(os.path.realpath(self.ws.path))
+        real = Path(os.path.realpath(root / path))
+        if real != root and root not in real.parents:
+            raise ToolError(ErrorKind.PERMISSION, f"{path}: outside the repository")
+        return real
+
+    def _read_file(self, path: str) -> str:
+        real = self._resolve(path)
+        if not real.exists():
+            raise ToolError(ErrorKind.FILE_NOT_FOUND, f"{path}: no such file")
+        if not stat.S_ISREG(real.stat().st_mode):
+            raise ToolError(ErrorKind.BAD_TOOL_CALL, f"{path}: not a regular file")
+        return real.read_text(errors="replace")
+
+    def _write_file(self, path: str, content: str) -> str:
+        assert self.ws is not None
+        real = self._resolve(path)
+        if not isinstance(content, str) or len(content) > _MAX_WRITE:
+            raise ToolError(ErrorKind.BAD_TOOL_CALL, f"content must be a string of at most {_MAX_WRITE} characters")
+        if real.exists() and not stat.S_ISREG(real.stat().st_mode):
+            raise ToolError(ErrorKind.BAD_TOOL_CALL, f"{path}: not a regular file")
+        new_dirs = [d for d in [real.parent, *real.parent.parents] if not d.exists()]
+        real.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(real, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, "w") as f:
+            f.write(content)
+        for p in [real, *new_dirs]:  # the sandbox uid owns what the agent writes
+            os.lchown(p, self.ws.uid, self.ws.uid)
+        return f"wrote {len(content)} characters to {path}"
+
+    def _list_dir(self, path: str = ".") -> str:
+        real = self._resolve(path)
+        if not real.is_dir():
+            raise ToolError(ErrorKind.FILE_NOT_FOUND, f"{path}: no such directory")
+        return "\n".join(sorted(p.name + ("/" if p.is_dir() else "") for p in real.iterdir())) or "(empty)"
+
+    def _run_tests(self) -> str:
+        assert self.ws is not None
+        argv = [self.sandbox.python(), "-m", "pytest", "-q", "-p", "no:cacheprovider", "--no-header", "--tb=short"]
+        result = self.sandbox.run(argv, self.ws, env={"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"})
+        text = (result.stdout + result.stderr).strip()
+        if result.exit_code == 0 and not result.violations:
+            return text
+        kind = _result_kind(result, default=ErrorKind.TEST_FAILURE, file_errors=False)
+        raise ToolError(kind, text or f"exit {result.exit_code}")
+
+    def _shell(self, command: str) -> str:
+        assert self.ws is not None
+        if not isinstance(command, str) or not command.strip():
+            raise ToolError(ErrorKind.BAD_TOOL_CALL, "command must be a non-empty string")
+        try:  # no shell runs the command; operators outside quotes are refused so the model learns that
+            lexer = shlex.shlex(command, posix=True, punctuation_chars=True)
+            lexer.whitespace_split = True
+            argv = list(lexer)
+        except ValueError as exc:
+            raise ToolError(ErrorKind.BAD_TOOL_CALL, f"cannot parse command: {exc}") from None
+        if any(tok and set(tok) <= set(_SHELL_META) for tok in argv):
+            raise ToolError(ErrorKind.BAD_TOOL_CALL, "restricted shell: no pipes, redirection, chaining or substitution")
+        if argv[0] not in self.config.shell_commands:
+            raise ToolError(
+                ErrorKind.COMMAND_NOT_FOUND,
+                f"{argv[0]}: command not found (allowed: {', '.join(self.config.shell_commands)})",
+            )
+        if argv[0] == "python":
+            argv[0] = self.sandbox.python()
+        result = self.sandbox.run(argv, self.ws)
+        text = (result.stdout + result.stderr).strip()
+        if result.exit_code == 0 and not result.violations:
+            return text or "(no output)"
+        raise ToolError(_result_kind(result, default=ErrorKind.OTHER), text or f"exit {result.exit_code}")
+
+
+def _result_kind(result: SandboxResult, default: ErrorKind, file_errors: bool = True) -> ErrorKind:
+    """The error kind of a failed program run, from its limits and its error text.
+
+    file_errors: also classify missing files and permissions (not for test runs,
+    whose output quotes whatever the tests exercise).
+    """
+    text = result.stdout + result.stderr
+    if result.timed_out or "cpu_time_limit" in result.violations:
+        return ErrorKind.TIMEOUT
+    if "SyntaxError" in text or "IndentationError" in text:
+        return ErrorKind.SYNTAX
+    if not file_errors:
+        return default
+    if "No such file" in text or "FileNotFoundError" in text:
+        return ErrorKind.FILE_NOT_FOUND
+    if "Permission denied" in text or "Read-only file system" in text:
+        return ErrorKind.PERMISSION
+    return default

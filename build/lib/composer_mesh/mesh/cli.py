@@ -1,0 +1,39 @@
+"""`composer-mesh` command line: one sub-command per module in `mesh/commands/`.
+
+Each command module defines `NAME`, `HELP`, `add_arguments(parser)` and
+`run(args) -> int`; it imports its heavy dependencies inside `run` so that
+`composer-mesh --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Sequence
+
+# Module names under mesh/commands, in the order `--help` lists them.
+COMMANDS: tuple[str, ...] = ("config", "assets", "replay", "serve_teachers", "tasks", "train", "export")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="composer-mesh",
+        description="Composer-style RL post-training on Monarch meshes and TorchTitan.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in COMMANDS:
+        module = importlib.import_module(f"composer_mesh.mesh.commands.{name}")
+        cmd = sub.add_parser(module.NAME, help=module.HELP, description=module.HELP)
+        module.add_arguments(cmd)
+        cmd.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args._run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""`composer-mesh train CONFIG.toml`: the main job — meshes, controller loop, metrics, checkpoints.
+
+A thin caller of the public API (`mesh.api.Run`): it loads the recipe with
+the command line's overrides, runs it and prints the summary. What a run does
+and writes (resume, supervision, metrics.jsonl, TensorBoard, processes.json,
+summary.json, plot.png, hf/, the shared-memory weight folder) is documented
+there. Exit codes: 0 done; 2 a recipe refused before any actor started
+(one line naming the key or file); 1 an actor failed or the run broke (one
+line naming the actor; `--debug` raises with the full remote traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from composer_mesh.mesh.commands import load_job
+from composer_mesh.mesh.errors import describe
+
+NAME = "train"
+HELP = "Run RL post-training: generators, teacher replay and the trainer on Monarch meshes."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="recipe (e.g. configs/debug_cpu.toml)")
+    parser.add_argument("overrides", nargs=argparse.REMAINDER, help="--section.key=value ...")
+    parser.add_argument("--no-resume", action="store_true", help="start fresh even when a checkpoint exists (put it before CONFIG)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar (put it before CONFIG)")
+    parser.add_argument("--debug", action="store_true",
+                        help="on failure, raise with the full (remote) traceback (put it before CONFIG)")
+
+
+def heldout_line(heldout: dict[str, dict[str, float]]) -> str:
+    """The summary's one-line held-out before/after."""
+    b, a = heldout["before"], heldout["after"]
+    return (f"held-out reward: greedy {b['eval/heldout_greedy']:.3f} -> {a['eval/heldout_greedy']:.3f}, "
+            f"sampled {b['eval/heldout_sampled']:.3f} -> {a['eval/heldout_sampled']:.3f} "
+            f"(step {b['step']} -> {a['step']})")
+
+
+def run(args: argparse.Namespace) -> int:
+    # lazy: start-up time: every command module loads to build the CLI; torch and the mesh stack load only here
+    from composer_mesh.mesh.api import Run
+
+    job = load_job(args)
+    if job is None:
+        return 2
+    try:
+        with Run(job, resume=not args.no_resume, progress=not args.no_progress) as run_:
+            summary = run_.run()
+    # a recipe the controller refused before placing actors
+    except (FileNotFoundError, ValueError) as e:
+        if args.debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    # an actor failed (Monarch ActorError) or the run broke: one line, --debug for all
+    except Exception as e:
+        if args.debug:
+            raise
+        print(f"error: {describe(e)}", file=sys.stderr)
+        return 1
+    if "heldout" in summary:
+        print(heldout_line(summary["heldout"]), file=sys.stderr)
+    print(json.dumps(summary))
+    return 0

@@ -1,0 +1,152 @@
+"""Run metrics: one JSON line per step, TensorBoard scalars, a rich progress bar, a final PNG.
+
+`MetricsSink` is the controller's `on_step` callback. Every step's record (the
+trainer's reduced metrics plus reward, staleness and timing) goes to
+`metrics.jsonl` and to TensorBoard event files under the run directory; the
+progress bar shows reward and the three channels' losses. `plot_run` draws
+reward and each loss channel per step from the JSONL file (so it also works on
+a finished or resumed run).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from composer_mesh.configs.sections.metrics import MetricsConfig
+
+CHANNEL_LOSSES = ("policy/loss", "distill/loss", "preference/loss")
+# logged by mesh.evaluation, on the steps it ran
+HELDOUT = ("eval/heldout_greedy", "eval/heldout_sampled")
+
+
+class MetricsSink:
+    """Writes each step record where `[metrics]` asks; use as a context manager."""
+
+    def __init__(self, cfg: MetricsConfig, run_dir: str | Path, total_steps: int, start_step: int = 0) -> None:
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl = None
+        if cfg.jsonl:
+            _drop_partial_row(self.run_dir / "metrics.jsonl")
+            self.jsonl = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")
+        self.tb = None
+        if cfg.tensorboard:
+            # lazy: start-up time; torch's TensorBoard writer loads only when [metrics] tensorboard is on
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+        self.progress = None
+        if cfg.progress_bar:
+            self.progress = Progress(
+                TextColumn("train"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("reward {task.fields[reward]:.3f}  policy {task.fields[policy]:.4f}  "
+                           "distill {task.fields[distill]:.4f}  replay {task.fields[preference]:.4f}"),
+                TimeElapsedColumn(),
+            )
+            self.task = self.progress.add_task("train", total=total_steps, completed=start_step, reward=0.0,
+                                               policy=0.0, distill=0.0, preference=0.0)
+            self.progress.start()
+
+    def __call__(self, record: Any) -> None:
+        """Log one `mesh.controller.StepRecord`."""
+        row = {"step": record.step, "seconds": record.seconds, "groups": record.groups,
+               "staleness": record.staleness, "pair_keys": record.pair_keys, **record.metrics}
+        if record.step % self.cfg.log_every == 0:
+            if self.jsonl is not None:
+                self.jsonl.write(json.dumps(row) + "\n")
+                self.jsonl.flush()
+            self.scalars(record.step, record.metrics)
+        if self.progress is not None:
+            m = record.metrics
+            self.progress.update(self.task, completed=record.step, reward=m.get("reward/mean", 0.0),
+                                 **{c.split("/")[0]: m.get(c, 0.0) for c in CHANNEL_LOSSES})
+
+    def scalars(self, step: int, metrics: dict[str, Any]) -> None:
+        """TensorBoard scalars of `step` (the finite numbers in `metrics`)."""
+        if self.tb is not None:
+            for name, value in metrics.items():
+                if isinstance(value, (int, float)) and math.isfinite(value):
+                    self.tb.add_scalar(name, value, step)
+            self.tb.flush()
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+        if self.jsonl is not None:
+            self.jsonl.close()
+        if self.tb is not None:
+            self.tb.close()
+
+    def __enter__(self) -> "MetricsSink":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _drop_partial_row(path: Path) -> None:
+    """Cut a last row that a killed run left without its newline, so the next row starts on a line of its own."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    data = path.read_bytes()
+    if not data.endswith(b"\n"):
+        with open(path, "r+b") as f:
+            f.truncate(data.rfind(b"\n") + 1)
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of a metrics.jsonl, the last row per step (a resumed run may repeat steps).
+
+    A last row without its newline (a run killed mid-write) is not a logged step and is skipped;
+    any other unreadable row is an error naming its line."""
+    text = Path(path).read_text(encoding="utf-8")
+    lines = text.splitlines()
+    rows: dict[int, dict[str, Any]] = {}
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            rows[int(row["step"])] = row
+        except (ValueError, KeyError, TypeError) as exc:
+            if number == len(lines) and not text.endswith("\n"):
+                break
+            raise ValueError(f"{path}:{number}: not a metrics row ({exc})") from None
+    return [rows[s] for s in sorted(rows)]
+
+
+def plot_run(metrics_path: str | Path, out_png: str | Path) -> Path:
+    """Reward (training, and held-out where evaluated) and each channel's loss per step, one panel each, as a PNG."""
+    # lazy: choosing the Agg backend is process-wide, so only plotting may do it, before pyplot loads
+    import matplotlib
+
+    matplotlib.use("Agg")
+    # lazy: pyplot must load after the backend is chosen
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(metrics_path)
+    if not rows:
+        raise ValueError(f"{metrics_path}: no metrics to plot")
+    panels = [("reward/mean",)] + ([HELDOUT] if any(HELDOUT[0] in r for r in rows) else [])
+    panels += [(c,) for c in CHANNEL_LOSSES]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))
+    for ax, names in zip(axes, panels):
+        for name in names:
+            points = [(r["step"], r[name]) for r in rows if name in r]
+            if points:
+                ax.plot(*zip(*points), marker=".", label=name.split("_")[-1] if len(names) > 1 else None)
+        if len(names) > 1:
+            ax.legend()
+        ax.set_title("held-out reward" if len(names) > 1 else names[0])
+        ax.set_xlabel("step")
+    fig.tight_layout()
+    out_png = Path(out_png)
+    fig.savefig(out_png, dpi=100)
+    plt.close(fig)
+    return out_png

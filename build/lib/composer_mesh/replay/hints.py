@@ -1,0 +1,256 @@
+"""Error sites → hints for the hint-distillation channel.
+
+`classify_error` names what went wrong in a failed tool call; a `HintGenerator`
+writes a short hint for an `ErrorSite` (from a template, or from a teacher model
+through the teacher client); `insert_hint` places the hint right after the
+failed call's results, and `hint_token_spans` tells the trainer which tokens of
+the hinted context are the hint so the rest can be aligned to the student's
+tokens (the teacher is the policy *with* the hint, the student *without*).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Protocol, Sequence
+
+from composer_mesh.configs.records import ErrorKind, ErrorSite
+
+# Checked in order: the first kind whose pattern matches wins (timeouts and bad
+# calls first: their messages often also mention files or commands).
+_PATTERNS: tuple[tuple[ErrorKind, re.Pattern], ...] = tuple(
+    (kind, re.compile(pattern, re.IGNORECASE))
+    for kind, pattern in (
+        (ErrorKind.TIMEOUT, r"timed? ?out|timeout|deadline exceeded|took too long"),
+        (
+            ErrorKind.BAD_TOOL_CALL,
+            r"unknown tool|no such tool|tool .* (?:not found|does not exist|is not available)|"
+            r"inputvalidationerror|invalid (?:tool )?(?:arguments|parameters|input)|"
+            r"missing required (?:parameter|argument|field)|unexpected (?:keyword )?argument|"
+            r"string to replace not found|has not been read yet|must read .* before",
+        ),
+        (
+            ErrorKind.SYNTAX,
+            r"syntaxerror|indentationerror|taberror|syntax error|parse error|unexpected token|"
+            r"unexpected eof|unterminated string|invalid syntax",
+        ),
+        (
+            ErrorKind.TEST_FAILURE,
+            r"\b\d+ failed\b|\bfailed\b.*\bpassed\b|tests? failed|assertionerror|^FAIL[: ]|"
+            r"\bFAILED\b|failures?=\d|test suite failed",
+        ),
+        (
+            ErrorKind.COMMAND_NOT_FOUND,
+            r"command not found|not recognized as an internal or external command|"
+            r"executable file not found|no such command|unknown command",
+        ),
+        (ErrorKind.PERMISSION, r"permission denied|permissionerror|eacces|eperm|operation not permitted|read-only file system"),
+        (
+            ErrorKind.FILE_NOT_FOUND,
+            r"no such file or directory|filenotfounderror|file does not exist|file not found|enoent|"
+            r"cannot find the (?:file|path)|path does not exist|does not exist",
+        ),
+    )
+)
+
+
+def classify_error(message: str, tool: str = "") -> ErrorKind:
+    """The `ErrorKind` of a failed tool call, from its error text (and tool name)."""
+    for kind, pattern in _PATTERNS:
+        if pattern.search(message):
+            return kind
+    if tool and re.search(r"not (?:found|available)|unknown", message, re.IGNORECASE):
+        return ErrorKind.BAD_TOOL_CALL
+    return ErrorKind.OTHER
+
+
+class HintGenerator(Protocol):
+    """Writes a short hint for a failed tool call, given the conversation so far."""
+
+    def hint(self, site: ErrorSite, messages: Sequence[dict]) -> str: ...
+
+
+_TEMPLATES: dict[ErrorKind, str] = {
+    ErrorKind.COMMAND_NOT_FOUND: "The command you ran{tool} does not exist in this environment. "
+    "Check which tools are installed, or use an equivalent command that is available.",
+    ErrorKind.FILE_NOT_FOUND: "The path you used{tool} does not exist. List the directory or search "
+    "for the file first, and use the exact path you find.",
+    ErrorKind.PERMISSION: "The call{tool} was refused for lack of permission. Work inside a directory "
+    "you can write to, or choose an action that needs no extra rights.",
+    ErrorKind.SYNTAX: "The code or command{tool} has a syntax error. Read the reported line carefully "
+    "and fix the syntax before running it again.",
+    ErrorKind.TIMEOUT: "The call{tool} timed out. Make the operation smaller or faster, or avoid a "
+    "command that waits for input.",
+    ErrorKind.TEST_FAILURE: "Tests failed{tool}. Read the first failing assertion, find the code it "
+    "exercises, and fix that behaviour rather than the test.",
+    ErrorKind.BAD_TOOL_CALL: "The tool call{tool} was malformed: the tool does not exist or its "
+    "arguments are wrong. Check the tool's name and required arguments.",
+    ErrorKind.OTHER: "The previous call{tool} failed. Read the error message and change your approach "
+    "instead of repeating the same call.",
+}
+
+
+class TemplateHintGenerator:
+    """A fixed hint per error kind, with the error's first line quoted. No network."""
+
+    def __init__(self, quote_chars: int = 200) -> None:
+        self.quote_chars = quote_chars
+
+    def hint(self, site: ErrorSite, messages: Sequence[dict]) -> str:
+        text = _TEMPLATES[site.kind].format(tool=f" ({site.tool})" if site.tool else "")
+        first_line = next((ln.strip() for ln in site.message.splitlines() if ln.strip()), "")
+        if first_line:
+            text += f' The error was: "{first_line[: self.quote_chars]}".'
+        return text
+
+
+class SyncCompleter(Protocol):
+    """What `LLMHintGenerator` needs from a client: a blocking chat completion."""
+
+    def complete(self, teacher: str, messages: list[dict]) -> Any: ...
+
+
+_HINT_SYSTEM = (
+    "You are a mentor for a coding agent. The agent's last tool call failed. "
+    "Write a hint of at most two sentences that helps it recover. Do not write the full "
+    "solution, do not repeat the error verbatim, do not mention that you are a mentor."
+)
+
+
+class LLMHintGenerator:
+    """A teacher model writes the hint, through the teacher client (cache, budget, retries).
+
+    client: anything with `complete(teacher, messages)` returning a `TeacherReply`
+    (`replay.teachers.SyncTeacherClient`). When the call fails or the budget is
+    spent, the fallback generator's hint is used, so a hint is always returned.
+    """
+
+    def __init__(
+        self,
+        client: SyncCompleter,
+        teacher: str,
+        *,
+        context_messages: int = 6,
+        fallback: HintGenerator | None = None,
+    ) -> None:
+        self.client = client
+        self.teacher = teacher
+        self.context_messages = context_messages
+        self.fallback = fallback or TemplateHintGenerator()
+        self.fallbacks = 0  # how many hints came from the fallback
+
+    def prompt(self, site: ErrorSite, messages: Sequence[dict]) -> list[dict]:
+        """The request: recent conversation, the failed call and its error."""
+        window = messages[max(0, site.turn - self.context_messages + 1) : site.turn + 1]
+        recent = [{k: m[k] for k in ("role", "content", "tool_calls") if m.get(k)} for m in window]
+        body = (
+            f"Conversation (most recent last):\n{json.dumps(recent, ensure_ascii=False, indent=1)}\n\n"
+            f"Failed tool: {site.tool or 'unknown'}\nError kind: {site.kind.value}\n"
+            f"Error message:\n{site.message}\n\nHint:"
+        )
+        return [{"role": "system", "content": _HINT_SYSTEM}, {"role": "user", "content": body}]
+
+    def hint(self, site: ErrorSite, messages: Sequence[dict]) -> str:
+        reply = self.client.complete(self.teacher, self.prompt(site, messages))
+        text = (reply.message or {}).get("content") if reply.error is None else None
+        if not text or not text.strip():
+            self.fallbacks += 1
+            return self.fallback.hint(site, messages)
+        return text.strip()
+
+
+@dataclass(frozen=True)
+class HintedContext:
+    """A context with one hint message inserted.
+
+    messages: the hinted list; hint_index: where the hint message sits (the
+    student's messages[i] is hinted messages[i] for i < hint_index and
+    messages[i + 1] for i >= hint_index); after_index = hint_index - 1, the last
+    message of the failed call's results.
+    """
+
+    messages: list[dict]
+    hint_index: int
+    site: ErrorSite
+
+    @property
+    def after_index(self) -> int:
+        return self.hint_index - 1
+
+
+def hint_position(messages: Sequence[dict], site: ErrorSite) -> int:
+    """Index just after the failed call's results: the tool messages following `site.turn`
+    (or, when the environment returned the result as a user message, that message)."""
+    if not 0 <= site.turn < len(messages):
+        raise ValueError(f"error site turn {site.turn} is outside the {len(messages)} messages")
+    pos = site.turn + 1
+    while pos < len(messages) and messages[pos].get("role") == "tool":
+        pos += 1
+    if pos == site.turn + 1 and pos < len(messages) and messages[pos].get("role") == "user":
+        pos += 1
+    return pos
+
+
+def insert_hint(messages: list[dict], site: ErrorSite, hint: str, role: str = "user") -> HintedContext:
+    """A copy of `messages` with `{"role": role, "content": hint}` right after the failed call's result."""
+    pos = hint_position(messages, site)
+    hinted = list(messages[:pos]) + [{"role": role, "content": hint}] + list(messages[pos:])
+    return HintedContext(messages=hinted, hint_index=pos, site=site)
+
+
+@dataclass(frozen=True)
+class HintSpans:
+    """Token alignment between the student's context and the hinted context.
+
+    hinted ids [hint_start, hint_end) are the hint (and its chat markup); every
+    other hinted token equals a student token: hinted[j] == student[j] for
+    j < hint_start and hinted[j] == student[j - shift] for j >= hint_end.
+    """
+
+    hint_start: int
+    hint_end: int
+    student_len: int
+    hinted_len: int
+
+    @property
+    def shift(self) -> int:
+        return self.hinted_len - self.student_len
+
+    def student_to_hinted(self, j: int) -> int:
+        """Position in the hinted ids of student token j."""
+        return j if j < self.hint_start else j + self.shift
+
+
+def hint_token_spans(
+    student_messages: Sequence[dict],
+    hinted: HintedContext,
+    apply_chat_template: Callable[..., list[int]],
+    **template_kwargs: Any,
+) -> tuple[list[int], list[int], HintSpans]:
+    """Tokenize both contexts with a chat template and locate the hint's tokens.
+
+    apply_chat_template: e.g. `tokenizer.apply_chat_template` (called with
+    `tokenize=True` and `template_kwargs`). The hint span is what lies between
+    the longest common prefix and the longest common suffix of the two id lists.
+    """
+    def ids(messages: list[dict]) -> list[int]:
+        out = apply_chat_template(messages, tokenize=True, **template_kwargs)
+        # HF may return a BatchEncoding
+        return list(out["input_ids"] if isinstance(out, Mapping) else out)
+
+    student, with_hint = ids(list(student_messages)), ids(hinted.messages)
+    limit = min(len(student), len(with_hint))
+    prefix = 0
+    while prefix < limit and student[prefix] == with_hint[prefix]:
+        prefix += 1
+    suffix = 0
+    while suffix < limit - prefix and student[-1 - suffix] == with_hint[-1 - suffix]:
+        suffix += 1
+    if prefix + suffix != len(student):
+        raise ValueError(
+            "the chat template renders the hinted context differently outside the hint; "
+            "student tokens cannot be aligned by insertion"
+        )
+    spans = HintSpans(prefix, len(with_hint) - suffix, len(student), len(with_hint))
+    return student, with_hint, spans

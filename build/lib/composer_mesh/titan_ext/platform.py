@@ -1,0 +1,127 @@
+"""Platform differences in one place: CPU/gloo versus CUDA/NCCL.
+
+The trainer and generators ask `detect_platform()` once and read its fields
+instead of testing for a GPU themselves. What differs (see
+`/work/shared/design/PLATFORM_NOTES.md` for the measurements):
+
+- device and process-group backend (`cpu`/gloo, `cuda`/NCCL);
+- training attention: `MaskedSDPA` on CPU (FlexAttention has no CPU backward,
+  varlen is CUDA-only), TorchTitan's FlexAttention on CUDA;
+- MoE experts: a per-expert fp32 loop on CPU (`torch._grouped_mm` has no CPU
+  backward and TorchTitan's grouped experts compute in bf16), TorchTitan's
+  grouped GEMM on CUDA;
+- FSDP2 reduce-scatter: gloo lacks `PREMUL_SUM`, so FSDP must reduce with SUM
+  and divide afterwards (`configure_fsdp_comms`);
+- torch 2.13 lacks `torch.distributed.set_timeout`, which TorchTitan calls
+  (`install_torch_shims`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
+
+
+@dataclass(frozen=True)
+class Platform:
+    """What this process runs on and which code paths that selects."""
+
+    device_type: Literal["cpu", "cuda"]
+    backend: Literal["gloo", "nccl"]
+    # inner attention for training
+    attention: Literal["sdpa", "flex"]
+    # MoE experts as a per-expert loop in the parameter dtype
+    exact_experts: bool
+
+    @property
+    def needs_force_sum_reduction(self) -> bool:
+        """gloo has no PREMUL_SUM, which FSDP2's reduce-scatter uses by default."""
+        return self.backend == "gloo"
+
+
+def detect_platform(device: str = "auto") -> Platform:
+    """The platform for `device` ("auto", "cpu" or "cuda").
+
+    "auto" picks CUDA when a GPU is visible. TorchTitan itself falls back to
+    "cuda" when no accelerator exists, so a CPU run must come through here.
+    """
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        return Platform(device_type="cpu", backend="gloo", attention="sdpa", exact_experts=True)
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("device='cuda' was requested but no CUDA device is visible")
+        return Platform(device_type="cuda", backend="nccl", attention="flex", exact_experts=False)
+    raise ValueError(f"unknown device {device!r}; expected 'auto', 'cpu' or 'cuda'")
+
+
+def install_torch_shims() -> None:
+    """Add APIs TorchTitan 0.3.0 calls that torch 2.13 lacks (idempotent).
+
+    `torch.distributed.set_timeout(timeout, group)` maps to the private
+    `distributed_c10d._set_pg_timeout` with the same signature.
+    """
+    if not hasattr(dist, "set_timeout"):
+        def set_timeout(timeout: datetime.timedelta, group: dist.ProcessGroup | None = None) -> None:
+            distributed_c10d._set_pg_timeout(timeout, group)
+
+        dist.set_timeout = set_timeout
+
+
+def local_device(platform: Platform) -> torch.device:
+    """This process's device: `cuda:$LOCAL_RANK` on CUDA, `cpu` otherwise."""
+    if platform.device_type == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def init_process_group(
+    platform: Platform, timeout: datetime.timedelta = datetime.timedelta(minutes=10)
+) -> torch.device:
+    """Join the default process group from the torchrun-style environment.
+
+    Reads RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (Monarch's
+    `setup_torch_elastic_env` and torchrun both set them), selects this
+    process's device, installs the torch shims, and returns the device.
+    Calling it again in an initialized process only returns the device.
+    """
+    install_torch_shims()
+    device = local_device(platform)
+    if dist.is_initialized():
+        return device
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise RuntimeError(f"cannot join the process group: environment variables {missing} are not set")
+    if platform.device_type == "cuda":
+        torch.cuda.set_device(device)
+        dist.init_process_group(platform.backend, timeout=timeout, device_id=device)
+    else:
+        dist.init_process_group(platform.backend, timeout=timeout)
+    return device
+
+
+def configure_fsdp_comms(model: torch.nn.Module, platform: Platform) -> int:
+    """Make FSDP2 modules in `model` reduce gradients in a way the backend supports.
+
+    On gloo every `FSDPModule` gets `set_force_sum_reduction_for_comms(True)`
+    (SUM, then FSDP divides by the world size: the same mean as PREMUL_SUM).
+    Call it after `fully_shard`; returns how many modules were set (0 on NCCL).
+    """
+    if not platform.needs_force_sum_reduction:
+        return 0
+    # lazy: generators import this module and never use FSDP; torch.distributed.fsdp adds seconds to their start
+    from torch.distributed.fsdp import FSDPModule
+
+    count = 0
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)
+            count += 1
+    return count

@@ -1,0 +1,133 @@
+"""A briefly pre-trained *base* model: supervised fine-tuning of an HF checkpoint on chat conversations.
+
+RL needs a policy that sometimes earns reward. A random-init tiny model never
+writes a task's answer format, so every group has equal rewards and GRPO has
+nothing to learn from. `warm_start_dir` turns an HF directory (e.g. the tiny
+assets) into a base model that knows the chat template and a format, by a
+short, deterministic SFT run on given conversations (loss on assistant tokens
+only, AdamW, one CPU process, a few seconds for the tiny model). What the base
+model learns is exactly what the conversations teach: the demo feeds it
+format-only examples whose answers are independent of the problem
+(`envs.demo.format_examples`), so the task itself is left for RL.
+
+The result is cached under `root/<hash of source weights, conversations and
+config>` (same inputs → the same directory, built once; `assets.build_once`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoTokenizer
+
+from composer_mesh.configs.sections.model import ModelConfig
+from composer_mesh.titan_ext.assets import build_once
+from composer_mesh.titan_ext.attention import attention_masks
+from composer_mesh.titan_ext.build import build_model
+from composer_mesh.titan_ext.hf.write import save_hf_weights
+from composer_mesh.titan_ext.models import resolve_model
+from composer_mesh.titan_ext.platform import detect_platform
+
+
+@dataclass(frozen=True)
+class WarmStartConfig:
+    """SFT run size; `steps = 0` means no warm start."""
+
+    steps: int = 60
+    batch_size: int = 16
+    lr: float = 3e-3
+    seed: int = 0
+
+
+def sft_rows(tokenizer: Any, conversations: Sequence[list[dict]]) -> list[tuple[list[int], list[bool]]]:
+    """Each conversation rendered with the chat template as (ids, assistant-token mask)."""
+    rows = []
+    for messages in conversations:
+        out = tokenizer.apply_chat_template(list(messages), tokenize=True, return_dict=True,
+                                            return_assistant_tokens_mask=True)
+        mask = [bool(m) for m in out["assistant_masks"]]
+        if not any(mask):
+            raise ValueError("a warm-start conversation has no assistant tokens")
+        rows.append((list(out["input_ids"]), mask))
+    return rows
+
+
+def _batch(rows: Sequence[tuple[list[int], list[bool]]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded `[B, L]` ids and next-token labels (-100 off the assistant tokens)."""
+    L = max(len(ids) for ids, _ in rows)
+    tokens_BL = torch.zeros(len(rows), L, dtype=torch.long)
+    labels_BL = torch.full((len(rows), L), -100, dtype=torch.long)
+    for b, (ids, mask) in enumerate(rows):
+        ids_T = torch.tensor(ids)
+        tokens_BL[b, : len(ids)] = ids_T
+        labels_BL[b, : len(ids) - 1] = torch.where(torch.tensor(mask[1:]), ids_T[1:], -100)
+    return tokens_BL, labels_BL
+
+
+def sft(model: torch.nn.Module, rows: Sequence[tuple[list[int], list[bool]]], cfg: WarmStartConfig) -> list[float]:
+    """`cfg.steps` AdamW steps on batches drawn (seeded) from `rows`; returns the loss per step.
+
+    `model` is a TorchTitan model whose forward returns `[B, L, V]` logits.
+    """
+    gen = torch.Generator().manual_seed(cfg.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    model.train()
+    losses = []
+    for _ in range(cfg.steps):
+        pick = torch.randint(len(rows), (min(cfg.batch_size, len(rows)),), generator=gen)
+        tokens_BL, labels_BL = _batch([rows[int(i)] for i in pick])
+        positions_BL = torch.arange(tokens_BL.shape[1]).expand_as(tokens_BL)
+        logits_BLV = model(tokens_BL, positions_BL, attention_masks(model, positions_BL))
+        loss = F.cross_entropy(logits_BLV.flatten(0, 1).float(), labels_BL.flatten(), ignore_index=-100)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def _stamp(model_cfg: ModelConfig, src_dir: Path, conversations: Sequence[list[dict]], cfg: WarmStartConfig) -> str:
+    h = hashlib.sha256()
+    h.update(json.dumps({"model": asdict(model_cfg), "config": asdict(cfg), "conversations": list(conversations)}, sort_keys=True).encode())
+    for f in sorted(src_dir.iterdir()):
+        if f.is_file() and f.name != "stamp.json":
+            h.update(f.name.encode() + f.read_bytes())
+    h.update(Path(__file__).read_bytes())
+    return h.hexdigest()
+
+
+def warm_start_dir(
+    model_cfg: ModelConfig, conversations: Sequence[list[dict]], cfg: WarmStartConfig, root: str | Path
+) -> Path:
+    """The HF directory of `model_cfg`'s model (weights and tokenizer from its `hf_path`) after SFT on
+    `conversations`, built once under `root`."""
+    if not model_cfg.hf_path:
+        raise ValueError("warm start needs model.hf_path (the weights and tokenizer to start from)")
+    src_dir = Path(model_cfg.hf_path)
+    if not conversations:
+        raise ValueError("warm start needs at least one conversation")
+    stamp = _stamp(model_cfg, src_dir, conversations, cfg)
+
+    def write(tmp: Path) -> None:
+        platform = detect_platform("cpu")
+        torch.manual_seed(cfg.seed)
+        model = build_model(dataclasses.replace(model_cfg, device="cpu"), device="cpu", platform=platform)
+        losses = sft(model, sft_rows(AutoTokenizer.from_pretrained(src_dir), conversations), cfg)
+        save_hf_weights(model, tmp, resolve_model(model_cfg, platform).hf_config)
+        # tokenizer and generation config travel with the weights
+        for f in sorted(src_dir.iterdir()):
+            if f.is_file() and not (tmp / f.name).exists() and f.name != "stamp.json":
+                shutil.copy2(f, tmp / f.name)
+        (tmp / "warm_start.json").write_text(json.dumps(
+            {"source": str(src_dir), "config": asdict(cfg), "conversations": len(conversations),
+             "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None}, indent=2))
+
+    return build_once(Path(root) / f"warm-{stamp[:16]}", stamp, write)
