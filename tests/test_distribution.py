@@ -7,6 +7,7 @@ maps them under `composer_mesh`; this test builds the real wheel and reads its f
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -62,9 +63,14 @@ POPULAR_TOP_LEVEL = {
 
 @pytest.fixture(scope="module")
 def wheel_names(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
-    out = tmp_path_factory.mktemp("wheel")
+    """Build the wheel from a copy of the tree (an in-tree build would leave build/ in the repository)."""
+    src, out = tmp_path_factory.mktemp("src"), tmp_path_factory.mktemp("wheel")
+    for pkg in layering.LAYERS:
+        shutil.copytree(REPO / pkg, src / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                    "--disable-pip-version-check", "-q", "-w", str(out), str(REPO)], check=True)
+                    "--disable-pip-version-check", "-q", "-w", str(out), str(src)], check=True)
     (whl,) = out.glob("composer_mesh-*.whl")
     return zipfile.ZipFile(whl).namelist()
 
