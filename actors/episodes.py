@@ -17,6 +17,7 @@ template's `<tool_call>{"name": ..., "arguments": ...}</tool_call>` blocks.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
@@ -24,6 +25,8 @@ from typing import Any, Callable, Protocol, Sequence
 from composer_mesh.actors.hf_engine import Completion
 from composer_mesh.actors.rollout import EpisodeRequest, Rollout, RolloutGroup, SamplingParams
 from composer_mesh.envs.base import Environment
+
+logger = logging.getLogger(__name__)
 
 _TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
 
@@ -126,7 +129,8 @@ class EpisodeRunner:
     """Runs episodes of `make_env()` environments with an engine and a chat tokenizer.
 
     max_turns: assistant turns per episode; max_context_tokens: an episode whose
-    next prompt would leave fewer than `max_new_tokens` free ends ("context").
+    next prompt would leave fewer than `max_new_tokens` free ends ("context"); when
+    that is the first prompt, nothing is sampled and a warning names the request.
     """
 
     def __init__(self, engine: Engine, tokenizer: Tokenizer, make_env: Callable[[str], Environment],
@@ -210,6 +214,8 @@ class EpisodeRunner:
                 for e in active:
                     if len(e.ids) + sampling.max_new_tokens > self.max_context_tokens:
                         e.finish = "context"
+                        if e.turns == 0 and e.sample == 0:
+                            self._report_long_prompt(e, sampling.max_new_tokens)
                 active = [e for e in active if not e.finish]
                 if not active:
                     break
@@ -222,6 +228,13 @@ class EpisodeRunner:
         finally:
             for e in episodes:
                 e.env.close()
+
+    def _report_long_prompt(self, ep: _Episode, max_new_tokens: int) -> None:
+        """Say, as it happens, that a request's prompt leaves no room for its first turn (nothing is sampled)."""
+        logger.warning("request %d (seed %d, %s): prompt of %d tokens + generator.max_new_tokens %d exceeds the "
+                       "context budget trainer.max_seq_len %d; no tokens sampled: raise trainer.max_seq_len",
+                       ep.request.group_id, ep.request.seed, ep.request.split, len(ep.ids), max_new_tokens,
+                       self.max_context_tokens)
 
     def _groups(self, requests, episodes: list[_Episode], group_size: int, version: int) -> list[RolloutGroup]:
         groups = []

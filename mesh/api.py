@@ -36,6 +36,7 @@ from composer_mesh.configs.schema import JobConfig
 from composer_mesh.mesh.controller import StepRecord
 from composer_mesh.mesh.evaluation import evaluate
 from composer_mesh.mesh.metrics import plot_run
+from composer_mesh.mesh.packing import Drops, explain_drops
 
 if TYPE_CHECKING:
     from composer_mesh.mesh.launch import Launch
@@ -189,6 +190,7 @@ class Run:
             "generator": [_memory_phases(g) for g in placement.generators],
         }
         summary.update(loop.summary(placement))
+        summary.update(trained_summary(self.history, job))
         if evals:
             summary["heldout"] = {"before": {"step": evals[0][0], **evals[0][1]},
                                   "after": {"step": evals[-1][0], **evals[-1][1]}}
@@ -229,6 +231,18 @@ class Run:
         `architectures`, generation config, tokenizer) that transformers loads and vLLM serves."""
         launch = self.start()._launch
         return Path(rank0(launch.placement.trainer.save_hf.call(str(out_dir)).get()))
+
+
+def trained_summary(history: list[StepRecord], job: JobConfig) -> dict[str, Any]:
+    """summary.json's account of training: `trained_steps` (steps whose batch reached the trainer), the
+    groups dropped over the run per reason, and, when steps ran but none trained, `untrained`: why, in one line."""
+    drops = Drops.total([r.metrics for r in history])
+    out: dict[str, Any] = {"trained_steps": sum("skipped" not in r.metrics for r in history),
+                           "dropped_groups": {k: n for k, n in drops.counts.items() if n}}
+    if history and not out["trained_steps"]:
+        out["untrained"] = (f"none of the {len(history)} steps trained (the trainer never stepped): "
+                            + explain_drops(drops, job.trainer.max_seq_len, job.generator.max_new_tokens))
+    return out
 
 
 def _memory_phases(generator: Any) -> dict[str, dict[str, int]] | None:

@@ -33,6 +33,7 @@ per step, before `train_step`.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -50,12 +51,17 @@ from composer_mesh.configs.sections.loss import PolicyLossConfig
 from composer_mesh.mesh.errors import phase
 from composer_mesh.mesh.evaluation import EvalConfig, evaluate
 from composer_mesh.mesh.async_workers import AsyncWorkers
-from composer_mesh.mesh.packing import PairTokens, make_hint, pack_batch, pair_rows, pair_tokens, select_rollouts
+from composer_mesh.mesh.packing import (
+    PROMPT_TOO_LONG, PairTokens, drop_reasons, explain_drops, make_hint, pack_batch, pair_rows, pair_tokens,
+    select_rollouts,
+)
 from composer_mesh.mesh.rollout_exchange import shard_points, train_step_sharded
 from composer_mesh.mesh.requests import RequestLedger
 from composer_mesh.mesh.supervision import (
     ActorHung, ControllerState, Deadline, Supervisor, is_actor_failure, is_alive, load_state, oldest_checkpoint, save_state,
 )
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -89,6 +95,8 @@ class ControllerConfig:
     deadline: Deadline | None = None
     # sampled tokens one request can cost: group_size × max_new_tokens × max_turns
     tokens_per_request: int = 0
+    # generator.max_new_tokens (named when a prompt leaves no room for them)
+    max_new_tokens: int = 0
     # held-out evaluation (mesh.evaluation); every=0: off
     eval: EvalConfig = field(default_factory=EvalConfig)
 
@@ -105,7 +113,7 @@ class ControllerConfig:
             pairs_per_step=trainer.prompts_per_step if replay else 0,
             dpo_reference=job.loss.preference.needs_reference, state_dir=state_dir,
             deadline=Deadline(job.mesh.hang_floor_s, job.mesh.hang_s_per_token),
-            tokens_per_request=gen.group_size * gen.max_new_tokens * gen.max_turns,
+            tokens_per_request=gen.group_size * gen.max_new_tokens * gen.max_turns, max_new_tokens=gen.max_new_tokens,
             eval=EvalConfig(trainer.eval_every, trainer.eval_samples,
                             SamplingParams.from_config(gen, seed=job.job.seed)),
         )
@@ -339,6 +347,7 @@ class Controller:
     def _train(self, groups: list[RolloutGroup], staleness: list[int], dropped: int, start: float) -> StepRecord:
         all_rollouts = [r for g in groups for r in g.rollouts]
         selection = select_rollouts(groups, self.cfg.policy)
+        drops = drop_reasons(groups, selection, dropped)
         if not self.cfg.policy_channel:
             selection = replace(selection, in_policy=[False] * len(selection.rollouts))
         hints = {}
@@ -355,9 +364,13 @@ class Controller:
         trains = bool(selection.policy_rollouts or hints or pairs)
         # a checkpoint of this step resumes with it
         self._save_state(self.version + int(trains), self.iteration + 1)
+        why = explain_drops(drops, self.cfg.max_seq_len, self.cfg.max_new_tokens)
         if not trains:
-            # every group had equal rewards and no pairs came
+            # every group was dropped (`why`) and no pairs came
             metrics: dict[str, float] = {"skipped": 1.0}
+            logger.warning("step %d trained nothing: %s", self.iteration + 1, why)
+        elif drops.counts[PROMPT_TOO_LONG]:
+            logger.warning("step %d: %s", self.iteration + 1, why)
         else:
             batch = pack_batch(selection, self.cfg.max_seq_len, hints, pairs, ref)
             if self._shards is None:
@@ -373,6 +386,7 @@ class Controller:
             "rollouts/policy": float(selection.policy_rollouts), "rollouts/dropped_groups": float(selection.dropped_groups),
             "distill/hinted": float(len(hints)), "preference/pairs_in_batch": float(len(pairs)),
             "async/max_staleness": float(max(staleness, default=0)), "async/dropped_stale": float(dropped),
+            **drops.metrics(),
         })
         return StepRecord(self.version, metrics, metrics["reward/mean"], staleness, dropped, len(groups),
                           time.perf_counter() - start, [g.seed for g in groups], self.iteration, pair_keys=pair_keys)

@@ -17,6 +17,11 @@ distillation mask is the failed turn's sampled tokens.
 
 Trace replay: each preference pair becomes a chosen and a rejected sequence
 (state rendered with the chat template + the action), labels on the action.
+
+Drop reasons: `drop_reasons` counts the groups of a step that the policy
+channel did not train, per reason (`DROP_REASONS`), and `explain_drops` turns
+the counts into one line naming the key to change, so a step (or a run) that
+trained nothing says why.
 """
 
 from __future__ import annotations
@@ -87,6 +92,72 @@ def select_rollouts(groups: Sequence[RolloutGroup], cfg: PolicyLossConfig) -> Se
     )
 
 
+# why a group left the policy channel: its prompt left no room to sample, dynamic sampling, async staleness
+PROMPT_TOO_LONG, EQUAL_REWARDS, STALE = "prompt_too_long", "equal_rewards", "stale"
+DROP_REASONS = (PROMPT_TOO_LONG, EQUAL_REWARDS, STALE)
+
+
+def prompt_too_long(rollout: Rollout) -> bool:
+    """The episode ended before its first turn: prompt + generator.max_new_tokens over trainer.max_seq_len."""
+    return rollout.finish_reason == "context" and not rollout.turn_spans
+
+
+@dataclass(frozen=True)
+class Drops:
+    """The groups of one step that trained nothing in the policy channel, per reason in `DROP_REASONS`."""
+
+    counts: dict[str, int]
+    # token length of the longest prompt dropped as too long (0: none)
+    longest_prompt: int = 0
+
+    @classmethod
+    def total(cls, rows: Sequence[dict[str, Any]]) -> Drops:
+        """The drops of many steps from their metrics rows (counts summed, the longest prompt kept)."""
+        counts = {k: sum(int(m.get(f"rollouts/dropped_reason/{k}", 0)) for m in rows) for k in DROP_REASONS}
+        return cls(counts, max([int(m.get("rollouts/dropped_prompt_tokens", 0)) for m in rows] + [0]))
+
+    def metrics(self) -> dict[str, float]:
+        """`rollouts/dropped_reason/<reason>` per reason that dropped a group, and the longest dropped prompt."""
+        out = {f"rollouts/dropped_reason/{k}": float(n) for k, n in self.counts.items() if n}
+        if self.longest_prompt:
+            out["rollouts/dropped_prompt_tokens"] = float(self.longest_prompt)
+        return out
+
+
+def drop_reasons(groups: Sequence[RolloutGroup], selection: Selection, stale: int) -> Drops:
+    """Per reason, the groups the policy channel leaves out: a group whose every episode had no room for its
+    first turn is `prompt_too_long` (dropped or not, it sampled nothing), a group dynamic sampling dropped is
+    `equal_rewards`; `stale` groups (async) never reached `selection`."""
+    counts = dict.fromkeys(DROP_REASONS, 0)
+    counts[STALE] = stale
+    longest, at = 0, 0
+    for g in groups:
+        kept = any(selection.in_policy[at : at + len(g.rollouts)])
+        at += len(g.rollouts)
+        if g.rollouts and all(prompt_too_long(r) for r in g.rollouts):
+            counts[PROMPT_TOO_LONG] += 1
+            longest = max([longest] + [len(r.token_ids) for r in g.rollouts])
+        elif not kept:
+            counts[EQUAL_REWARDS] += 1
+    return Drops(counts, longest)
+
+
+def explain_drops(drops: Drops, max_seq_len: int, max_new_tokens: int) -> str:
+    """One line: each reason's group count and what to change (the config key), most groups first."""
+    advice = {
+        PROMPT_TOO_LONG: (f"a prompt of up to {drops.longest_prompt} tokens + generator.max_new_tokens "
+                          f"{max_new_tokens} exceeds trainer.max_seq_len {max_seq_len}, so nothing was sampled: "
+                          "raise trainer.max_seq_len (or lower generator.max_new_tokens)"),
+        EQUAL_REWARDS: ("every sample of the group got the same reward and loss.policy.dynamic_sampling "
+                        "drops such groups"),
+        STALE: "sampled with weights older than trainer.max_staleness allows",
+    }
+    found = sorted(((n, k) for k, n in drops.counts.items() if n), key=lambda nk: -nk[0])
+    if not found:
+        return "no group reached a loss channel (no policy rollouts, hints or preference pairs)"
+    return "; ".join(f"{k}: {n} group{'s' * (n != 1)} ({advice[k]})" for n, k in found)
+
+
 def make_hint(chat: ChatTokens, rollout: Rollout, hinter: Any) -> RolloutHint | None:
     """A hint for the rollout's first error site whose turn was sampled (None without one).
 
@@ -115,7 +186,7 @@ def _rows(lengths: Sequence[int], width: int) -> list[list[int]]:
     used = width + 1
     for i, n in enumerate(lengths):
         if n > width:
-            raise ValueError(f"a document of {n} tokens does not fit max_seq_len={width}")
+            raise ValueError(f"a document of {n} tokens does not fit trainer.max_seq_len = {width}; raise it")
         if used + n > width:
             rows.append([])
             used = 0

@@ -6,7 +6,10 @@ and writes (resume, supervision, metrics.jsonl, TensorBoard, processes.json,
 summary.json, plot.png, hf/, the shared-memory weight folder) is documented
 there. Exit codes: 0 done; 2 a recipe refused before any actor started
 (one line naming the key or file); 1 an actor failed or the run broke (one
-line naming the actor; `--debug` raises with the full remote traceback).
+line naming the actor; `--debug` raises with the full remote traceback); 3 the
+run finished but no step trained (every group dropped: one line naming the
+reasons and the key to change; summary.json has `trained_steps` and
+`dropped_groups`).
 """
 
 from __future__ import annotations
@@ -64,4 +67,7 @@ def run(args: argparse.Namespace) -> int:
     if "heldout" in summary:
         print(heldout_line(summary["heldout"]), file=sys.stderr)
     print(json.dumps(summary))
+    if "untrained" in summary:
+        print(f"error: {summary['untrained']}", file=sys.stderr)
+        return 3
     return 0
