@@ -214,7 +214,7 @@ class Peer:
     def exported_value(self, handle: object, kind: str | None = None) -> object:
         """This side's value behind `handle` (of `kind` when given); WireError for any other number."""
         if type(handle) is not int or not 0 <= handle < len(self.exported) or kind not in (None, self.kinds[handle]):
-            raise WireError("unknown handle")
+            raise WireError(f"unknown {'callable ' if kind == 'c' else ''}handle")
         return self.exported[handle]
 
     def exported_fn(self, handle: object) -> Callable:
@@ -306,7 +306,8 @@ def _slots(cls: type) -> dict:
 def rebuild(module: object, qualname: object, pairs: list) -> object:
     """An instance of this side's class `module.qualname` with the attribute state `pairs`; runs none of its code.
 
-    Plain attribute names only (never a dunder); a dataclass needs exactly its fields.
+    Plain attribute names only (never a dunder), none that hides a class attribute;
+    a dataclass needs exactly its fields.
     """
     cls = _resolve(module, qualname)
     if type(cls) is not type or cls.__module__ != module:
@@ -327,6 +328,9 @@ def rebuild(module: object, qualname: object, pairs: list) -> object:
     for name, value in pairs:
         if name in slots:
             slots[name].__set__(obj, value)
+        elif type(fields) is not dict and any(name in vars(base) for base in cls.__mro__):
+            # an instance attribute would hide the class's method or descriptor (`key` replaced by a forwarder)
+            raise WireError(f"instance state {name!r} shadows an attribute of the class")
         elif type(state) is dict:
             state[name] = value
         else:
