@@ -195,7 +195,8 @@ class Peer:
         key = self.imported_ids.get(id(value))
         if key is not None and self.imported[key] is value:
             return {"r": key[1]}
-        pairs = state_of(value, self.modules)
+        # a callable (a target class's callable instance too) crosses as a handle
+        pairs = None if callable(value) else state_of(value, self.modules)
         if pairs is not None:
             return {"i": [type(value).__module__, type(value).__qualname__, pairs]}
         if callable(value):
