@@ -281,15 +281,19 @@ def install_forwarding(callee: dict, violation, repo: str) -> None:
         if reply is None:
             raise RuntimeError("the submission's process ended")  # its sandbox result says why
         keys = set(reply)
+        where = f"{request.get('module', 'callable')}.{request.get('name', request.get('handle'))}"
         if keys in ({"ok"}, {"ok", "warnings"}):
             try:
                 value = wire.decode(reply["ok"], peer=peer)
+            except wire.NotRebuildable as exc:
+                # an instance of a class the stub does not have (the submission's own helper class)
+                violation("unplain_result", str(exc)[:200], where)
+                raise TypeError(f"the submission returned a {str(exc)[:100]}, not plain data") from None
             except wire.WireError as exc:
                 raise protocol_error(str(exc)) from None
             emit_warnings(reply.get("warnings", []))
             return value
         if keys == {"unplain"}:  # the result was no plain value: never compared at all
-            where = f"{request.get('module', 'callable')}.{request.get('name', request.get('handle'))}"
             violation("unplain_result", str(reply["unplain"])[:200], where)
             raise TypeError(f"the submission returned a {str(reply['unplain'])[:100]}, not plain data")
         if keys != {"raise", "text"}:

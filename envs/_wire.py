@@ -57,6 +57,10 @@ class WireError(Exception):
     """A value that may not cross, or a message that is malformed, oversized or late."""
 
 
+class NotRebuildable(WireError):
+    """Instance state of a class this side does not define (a helper class of the submission's): not plain data."""
+
+
 def encode(value: object, depth: int = 0, export: Callable[[object], dict] | None = None) -> object:
     """Tagged JSON of a plain value; with `export` (`Peer.export`), anything else gets the tag export gives."""
     if depth > MAX_DEPTH:
@@ -310,13 +314,15 @@ def rebuild(module: object, qualname: object, pairs: list) -> object:
     Plain attribute names only (never a dunder), none that hides a class attribute;
     a dataclass needs exactly its fields.
     """
-    cls = _resolve(module, qualname)
-    if type(cls) is not type or cls.__module__ != module:
-        raise WireError("not a class of the target module")
-    fields = cls.__dict__.get("__dataclass_fields__")
     names = [name for name, _ in pairs]
     if not all(_plain_name(n) for n in names) or len(names) > MAX_ATTRS:
         raise WireError("instance state names an attribute that is not a plain identifier")
+    if type(qualname) is not str or not all(_plain_name(part) for part in qualname.split(".")):
+        raise WireError("class name is not a dotted plain identifier")
+    cls = _resolve(module, qualname)
+    if type(cls) is not type or cls.__module__ != module:
+        raise NotRebuildable(f"{module}.{qualname}"[:200])
+    fields = cls.__dict__.get("__dataclass_fields__")
     if type(fields) is dict and set(names) != set(fields):
         raise WireError("instance state does not match the dataclass fields")
     # TypeError for classes with a builtin base other than object: decode reports it as malformed

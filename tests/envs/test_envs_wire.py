@@ -309,6 +309,12 @@ def test_rebuild_only_makes_classes_of_the_target_module(module, qualname):
         wire.decode({"i": [module, qualname, []]}, peer=_peer(modules={__name__}))
 
 
+def test_state_of_a_class_this_side_lacks_is_not_plain_data():
+    """The submission's own helper class (an always-equal one): `NotRebuildable`, reported as `unplain_result`."""
+    with pytest.raises(wire.NotRebuildable):
+        wire.decode({"i": [__name__, "_Eq", []]}, peer=_peer(modules={__name__}))
+
+
 def test_slots_take_only_their_names_and_state_is_bounded():
     receiver = _peer(modules={__name__})
     with pytest.raises(wire.WireError):
