@@ -194,7 +194,7 @@ def install_forwarding(callee: dict, violation, repo: str) -> None:
     replaces the stub's: a forwarder whose arguments and results cross as plain
     data, callables as handles the other side calls back (`_wire.Peer`). Instances
     of the repository's other classes (a test's `Square`) cross as handles the
-    callee asks about (`serve_object`); instances of the target modules' classes
+    callee asks about (`serve`); instances of the target modules' classes
     come back as state, rebuilt as the stub's class. Plain values are copied;
     classes stay the stub's. Every reply is hostile data: one that breaks the
     protocol is the violation `malformed_reply`, a result that is not plain data
@@ -247,7 +247,7 @@ def install_forwarding(callee: dict, violation, repo: str) -> None:
                 args = wire.decode(request["args"], peer=peer)
                 if type(action) is not str or action not in wire.OBJECT_OPS or type(args) is not list:
                     raise wire.WireError("not an object operation")
-                if action in wire.NAMED_OPS and not (args and wire._plain_name(args[0])):
+                if action in wire.NAMED_OPS and not (args and wire.plain_name(args[0])):
                     raise wire.WireError("attribute name is not a plain identifier")
                 fn, args, kwargs = wire.OBJECT_OPS[action], [obj, *args], {}
             elif request.get("op") == "call" and set(request) == {"op", "handle", "args", "kwargs"}:

@@ -267,7 +267,7 @@ class Peer:
             send(self.out_fd, self.serve(incoming))
 
 
-def _plain_name(name: object) -> bool:
+def plain_name(name: object) -> bool:
     """An attribute name that may cross: an identifier, never a dunder."""
     return type(name) is str and name.isidentifier() and not name.startswith("__")
 
@@ -291,7 +291,7 @@ def _resolve(module: object, qualname: object) -> object:
     obj = sys.modules.get(module) if type(module) is str else None
     parts = qualname.split(".") if type(qualname) is str else [""]
     for part in parts:
-        if obj is None or not _plain_name(part):
+        if obj is None or not plain_name(part):
             return None
         obj = vars(obj).get(part) if hasattr(obj, "__dict__") else None
     return obj
@@ -303,7 +303,7 @@ def _slots(cls: type) -> dict:
     for base in reversed(cls.__mro__):
         slots = base.__dict__.get("__slots__", ())
         for name in (slots,) if type(slots) is str else slots:
-            if type(name) is str and _plain_name(name) and type(base.__dict__.get(name)).__name__ == "member_descriptor":
+            if type(name) is str and plain_name(name) and type(base.__dict__.get(name)).__name__ == "member_descriptor":
                 out[name] = base.__dict__[name]
     return out
 
@@ -315,9 +315,9 @@ def rebuild(module: object, qualname: object, pairs: list) -> object:
     a dataclass needs exactly its fields.
     """
     names = [name for name, _ in pairs]
-    if not all(_plain_name(n) for n in names) or len(names) > MAX_ATTRS:
+    if not all(plain_name(n) for n in names) or len(names) > MAX_ATTRS:
         raise WireError("instance state names an attribute that is not a plain identifier")
-    if type(qualname) is not str or not all(_plain_name(part) for part in qualname.split(".")):
+    if type(qualname) is not str or not all(plain_name(part) for part in qualname.split(".")):
         raise WireError("class name is not a dotted plain identifier")
     cls = _resolve(module, qualname)
     if type(cls) is not type or cls.__module__ != module:
@@ -378,17 +378,17 @@ class RemoteObject:
 
     def __getattr__(self, name: str) -> object:
         # dunders are looked up by libraries all the time: answered here, never asked
-        if not _plain_name(name):
+        if not plain_name(name):
             raise AttributeError(name)
         return self._wire_ask("getattr", name)
 
     def __setattr__(self, name: str, value: object) -> None:
-        if not _plain_name(name):
+        if not plain_name(name):
             raise AttributeError(f"cannot set {name!r} on a remote object")
         self._wire_ask("setattr", name, value)
 
     def __delattr__(self, name: str) -> None:
-        if not _plain_name(name):
+        if not plain_name(name):
             raise AttributeError(f"cannot delete {name!r} on a remote object")
         self._wire_ask("delattr", name)
 
