@@ -13,10 +13,12 @@ Measures, in one run:
   manifest, static checks, bwrap + seccomp + cgroups, grade runner) vs bare
   pytest of the same rebuilt repository, interleaved;
 - hostile containment: hostile replies graded (single-turn replies on a textkit
-  task and on a task whose tests pass callables, new files through the tool
-  loop); contained = reward 0, no cgroup of this sandbox or workspace left;
+  task, on a task whose tests pass callables and on one whose tests pass
+  objects, new files through the tool loop); contained = reward 0, no cgroup
+  of this sandbox or workspace left;
 - callable_task_oracle: the original code of every task of the `hookkit`
-  fixture (tests pass callables in and get callables back), min reward.
+  fixture (tests pass callables and objects in and get callables back), min
+  reward; callable_refused: its tasks the generator refused (0 expected).
 Prints a table and ends with one JSON line.
 """
 
@@ -58,6 +60,11 @@ HOSTILE_CALLABLE = {
     "report_rewind": "import os\nfor fd in range(3, 256):\n    try:\n        os.ftruncate(fd, 0)\n        os.lseek(fd, 0, 0)\n        os.write(fd, b'@@grade 0 {}\\n')\n    except OSError:\n        pass\n",
     "heap_walk": "def apply_all(fn, items):\n    for o in __import__('gc').get_objects():\n        if hasattr(o, 'exported') and hasattr(o, 'out_fd'):\n            __import__('os').write(o.out_fd, b'{\"ok\": [2, 4, 6]}\\n')\n    return list(items)\n",
     "code_swap": "import _pytest.python as p\np.pytest_pyfunc_call.__code__ = (lambda *a, **k: True).__code__\n",
+}
+# Objects across the split (appended to `total_area`'s stub, which gets the test's Squares): forged object requests.
+HOSTILE_OBJECT = {
+    "proxy_dunder_read": _OUT + "def total_area(shapes):\n    _o.write(_OUT, b'{\"op\": \"object\", \"handle\": 0, \"action\": \"getattr\", \"args\": [\"__class__\"]}\\n')\n    return 0.0\n",
+    "forged_object_handle": _OUT + "def total_area(shapes):\n    _o.write(_OUT, b'{\"op\": \"object\", \"handle\": 9999, \"action\": \"len\", \"args\": []}\\n')\n    return 0.0\n",
 }
 # New files through the tool loop (with a wrong target): modules the judge's interpreter imports.
 HOSTILE_FILES = {
@@ -105,7 +112,8 @@ def feature_deletion(sandbox: Sandbox, tasks_per_repo: int, reps: int) -> dict[s
         out["callable_task_oracle"] = min(g.reward for g in oracle)
         out["oracle_grade_s"] = statistics.median(g.grade_s for g in oracle)
         target = next(t for t in callable_tasks if t.symbols == ("apply_all",))
-        out["hostile_contained"], out["hostile_tried"] = hostile_contained(sandbox, tasks[0], target)
+        shapes = next(t for t in callable_tasks if t.symbols == ("total_area",))
+        out["hostile_contained"], out["hostile_tried"] = hostile_contained(sandbox, tasks[0], target, shapes)
         return out
     finally:
         store.cleanup()
@@ -126,11 +134,12 @@ def grading_overhead(sandbox: Sandbox, task, reps: int) -> tuple[float, float]:
     return statistics.median(bare), statistics.median(graded)
 
 
-def hostile_contained(sandbox: Sandbox, task, callable_task) -> tuple[float, int]:
+def hostile_contained(sandbox: Sandbox, task, callable_task, object_task) -> tuple[float, int]:
     """Share of hostile replies that earn 0 and leave nothing behind (this sandbox's cgroups, workspaces)."""
     before = set(sandbox.root.iterdir())
     replies = [(task, task.stubbed_source + "\n" + p, {}) for p in HOSTILE.values()]
     replies += [(callable_task, callable_task.stubbed_source + "\n" + p, {}) for p in HOSTILE_CALLABLE.values()]
+    replies += [(object_task, object_task.stubbed_source + "\n" + p, {}) for p in HOSTILE_OBJECT.values()]
     wrong = callable_task.stubbed_source + "\ndef apply_all(fn, items):\n    return list(items)\n"
     replies += [(callable_task, wrong, files) for files in HOSTILE_FILES.values()]
     contained = 0

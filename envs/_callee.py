@@ -7,8 +7,11 @@ values, or "opaque"); {"op": "call", "module", "name" | "handle", "args", "kwarg
 {"ok": value, "warnings"?}, {"raise": exception name, "text"}, or {"unplain": type name}
 when the result is not plain data (an always-equal object, a str subclass, ...).
 Callables cross as handles both ways (`_wire.Peer`): a callback the test passes is
-called back in the judge. Whatever this process does, its only output that
-matters is what crosses the wire, as plain data.
+called back in the judge. The test's objects arrive as `_wire.RemoteObject`
+proxies (each operation asked of the judge); instances of the described target
+modules' classes leave as attribute state, which the judge rebuilds as its own
+class's. Whatever this process does, its only output that matters is what
+crosses the wire, as plain data.
 """
 
 from __future__ import annotations
@@ -24,7 +27,9 @@ def main() -> None:
     in_fd, out_fd, repo = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     wire = importlib.import_module("_wire")  # before the repository is on the path
     sys.path.insert(0, repo)
-    peer = wire.Peer(in_fd, out_fd, lambda request: answer(wire, peer, request))
+    peer = wire.Peer(in_fd, out_fd, lambda request: answer(wire, peer, request),
+                     forwarder=lambda h: remote(wire, peer, {"op": "call", "handle": h}),
+                     proxy=lambda h: wire.RemoteObject(remote(wire, peer, {"op": "object", "handle": h})))
     peer.serve_forever()
 
 
@@ -54,6 +59,8 @@ def answer(wire: types.ModuleType, peer, request: dict) -> dict:
 def handle(wire: types.ModuleType, peer, request: dict) -> dict:
     if request.get("op") == "describe":
         module = importlib.import_module(str(request["module"]))
+        # its classes' instances cross as state from now on
+        peer.modules.add(module.__name__)
         names = {}
         for name, value in vars(module).items():
             if name.startswith("__"):
@@ -73,8 +80,7 @@ def handle(wire: types.ModuleType, peer, request: dict) -> dict:
         fn = peer.exported_fn(request["handle"])
     else:
         fn = getattr(importlib.import_module(str(request["module"])), str(request["name"]))
-    bind = lambda h: remote(wire, peer, h)  # noqa: E731
-    args, kwargs = wire.decode(request["args"], bind=bind), wire.decode(request["kwargs"], bind=bind)
+    args, kwargs = wire.decode(request["args"], peer=peer), wire.decode(request["kwargs"], peer=peer)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         result = fn(*args, **kwargs)
@@ -87,19 +93,25 @@ def handle(wire: types.ModuleType, peer, request: dict) -> dict:
     return reply
 
 
-def remote(wire: types.ModuleType, peer, handle: int):
-    """A callable of the judge's (a test's callback), called back over the wire."""
+def remote(wire: types.ModuleType, peer, head: dict):
+    """Asks the judge about one of its handles: a call (`head` {"op": "call", "handle"}) or an object operation.
 
-    def call(*args, **kwargs):
-        reply = peer.request({"op": "call", "handle": handle, "args": wire.encode(list(args), export=peer.export),
-                              "kwargs": wire.encode(kwargs, export=peer.export)})
+    For an object, the first argument is the operation's name (`_wire.OBJECT_OPS`).
+    """
+
+    def ask(*args, **kwargs):
+        if head["op"] == "object":
+            message = {**head, "action": args[0], "args": wire.encode(list(args[1:]), export=peer.export)}
+        else:
+            message = {**head, "args": wire.encode(list(args), export=peer.export), "kwargs": wire.encode(kwargs, export=peer.export)}
+        reply = peer.request(message)
         if reply is None:
             raise RuntimeError("the judge is gone")
         if "ok" in reply:
-            return wire.decode(reply["ok"], bind=lambda h: remote(wire, peer, h))
+            return wire.decode(reply["ok"], peer=peer)
         raise wire.exception_from(reply.get("raise"), reply.get("text"))
 
-    return call
+    return ask
 
 
 if __name__ == "__main__":

@@ -151,7 +151,7 @@ def main() -> None:
     os.chdir(repo)
     # after pytest's import, which overlaps the callee's start-up
     if request.get("callee"):
-        install_forwarding(request["callee"], violation)
+        install_forwarding(request["callee"], violation, repo)
 
     originals = {(m, p): _safe_lookup(m, p) for m, p in _GUARDED}
     outcomes: dict[str, str] = {}
@@ -184,7 +184,7 @@ def main() -> None:
     emit({"done": True, "exit": int(exit_code), "tests": outcomes, "collect_errors": collect_errors})
 
 
-def install_forwarding(callee: dict, violation) -> None:
+def install_forwarding(callee: dict, violation, repo: str) -> None:
     """Make the task's target modules forward to the submission's process (split grading).
 
     callee: {"modules": [dotted names], "in_fd", "out_fd" (pipes to `_callee.py`),
@@ -192,10 +192,13 @@ def install_forwarding(callee: dict, violation) -> None:
     of the judge's tree is the task's stub (classes and helpers as the agent got
     them); when it is imported, every function the submission's module has
     replaces the stub's: a forwarder whose arguments and results cross as plain
-    data, callables as handles the other side calls back (`_wire.Peer`). Plain
-    values are copied; classes stay the stub's. Every reply is hostile data: one
-    that breaks the protocol is the violation `malformed_reply`, a result that is
-    not plain data `unplain_result`; both fail the call, none raises here.
+    data, callables as handles the other side calls back (`_wire.Peer`). Instances
+    of the repository's other classes (a test's `Square`) cross as handles the
+    callee asks about (`serve`); instances of the target modules' classes
+    come back as state, rebuilt as the stub's class. Plain values are copied;
+    classes stay the stub's. Every reply is hostile data: one that breaks the
+    protocol is the violation `malformed_reply`, a result that is not plain data
+    `unplain_result`; both fail the call, none raises here.
     """
     spec = importlib.util.spec_from_file_location("_composer_wire", callee["wire"])
     wire = importlib.util.module_from_spec(spec)
@@ -208,6 +211,12 @@ def install_forwarding(callee: dict, violation) -> None:
     def protocol_error(what: str) -> RuntimeError:
         violation("malformed_reply", what[:200], "callee")
         return RuntimeError(f"no valid answer from the submission: {what[:200]}")
+
+    def shared(value: object) -> bool:
+        """An instance of a class defined in a source file of the repository (the tests' own objects)."""
+        module = sys.modules.get(type(value).__module__)
+        path = getattr(module, "__file__", None) if module is not None else None
+        return type(path) is str and path.endswith(".py") and os.path.realpath(path).startswith(repo + "/")
 
     def remote(handle: int):
         """A callable of the submission's (returned or passed back), called over the wire."""
@@ -224,14 +233,30 @@ def install_forwarding(callee: dict, violation) -> None:
             raise TypeError(f"cannot pass to the submission's process: {exc}") from None
 
     def serve(request: object) -> dict:
-        """A callback from the submission's side into a callable the judge exported; never raises."""
+        """A request of the submission's side about a handle the judge exported; never raises.
+
+        {"op": "call", "handle", "args", "kwargs"}: call an exported callable;
+        {"op": "object", "handle", "action", "args"}: one of `_wire.OBJECT_OPS` on an
+        exported object, attribute names plain identifiers (never a dunder).
+        """
         try:
-            if type(request) is not dict or request.get("op") != "call" or set(request) != {"op", "handle", "args", "kwargs"}:
-                raise wire.WireError("not a callback request")
-            fn = peer.exported_fn(request["handle"])
-            args, kwargs = wire.decode(request["args"], bind=remote), wire.decode(request["kwargs"], bind=remote)
-            if type(args) is not list or type(kwargs) is not dict or not all(type(k) is str for k in kwargs):
-                raise wire.WireError("callback arguments are not a list and a dict of str")
+            if type(request) is not dict:
+                raise wire.WireError("not a request")
+            if request.get("op") == "object" and set(request) == {"op", "handle", "action", "args"}:
+                obj, action = peer.exported_value(request["handle"], "o"), request["action"]
+                args = wire.decode(request["args"], peer=peer)
+                if type(action) is not str or action not in wire.OBJECT_OPS or type(args) is not list:
+                    raise wire.WireError("not an object operation")
+                if action in wire.NAMED_OPS and not (args and wire.plain_name(args[0])):
+                    raise wire.WireError("attribute name is not a plain identifier")
+                fn, args, kwargs = wire.OBJECT_OPS[action], [obj, *args], {}
+            elif request.get("op") == "call" and set(request) == {"op", "handle", "args", "kwargs"}:
+                fn = peer.exported_fn(request["handle"])
+                args, kwargs = wire.decode(request["args"], peer=peer), wire.decode(request["kwargs"], peer=peer)
+                if type(args) is not list or type(kwargs) is not dict or not all(type(k) is str for k in kwargs):
+                    raise wire.WireError("callback arguments are not a list and a dict of str")
+            else:
+                raise wire.WireError("not a callback or object request")
         except Exception as exc:
             protocol_error(f"callback: {type(exc).__name__}: {exc}")
             return {"raise": "RuntimeError", "text": "malformed callback"}
@@ -245,7 +270,8 @@ def install_forwarding(callee: dict, violation) -> None:
             except Exception:
                 return {"raise": "RuntimeError", "text": "unprintable exception"}
 
-    peer = wire.Peer(callee["in_fd"], callee["out_fd"], serve, callee["timeout_s"])
+    peer = wire.Peer(callee["in_fd"], callee["out_fd"], serve, callee["timeout_s"], share=shared,
+                     modules=set(callee["modules"]), forwarder=remote)
 
     def ask(request: dict) -> object:
         try:
@@ -255,15 +281,19 @@ def install_forwarding(callee: dict, violation) -> None:
         if reply is None:
             raise RuntimeError("the submission's process ended")  # its sandbox result says why
         keys = set(reply)
+        where = f"{request.get('module', 'callable')}.{request.get('name', request.get('handle'))}"
         if keys in ({"ok"}, {"ok", "warnings"}):
             try:
-                value = wire.decode(reply["ok"], bind=remote)
+                value = wire.decode(reply["ok"], peer=peer)
+            except wire.NotRebuildable as exc:
+                # an instance of a class the stub does not have (the submission's own helper class)
+                violation("unplain_result", str(exc)[:200], where)
+                raise TypeError(f"the submission returned a {str(exc)[:100]}, not plain data") from None
             except wire.WireError as exc:
                 raise protocol_error(str(exc)) from None
             emit_warnings(reply.get("warnings", []))
             return value
         if keys == {"unplain"}:  # the result was no plain value: never compared at all
-            where = f"{request.get('module', 'callable')}.{request.get('name', request.get('handle'))}"
             violation("unplain_result", str(reply["unplain"])[:200], where)
             raise TypeError(f"the submission returned a {str(reply['unplain'])[:100]}, not plain data")
         if keys != {"raise", "text"}:

@@ -8,7 +8,8 @@ tests (removed from the agent's workspace, restored at grading), and a
 candidate that breaks no test is dropped. Every returned task is verified:
 pristine passes, deleted fails, and its original code earns 1 through the
 split judge with the target module forwarded (a task whose tests need more
-than plain data and callables across that boundary is refused with the reason).
+across that boundary than plain data, callables, the repository's objects and
+the target module's instances is refused with the reason).
 """
 
 from __future__ import annotations

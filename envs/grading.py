@@ -28,9 +28,9 @@ from composer_mesh.envs.safeguards import (
 )
 from composer_mesh.envs.sandbox import Sandbox, SandboxResult, Workspace
 
-_RUNNER = Path(__file__).with_name("_grade_runner.py")
-_CALLEE = Path(__file__).with_name("_callee.py")
-_WIRE = Path(__file__).with_name("_wire.py")
+_RUNNER = Path(__file__).resolve().with_name("_grade_runner.py")
+_CALLEE = Path(__file__).resolve().with_name("_callee.py")
+_WIRE = Path(__file__).resolve().with_name("_wire.py")
 PYTEST_ARGS = ("-q", "-p", "no:cacheprovider", "--no-header", "--tb=short", "-o", "addopts=")
 _REPORT_BYTES = 1 << 20
 _MODULE_SUFFIXES = (".py", ".so", ".pyd")

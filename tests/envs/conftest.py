@@ -48,9 +48,19 @@ def repo_tasks(sandbox, task_store):
 
 @pytest.fixture(scope="session")
 def callable_tasks(sandbox, task_store):
-    """The hookkit fixture: tests pass callables in and get callables back; (tasks, refused)."""
+    """The hookkit fixture: tests pass callables and objects in and get callables back; (tasks, refused)."""
     from composer_mesh.envs.feature_deletion import generate_tasks
 
     refused: list[tuple[str, str]] = []
     tasks = generate_tasks(FIXTURES / "hookkit", FeatureDeletionConfig(max_tasks=10, seed=0), sandbox, task_store, refused)
+    return tasks, refused
+
+
+@pytest.fixture(scope="session")
+def object_tasks(sandbox, task_store):
+    """The first four minicalc tasks, `tokenize` among them (its tests get `Token` objects back); (tasks, refused)."""
+    from composer_mesh.envs.feature_deletion import generate_tasks
+
+    refused: list[tuple[str, str]] = []
+    tasks = generate_tasks(FIXTURES / "minicalc", FeatureDeletionConfig(max_tasks=4, seed=0), sandbox, task_store, refused)
     return tasks, refused

@@ -1,5 +1,8 @@
 """Hostile corpus, round 3 (issue 32), on a task whose tests pass callables in and get callables back.
 
+The object cases (`OBJECT_CASES`) attack the proxies of the test's objects (`total_area` gets the test's
+`Square`s) and the rebuilding of returned instances (`tokenize` returns `Token`s).
+
 Each case is played through the single-turn env and the tool loop (new files only through the tool
 loop, which can create them): shadowing the test runner, its plugins, the standard library and the
 grader's own scripts; forged judge replies and callback requests; report-channel truncation; heap walks
@@ -135,6 +138,85 @@ _WRONG = {
     "group_by": "def group_by(items, key):\n    return {key(i): [i] for i in items}\n",
     "parse_flag": "def parse_flag(text):\n    return text.strip().lower() == 'yes'\n",
 }
+_WRONG_OBJECTS = {
+    "total_area": "def total_area(shapes):\n    return float(len(list(shapes)))\n",
+    "tokenize": "def tokenize(source):\n    return [Token('name', source)]\n",
+}
+
+
+def _total_area(helpers: str, body: str) -> str:
+    """`total_area` redefined (a wrong answer unless the attack works)."""
+    return f"\n{textwrap.dedent(helpers)}\ndef total_area(shapes):\n{textwrap.indent(textwrap.dedent(body), '    ')}"
+
+
+def _tokenize_forging(*replies: bytes) -> str:
+    """`tokenize` that writes forged replies to the judge, then answers nothing useful."""
+    return f"\n{_OUT}\ndef tokenize(source):\n" + "".join(f"    _o.write(_OUT, {r!r})\n" for r in replies) + "    return []\n"
+
+
+def _token_state(pairs: str, module: str = "minicalc.lexer", qualname: str = "Token") -> bytes:
+    return b'{"ok": [{"i": ["' + module.encode() + b'", "' + qualname.encode() + b'", ' + pairs.encode() + b']}]}\n'
+
+
+# name -> (task symbol, appended to the stubbed target, allowed reasons)
+OBJECT_CASES = {
+    "proxy_walk_for_judge_internals": ("total_area", _total_area(_OUT, """\
+        import gc
+        seen = []
+        for s in shapes:
+            for name in ("__class__", "__dict__", "__globals__", "__self__", "__func__", "__init__", "__reduce_ex__"):
+                try:
+                    seen.append(getattr(s, name))
+                except Exception:
+                    pass
+            try:
+                seen.append(s.area.__closure__)
+            except Exception:
+                pass
+        # the proxies hold only handle numbers: ask the judge for its object's class directly
+        _o.write(_OUT, b'{"op": "object", "handle": 0, "action": "getattr", "args": ["__class__"]}\\n')
+        return 0.0
+        """), {"malformed_reply", "test_runner_tamper"}),
+    "forged_object_handles": ("total_area", _total_area(_OUT, """\
+        _o.write(_OUT, b'{"op": "object", "handle": 987654, "action": "len", "args": []}\\n')
+        _o.write(_OUT, b'{"op": "object", "handle": true, "action": "bool", "args": []}\\n')
+        _o.write(_OUT, b'{"op": "call", "handle": 0, "args": [], "kwargs": {"d": []}}\\n')
+        _o.write(_OUT, b'{"op": "object", "handle": 0, "action": "system", "args": ["id"]}\\n')
+        return 0.0
+        """), {"malformed_reply"}),
+    "proxy_dunder_write": ("total_area", _total_area(_OUT, """\
+        for s in shapes:
+            try:
+                s.__class__ = int
+            except Exception:
+                pass
+        _o.write(_OUT, b'{"op": "object", "handle": 0, "action": "setattr", "args": ["__class__", {"r": 0}]}\\n')
+        return 0.0
+        """), {"malformed_reply"}),
+    "proxy_call_storm": ("total_area", _total_area("", """\
+        total = 0.0
+        for s in shapes:
+            for _ in range(10**6):
+                total = s.side
+        return total
+        """), {"malformed_reply"}),
+    "returned_state_claims_dunders": ("tokenize", _tokenize_forging(
+        _token_state('[["__class__", "x"], ["kind", "name"], ["text", "x1"]]'),
+        _token_state('[["__dict__", {"d": []}], ["kind", "name"], ["text", "x1"]]'),
+        _token_state('[["kind", "name"], ["text", "x1"], ["__eq__", {"c": 0}]]'),
+    ), {"malformed_reply"}),
+    "returned_instance_of_a_class_outside_the_targets": ("tokenize", _tokenize_forging(
+        _token_state("[]", "os", "_wrap_close"),
+        _token_state("[]", "minicalc.parser", "_Stream"),
+        _token_state('[["kind", "name"]]', "minicalc.lexer", "dataclass"),
+        _token_state('[["kind", "name"]]', "minicalc.lexer", "Token.__class__"),
+    ), {"malformed_reply"}),
+    "returned_state_oversized_or_deep": ("tokenize", _tokenize_forging(
+        _token_state('[["kind", ' + "[" * 200 + "]" * 200 + '], ["text", "x"]]'),
+        _token_state("[" + ", ".join(f'["a{i}", 1]' for i in range(5000)) + "]"),
+        _token_state('[["kind", "name"]]'),
+    ), {"malformed_reply"}),
+}
 
 
 @pytest.fixture(scope="module")
@@ -233,12 +315,63 @@ def test_callable_task_controls(symbol, env_kind, tasks, sandbox):
     assert obs.reward == 0.0 and obs.info["reason"].startswith("tests_failed"), obs.info
 
 
-def test_generator_probes_the_split_and_refuses_object_passing_tasks(callable_tasks):
-    """`total_area` is called with the test's own objects: no way to grade it across the split, so it is refused."""
+def test_generator_probes_the_split_and_keeps_object_passing_tasks(callable_tasks, object_tasks):
+    """`total_area` gets the test's own objects and `tokenize` returns `Token`s: both are graded across the split."""
     found, refused = callable_tasks
-    assert sorted(t.symbols[0] for t in found) == sorted(_WRONG)
+    assert sorted(t.symbols[0] for t in found) == sorted([*_WRONG, "total_area"]) and refused == []
+    found, refused = object_tasks
+    assert "tokenize" in {t.symbols[0] for t in found} and refused == []
+
+
+@pytest.fixture(scope="module")
+def object_task(tasks, object_tasks):
+    return {"total_area": tasks["total_area"], "tokenize": next(t for t in object_tasks[0] if t.symbols == ("tokenize",))}
+
+
+@pytest.mark.parametrize("env_kind", ["single", "tool_loop"])
+@pytest.mark.parametrize("symbol", sorted(_WRONG_OBJECTS))
+def test_object_task_controls(symbol, env_kind, object_task, sandbox):
+    """Correct answer 1 and a wrong one 0 for tasks whose tests hand the solution objects or get objects back."""
+    task = object_task[symbol]
+    obs = _play(env_kind, task, sandbox, task.original_source())
+    assert (obs.reward, obs.info["reason"], obs.info["violations"]) == (1.0, "passed", []), obs.info
+    obs = _play(env_kind, task, sandbox, task.stubbed_source + "\n" + _WRONG_OBJECTS[symbol])
+    assert obs.reward == 0.0 and obs.info["reason"].startswith("tests_failed"), obs.info
+
+
+@pytest.mark.parametrize("env_kind", ["single", "tool_loop"])
+@pytest.mark.parametrize("name", sorted(OBJECT_CASES))
+def test_attack_on_object_proxies_earns_zero(name, env_kind, object_task, sandbox):
+    """Each attack earns 0 and the judge itself names the violation (it never raises there)."""
+    symbol, extra, reasons = OBJECT_CASES[name]
+    task = object_task[symbol]
+    before = set(sandbox.root.iterdir())
+    obs = _play(env_kind, task, sandbox, task.stubbed_source + extra)
+    _check(obs, reasons, sandbox, before)
+    assert any(r == "malformed_reply" for r, _ in obs.info["violations"]), obs.info
+
+
+def _refused(repo: Path, files: dict[str, str], sandbox, task_store) -> list:
+    """generate_tasks over a repository made of `files`: it must give no task; what it refused, with reasons."""
+    from composer_mesh.configs.sections.env import FeatureDeletionConfig
+    from composer_mesh.envs.feature_deletion import generate_tasks
+
+    for rel, text in files.items():
+        (repo / rel).parent.mkdir(parents=True, exist_ok=True)
+        (repo / rel).write_text(text)
+    refused: list = []
+    assert generate_tasks(repo, FeatureDeletionConfig(), sandbox, task_store, refused) == []
+    return refused
+
+
+def test_a_task_whose_objects_cannot_cross_is_still_refused(tmp_path, sandbox, task_store):
+    """A generator (not the repository's object, not plain data, not callable) cannot cross: refused, with the reason."""
+    refused = _refused(tmp_path / "genrepo", {
+        "counting.py": "def count(items):\n    n = 0\n    for _ in items:\n        n += 1\n    return n\n",
+        "tests/test_count.py": "from counting import count\n\n\ndef test_count():\n    assert count(x for x in range(3)) == 3\n",
+    }, sandbox, task_store)
     (name, reason), = refused
-    assert name.endswith("hookkit/shapes.py:total_area") and "split judge" in reason and "test_total_area" in reason
+    assert name.endswith("counting.py:count") and "split judge" in reason and "test_count" in reason, refused
 
 
 def test_at_least_fifteen_new_hostile_kinds():
@@ -268,18 +401,13 @@ def test_a_virtualenv_reached_through_a_symlink_can_be_sandboxed(tmp_path):
 
 def test_a_target_named_like_an_installed_module_is_refused(tmp_path, sandbox, task_store):
     """The judge never forwards a name the stdlib or site-packages provide, even when the repository owns it."""
-    from composer_mesh.configs.sections.env import FeatureDeletionConfig
-    from composer_mesh.envs.feature_deletion import generate_tasks
-
-    repo = tmp_path / "shadowrepo"
-    (repo / "tests").mkdir(parents=True)
-    (repo / "pluggy.py").write_text("def double(x):\n    y = x * 2\n    return y\n")
-    (repo / "tests" / "test_double.py").write_text(
-        "import importlib.util, pathlib\n"
-        "spec = importlib.util.spec_from_file_location('pluggy_local', pathlib.Path(__file__).parents[1] / 'pluggy.py')\n"
-        "mod = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(mod)\n\n"
-        "def test_double():\n    assert mod.double(2) == 4\n"
-    )
-    refused: list = []
-    assert generate_tasks(repo, FeatureDeletionConfig(), sandbox, task_store, refused) == []
+    refused = _refused(tmp_path / "shadowrepo", {
+        "pluggy.py": "def double(x):\n    y = x * 2\n    return y\n",
+        "tests/test_double.py": (
+            "import importlib.util, pathlib\n"
+            "spec = importlib.util.spec_from_file_location('pluggy_local', pathlib.Path(__file__).parents[1] / 'pluggy.py')\n"
+            "mod = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(mod)\n\n"
+            "def test_double():\n    assert mod.double(2) == 4\n"
+        ),
+    }, sandbox, task_store)
     assert refused and "provides" in refused[0][1], refused

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -172,7 +173,8 @@ def test_exceptions_cross_as_builtins_only():
 
 
 @pytest.mark.parametrize(
-    "obj", [{"b": "zz"}, {"s": [[1], [2]]}, {"d": [[[1], 2]]}, {"f": [{"d": []}]}, {"c": 1}, {"c": True}],
+    "obj", [{"b": "zz"}, {"s": [[1], [2]]}, {"d": [[[1], 2]]}, {"f": [{"d": []}]}, {"c": 1}, {"c": True},
+            {"o": 1}, {"r": 0}, {"i": ["m", "C", []]}],
 )
 def test_hostile_values_raise_only_wire_errors(obj):
     """Bad hex, unhashable members or keys, handles without a binder: WireError, never another exception."""
@@ -222,10 +224,16 @@ def test_callables_cross_as_handles_and_call_back_nested():
         b'{"weird": 1}\n',
         b"not json\n",
         b'{"op": "call", "handle": 0, "args": [], "kwargs": {"d": []}}\n',
+        b'{"ok": {"o": 0}}\n',
+        b'{"ok": {"r": 5}}\n',
+        b'{"ok": {"i": ["cm_forged_mod", "C", [["__class__", 1]]]}}\n',
+        b'{"ok": {"i": ["sys", "flags", []]}}\n',
+        b'{"op": "object", "handle": 0, "action": "getattr", "args": ["__class__"]}\n',
+        b'{"op": "object", "handle": 0, "action": "__import__", "args": ["os"]}\n',
         b"",
     ],
 )
-def test_no_reply_to_a_description_request_raises_inside_the_judge(reply):
+def test_no_reply_to_a_description_request_raises_inside_the_judge(reply, tmp_path):
     """The judge's side (`install_forwarding`) against forged replies: a violation at most, never an exception."""
     from composer_mesh.envs import _grade_runner as runner
 
@@ -237,7 +245,7 @@ def test_no_reply_to_a_description_request_raises_inside_the_judge(reply):
     try:
         callee = {"modules": ["cm_forged_mod"], "in_fd": to_judge[0], "out_fd": to_callee[1],
                   "wire": wire.__file__, "timeout_s": 2}
-        runner.install_forwarding(callee, lambda kind, detail, where: seen.append(kind))
+        runner.install_forwarding(callee, lambda kind, detail, where: seen.append(kind), str(tmp_path))
         finder = sys.meta_path[0]
         assert set(finder.described["cm_forged_mod"]) <= {"x"}  # no dunder, no non-identifier made it through
     finally:
@@ -246,3 +254,103 @@ def test_no_reply_to_a_description_request_raises_inside_the_judge(reply):
             os.close(fd)
     assert set(seen) <= {"malformed_reply"}
     assert seen or reply in (b"",)  # every forged reply but a plain end of stream is named
+
+
+@dataclasses.dataclass(frozen=True)
+class _Token:
+    kind: str
+    text: str
+
+
+class _Slotted:
+    __slots__ = ("a", "b")
+
+
+class _Plain:
+    def key(self):
+        return 1
+
+
+def _peer(**policy) -> wire.Peer:
+    r, w = os.pipe()
+    return wire.Peer(r, w, lambda req: {}, 5, **policy)
+
+
+def test_target_instances_cross_as_state_and_are_rebuilt_without_their_code():
+    """A target module's instance leaves as its attribute state and comes back as this side's class."""
+    here = {__name__}
+    sender, receiver = _peer(modules=here), _peer(modules=here)
+    tagged = json.loads(json.dumps(wire.encode([_Token("num", "2"), _Slotted()], export=sender.export)))
+    assert tagged[0] == {"i": [__name__, "_Token", [["kind", "num"], ["text", "2"]]]}
+    token, slotted = wire.decode(tagged, peer=receiver)
+    assert token == _Token("num", "2") and type(slotted) is _Slotted and not hasattr(slotted, "a")
+    with pytest.raises(wire.WireError):  # outside the receiver's target modules
+        wire.decode(tagged, peer=_peer(modules={"other"}))
+
+
+@pytest.mark.parametrize("state", [
+    [["__class__", 1], ["kind", "a"], ["text", "b"]],  # a dunder
+    [["kind", "a"]],  # not the dataclass's fields
+    [["kind", "a"], ["text", "b"], ["extra", 1]],
+    [["kind b", "a"], ["text", "b"]],  # not an identifier
+    [[1, "a"], ["text", "b"]],
+])
+def test_rebuilt_state_names_only_plain_fields(state):
+    with pytest.raises(wire.WireError):
+        wire.decode({"i": [__name__, "_Token", state]}, peer=_peer(modules={__name__}))
+
+
+@pytest.mark.parametrize("module,qualname", [
+    ("os", "_wrap_close"), (__name__, "_peer"), (__name__, "_Token.__class__"), (__name__, "pytest"), (__name__, "nope"),
+    (["x"], "_Token"), (__name__, 1),
+])
+def test_rebuild_only_makes_classes_of_the_target_module(module, qualname):
+    with pytest.raises(wire.WireError):
+        wire.decode({"i": [module, qualname, []]}, peer=_peer(modules={__name__}))
+
+
+def test_state_of_a_class_this_side_lacks_is_not_plain_data():
+    """The submission's own helper class (an always-equal one): `NotRebuildable`, reported as `unplain_result`."""
+    with pytest.raises(wire.NotRebuildable):
+        wire.decode({"i": [__name__, "_Eq", []]}, peer=_peer(modules={__name__}))
+
+
+def test_slots_take_only_their_names_and_state_is_bounded():
+    receiver = _peer(modules={__name__})
+    with pytest.raises(wire.WireError):
+        wire.decode({"i": [__name__, "_Slotted", [["c", 1]]]}, peer=receiver)
+    with pytest.raises(wire.WireError):
+        wire.decode({"i": [__name__, "_Token", [[f"a{i}", 1] for i in range(wire.MAX_ATTRS + 1)]]}, peer=receiver)
+    assert wire.decode({"i": [__name__, "_Slotted", [["a", 1]]]}, peer=receiver).a == 1
+    with pytest.raises(wire.WireError, match="shadows"):  # a method hidden by a value
+        wire.decode({"i": [__name__, "_Plain", [["key", 5]]]}, peer=receiver)
+    assert wire.decode({"i": [__name__, "_Plain", [["value", 2]]]}, peer=receiver).value == 2
+
+
+def test_handles_resolve_only_to_their_kind_and_come_back_as_themselves():
+    """A shared object and a callable get handles of their kind; an "r" tag gives the exported value back."""
+    box = object()
+    side = _peer(share=lambda v: v is box)
+    tagged = wire.encode([box, len], export=side.export)
+    assert tagged == [{"o": 0}, {"c": 1}]
+    assert wire.decode([{"r": 0}, {"r": 1}], peer=side) == [box, len]
+    with pytest.raises(wire.WireError):
+        side.exported_fn(0)
+    with pytest.raises(wire.WireError):
+        side.exported_value(1, "o")
+    with pytest.raises(wire.WireError):  # no proxy maker on this side: the other side may not share objects
+        wire.decode({"o": 0}, peer=side)
+    with pytest.raises(wire.WireError, match="cannot cross"):
+        wire.encode(object(), export=side.export)
+
+
+def test_a_remote_object_never_asks_about_dunders():
+    """Libraries probe dunders on everything: the proxy answers those itself; plain names and operators are asked."""
+    asked = []
+    proxy = wire.RemoteObject(lambda *a: asked.append(a) or 7)
+    for name in ("__dict__", "__globals__", "__reduce_ex__", "__array__", "__fspath__"):
+        assert not hasattr(proxy, name) or name == "__reduce_ex__"
+    with pytest.raises(AttributeError):
+        proxy.__class__ = int
+    assert (proxy.side, len(proxy), 1 + proxy, proxy == 2, hash(proxy)) == (7, 7, 7, 7, 7)
+    assert asked == [("getattr", "side"), ("len",), ("radd", 1), ("eq", 2), ("hash",)]
