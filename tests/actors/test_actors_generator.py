@@ -41,21 +41,34 @@ def hf_model(path):
     return AutoModelForCausalLM.from_pretrained(str(path)).eval()
 
 
-def check_logprobs(model, rollouts, sampling: SamplingParams, tol: float = 2e-4) -> int:
-    """Every sampled token's logprob equals the reference under a teacher-forced forward; returns tokens checked."""
-    checked = 0
+def check_logprobs(model, rollouts, sampling: SamplingParams, tol: float = 2e-4, edge_tol: float = 0.0) -> int:
+    """Every sampled token's logprob equals the reference under a teacher-forced forward; returns tokens checked.
+
+    edge_tol > 0 (reduced precision): a sampled token that the reference leaves just outside the top-k /
+    top-p support — its untruncated logprob within edge_tol of the support's lowest — is a rounding flip at
+    the support's edge between the cached and the full forward, not a sampling bug. Such edges are not
+    compared, and at most one in ten checked tokens may be one."""
+    checked = edges = 0
     for r in rollouts:
         with torch.no_grad():
             logits_TV = model(torch.tensor([r.token_ids])).logits[0]
         ref_TV = reference_logprobs(logits_TV[:-1], sampling)
+        full_TV = (logits_TV[:-1].double() / sampling.temperature).log_softmax(-1)
         for t in range(1, len(r.token_ids)):
             if r.loss_mask[t]:
-                expect = float(ref_TV[t - 1, r.token_ids[t]])
-                assert math.isfinite(expect), f"sampled token {r.token_ids[t]} is outside the sampling support"
+                token = r.token_ids[t]
+                expect = float(ref_TV[t - 1, token])
+                if not math.isfinite(expect):
+                    lowest = float(full_TV[t - 1][torch.isfinite(ref_TV[t - 1])].min())
+                    below = lowest - float(full_TV[t - 1, token])
+                    assert below <= edge_tol, f"sampled token {token} is outside the sampling support ({below:.3g} below)"
+                    edges += 1
+                    continue
                 assert abs(r.logprobs[t] - expect) < tol, (t, r.logprobs[t], expect)
                 checked += 1
             else:
                 assert r.logprobs[t] == 0.0
+    assert edges * 10 <= checked, f"{edges} support-edge tokens against {checked} checked"
     return checked
 
 
@@ -127,7 +140,7 @@ def test_bf16_serving_dtype(generator_spec, tiny_assets):
     assert gen.info.call_one().get()["dtype"] == "bfloat16"
     groups = gen.generate.call_one([EpisodeRequest(group_id=0, seed=5)], SAMPLING).get()
     model = AutoModelForCausalLM.from_pretrained(str(tiny_assets.dense_dir), dtype=torch.bfloat16).eval()
-    assert check_logprobs(model, [r for g in groups for r in g.rollouts], SAMPLING, tol=0.1) > 10
+    assert check_logprobs(model, [r for g in groups for r in g.rollouts], SAMPLING, tol=0.1, edge_tol=0.1) > 10
 
 
 def test_hf_engine_addresses_fused_moe_experts_by_checkpoint_names(tiny_assets):

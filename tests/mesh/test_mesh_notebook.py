@@ -12,7 +12,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 NOTEBOOK = REPO / "notebooks" / "interactive.ipynb"
-PROJECT_PACKAGES = {"actors", "mesh", "titan_ext", "losses", "replay", "envs", "configs"}
+PROJECT_PACKAGES = {"composer_mesh"}
 
 
 def _imports(source: str) -> set[str]:
