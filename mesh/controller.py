@@ -364,13 +364,12 @@ class Controller:
         trains = bool(selection.policy_rollouts or hints or pairs)
         # a checkpoint of this step resumes with it
         self._save_state(self.version + int(trains), self.iteration + 1)
-        why = explain_drops(drops, self.cfg.max_seq_len, self.cfg.max_new_tokens)
+        if not trains or drops.counts[PROMPT_TOO_LONG]:
+            why = explain_drops(drops, self.cfg.max_seq_len, self.cfg.max_new_tokens)
+            logger.warning("step %d%s: %s", self.iteration + 1, "" if trains else " trained nothing", why)
         if not trains:
-            # every group was dropped (`why`) and no pairs came
+            # every group was dropped and no pairs came
             metrics: dict[str, float] = {"skipped": 1.0}
-            logger.warning("step %d trained nothing: %s", self.iteration + 1, why)
-        elif drops.counts[PROMPT_TOO_LONG]:
-            logger.warning("step %d: %s", self.iteration + 1, why)
         else:
             batch = pack_batch(selection, self.cfg.max_seq_len, hints, pairs, ref)
             if self._shards is None:
