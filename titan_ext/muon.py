@@ -22,6 +22,7 @@ TorchTitan's `DistMuon`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections import defaultdict
 from dataclasses import dataclass
@@ -35,6 +36,34 @@ from torch.optim.adam import adam
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 _NS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+NS_KERNELS = ("auto", "native", "fp32_accumulate", "emulated")
+
+
+@functools.cache
+def cpu_has_bf16_matmul() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX), per torch.cpu's probes (torch 2.13)."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def resolve_ns_kernel(kernel: str, dtype: torch.dtype, device: torch.device) -> str:
+    """How Newton–Schulz in a 16-bit `dtype` computes; float32 is always `native`.
+
+    native:          torch's matmuls in `dtype` (what `torch.optim.Muon` computes, bit for bit).
+    fp32_accumulate: the update is rounded to `dtype` and so is the result;
+                     normalisation and iterations run in fp32 (fp32 speed and accuracy inside).
+    emulated:        every result rounded to `dtype`, each matmul an fp32 GEMM on the
+                     `dtype` values (exact products, fp32 accumulation): a bf16 GEMM's
+                     arithmetic with another summation order, at fp32 GEMM speed plus the roundings.
+    auto:            fp32_accumulate on a CPU without bf16 matmul units (torch's bf16
+                     matmul falls back to slow kernels there), else native.
+    """
+    if kernel not in NS_KERNELS:
+        raise ValueError(f"ns_kernel must be one of {list(NS_KERNELS)}, got {kernel!r}")
+    if dtype == torch.float32:
+        return "native"
+    if kernel == "auto":
+        return "fp32_accumulate" if device.type == "cpu" and not cpu_has_bf16_matmul() else "native"
+    return kernel
 
 
 def zeropower_via_newtonschulz(
@@ -44,34 +73,46 @@ def zeropower_via_newtonschulz(
     steps: int = 5,
     eps: float = 1e-7,
     dtype: torch.dtype = torch.float32,
+    kernel: str = "native",
 ) -> torch.Tensor:
     """Quintic Newton–Schulz approximation of the polar factor U·Vᵀ of each matrix.
 
     update: [m, n] or a batch [E, m, n] of independent matrices. Each matrix is
     divided by its Frobenius norm (floored at eps), then X ← aX + (bA + cA²)X
-    with A = XXᵀ, on the wide orientation (m ≤ n). The 2-D path uses the same
-    kernels as `torch.optim.Muon`. Returns a tensor of update's dtype and shape.
+    with A = XXᵀ, on the wide orientation (m ≤ n), in `dtype` as `kernel`
+    (`resolve_ns_kernel`) says; `native` uses the same kernels as
+    `torch.optim.Muon`. Returns a tensor of update's dtype and shape.
     """
     a, b, c = coefficients
     x = update.to(dtype=dtype, copy=True)
+    kernel = resolve_ns_kernel(kernel, dtype, x.device)
+    if kernel != "native":
+        # `dtype` values in fp32 buffers, for fp32 GEMMs
+        x = x.float()
+    each_result = kernel == "emulated"
+
+    def held(t: torch.Tensor) -> torch.Tensor:
+        # emulated: round to `dtype` in place, so the next GEMM reads `dtype` values
+        return t.copy_(t.to(dtype)) if each_result else t
+
     transposed = x.shape[-2] > x.shape[-1]
     if transposed:
         x = x.transpose(-2, -1)
     if x.ndim == 2:
-        x.div_(x.norm().clamp(min=eps))
+        held(x.div_(held(x.norm().clamp(min=eps))))
         for _ in range(steps):
-            gram = x @ x.T  # [m, m]
-            poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
-            x = torch.addmm(x, poly, x, beta=a)
+            gram = held(x @ x.T)  # [m, m]
+            poly = held(torch.addmm(gram, gram, gram, beta=b, alpha=c))
+            x = held(torch.addmm(x, poly, x, beta=a))
     else:
-        x.div_(x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps))
+        held(x.div_(held(x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps))))
         for _ in range(steps):
-            gram = x @ x.transpose(-2, -1)  # [E, m, m]
-            poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
-            x = torch.baddbmm(x, poly, x, beta=a)
+            gram = held(x @ x.transpose(-2, -1))  # [E, m, m]
+            poly = held(torch.baddbmm(gram, gram, gram, beta=b, alpha=c))
+            x = held(torch.baddbmm(x, poly, x, beta=a))
     if transposed:
         x = x.transpose(-2, -1)
-    return x.to(update.dtype)
+    return x.to(dtype).to(update.dtype)
 
 
 def adjusted_lr(lr: float, lr_adjust: str, rows: int, cols: int) -> float:
@@ -180,7 +221,7 @@ class ShardedMuon(Optimizer):
     """Muon on groups with `use_muon=True`, AdamW on the others, one optimizer.
 
     Muon group keys: lr, weight_decay, momentum, nesterov, ns_steps,
-    ns_coefficients, eps (NS norm floor), ns_dtype, lr_adjust.
+    ns_coefficients, eps (NS norm floor), ns_dtype, ns_kernel, lr_adjust.
     AdamW group keys: lr, weight_decay, betas, eps.
     Per matrix: B ← μB + (1−μ)g; U = (1−μ)g + μB (Nesterov) or B;
     O = NS(U); θ ← θ(1 − lr·wd) − adjusted_lr·O — the update of
@@ -192,8 +233,8 @@ class ShardedMuon(Optimizer):
         """bucket_bytes: most full-matrix bytes an exchange round moves to owners (one matrix may exceed it)."""
         defaults = dict(
             lr=1e-3, weight_decay=0.1, use_muon=True, momentum=0.95, nesterov=True, ns_steps=5,
-            ns_coefficients=NS_COEFFICIENTS, eps=1e-7, ns_dtype="bfloat16", lr_adjust="match_rms_adamw",
-            betas=(0.9, 0.95),
+            ns_coefficients=NS_COEFFICIENTS, eps=1e-7, ns_dtype="bfloat16", ns_kernel="auto",
+            lr_adjust="match_rms_adamw", betas=(0.9, 0.95),
         )
         param_groups = list(param_groups)
         if param_groups and isinstance(param_groups[0], torch.Tensor):
@@ -211,6 +252,7 @@ class ShardedMuon(Optimizer):
                         raise ValueError(f"Muon needs 2-D or stacked 3-D [E, m, n] params, got shape {tuple(p.shape)}")
                 if group["ns_dtype"] not in _NS_DTYPES:
                     raise ValueError(f"ns_dtype must be one of {sorted(_NS_DTYPES)}, got {group['ns_dtype']!r}")
+                resolve_ns_kernel(group["ns_kernel"], torch.float32, torch.device("cpu"))
                 adjusted_lr(1.0, group["lr_adjust"], 1, 1)
         self._layouts: dict[torch.Tensor, _Layout] = {}
         self._assign(bucket_bytes)
@@ -319,7 +361,7 @@ class ShardedMuon(Optimizer):
         self.stats.orthogonalized_numel += update.numel()
         return zeropower_via_newtonschulz(
             update, coefficients=tuple(group["ns_coefficients"]), steps=group["ns_steps"], eps=group["eps"],
-            dtype=_NS_DTYPES[group["ns_dtype"]],
+            dtype=_NS_DTYPES[group["ns_dtype"]], kernel=group["ns_kernel"],
         )
 
     def _gather_ns(self, p: DTensor, update: torch.Tensor, group: dict) -> torch.Tensor:
@@ -335,7 +377,8 @@ class ShardedMuon(Optimizer):
         batches: dict[tuple, list[int]] = defaultdict(list)
         for i, u in full.items():
             g = groups[i]
-            batches[(tuple(u.shape), g["ns_steps"], tuple(g["ns_coefficients"]), g["eps"], g["ns_dtype"])].append(i)
+            batches[(tuple(u.shape), g["ns_steps"], tuple(g["ns_coefficients"]), g["eps"], g["ns_dtype"],
+                     g["ns_kernel"])].append(i)
         out = {}
         for (shape, *_), indices in batches.items():
             if len(indices) == 1 or len(shape) != 2:

@@ -62,11 +62,11 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> Optimizer:
     muon_keys = dict(
         lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum, nesterov=cfg.nesterov,
         ns_steps=cfg.ns_steps, ns_coefficients=tuple(cfg.ns_coefficients), eps=cfg.ns_eps, ns_dtype=cfg.ns_dtype,
-        lr_adjust=cfg.lr_adjust,
+        ns_kernel=cfg.ns_kernel, lr_adjust=cfg.lr_adjust,
     )
     backend = cfg.backend
     if backend == "auto":
-        fits = cfg.ns_dtype == "bfloat16" and _dist_muon_applicable([p for _, p in muon])
+        fits = cfg.ns_dtype == "bfloat16" and cfg.ns_kernel in ("auto", "native") and _dist_muon_applicable([p for _, p in muon])
         backend = "dist_muon" if fits else "owner"
     if backend == "dist_muon":
         return _build_dist_muon(muon, adamw, cfg)
@@ -149,6 +149,9 @@ def _build_dist_muon(muon: list[tuple[str, nn.Parameter]], adamw: list[tuple[str
 
     if cfg.ns_dtype != "bfloat16":
         raise ValueError("backend='dist_muon' runs Newton–Schulz in bfloat16; set optimizer.ns_dtype = 'bfloat16' or use backend='owner'")
+    if cfg.ns_kernel not in ("auto", "native"):
+        raise ValueError("backend='dist_muon' runs Newton–Schulz with torch's bf16 matmuls; set optimizer.ns_kernel = 'auto' or "
+                         "'native', or use backend='owner'")
     if not _dist_muon_applicable([p for _, p in muon]):
         raise ValueError("backend='dist_muon' needs CUDA DTensor params on named meshes, 2-D sharded on one axis or 3-D on dim 0")
     names = [canonical_fqn(name) for name, _ in muon]

@@ -42,6 +42,13 @@ class OptimizerConfig:
         "bfloat16", doc="dtype of the Newton–Schulz matmuls (bfloat16 as torch.optim.Muon and DistMuon; float32 for exact checks)",
         choices=("float32", "bfloat16"),
     )
+    ns_kernel: Literal["auto", "native", "fp32_accumulate", "emulated"] = option(
+        "auto", doc="how bfloat16 Newton–Schulz computes: native = torch's bf16 matmuls (bit for bit torch.optim.Muon); "
+        "fp32_accumulate = input and result rounded to bf16, iterations in fp32 (fp32 speed); emulated = every result "
+        "rounded to bf16, matmuls as fp32 GEMMs (bf16 arithmetic); auto = fp32_accumulate on a CPU without bf16 matmul "
+        "units, else native",
+        choices=("auto", "native", "fp32_accumulate", "emulated"),
+    )
     lr_adjust: Literal["match_rms_adamw", "original"] = option(
         "match_rms_adamw",
         doc="Muon per-matrix LR scale: match_rms_adamw = 0.2·√max(m, n) (Moonlight/Kimi); original = √max(1, m/n) (Keller Jordan)",

@@ -19,7 +19,13 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 
 from composer_mesh.configs.loader import ConfigError, load_config
 from composer_mesh.configs.sections.optimizer import OptimizerConfig
-from composer_mesh.titan_ext.muon import ShardedMuon, assign_owners, zeropower_via_newtonschulz
+from composer_mesh.titan_ext.muon import (
+    ShardedMuon,
+    assign_owners,
+    cpu_has_bf16_matmul,
+    resolve_ns_kernel,
+    zeropower_via_newtonschulz,
+)
 from composer_mesh.titan_ext.optimizer import ChainedOptimizer, build_lr_scheduler, build_optimizer, split_muon_params
 
 A, B, C = 3.4445, -4.7750, 2.0315
@@ -32,6 +38,19 @@ def ref_orthogonalize(u_MN: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> 
     for _ in range(steps):
         a_mat = x @ x.T
         x = A * x + (B * a_mat + C * (a_mat @ a_mat)) @ x
+    return x.T if u_MN.shape[0] > u_MN.shape[1] else x
+
+
+def ref_orthogonalize_bf16(u_MN: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
+    """`ref_orthogonalize` with bf16 operands and results: each operation exact (float64), then rounded to bf16."""
+    def rnd(t):
+        return t.to(torch.bfloat16).double()
+
+    x = rnd((u_MN.T if u_MN.shape[0] > u_MN.shape[1] else u_MN).double())
+    x = rnd(x / rnd(x.norm().clamp(min=eps)))
+    for _ in range(steps):
+        a_mat = rnd(x @ x.T)
+        x = rnd(A * x + rnd(B * a_mat + C * (a_mat @ a_mat)) @ x)
     return x.T if u_MN.shape[0] > u_MN.shape[1] else x
 
 
@@ -80,7 +99,8 @@ def test_bf16_muon_is_torch_optim_muon(lr_adjust):
     init = [torch.randn(s) for s in [(12, 5), (5, 12), (9, 9)]]
     ours = [nn.Parameter(t.clone()) for t in init]
     theirs = [nn.Parameter(t.clone()) for t in init]
-    opt = ShardedMuon([dict(params=ours, lr=0.02, weight_decay=0.1, ns_dtype="bfloat16", lr_adjust=lr_adjust)])
+    opt = ShardedMuon([dict(params=ours, lr=0.02, weight_decay=0.1, ns_dtype="bfloat16", ns_kernel="native",
+                            lr_adjust=lr_adjust)])
     ref = torch.optim.Muon(theirs, lr=0.02, weight_decay=0.1, adjust_lr_fn=lr_adjust)
     for step in range(3):
         for a, b, g in zip(ours, theirs, _grads(step)):
@@ -89,6 +109,51 @@ def test_bf16_muon_is_torch_optim_muon(lr_adjust):
         ref.step()
     for a, b in zip(ours, theirs):
         assert torch.equal(a, b), (a - b).abs().max()
+
+
+@pytest.mark.parametrize("shape", [(64, 160), (160, 64), (3, 32, 80)])
+def test_emulated_kernel_is_bf16_newton_schulz(shape):
+    """The emulated kernel holds every NS result in bf16.
+
+    Its output is bf16 values, and its error against exact NS is that of the
+    published formula with each result rounded to bf16 (ratio ≈ 1.00 ± 0.05 over
+    seeds), not the ≤ 0.45× smaller error of fp32 iterations with bf16 rounding
+    only at the ends (fp32_accumulate) or only on X.
+    """
+    u = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    out = zeropower_via_newtonschulz(u, dtype=torch.bfloat16, kernel="emulated")
+    assert out.dtype == torch.float32 and torch.equal(out, out.bfloat16().float())
+    matrices = list(u) if u.ndim == 3 else [u]
+    exact = torch.stack([ref_orthogonalize(m.double()) for m in matrices]).reshape(shape)
+    rounded = torch.stack([ref_orthogonalize_bf16(m) for m in matrices]).reshape(shape)
+
+    def err(o):
+        return ((o.double() - exact).norm() / exact.norm()).item()
+
+    assert 0.8 < err(out) / err(rounded) < 1.25, (err(out), err(rounded))
+    assert err(zeropower_via_newtonschulz(u, dtype=torch.float32)) < err(rounded) / 100
+
+
+@pytest.mark.parametrize("shape", [(24, 40), (40, 24), (3, 16, 20)])
+def test_fp32_accumulate_kernel_is_fp32_between_bf16_ends(shape):
+    """fp32_accumulate: the update rounded to bf16, fp32 Newton–Schulz, the result rounded to bf16."""
+    u = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+    out = zeropower_via_newtonschulz(u, dtype=torch.bfloat16, kernel="fp32_accumulate")
+    expected = zeropower_via_newtonschulz(u.bfloat16().float(), dtype=torch.float32).bfloat16().float()
+    assert torch.equal(out, expected)
+
+
+def test_ns_kernel_choice():
+    """auto: fp32_accumulate for bf16 on a CPU without bf16 matmul units, torch's kernels otherwise."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_ns_kernel("auto", torch.bfloat16, cpu) == ("native" if cpu_has_bf16_matmul() else "fp32_accumulate")
+    assert resolve_ns_kernel("auto", torch.bfloat16, cuda) == "native"
+    assert resolve_ns_kernel("emulated", torch.float32, cpu) == "native"
+    assert resolve_ns_kernel("native", torch.bfloat16, cpu) == "native"
+    u = torch.randn(24, 40, generator=torch.Generator().manual_seed(4))
+    chosen = resolve_ns_kernel("auto", torch.bfloat16, cpu)
+    assert torch.equal(zeropower_via_newtonschulz(u, dtype=torch.bfloat16, kernel="auto"),
+                       zeropower_via_newtonschulz(u, dtype=torch.bfloat16, kernel=chosen))
 
 
 def test_newton_schulz_approximates_the_polar_factor():
@@ -255,6 +320,10 @@ def test_bad_input_is_refused():
         ShardedMuon([dict(params=[nn.Parameter(torch.zeros(4))])])
     with pytest.raises(ValueError, match="ns_dtype"):
         ShardedMuon([dict(params=[nn.Parameter(torch.zeros(4, 4))], ns_dtype="float16")])
+    with pytest.raises(ValueError, match="ns_kernel"):
+        ShardedMuon([dict(params=[nn.Parameter(torch.zeros(4, 4))], ns_kernel="bf16")])
+    with pytest.raises(ValueError, match="ns_kernel"):
+        build_optimizer(TinyLM(), OptimizerConfig(backend="dist_muon", ns_kernel="emulated"))
     with pytest.raises(ValueError, match="lr_adjust"):
         ShardedMuon([dict(params=[nn.Parameter(torch.zeros(4, 4))], lr_adjust="moonlight")])
     with pytest.raises(ValueError, match="dist_muon"):  # CPU params: TorchTitan's DistMuon cannot take them
