@@ -36,7 +36,8 @@ from composer_mesh.envs.grading import Grade, grade_workspace
 from composer_mesh.envs.micro_ops import BY_ID, Op, block_lines, draw_value, vocabulary
 from composer_mesh.envs.sandbox import Sandbox, Workspace
 
-STUB = "raise NotImplementedError"
+# the stub body: one short token run, so the ideal edit is short (old="pass")
+STUB = "pass"
 MODULE = "m"
 VISIBLE_TESTS = f"test_{MODULE}.py"
 HIDDEN_TESTS = "test_hidden.py"
