@@ -183,16 +183,18 @@ def test_tools_subset_is_what_the_model_sees(sandbox):
     obs = env.reset(seed=0)
     assert [t["function"]["name"] for t in obs.info["tools"]] == ["edit_file", "run_tests"]
     assert obs.messages[0]["content"] == "You edit a Python repository with tools: edit_file, run_tests."
-    obs = env.step(assistant(tool_calls=[("read_file", {"path": env.task.target}), ("run_tests", {})]))
-    assert [s.kind for s in obs.error_sites] == [ErrorKind.BAD_TOOL_CALL, ErrorKind.TEST_FAILURE]
+    peek = ("edit_file", {"path": "test_hidden.py", "old": "def", "new": "def"})  # absent, and recorded
+    obs = env.step(assistant(tool_calls=[("read_file", {"path": env.task.target}), ("run_tests", {}), peek]))
+    assert [s.kind for s in obs.error_sites] == [ErrorKind.BAD_TOOL_CALL, ErrorKind.TEST_FAILURE, ErrorKind.FILE_NOT_FOUND]
     assert "unknown tool 'read_file'; tools: edit_file, run_tests" in obs.messages[0]["content"]
     # an edited test is a violation; the turn limit grades
     hack = ("edit_file", {"path": "test_m.py", "old": "from m import", "new": "# ok\nfrom m import"})
     obs = env.step(assistant(tool_calls=[hack, ("run_tests", {})]))
     assert obs.error_sites[0].kind is ErrorKind.TEST_FAILURE and obs.messages[0]["content"] == "edited test_m.py"
     info = obs.info
-    assert obs.done and obs.reward == 0.0 and info["tool_errors"] == {"bad_tool_call": 1, "test_failure": 2}
-    assert info["reason"] == "edited_tests" and info["violation_kinds"] == {"edited_tests": 1} and info["turns"] == 2
+    assert obs.done and obs.reward == 0.0 and info["turns"] == 2
+    assert info["tool_errors"] == {"bad_tool_call": 1, "test_failure": 2, "file_not_found": 1}
+    assert info["reason"] == "reads_hidden_tests" and info["violation_kinds"] == {"reads_hidden_tests": 1, "edited_tests": 1}
     with pytest.raises(ValueError, match="env.tool_loop.tools"):
         _micro_env(sandbox, tools=("edit_file", "grep"))
     with pytest.raises(ValueError, match="env.tool_loop.tools"):
