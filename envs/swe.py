@@ -20,16 +20,18 @@ import re
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Sequence
 
 from composer_mesh.configs.sections.env import SweConfig
 from composer_mesh.envs.backend import SandboxBackend
+from composer_mesh.envs.container import ContainerBackend
 from composer_mesh.envs.grading import Grade
 from composer_mesh.envs.safeguards import change_violations, diff_tree, is_bytecode, manifest
-from composer_mesh.envs.sandbox import Workspace
+from composer_mesh.envs.sandbox import SandboxResult, Workspace
 
 _PYTEST = ("-m", "pytest", "-rA", "--tb=short", "-q", "-p", "no:cacheprovider", "-o", "addopts=")
 _OUTCOME = re.compile(r"^(PASSED|FAILED|ERROR|XPASS|XFAIL) (.+?)(?: - .*)?$", re.MULTILINE)
@@ -95,7 +97,10 @@ class SweTask:
 
     def workspace(self, backend: SandboxBackend) -> Workspace:
         """The agent's starting tree: the repository at base_commit (tests of test_patch not applied)."""
-        return backend.workspace(copy_from=self.snapshot(), skip=is_bytecode)
+        ws = _concrete(backend, self).workspace(copy_from=self.snapshot(), skip=is_bytecode)
+        if isinstance(backend, TaskBackends):
+            backend.remember(ws, self)
+        return ws
 
     def reference_files(self) -> dict[str, str]:
         """Changed files of the gold patch, full new text (deleted files left out)."""
@@ -122,6 +127,7 @@ class SweTask:
         deleted tests, test configuration and new conftest files are violations.
         """
         began = time.perf_counter()
+        backend = _concrete(backend, self)
         diff = diff_tree(start_manifest, manifest(ws.path))
         found = list(violations) + [v for v in change_violations(diff) if v[0] != "added_tests"]
         hidden = patched_files(self.test_patch, self.snapshot())
@@ -145,6 +151,60 @@ class SweTask:
             1.0 if reason == "passed" else 0.0, reason, passed, total, tuple(dict.fromkeys(found)),
             result.stdout[-4000:] + result.stderr[-2000:], round(time.perf_counter() - began, 3),
         )
+
+
+class TaskBackends:
+    """A `SandboxBackend` that runs each workspace where its task says: the local sandbox, or its image.
+
+    The tool loop holds one backend for every source of a union; a SWE task's
+    workspace is made, and its commands run, in a container of the task's
+    image (one `ContainerBackend` per image). `python()` names the local
+    interpreter; `run` swaps it for the image's one in a container workspace.
+    """
+
+    def __init__(self, local: SandboxBackend, config: SweConfig) -> None:
+        self.local = local
+        self.config = config
+        self._images: dict[str, ContainerBackend] = {}
+        self._by_path: dict[Path, SandboxBackend] = {}
+        self._lock = threading.Lock()
+
+    def for_task(self, task: Any) -> SandboxBackend:
+        """The backend `task.backend` names (a container backend per image, made on first use)."""
+        if getattr(task, "backend", "local") != "container":
+            return self.local
+        with self._lock:
+            if task.image not in self._images:
+                self._images[task.image] = ContainerBackend(self.config, task.image)
+            return self._images[task.image]
+
+    def remember(self, ws: Workspace, task: Any) -> None:
+        """Route `ws`'s commands to `task`'s backend (entries of removed workspaces are dropped)."""
+        backend = self.for_task(task)
+        with self._lock:
+            self._by_path = {p: b for p, b in self._by_path.items() if p.exists()}
+            self._by_path[ws.path] = backend
+
+    def workspace(
+        self, copy_from: str | os.PathLike | None = None, skip: Callable[[str], bool] | None = None
+    ) -> Workspace:
+        return self.local.workspace(copy_from, skip)
+
+    def run(
+        self, argv: Sequence[str], ws: Workspace, *, stdin: bytes = b"", timeout_s: float | None = None,
+        env: Mapping[str, str] | None = None, tail_chars: int | None = None,
+    ) -> SandboxResult:
+        backend = self._by_path.get(ws.path, self.local)
+        if backend is not self.local and argv and argv[0] == self.local.python():
+            argv = [backend.python(), *argv[1:]]
+        return backend.run(argv, ws, stdin=stdin, timeout_s=timeout_s, env=env, tail_chars=tail_chars)
+
+    def python(self) -> str:
+        return self.local.python()
+
+
+def _concrete(backend: SandboxBackend, task: SweTask) -> SandboxBackend:
+    return backend.for_task(task) if isinstance(backend, TaskBackends) else backend
 
 
 def patch_paths(patch: str) -> list[str]:

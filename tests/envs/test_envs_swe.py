@@ -8,6 +8,7 @@ built from Debian packages (built once per session; cached in podman's store).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -16,10 +17,12 @@ from pathlib import Path
 import pytest
 
 from composer_mesh.configs.loader import from_dict
-from composer_mesh.configs.sections.env import SandboxConfig, SweConfig
+from composer_mesh.configs.sections.env import CodingConfig, EnvConfig, SandboxConfig, SweConfig
 from composer_mesh.configs.schema import JobConfig
 from composer_mesh.envs.backend import SandboxBackend
+from composer_mesh.envs.base import assistant
 from composer_mesh.envs.container import ContainerBackend, build_image
+from composer_mesh.envs.factory import env_factory
 from composer_mesh.envs.safeguards import manifest
 from composer_mesh.envs.sandbox import Sandbox, SandboxUnavailable
 from composer_mesh.envs.swe import SweTask, load_instances
@@ -209,3 +212,25 @@ def test_unavailable_runtime_is_refused_with_the_reason(tmp_path):
     missing = "apptainer" if shutil.which("apptainer") is None else "docker"
     with pytest.raises(SandboxUnavailable, match=f"{missing}"):
         ContainerBackend(SweConfig(runtime=missing, image=str(tmp_path / "x.sif")))
+
+
+def test_coding_union_runs_a_swe_episode_in_its_container(tmp_path, instance, image):
+    """`[env.coding] sources = ["swe"]`: the tool loop's tools run in the instance's image; the fix earns 1."""
+    path = tmp_path / "instances.jsonl"
+    path.write_text(json.dumps(instance["row"]) + "\n")
+    swe = SweConfig(instances=str(path), repos_dir=str(instance["repos"]), test_timeout_s=30.0)
+    config = EnvConfig(task="coding", coding=CodingConfig(sources=("swe",)), swe=swe,
+                       sandbox=SandboxConfig(root_dir=str(tmp_path / "sandboxes")))
+    make = env_factory(config)
+    env = make("heldout")
+    obs = env.reset(seed=0)
+    assert "add(2, 3) returns -1" in obs.messages[-1]["content"]
+    where = env.step(assistant(tool_calls=[("shell", {"command": "python -c 'import os, sys; print(os.getuid(), sys.executable)'"})]))
+    assert where.messages[0]["content"].split()[:2] == ["150000", "/usr/bin/python3"], where.messages
+    env.step(assistant(tool_calls=[("write_file", {"path": "mathx.py", "content": FIXED})]))
+    done = env.step(assistant("done"))
+    assert done.done and done.reward == 1.0 and (done.info["passed"], done.info["total"]) == (2, 2), done.info
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(ValueError, match=r"env\.coding\.sources names swe, but env\.swe\.instances = '.*empty.jsonl'"):
+        env_factory(dataclasses.replace(config, swe=dataclasses.replace(swe, instances=str(empty))))
