@@ -46,7 +46,7 @@ class SweTask:
 
     name: str
     repo: str
-    source: Path
+    repo_path: Path
     base_commit: str
     problem_statement: str
     patch: str
@@ -57,6 +57,7 @@ class SweTask:
     backend: str
     store: Path = field(repr=False)
     plugin_autoload: bool = False
+    source: str = "swe"
 
     @property
     def template(self) -> str:
@@ -82,12 +83,12 @@ class SweTask:
             tmp = Path(tempfile.mkdtemp(prefix="snap-", dir=self.store))
             if self.base_commit:
                 archive = subprocess.run(
-                    ["git", "-C", str(self.source), "archive", "--format=tar", self.base_commit],
+                    ["git", "-C", str(self.repo_path), "archive", "--format=tar", self.base_commit],
                     capture_output=True, check=True,
                 )
                 subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive.stdout, check=True)
             else:
-                shutil.copytree(self.source, tmp, dirs_exist_ok=True, ignore=shutil.ignore_patterns(".git"))
+                shutil.copytree(self.repo_path, tmp, dirs_exist_ok=True, ignore=shutil.ignore_patterns(".git"))
             try:
                 os.replace(tmp, dest)
             except OSError:
@@ -124,12 +125,17 @@ class SweTask:
         """Run the hidden tests against a copy of `ws` with test_patch applied; 1 only for a clean full pass.
 
         Added test files are allowed (only the named node ids run); edited or
-        deleted tests, test configuration and new conftest files are violations.
+        deleted tests, test configuration and new conftest files are violations
+        (as are the tool loop's `violations`): those earn 0 without a test run.
         """
         began = time.perf_counter()
         backend = _concrete(backend, self)
         diff = diff_tree(start_manifest, manifest(ws.path))
         found = list(violations) + [v for v in change_violations(diff) if v[0] != "added_tests"]
+        total = len(self.tests)
+        if found:
+            # reward 0 whatever the tests say: spare the run
+            return Grade(0.0, found[0][0], 0, total, tuple(dict.fromkeys(found)), "", round(time.perf_counter() - began, 3))
         hidden = patched_files(self.test_patch, self.snapshot())
         with backend.workspace(copy_from=ws.path, skip=lambda rel: rel in hidden or is_bytecode(rel)) as judge:
             write_files(judge.path, hidden)
@@ -139,8 +145,9 @@ class SweTask:
             result = backend.run(argv, judge, env=env, tail_chars=_REPORT_CHARS)
         outcomes = {node: outcome for outcome, node in _OUTCOME.findall(result.stdout)}
         found += [(v, "tests") for v in result.violations]
+        if not outcomes and not result.violations:
+            found.append(("tests_not_run", f"exit {result.exit_code}: {(result.stderr or result.stdout)[-300:]}"))
         passed = sum(outcomes.get(t) == "PASSED" for t in self.tests)
-        total = len(self.tests)
         if found:
             reason = found[0][0]
         elif passed < total:
@@ -296,13 +303,13 @@ def _task(raw: Any, where: str, config: SweConfig, store: Path) -> SweTask:
     image = next((raw[k] for k in _IMAGE_KEYS if raw.get(k)), config.image)
     if config.runtime != "local" and not image:
         raise ValueError(f"{where}: no image (row fields {', '.join(_IMAGE_KEYS)}) and env.swe.image is empty")
-    source = _repository(Path(config.repos_dir), repo, where)
+    repo_path = _repository(Path(config.repos_dir), repo, where)
     if commit:
-        check = subprocess.run(["git", "-C", str(source), "cat-file", "-e", f"{commit}^{{commit}}"], capture_output=True)
+        check = subprocess.run(["git", "-C", str(repo_path), "cat-file", "-e", f"{commit}^{{commit}}"], capture_output=True)
         if check.returncode != 0:
-            raise ValueError(f"{where}: base_commit {commit!r} is not a commit of {source}")
+            raise ValueError(f"{where}: base_commit {commit!r} is not a commit of {repo_path}")
     return SweTask(
-        name=str(name), repo=repo, source=source, base_commit=commit, problem_statement=get("problem_statement"),
+        name=str(name), repo=repo, repo_path=repo_path, base_commit=commit, problem_statement=get("problem_statement"),
         patch=str(raw.get("patch") or ""), test_patch=str(raw.get("test_patch") or ""), fail_to_pass=f2p,
         pass_to_pass=p2p, image=str(image), backend="local" if config.runtime == "local" else "container", store=store,
         plugin_autoload=config.plugin_autoload,

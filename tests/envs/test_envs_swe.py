@@ -230,7 +230,16 @@ def test_coding_union_runs_a_swe_episode_in_its_container(tmp_path, instance, im
     env.step(assistant(tool_calls=[("write_file", {"path": "mathx.py", "content": FIXED})]))
     done = env.step(assistant("done"))
     assert done.done and done.reward == 1.0 and (done.info["passed"], done.info["total"]) == (2, 2), done.info
+    assert (done.info["source"], done.info["template"]) == ("swe", "acme__mathx-1")
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     with pytest.raises(ValueError, match=r"env\.coding\.sources names swe, but env\.swe\.instances = '.*empty.jsonl'"):
         env_factory(dataclasses.replace(config, swe=dataclasses.replace(swe, instances=str(empty))))
+
+
+def test_a_run_that_reports_nothing_is_not_a_pass(tmp_path, instance, local_backend):
+    """Node ids pytest cannot find, or an interpreter that is not there, give `tests_not_run`, reward 0."""
+    row = instance["row"] | {"FAIL_TO_PASS": ["tests/test_gone.py::test_x"], "PASS_TO_PASS": []}
+    (task,) = _load(tmp_path, instance, [row], runtime="local")
+    grade = task.grade_patch(local_backend, task.patch)
+    assert (grade.reward, grade.reason, grade.passed) == (0.0, "tests_not_run", 0), grade
