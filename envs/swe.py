@@ -167,11 +167,13 @@ class TaskBackends:
     workspace is made, and its commands run, in a container of the task's
     image (one `ContainerBackend` per image). `python()` names the local
     interpreter; `run` swaps it for the image's one in a container workspace.
+    Every other task (micro, repos) sees the local sandbox whole: its
+    attributes (`config`, `root`) and `run`'s local-only keywords pass through.
     """
 
     def __init__(self, local: SandboxBackend, config: SweConfig) -> None:
         self.local = local
-        self.config = config
+        self.swe_config = config
         self._images: dict[str, ContainerBackend] = {}
         self._by_path: dict[Path, SandboxBackend] = {}
         self._lock = threading.Lock()
@@ -182,7 +184,7 @@ class TaskBackends:
             return self.local
         with self._lock:
             if task.image not in self._images:
-                self._images[task.image] = ContainerBackend(self.config, task.image)
+                self._images[task.image] = ContainerBackend(self.swe_config, task.image)
             return self._images[task.image]
 
     def remember(self, ws: Workspace, task: Any) -> None:
@@ -199,15 +201,25 @@ class TaskBackends:
 
     def run(
         self, argv: Sequence[str], ws: Workspace, *, stdin: bytes = b"", timeout_s: float | None = None,
-        env: Mapping[str, str] | None = None, tail_chars: int | None = None,
+        env: Mapping[str, str] | None = None, tail_chars: int | None = None, **local_only: Any,
     ) -> SandboxResult:
+        """Run on `ws`'s backend; `local_only` (`expose`, `pass_fds`, ...) reach the local sandbox only."""
         backend = self._by_path.get(ws.path, self.local)
-        if backend is not self.local and argv and argv[0] == self.local.python():
-            argv = [backend.python(), *argv[1:]]
-        return backend.run(argv, ws, stdin=stdin, timeout_s=timeout_s, env=env, tail_chars=tail_chars)
+        if backend is not self.local:
+            if local_only:
+                raise ValueError(f"{sorted(local_only)}: the local sandbox's keywords, not a container's")
+            if argv and argv[0] == self.local.python():
+                argv = [backend.python(), *argv[1:]]
+        return backend.run(argv, ws, stdin=stdin, timeout_s=timeout_s, env=env, tail_chars=tail_chars, **local_only)
 
     def python(self) -> str:
         return self.local.python()
+
+    def __getattr__(self, name: str) -> Any:
+        # the local sandbox's own attributes (config, root, tag) for the graders of local tasks
+        if name == "local":
+            raise AttributeError(name)
+        return getattr(self.local, name)
 
 
 def _concrete(backend: SandboxBackend, task: SweTask) -> SandboxBackend:

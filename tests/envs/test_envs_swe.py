@@ -231,6 +231,14 @@ def test_coding_union_runs_a_swe_episode_in_its_container(tmp_path, instance, im
     done = env.step(assistant("done"))
     assert done.done and done.reward == 1.0 and (done.info["passed"], done.info["total"]) == (2, 2), done.info
     assert (done.info["source"], done.info["template"]) == ("swe", "acme__mathx-1")
+    # a union with micro: seed 0 draws a micro task (graded by the local sandbox through the same router)
+    union = env_factory(dataclasses.replace(config, coding=CodingConfig(sources=("micro", "swe"))))("train")
+    union.reset(seed=0)
+    micro = union.step(assistant("done"))
+    assert micro.done and micro.info["source"] == "micro" and micro.info["total"] > 0, micro.info
+    union.reset(seed=1)
+    assert union.state.messages[-1]["content"].startswith("Repository `acme/mathx`")
+    union.close()
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     with pytest.raises(ValueError, match=r"env\.coding\.sources names swe, but env\.swe\.instances = '.*empty.jsonl'"):
