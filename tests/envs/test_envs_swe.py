@@ -174,7 +174,7 @@ def test_graded_through_the_container_backend(tmp_path, instance, image):
 
 
 def test_container_containment(image):
-    backend = ContainerBackend(SweConfig(image=image, memory_mb=128, max_processes=16, tmpfs_mb=8))
+    backend = ContainerBackend(SweConfig(image=image, memory_mb=128, max_processes=16, tmpfs_mb=8, cpu_cores=0.5))
     with backend.workspace() as ws:
         def py(code: str, timeout_s: float = 20.0):
             return backend.run(["python3", "-c", code], ws, timeout_s=timeout_s)
@@ -191,6 +191,15 @@ def test_container_containment(image):
             assert "Read-only file system" in ro.stderr, (target, ro)
         wrote = py("open('made_inside.txt', 'w').write('x'); open('/tmp/t', 'w').write('y')")
         assert wrote.ok and (ws.path / "made_inside.txt").stat().st_uid == 150000
+        # the container's own cgroup limits, as the kernel holds them (cgroups v1 files, else v2)
+        limits = py(
+            "import os\ndef r(*ps):\n    p = next(p for p in ps if os.path.exists(p))\n    return open(p).read().split()\n"
+            "q = r('/sys/fs/cgroup/cpu/cpu.cfs_quota_us', '/sys/fs/cgroup/cpu.max')\n"
+            "period = r('/sys/fs/cgroup/cpu/cpu.cfs_period_us')[0] if len(q) == 1 else q[1]\n"
+            "print(int(q[0]) / int(period), r('/sys/fs/cgroup/memory/memory.limit_in_bytes', '/sys/fs/cgroup/memory.max')[0], "
+            "r('/sys/fs/cgroup/pids/pids.max', '/sys/fs/cgroup/pids.max')[0])"
+        )
+        assert limits.stdout.split() == ["0.5", str(128 << 20), "16"], limits
         tmp_cap = py("open('/tmp/big', 'wb').write(bytes(16 << 20))")
         assert "No space left on device" in tmp_cap.stderr, tmp_cap
         memory = py("x = bytearray(400 << 20); print('allocated')")
