@@ -22,7 +22,7 @@ from composer_mesh.configs.schema import JobConfig
 from composer_mesh.envs.backend import SandboxBackend
 from composer_mesh.envs.base import assistant
 from composer_mesh.envs.container import ContainerBackend, build_image
-from composer_mesh.envs.factory import env_factory
+from composer_mesh.envs.factory import check_task, env_factory
 from composer_mesh.envs.safeguards import manifest
 from composer_mesh.envs.sandbox import Sandbox, SandboxUnavailable
 from composer_mesh.envs.swe import SweTask, load_instances
@@ -252,6 +252,13 @@ def test_coding_union_runs_a_swe_episode_in_its_container(tmp_path, instance, im
     empty.write_text("")
     with pytest.raises(ValueError, match=r"env\.coding\.sources names swe, but env\.swe\.instances = '.*empty.jsonl'"):
         env_factory(dataclasses.replace(config, swe=dataclasses.replace(swe, instances=str(empty))))
+    # the pre-flight before any actor starts: the rows load and each image runs here
+    check_task(config)
+    with pytest.raises(ValueError, match=r"env\.swe\.instances = '.*empty.jsonl' has no row"):
+        check_task(dataclasses.replace(config, swe=dataclasses.replace(swe, instances=str(empty))))
+    path.write_text(json.dumps(instance["row"] | {"docker_image": ""}) + "\n")
+    with pytest.raises(SandboxUnavailable, match="image 'localhost/no-such-image:x' not in local podman storage"):
+        check_task(dataclasses.replace(config, swe=dataclasses.replace(swe, image="localhost/no-such-image:x")))
 
 
 def test_a_run_that_reports_nothing_is_not_a_pass(tmp_path, instance, local_backend):
