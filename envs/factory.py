@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import atexit
+import shutil
+import tempfile
+from pathlib import Path
 from typing import Callable
 
 from composer_mesh.configs.sections.env import EnvConfig
 from composer_mesh.envs.base import Environment
+from composer_mesh.envs.container import ContainerBackend
 from composer_mesh.envs.coding import ListPool, TaskPool, UnionPool
 from composer_mesh.envs.dataset import DatasetEnv, load_task
 from composer_mesh.envs.demo import DemoEnv, Split, stable_split
@@ -14,6 +18,7 @@ from composer_mesh.envs.feature_deletion import FeatureDeletionEnv, RepoTask, Ta
 from composer_mesh.envs.micro import MicroTasks
 from composer_mesh.envs.plugin import check_call, load_callable
 from composer_mesh.envs.sandbox import Sandbox
+from composer_mesh.envs.swe import SweTask, TaskBackends, load_instances
 from composer_mesh.envs.tool_loop import ToolLoopEnv, offered_tools
 
 
@@ -23,7 +28,7 @@ def split_tasks(tasks: list[RepoTask], heldout_fraction: float, split: Split) ->
     return chosen or list(tasks)
 
 
-CODING_SOURCES = ("micro", "repos")
+CODING_SOURCES = ("micro", "repos", "swe")
 
 
 def env_factory(config: EnvConfig, store: TaskStore | None = None) -> Callable[[Split], Environment]:
@@ -45,7 +50,8 @@ def env_factory(config: EnvConfig, store: TaskStore | None = None) -> Callable[[
     sandbox = Sandbox(config.sandbox)
     if config.task == "coding":
         pools = coding_pools(config, sandbox, store)
-        return lambda split: ToolLoopEnv(pools[split], sandbox, config.tool_loop)
+        backend = TaskBackends(sandbox, config.swe) if "swe" in config.coding.sources else sandbox
+        return lambda split: ToolLoopEnv(pools[split], backend, config.tool_loop)
     by_split = repository_tasks(config, sandbox, store)
     if config.task == "feature_deletion":
         return lambda split: FeatureDeletionEnv(by_split[split], sandbox)
@@ -76,10 +82,29 @@ def coding_pools(config: EnvConfig, sandbox: Sandbox, store: TaskStore | None) -
         if source == "micro":
             for split in pools:
                 pools[split].append(MicroTasks(config.coding, split))
+        elif source == "swe":
+            for split, swe in swe_tasks(config, sandbox).items():
+                pools[split].append(ListPool(swe))
         else:
             for split, tasks in repository_tasks(config, sandbox, store).items():
                 pools[split].append(ListPool(tasks))
     return {split: UnionPool(p) for split, p in pools.items()}
+
+
+def swe_tasks(config: EnvConfig, sandbox: Sandbox) -> dict[Split, list[SweTask]]:
+    """SWE instances of `swe.instances` per split; their snapshots live in a private dir removed at exit."""
+    store = Path(tempfile.mkdtemp(prefix="swe-", dir=sandbox.root))
+    atexit.register(shutil.rmtree, store, True)
+    tasks = swe_instances(config, store)
+    return {s: split_tasks(tasks, config.swe.heldout_fraction, s) for s in ("train", "heldout")}
+
+
+def swe_instances(config: EnvConfig, store: Path) -> list[SweTask]:
+    """The rows of `swe.instances` (snapshots go to `store`); an empty file is an error naming the key."""
+    tasks = load_instances(config.swe, store)
+    if not tasks:
+        raise ValueError(f"env.coding.sources names swe, but env.swe.instances = {config.swe.instances!r} has no row")
+    return tasks
 
 
 def coding_sources(config: EnvConfig) -> list[str]:
@@ -128,6 +153,16 @@ def check_task(config: EnvConfig) -> None:
         if "micro" in sources:
             for split in ("train", "heldout"):
                 MicroTasks(config.coding, split)
+        if "swe" in sources:
+            check_swe(config)
+
+
+def check_swe(config: EnvConfig) -> None:
+    """The instances file loads, and each image runs a contained container here (SandboxUnavailable says why not)."""
+    with tempfile.TemporaryDirectory(prefix="swe-check-") as tmp:
+        tasks = swe_instances(config, Path(tmp) / "store")
+    for image in sorted({t.image for t in tasks if t.backend == "container"}):
+        ContainerBackend(config.swe, image)
 
 
 def build_env(config: EnvConfig, split: Split = "train", store: TaskStore | None = None) -> Environment:

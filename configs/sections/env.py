@@ -177,6 +177,39 @@ class PluginConfig:
 
 
 @dataclass(frozen=True)
+class SweConfig:
+    """SWE-style instances (R2E-Gym / SWE-Gym rows in a local JSONL), graded in their own container image."""
+
+    instances: str = option("", doc="path of the local JSONL of instances (SWE-Gym or R2E-Gym row shape)")
+    repos_dir: str = option(
+        "", doc="directory holding one repository per row's `repo` ('owner/name' as owner__name, name or owner/name)"
+    )
+    runtime: Literal["podman", "docker", "apptainer", "local"] = option(
+        "podman",
+        doc="where instances run: a container runtime, or 'local' (the bubblewrap sandbox and this interpreter)",
+        choices=("podman", "docker", "apptainer", "local"),
+    )
+    image: str = option("", doc="image for rows that name none (podman/docker tag, or an apptainer .sif path)")
+    oci_runtime: str = option(
+        "", doc="podman --runtime (e.g. 'runc'; '' = podman's default, falling back to runc where that fails)"
+    )
+    python: str = option("python3", doc="interpreter inside the image that runs pytest")
+    plugin_autoload: bool = option(
+        False, doc="let pytest load every installed plugin (tests that need one); off saves seconds per grade"
+    )
+    max_instances: int = option(0, doc="instances to load from the file, in file order (0 = all)", ge=0)
+    heldout_fraction: float = option(
+        0.25, doc="share of instances (by a hash of the instance id) kept for evaluation", ge=0.0, lt=1.0
+    )
+    test_timeout_s: float = option(300.0, doc="wall-clock limit of one container run (the grade's test run)", gt=0.0)
+    memory_mb: int = option(2048, doc="container memory limit, MiB (swap included)", ge=64)
+    cpu_cores: float = option(1.0, doc="container CPU quota, in cores", gt=0.0)
+    max_processes: int = option(256, doc="container pids limit", ge=8)
+    tmpfs_mb: int = option(256, doc="size cap of the container's writable /tmp, MiB", ge=1)
+    uid: int = option(150_000, doc="unprivileged uid:gid the container runs as (owns the workspace)", ge=1000)
+
+
+@dataclass(frozen=True)
 class EnvConfig:
     """Which task generators drive, and how its code runs."""
 
@@ -193,3 +226,4 @@ class EnvConfig:
     tool_loop: ToolLoopConfig = option(default_factory=ToolLoopConfig, doc="the multi-turn tool loop")
     dataset: DatasetTaskConfig = option(default_factory=DatasetTaskConfig, doc="prompt dataset + reward functions")
     plugin: PluginConfig = option(default_factory=PluginConfig, doc="a user's environment factory")
+    swe: SweConfig = option(default_factory=SweConfig, doc="SWE-style instances and their container runtime")
