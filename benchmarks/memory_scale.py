@@ -5,11 +5,13 @@ project's tiny ChatML tokenizer, so the vocabulary is small and the layers
 hold nearly all parameters), run for 2 steps of the main recipe
 (`configs/debug_cpu.toml`: all three loss channels, fp32 master weights,
 checkpoint at the last step, final `hf/` export; warm start and held-out
-evaluation off) with the memory goal's optimizer and serving dtype (`RECIPE`:
-AdamW, so the trainer holds fp32 parameters, gradients and two moments, plus
-the frozen DPO reference; bf16 generators, whose dtype the reference and the
-weight-sync slots take) in its own process; `--override` goes on top
-(`optimizer.name=muon`, `generator.dtype=float32` for the debug recipe as is). A sampler reads every process of the run each 0.2 s:
+evaluation off) with the memory goal's optimizer, serving dtype and malloc
+threshold (`RECIPE`: AdamW, so the trainer holds fp32 parameters, gradients
+and two moments, plus the frozen DPO reference; bf16 generators, whose dtype
+the reference and the weight-sync slots take; the 1 MiB mmap threshold this
+benchmark chose for memory-bound runs, docs/cluster.md) in its own process;
+`--override` goes on top (`optimizer.name=muon`, `generator.dtype=float32`,
+`mesh.malloc_mmap_threshold_mib=4` for the debug recipe as is). A sampler reads every process of the run each 0.2 s:
 anonymous RSS (`RssAnon`: private memory; shared-memory slots are counted
 once, as /dev/shm use) and the bytes the run holds in /dev/shm. Phases are
 told apart by the files the run writes: `load` (spawn and setup, until
@@ -53,7 +55,7 @@ SHAPES = {
 QUICK = ("tiny", "8M", "0.6B-4L")
 ROLES = ("controller", "trainer", "generator", "replay")
 # overrides of configs/debug_cpu.toml for every run, before --override
-RECIPE = ("optimizer.name=adamw", "generator.dtype=bfloat16")
+RECIPE = ("optimizer.name=adamw", "generator.dtype=bfloat16", "mesh.malloc_mmap_threshold_mib=1")
 
 
 def make_model(root: Path, shape: tuple[int, ...]) -> tuple[Path, int]:

@@ -39,12 +39,13 @@ from composer_mesh.titan_ext.trainer import TrainerSpec
 logger = logging.getLogger(__name__)
 
 GIB = 1 << 30
-# Fitted by `benchmarks/memory_scale.py --quick` (how, and what the rests hold: docs/cluster.md, "Sizing a node").
+# Fitted by `benchmarks/memory_scale.py --quick --override mesh.malloc_mmap_threshold_mib=4` (the default
+# threshold; how, and what the rests hold: docs/cluster.md, "Sizing a node").
 # Trainer: beyond params, grads, optimizer state and the reference.
-TRAINER_REST_BYTES_PER_PARAM = 4.1
+TRAINER_REST_BYTES_PER_PARAM = 4.8
 # Generator: beyond the serving-dtype weights.
-GENERATOR_REST_BYTES_PER_PARAM = 0.7
-FIXED_BYTES = {"controller": 445 << 20, "trainer": 478 << 20, "generator": 425 << 20, "replay": 333 << 20}
+GENERATOR_REST_BYTES_PER_PARAM = 1.0
+FIXED_BYTES = {"controller": 467 << 20, "trainer": 513 << 20, "generator": 432 << 20, "replay": 359 << 20}
 OPTIMIZER_BYTES_PER_PARAM = {"adamw": 8, "muon": 4}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
