@@ -3,9 +3,15 @@
 Each shape is a Qwen3 checkpoint made with transformers (random init, the
 project's tiny ChatML tokenizer, so the vocabulary is small and the layers
 hold nearly all parameters), run for 2 steps of the main recipe
-(`configs/debug_cpu.toml`: all three loss channels, Muon with fp32
-Newton–Schulz, fp32, checkpoint at the last step, final `hf/` export; warm
-start and held-out evaluation off) in its own process. A sampler reads every process of the run each 0.2 s:
+(`configs/debug_cpu.toml`: all three loss channels, fp32 master weights,
+checkpoint at the last step, final `hf/` export; warm start and held-out
+evaluation off) with the memory goal's optimizer, serving dtype and malloc
+threshold (`RECIPE`: AdamW, so the trainer holds fp32 parameters, gradients
+and two moments, plus the frozen DPO reference; bf16 generators, whose dtype
+the reference and the weight-sync slots take; the 1 MiB mmap threshold this
+benchmark chose for memory-bound runs, docs/cluster.md) in its own process;
+`--override` goes on top (`optimizer.name=muon`, `generator.dtype=float32`,
+`mesh.malloc_mmap_threshold_mib=4` for the debug recipe as is). A sampler reads every process of the run each 0.2 s:
 anonymous RSS (`RssAnon`: private memory; shared-memory slots are counted
 once, as /dev/shm use) and the bytes the run holds in /dev/shm. Phases are
 told apart by the files the run writes: `load` (spawn and setup, until
@@ -48,6 +54,8 @@ SHAPES = {
 }
 QUICK = ("tiny", "8M", "0.6B-4L")
 ROLES = ("controller", "trainer", "generator", "replay")
+# overrides of configs/debug_cpu.toml for every run, before --override
+RECIPE = ("optimizer.name=adamw", "generator.dtype=bfloat16", "mesh.malloc_mmap_threshold_mib=1")
 
 
 def make_model(root: Path, shape: tuple[int, ...]) -> tuple[Path, int]:
@@ -153,8 +161,10 @@ def run_shape(name: str, shape: tuple[int, ...], tmp: Path, steps: int = 2, over
     root = tmp / name
     root.mkdir()
     model_dir, params = make_model(root, shape)
-    job = f"mem-{name}".replace(".", "_")
-    env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
+    # this process's id: /dev/shm is counted by job name, so concurrent runs must not share one
+    job = f"mem-{name}-{os.getpid()}".replace(".", "_")
+    # the caller's PYTHONPATH: the run imports the same composer_mesh as this script
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
     cmd = [sys.executable, "-m", "composer_mesh.mesh.cli", "train", "--no-progress", str(REPO / "configs/debug_cpu.toml"),
            f"--job.name={job}", f"--job.output_dir={root / 'runs'}", f"--model.hf_path={model_dir}",
            f"--trainer.steps={steps}", "--trainer.prompts_per_step=2", "--trainer.eval_every=0",
@@ -198,7 +208,8 @@ def main() -> None:
     results = {}
     with tempfile.TemporaryDirectory(prefix="memory_scale-") as tmp:
         for name in names:
-            results[name] = run_shape(name, SHAPES[name], Path(tmp), a.steps, tuple(f"--{o}" for o in a.override))
+            overrides = tuple(f"--{o}" for o in (*RECIPE, *a.override))
+            results[name] = run_shape(name, SHAPES[name], Path(tmp), a.steps, overrides)
             r = results[name]
             print(f"{name}: {r['params'] / 1e6:.1f}M params, {r['wall_s']:.0f} s", file=sys.stderr)
     gib = 1 << 30
@@ -224,7 +235,7 @@ def main() -> None:
     print(f"{'role':10} {'bytes/param (slope)':>20} {'fixed GiB (intercept)':>22}")
     for role, (slope, icpt) in fits.items():
         print(f"{role:10} {slope:20.2f} {icpt / gib:22.3f}")
-    print(json.dumps({**per_param, "largest": names[-1], "params": big["params"], "phase_bytes_per_param": phase_bpp,
+    print(json.dumps({**per_param, "overrides": [*RECIPE, *a.override], "largest": names[-1], "params": big["params"], "phase_bytes_per_param": phase_bpp,
                       "fit": {role: {"bytes_per_param": s, "fixed_bytes": i} for role, (s, i) in fits.items()}}))
 
 

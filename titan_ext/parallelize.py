@@ -111,10 +111,13 @@ def parallelize_model(
     Dense parameters end up as DTensors on `dims.get_mesh(dense_mesh_names(dims))`,
     routed experts (EP > 1) on `[dp_replicate, efsdp, ep]`. One rank without
     mixed precision has nothing to shard: the model stays plain (only activation
-    checkpointing applies), which also makes it the FSDP-free reference run.
+    checkpointing applies), which also makes it the FSDP-free reference run; no mixed precision means
+    `param_dtype` and `reduce_dtype` are the dtype the parameters are stored in (float32, or bfloat16 for a
+    frozen bf16 copy).
     """
     ac_config = _activation_checkpoint(cfg.activation_checkpoint)
-    if dims.world_size == 1 and cfg.param_dtype == cfg.reduce_dtype == "float32":
+    stored = str(next(model.parameters()).dtype).removeprefix("torch.")
+    if dims.world_size == 1 and cfg.param_dtype == cfg.reduce_dtype == stored:
         if ac_config is not None:
             ac_config.build(dump_folder="").apply(model)
         return model

@@ -25,6 +25,7 @@ optimizer and LR-scheduler step, the TAID schedule, metrics reduced over ranks.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import math
 import os
@@ -87,6 +88,14 @@ class TrainerSpec:
     checkpoint_dir: str = ""
     # intra-op threads of each trainer process (mesh.placement.torch_threads); 0 = torch's
     torch_threads: int = 0
+    # the recipe's generator.dtype: what trainer.dpo_reference_dtype = "serving" means
+    serving_dtype: str = "float32"
+
+    @property
+    def reference_dtype(self) -> str:
+        """The dtype the frozen DPO reference is kept and run in (`trainer.dpo_reference_dtype` resolved)."""
+        dtype = self.trainer.dpo_reference_dtype
+        return self.serving_dtype if dtype == "serving" else dtype
 
     @classmethod
     def from_job(cls, job: "JobConfig") -> "TrainerSpec":
@@ -100,6 +109,7 @@ class TrainerSpec:
             loss=job.loss,
             checkpoint=job.checkpoint,
             checkpoint_dir=str(folder) if job.checkpoint.enabled else "",
+            serving_dtype=job.generator.dtype,
         )
 
 
@@ -137,10 +147,12 @@ class Trainer:
         prepare_model_config(self.model_spec.model, spec.parallelism)
         self.parallel_dims = build_parallel_dims(spec.parallelism, dist.get_world_size(), self.platform)
         self.model = model = self._build_model()
-        # DPO's π_ref: the initial weights, frozen (built before any checkpoint is loaded into the policy).
+        # DPO's π_ref: the initial weights, frozen (built before any checkpoint is loaded into the policy),
+        # in the serving dtype unless set otherwise
         self.reference: torch.nn.Module | None = None
         if spec.trainer.dpo_reference == "frozen" and spec.loss.beta > 0 and spec.loss.preference.needs_reference:
-            self.reference = self._build_model(copy_of=model).requires_grad_(False).eval()
+            reference_dtype = getattr(torch, spec.reference_dtype)
+            self.reference = self._build_model(copy_of=model, dtype=reference_dtype).requires_grad_(False).eval()
 
         self.optimizer = build_optimizer(model, spec.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, spec.optimizer, spec.trainer.steps)
@@ -180,18 +192,30 @@ class Trainer:
         if error[0] is not None:
             raise ValueError(error[0])
 
-    def _build_model(self, copy_of: torch.nn.Module | None = None) -> torch.nn.Module:
+    def _build_model(self, copy_of: torch.nn.Module | None = None, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
         """Meta build → parallelize (FSDP2 / HSDP / EP) → seeded init → `hf_path` weights, or a copy of the
-        weights of `copy_of` (built the same way: same shards, so each rank copies its own; no second file read)."""
+        weights of `copy_of` (built the same way: same shards, so each rank copies its own; no second file read).
+
+        `dtype` other than float32 (a frozen copy only): parameters are stored in it and FSDP gathers and
+        computes in it (its mixed precision set to that dtype: nothing to cast); buffers keep theirs.
+        """
         with torch.device("meta"):
             model = self.model_spec.model.build()
-        parallelize_model(model, self.model_spec, self.parallel_dims, self.spec.parallelism, self.platform)
+        parallelism = self.spec.parallelism
+        if dtype != torch.float32:
+            name = str(dtype).removeprefix("torch.")
+            parallelism = dataclasses.replace(parallelism, param_dtype=name, reduce_dtype=name)
+            # in place: a tied weight stays one parameter
+            for p in model.parameters():
+                p.data = p.data.to(dtype)
+        parallelize_model(model, self.model_spec, self.parallel_dims, parallelism, self.platform)
         init_model(model, self.device, self.spec.model.seed)
         if copy_of is not None:
             with torch.no_grad():
                 for mine, theirs in zip(itertools.chain(model.parameters(), model.buffers()),
                                         itertools.chain(copy_of.parameters(), copy_of.buffers()), strict=True):
-                    # parameters, not state-dict entries: the fused-QKV hook returns copies
+                    # parameters, not state-dict entries: the fused-QKV hook returns copies; a cast rounds to
+                    # nearest even, as the weight export to generators does
                     mine.copy_(theirs)
         elif self.spec.model.hf_path:
             load_hf_into_titan(model, self.spec.model.hf_path)
@@ -248,6 +272,8 @@ class Trainer:
         # this step's own (the scheduler moves next)
         lr = float(self.lr_scheduler.schedulers[0].get_last_lr()[0])
         self.optimizer.step()
+        # nothing reads them before the next step's backward: the weight sync, checkpoint and export run without
+        self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
         self.step += 1
         metrics = self._reduce_metrics(parts)

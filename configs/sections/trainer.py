@@ -27,6 +27,11 @@ class TrainerConfig:
         "sharded like the policy, no grads or optimizer state); policy = the current policy just before the step "
         "(no memory; the DPO loss then reads log 2).",
     )
+    dpo_reference_dtype: str = option(
+        "serving", choices=("serving", "float32", "bfloat16"),
+        doc="dtype the frozen DPO reference is kept and run in: serving = generator.dtype (the weights the "
+        "generators started from, 2 bytes/param in bfloat16 instead of 4), or float32 / bfloat16.",
+    )
     export_bucket_mib: float = option(
         256.0, gt=0.0, doc="Weight export for generators: MiB of full (gathered) tensors materialised per bucket."
     )

@@ -30,7 +30,8 @@ def test_estimate_is_the_documented_formula():
     job = job_with(**{"mesh.trainer_procs": 2, "trainer.max_staleness": 1, "generator.dtype": "bfloat16",
                       "optimizer.name": "adamw"})
     est = memory.estimate(job, params)
-    reference = 4 if job.loss.preference.needs_reference and job.loss.beta > 0 else 0
+    # the frozen reference is kept in the serving dtype (bf16 here)
+    reference = 2 if job.loss.preference.needs_reference and job.loss.beta > 0 else 0
     trainer = memory.FIXED_BYTES["trainer"] + (4 + 4 + 8 + reference + memory.TRAINER_REST_BYTES_PER_PARAM) * params / 2
     generator = memory.FIXED_BYTES["generator"] + (2 + memory.GENERATOR_REST_BYTES_PER_PARAM) * params
     assert est.per_process["trainer"] == int(trainer) and est.per_process["generator"] == int(generator)
@@ -38,6 +39,10 @@ def test_estimate_is_the_documented_formula():
     assert est.shm == (2 + 1 + 1) * 2 * params  # keep = 2 + max_staleness, a ring of keep + 1 bf16 (serving) slots
     assert est.host == (memory.FIXED_BYTES["controller"] + 2 * int(trainer) + int(generator)
                         + memory.FIXED_BYTES["replay"] + est.shm)
+    pinned = memory.estimate(job_with(**{"mesh.trainer_procs": 2, "trainer.max_staleness": 1,
+                                         "generator.dtype": "bfloat16", "optimizer.name": "adamw",
+                                         "trainer.dpo_reference_dtype": "float32"}), params)
+    assert pinned.per_process["trainer"] == int(trainer + (4 - reference) * params / 2)
 
     muon = memory.estimate(job_with(**{"optimizer.name": "muon", "loss.beta": 0.0}), params)
     assert muon.per_process["trainer"] == int(memory.FIXED_BYTES["trainer"]

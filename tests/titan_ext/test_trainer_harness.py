@@ -53,7 +53,9 @@ class Zygote:
     """The forking helper process; one JSON request / reply per line on its stdin / stdout."""
 
     def __init__(self) -> None:
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
+        # the caller's PYTHONPATH first: the ranks import the composer_mesh the test imports
+        path = os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(REPO)]))
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path, HF_HUB_OFFLINE="1")
         self.proc = subprocess.Popen(
             [sys.executable, str(HARNESS), "--zygote"], cwd=REPO, env=env,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
@@ -235,7 +237,8 @@ def make_spec(args: dict[str, Any], out_dir: Path | None = None):
         model=ModelConfig(flavour=args.get("flavour", "tiny"), device="cpu", seed=0, hf_path=args.get("hf_path", "")),
         parallelism=ParallelismConfig(**args.get("parallelism", {})),
         trainer=TrainerConfig(steps=args.get("steps", 5), microbatches=args.get("microbatches", 2), grad_clip=1.0,
-                              export_bucket_mib=args.get("bucket_mib", 256.0)),
+                              export_bucket_mib=args.get("bucket_mib", 256.0),
+                              dpo_reference_dtype=args.get("reference_dtype", "serving")),
         optimizer=OptimizerConfig(name=args.get("optimizer", "muon"), lr=0.02, adamw_lr=3e-3, warmup_steps=1),
         loss=LossConfig(alpha=1.0, beta=1.0, chunk_tokens=16, policy=PolicyLossConfig(**args.get("policy", {})),
                         distill=DistillLossConfig(kind=args.get("distill_kind", "jsd"), taid_alpha=0.5,
@@ -508,6 +511,62 @@ def scenario_hf_load(out_dir: Path, args: dict[str, Any]) -> dict:
         }
         dist.barrier()
     return result
+
+
+def scenario_reference(out_dir: Path, args: dict[str, Any]) -> dict:
+    """The frozen DPO reference in `args["reference_dtype"]`, before and after 2 steps of the policy.
+
+    Its parameters (gathered) against the initial policy's cast like the weight export, its buffers, the
+    bytes each model holds on this rank, next-token logprobs of fixed rows under both models at init, and
+    whether the reference, its logprobs and the policy's gradients are as the step should leave them.
+    """
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from composer_mesh.losses.logprobs import chunked_token_stats
+    from composer_mesh.titan_ext.trainer import Trainer
+
+    def full(t: torch.Tensor) -> torch.Tensor:
+        return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+    def local_bytes(model: torch.nn.Module) -> int:
+        return sum((p.to_local() if isinstance(p, DTensor) else p).nbytes for p in model.parameters())
+
+    tokens_BL = global_batch(99).tokens_BL[:2, :24]
+    positions_BL = torch.arange(tokens_BL.shape[1]).expand_as(tokens_BL)
+    # next token of each position; the last has none
+    labels_BL = torch.cat([tokens_BL[:, 1:], torch.full_like(tokens_BL[:, :1], -100)], 1)
+
+    def logprobs(model: torch.nn.Module) -> torch.Tensor:
+        with torch.no_grad():
+            hidden_BLD = trainer.hidden_states(tokens_BL, positions_BL, model)
+            stats = chunked_token_stats(hidden_BLD.reshape(-1, hidden_BLD.shape[-1]), trainer.head_weight(model),
+                                        labels_BL.reshape(-1), want_entropy=False)
+        return stats.logprobs.reshape(labels_BL.shape)[:, :-1].float()
+
+    trainer = Trainer(make_spec(args))
+    dtype = getattr(torch, args["reference_dtype"])
+    reference = trainer.reference
+    # before any forward: FSDP leaves the last group unsharded after one (it does not reshard the head)
+    held = {"policy": local_bytes(trainer.model), "reference": local_bytes(reference)}
+    policy0 = [full(p) for p in trainer.model.parameters()]
+    reference0 = [full(p) for p in reference.parameters()]
+    lp_policy0, lp_reference0 = logprobs(trainer.model), logprobs(reference)
+    train(trainer, 2)
+    return {
+        "dtypes": sorted({str(p.dtype) for p in reference.parameters()}),
+        "requires_grad": any(p.requires_grad for p in reference.parameters()),
+        "params_are_cast_policy": all(torch.equal(r, p.to(dtype)) for r, p in zip(reference0, policy0, strict=True)),
+        "buffers_equal": all(torch.equal(full(a), full(b))
+                             for a, b in zip(reference.buffers(), trainer.model.buffers(), strict=True)),
+        "bytes": held,
+        "lp_diff_max": float((lp_reference0 - lp_policy0).abs().max()),
+        "lp_reference": lp_reference0.tolist(),
+        "reference_unchanged": all(torch.equal(a, full(b)) for a, b in zip(reference0, reference.parameters())),
+        "policy_moved": any(not torch.equal(p0, full(p)) for p0, p in zip(policy0, trainer.model.parameters())),
+        "lp_reference_after_equal": torch.equal(logprobs(reference), lp_reference0),
+        "grads_after_step": sum(p.grad is not None for p in trainer.model.parameters()),
+    }
 
 
 def export_parity(trainer, out_dir: Path) -> dict:

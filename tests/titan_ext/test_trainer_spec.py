@@ -20,6 +20,16 @@ def test_spec_from_recipe_sections_and_checkpoint_folder():
     assert off.checkpoint_dir == ""
 
 
+def test_reference_dtype_is_the_serving_dtype_unless_set():
+    assert TrainerSpec.from_job(load_config("debug_cpu.toml")).reference_dtype == "float32"
+    bf16 = load_config("debug_cpu.toml", ["--generator.dtype=bfloat16"])
+    assert TrainerSpec.from_job(bf16).reference_dtype == "bfloat16"
+    pinned = load_config("debug_cpu.toml", ["--generator.dtype=bfloat16", "--trainer.dpo_reference_dtype=float32"])
+    assert TrainerSpec.from_job(pinned).reference_dtype == "float32"
+    # a spec made without a recipe has no serving dtype of its own: float32, as before the option
+    assert TrainerSpec().reference_dtype == "float32"
+
+
 @pytest.mark.slow
 def test_bad_batches_fail_clearly_and_lose_nothing(tiny_assets, tmp_path):
     from test_trainer_harness import run_ranks
