@@ -32,16 +32,21 @@ changed per step, bytes crossing hosts with deltas ÷ without (also with an
 anchor every 10 syncs, the default), sync time with ÷ without, and the
 encodings' sizes on those very versions (read back from the fake host's
 slots): XOR + zstd (used) against bitmask + values and int32 index + values.
-The sync-time ratio is measured again on the benchmark shape at lr 1e-6,
-where copying, not call overhead, dominates.
+Two times per sync, each with ÷ without deltas: the publish (what the next
+training step waits for: the trainer ranks' copy into the segment; the delta
+encoding runs in the background after it) and the end-to-end sync (from the
+publish until the generator holds the new weights: encoding, transfer,
+applying and loading). Both are measured again on the benchmark shape at lr
+1e-6, where copying, not call overhead, dominates.
 
     python benchmarks/weight_sync.py --quick
 
 Prints tables, then one JSON line {"vs_raw_shm": ..., "vs_endpoint": ...,
-"delta_bytes_ratio": ..., "delta_time_ratio": ...} (topology throughput ÷ raw
-shm (fresh file), ÷ endpoint; also ÷ the other raw variants and the baseline;
-delta_bytes_ratio at lr 1e-6 on the tiny model, delta_time_ratio on the
-benchmark shape; per-lr figures under "delta").
+"delta_bytes_ratio": ..., "delta_time_ratio": ..., "delta_publish_ratio": ...}
+(topology throughput ÷ raw shm (fresh file), ÷ endpoint; also ÷ the other raw
+variants and the baseline; delta_bytes_ratio at lr 1e-6 on the tiny model;
+delta_time_ratio (end-to-end) and delta_publish_ratio (what a step waits for)
+on the benchmark shape; per-lr figures under "delta").
 """
 
 from __future__ import annotations
@@ -292,7 +297,10 @@ def delta_run(state, trainer_cls, trainer_args: tuple, gen_cls, gen_args: tuple,
         "model_mb": round(model_bytes / 1e6, 2), "steps": steps,
         "changed_fraction": round(statistics.mean(changed), 4), "changed_max": round(max(changed), 4),
         "bytes_ratio": round(ratio, 4), "bytes_ratio_anchor10": round((1 + (every - 1) * ratio) / every, 4),
+        # end to end: publish until the generator holds the version
         "time_ratio": round(statistics.median(delta_s) / statistics.median(full_s), 3),
+        # what the next training step waits for
+        "publish_ratio": round(statistics.median(publish_s) / statistics.median(full_publish_s), 3),
         "delta_sync_s": round(statistics.median(delta_s), 4), "full_sync_s": round(statistics.median(full_s), 4),
         "delta_publish_s": round(statistics.median(publish_s), 4),
         "full_publish_s": round(statistics.median(full_publish_s), 4),
@@ -351,13 +359,14 @@ def vocab_size(model_dir: Path) -> int:
 
 def print_delta_table(deltas: dict) -> None:
     print("\ndelta sync, bf16 serving, AdamW, 2 fake hosts (trainer host → generator host)")
-    print(f"{'model / lr':18s} {'changed':>8s} {'bytes ratio':>11s} {'w/ anchor/10':>12s} {'time ratio':>10s} "
-          f"{'delta s':>8s} {'full s':>8s} {'publish Δ/full':>15s}")
+    print(f"{'model / lr':18s} {'changed':>8s} {'bytes ratio':>11s} {'w/ anchor/10':>12s} {'e2e ratio':>10s} "
+          f"{'delta s':>8s} {'full s':>8s} {'publish Δ/full':>15s} {'publish ratio':>13s}")
     rows = [(f"tiny {lr}", row) for lr, row in deltas["tiny"].items()] + [("bench 1e-06", deltas["bench"])]
     for name, row in rows:
         print(f"{name:18s} {row['changed_fraction']:8.4f} {row['bytes_ratio']:11.4f} "
               f"{row['bytes_ratio_anchor10']:12.4f} {row['time_ratio']:10.3f} {row['delta_sync_s']:8.4f} "
-              f"{row['full_sync_s']:8.4f} {row['delta_publish_s']:7.4f}/{row['full_publish_s']:.4f}")
+              f"{row['full_sync_s']:8.4f} {row['delta_publish_s']:7.4f}/{row['full_publish_s']:.4f} "
+              f"{row['publish_ratio']:13.3f}")
     print("\nencodings on the same versions (bytes ÷ bf16 bytes; encode GB/s, one thread)")
     print(f"{'lr':8s} {'xor+zstd':>9s} {'bitmask+v':>10s} {'index+v':>8s} {'xor GB/s':>9s} {'mask GB/s':>10s} "
           f"{'index GB/s':>10s}")
@@ -501,6 +510,7 @@ def main() -> None:
     at_1e6 = deltas["tiny"]["1e-06"]
     figures.update(
         delta_bytes_ratio=at_1e6["bytes_ratio"], delta_time_ratio=deltas["bench"]["time_ratio"],
+        delta_publish_ratio=deltas["bench"]["publish_ratio"],
         delta_changed_fraction=at_1e6["changed_fraction"],
         delta={lr: {k: v for k, v in row.items() if k != "codec"} for lr, row in deltas["tiny"].items()},
         delta_bench=deltas["bench"],
