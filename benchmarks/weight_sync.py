@@ -383,6 +383,8 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--ffn", type=int, default=2816)
+    parser.add_argument("--delta-only", action="store_true",
+                        help="only the delta-sync figures (no throughput paths; the JSON line has the delta keys)")
     parser.add_argument("--delta-steps", type=int, default=None,
                         help="steps per lr synced with deltas, then as many whole (default 10; the benchmark "
                              "shape: 4 with --quick, which also runs lr 1e-6 only)")
@@ -416,12 +418,19 @@ def main() -> None:
         with torch.device("meta"):
             nbytes = sum(p.numel() * p.element_size() for p in resolved.spec.model.build().parameters())
         # its processes start while the meshes come up
-        raw_shm = RawShm(nbytes)
+        raw_shm = None if args.delta_only else RawShm(nbytes)
         from transformers import AutoModelForCausalLM
 
         hf_dir = work / "hf"
         # generators' initial weights
         AutoModelForCausalLM.from_config(hf_config).save_pretrained(hf_dir)
+        if args.delta_only:
+            deltas = delta_figures(work, tiny, hf_dir, model_cfg, shape, args.delta_steps or 10,
+                                   args.delta_steps or (4 if args.quick else 10),
+                                   DELTA_LRS[:1] if args.quick else DELTA_LRS)
+            print_delta_table(deltas)
+            print(json.dumps(delta_json(deltas)))
+            return
         trainer_procs = this_host().spawn_procs(per_host={"gpus": 2})
         setup_torch_elastic_env(trainer_procs)
         trainer = trainer_procs.spawn("trainer", bench.BenchTrainer,
@@ -507,15 +516,20 @@ def main() -> None:
         "topology_gbps": round(gbps["topology (shm segments)"], 3), "model_mb": round(model_bytes / 1e6, 1),
     }
     print_delta_table(deltas)
+    figures.update(delta_json(deltas))
+    print(json.dumps(figures))
+
+
+def delta_json(deltas: dict) -> dict:
+    """The delta figures of the JSON line."""
     at_1e6 = deltas["tiny"]["1e-06"]
-    figures.update(
+    return dict(
         delta_bytes_ratio=at_1e6["bytes_ratio"], delta_time_ratio=deltas["bench"]["time_ratio"],
         delta_publish_ratio=deltas["bench"]["publish_ratio"],
         delta_changed_fraction=at_1e6["changed_fraction"],
         delta={lr: {k: v for k, v in row.items() if k != "codec"} for lr, row in deltas["tiny"].items()},
         delta_bench=deltas["bench"],
     )
-    print(json.dumps(figures))
 
 
 if __name__ == "__main__":

@@ -6,8 +6,10 @@
 runs against the rank's `DeltaBase` (`actors.weight_sync.delta`) and cuts
 the result into chunks of about `chunk_bytes` of input. A `DeltaEncoderActor`
 on the same process serves them to the readers (`chunk`), each as soon as it
-is encoded, so a reader applies chunk k while chunk k+1 is encoded, and the
-trainer actor's own queue (the next `train_step`) never waits for the encoding.
+is encoded and in the reply itself (a delta is a few percent of the bytes:
+one round trip per chunk, no buffer to register), so a reader applies chunk k
+while chunk k+1 is encoded, and the trainer actor's own queue (the next
+`train_step`) never waits for the encoding.
 
 The sealed version the thread reads stays unchanged while it runs: its slot
 is reused only `keep` versions later, and every publication first waits for
@@ -20,19 +22,17 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from monarch.actor import Actor, endpoint
-from monarch.rdma import RDMABuffer
 
 from composer_mesh.actors.chaos import fail_point
 from composer_mesh.actors.weight_sync.delta import DeltaBase, RunDelta, runs_crc
 from composer_mesh.actors.weight_sync.segment import Piece
 
 # input bytes per chunk: small enough to pipeline a shard of a few tens of MB, large enough that one
-# chunk's round trip (a call and an RDMA read) is small against its encoding
-CHUNK_BYTES = 8 << 20
+# chunk's round trip is small against its encoding
+CHUNK_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -54,15 +54,17 @@ class DeltaPlan:
 
 @dataclass
 class DeltaChunk:
-    """One chunk of a rank's delta: its runs' encodings (`at` within this chunk's `nbytes` bytes, read through
-    `buffer`, a `monarch.rdma.RDMABuffer`; None when empty); on the `last` chunk, `crc`, the CRC-32 of all the
-    rank's runs after applying."""
+    """One chunk of a rank's delta: its runs' encodings (`at` within `data`, its encoded bytes `[nbytes]`
+    uint8); on the `last` chunk, `crc`, the CRC-32 of all the rank's runs after applying."""
 
     runs: list[RunDelta]
-    nbytes: int
-    buffer: Any
+    data: torch.Tensor
     last: bool
     crc: int | None
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
 
     @property
     def changed(self) -> int:
@@ -200,10 +202,6 @@ class DeltaEncoderActor(Actor):
     """Serves this process's delta chunks to readers on other hosts, beside the trainer actor (whose queue may
     hold a `train_step`): `chunk` waits for the chunk, not for the actor."""
 
-    def __init__(self) -> None:
-        # (version, token) -> RDMA buffers over its chunks and their bytes; the newest two publications
-        self._buffers: dict[tuple[int, str], list[tuple[RDMABuffer, torch.Tensor]]] = {}
-
     @endpoint
     def chunk(self, version: int, token: str, index: int, timeout_s: float = 300.0) -> DeltaChunk:
         """Chunk `index` of this rank's delta of version `version` (sync `token`), once encoded."""
@@ -211,16 +209,4 @@ class DeltaEncoderActor(Actor):
         if job is None or job.plan is None or (job.plan.version, job.plan.token) != (version, token):
             raise RuntimeError(f"no delta of v{version} (sync {token}) is being encoded here: a newer publication "
                                "replaced it, or the trainer restarted")
-        runs, data, last, crc = job.chunk(index, timeout_s)
-        buffer = None
-        if data.numel():
-            buffer = RDMABuffer(data)
-            key = (version, token)
-            if key not in self._buffers:
-                # the pulls of older publications are done (`TopologySync.publish` waits for them)
-                for old in list(self._buffers)[:-1]:
-                    for buf, _ in self._buffers.pop(old):
-                        buf.drop().get()
-                self._buffers[key] = []
-            self._buffers[key].append((buffer, data))
-        return DeltaChunk(runs, data.numel(), buffer, last, crc)
+        return DeltaChunk(*job.chunk(index, timeout_s))

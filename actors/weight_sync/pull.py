@@ -1,12 +1,10 @@
-"""A host's remote pull: RDMA-read the runs of trainer ranks on other hosts (or their deltas) into its segment."""
+"""A host's remote pull: RDMA-read the runs of trainer ranks on other hosts (or stream their deltas) into its segment."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 from composer_mesh.actors.weight_sync.delta import Delta, apply_delta, runs_crc
 from composer_mesh.actors.weight_sync.encoder import DeltaChunk, DeltaPlan
@@ -51,10 +49,8 @@ def _pull_deltas(writer: SegmentWriter, base: PinnedSegment, sources: list[Remot
                  timeout_s: float = 600.0) -> tuple[int, list, dict[int, tuple[int, int]]]:
     """Stream every source's delta chunk by chunk (chunk k+1 is asked for before chunk k is applied, so the
     trainer's encoding, the transfer and this host's applying overlap) and write its runs as `base` XOR the
-    delta. Returns (bytes read, the sources to read whole: their CRC after applying did not match, a chunk did
-    not decode, or their background encoding failed, {rank: (changed, elements)} of the deltas applied)."""
-    # lazy: monarch.rdma loads its transport backend; the controller imports this module and never pulls
-    from monarch.rdma import RDMAAction
+    delta. Returns (bytes received, the sources to read whole: their CRC after applying did not match, a chunk
+    did not decode, or their background encoding failed, {rank: (changed, elements)} of the deltas applied)."""
 
     def ask(s: RemoteSource, index: int) -> Any:
         return s.encoder.chunk.call_one(s.delta.version, s.delta.token, index, timeout_s)
@@ -71,13 +67,6 @@ def _pull_deltas(writer: SegmentWriter, base: PinnedSegment, sources: list[Remot
             except Exception:
                 # its background encoding failed (the trainer raises it at its next publication): read it whole
                 mismatched.append(live.pop(rank))
-        action, received = RDMAAction(), {}
-        for rank, chunk in chunks.items():
-            received[rank] = torch.empty(chunk.nbytes, dtype=torch.uint8)
-            if chunk.nbytes:
-                action.read_remote(received[rank], chunk.buffer)
-        if received:
-            action.submit(timeout=600).get()
         index += 1
         asked = {rank: ask(live[rank], index) for rank, chunk in chunks.items() if not chunk.last}
         with one_thread():
@@ -87,7 +76,7 @@ def _pull_deltas(writer: SegmentWriter, base: PinnedSegment, sources: list[Remot
                 part = Delta(s.delta.version, s.delta.base_version, s.delta.base_token, s.delta.itemsize,
                              chunk.runs, chunk.nbytes, 0)
                 try:
-                    apply_delta(writer.payload, base.payload, part, received[rank])
+                    apply_delta(writer.payload, base.payload, part, chunk.data)
                 except ValueError:
                     # undecodable: counted with the CRC mismatches, read whole
                     mismatched.append(live.pop(rank))
