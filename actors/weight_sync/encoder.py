@@ -89,16 +89,17 @@ class EncodeJob:
         with self.cond:
             ready = self.cond.wait_for(lambda: len(self.chunks) > index or self.finished, timeout_s)
             if self.error is not None:
-                raise RuntimeError(f"background delta encode of {self._name()} failed: "
+                raise RuntimeError(f"background delta encode of {self.name()} failed: "
                                    f"{type(self.error).__name__}: {self.error}") from self.error
             if not ready:
-                raise TimeoutError(f"delta chunk {index} of {self._name()} not encoded within {timeout_s} s")
+                raise TimeoutError(f"delta chunk {index} of {self.name()} not encoded within {timeout_s} s")
             if index >= len(self.chunks):
-                raise IndexError(f"{self._name()} has {len(self.chunks)} delta chunks, not {index + 1}")
+                raise IndexError(f"{self.name()} has {len(self.chunks)} delta chunks, not {index + 1}")
             runs, data, last = self.chunks[index]
             return runs, data, last, self.crc if last else None
 
-    def _name(self) -> str:
+    def name(self) -> str:
+        """The publication it encodes, for errors."""
         return f"v{self.plan.version} (sync {self.plan.token})" if self.plan else "the base refresh"
 
 
@@ -120,7 +121,7 @@ class BackgroundEncoder:
         job = self.job
         if job is not None and job.error is not None:
             self.job = None
-            raise RuntimeError(f"{job._name()}: the background delta encode failed, so that version reached "
+            raise RuntimeError(f"{job.name()}: the background delta encode failed, so that version reached "
                                f"other hosts whole; the base is dropped and the next publication is an anchor "
                                f"({type(job.error).__name__}: {job.error})") from job.error
 
