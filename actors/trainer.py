@@ -22,13 +22,13 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from monarch.actor import Actor, endpoint
+from monarch.actor import Actor, endpoint, this_proc
 from monarch.rdma import RDMABuffer
 
 from composer_mesh.actors.chaos import kill_point
 from composer_mesh.actors.mesh_utils import host_label
 from composer_mesh.actors.phase_memory import PhaseMemory, bound_malloc_retention
-from composer_mesh.actors.weight_sync.delta import Delta, DeltaBase
+from composer_mesh.actors.weight_sync.encoder import DeltaEncoderActor, DeltaPlan, process_encoder
 from composer_mesh.actors.weight_sync.digest import weights_digest
 from composer_mesh.actors.weight_sync.segment import Piece, SegmentLayout, coalesce
 from composer_mesh.actors.weight_sync.writer import SegmentWriter, write_shards
@@ -79,10 +79,10 @@ class ShardReport:
     buffers: list
     published: bool  # this rank sealed the host's segment
     write_s: float
-    # exposed ranks with deltas on: changes since this rank's previous publication
-    delta: Delta | None = None
-    # RDMABuffer over the delta's bytes (None without a delta or with zero bytes)
-    delta_buffer: Any = None
+    # exposed ranks with deltas on: changes since this rank's previous publication, encoded in the background
+    delta: DeltaPlan | None = None
+    # the DeltaEncoderActor on this rank's process that serves the delta's chunks (None without a delta)
+    encoder: Any = None
 
 
 class TrainerActor(Actor):
@@ -94,8 +94,10 @@ class TrainerActor(Actor):
         self.trainer: Trainer | None = None
         # version -> mapping + RDMA buffers kept alive
         self._exposed: dict[int, tuple[SegmentWriter, list]] = {}
-        # exposed ranks with deltas on: the serving-dtype runs published last
-        self._delta_base = DeltaBase()
+        # exposed ranks with deltas on: the serving-dtype runs published last, and the thread encoding against them
+        self._encoder = process_encoder()
+        # the actor serving its chunks to readers (spawned on first use)
+        self._encoder_actor: Any = None
         self.memory = PhaseMemory()
         bound_malloc_retention()
 
@@ -205,9 +207,15 @@ class TrainerActor(Actor):
 
         delta (exposed ranks; `actors.weight_sync.delta`): "delta" also encodes the runs against this rank's previous
         publication (when it has one) for readers to apply; "anchor" only keeps this version as the next base;
-        "off" keeps no base (its memory is freed)."""
+        "off" keeps no base (its memory is freed). The encoding runs in the background
+        (`actors.weight_sync.encoder`): this returns once the shards are sealed; a failed encoding is raised by the
+        rank's next publication."""
         t = self._t()
         kill_point("trainer", "first_sync")
+        exposed = dist.get_rank() in expose
+        if exposed:
+            # the previous encoding reads a sealed version whose slot this one may reuse; a failure is raised here
+            self._encoder.finish()
         start = time.perf_counter()
         self.memory.begin()
         with SegmentWriter(root, host_label(), t.step, token, SegmentLayout.from_model(t.model, getattr(torch, dtype)),
@@ -219,14 +227,15 @@ class TrainerActor(Actor):
             published = writer.done(parties[host_label()])
         pieces = coalesce(runs)
         buffers: list = []
-        encoded, delta_buffer = None, None
-        if dist.get_rank() in expose:
+        plan, encoder = None, None
+        if exposed:
             # the sealed version stays unchanged here: its slot is reused only `keep` versions later
-            encoded = self._delta(writer.payload, runs, t.step, token, getattr(torch, dtype).itemsize, delta)
+            plan = self._delta(writer.payload, runs, t.step, token, getattr(torch, dtype).itemsize, delta)
+            if plan is not None:
+                if self._encoder_actor is None:
+                    self._encoder_actor = this_proc().spawn("delta_encoder", DeltaEncoderActor)
+                encoder = self._encoder_actor
             buffers = [RDMABuffer(writer.payload[p.offset : p.offset + p.nbytes]) for p in pieces]
-            if encoded is not None and encoded[0].nbytes:
-                delta_buffer = RDMABuffer(encoded[1])
-                buffers.append(delta_buffer)  # dropped with the version's other buffers
             # a version published again (a covering publication) replaces its buffers; its pulls are done
             stale = self._exposed.pop(t.step, (None, []))[1]
             self._exposed[t.step] = (writer, buffers)
@@ -235,19 +244,19 @@ class TrainerActor(Actor):
             for buf in stale:
                 buf.drop().get()
         self.memory.end(self.memory.first_or("first_sync", "sync"))
-        return ShardReport(dist.get_rank(), host_label(), t.step, writer.layout, pieces,
-                           buffers[: len(pieces)], published, time.perf_counter() - start,
-                           encoded[0] if encoded is not None else None, delta_buffer)
+        return ShardReport(dist.get_rank(), host_label(), t.step, writer.layout, pieces, buffers, published,
+                           time.perf_counter() - start, plan, encoder)
 
     def _delta(self, payload_U8: torch.Tensor, runs: list[Piece], version: int, token: str, itemsize: int,
-               mode: str) -> tuple[Delta, torch.Tensor] | None:
-        """This rank's delta against its base (mode "delta", when it has one), then this version as the base."""
+               mode: str) -> DeltaPlan | None:
+        """Start this rank's delta against its base in the background (mode "delta", when it has one; its plan),
+        making this version the next base."""
         if mode == "off":
-            self._delta_base.drop()
+            self._encoder.drop()
             return None
         if mode not in ("anchor", "delta"):
             raise ValueError(f"delta must be 'off', 'anchor' or 'delta', got {mode!r}")
-        return self._delta_base.advance(payload_U8, runs, version, token, itemsize, encode=mode == "delta")
+        return self._encoder.submit(payload_U8, runs, version, token, itemsize, encode=mode == "delta")
 
     @endpoint
     def train_step_shard(self, shard: TrainBatch) -> dict[str, float]:

@@ -32,16 +32,21 @@ changed per step, bytes crossing hosts with deltas ÷ without (also with an
 anchor every 10 syncs, the default), sync time with ÷ without, and the
 encodings' sizes on those very versions (read back from the fake host's
 slots): XOR + zstd (used) against bitmask + values and int32 index + values.
-The sync-time ratio is measured again on the benchmark shape at lr 1e-6,
-where copying, not call overhead, dominates.
+Two times per sync, each with ÷ without deltas: the publish (what the next
+training step waits for: the trainer ranks' copy into the segment; the delta
+encoding runs in the background after it) and the end-to-end sync (from the
+publish until the generator holds the new weights: encoding, transfer,
+applying and loading). Both are measured again on the benchmark shape at lr
+1e-6, where copying, not call overhead, dominates.
 
     python benchmarks/weight_sync.py --quick
 
 Prints tables, then one JSON line {"vs_raw_shm": ..., "vs_endpoint": ...,
-"delta_bytes_ratio": ..., "delta_time_ratio": ...} (topology throughput ÷ raw
-shm (fresh file), ÷ endpoint; also ÷ the other raw variants and the baseline;
-delta_bytes_ratio at lr 1e-6 on the tiny model, delta_time_ratio on the
-benchmark shape; per-lr figures under "delta").
+"delta_bytes_ratio": ..., "delta_time_ratio": ..., "delta_publish_ratio": ...}
+(topology throughput ÷ raw shm (fresh file), ÷ endpoint; also ÷ the other raw
+variants and the baseline; delta_bytes_ratio at lr 1e-6 on the tiny model;
+delta_time_ratio (end-to-end) and delta_publish_ratio (what a step waits for)
+on the benchmark shape; per-lr figures under "delta").
 """
 
 from __future__ import annotations
@@ -292,7 +297,10 @@ def delta_run(state, trainer_cls, trainer_args: tuple, gen_cls, gen_args: tuple,
         "model_mb": round(model_bytes / 1e6, 2), "steps": steps,
         "changed_fraction": round(statistics.mean(changed), 4), "changed_max": round(max(changed), 4),
         "bytes_ratio": round(ratio, 4), "bytes_ratio_anchor10": round((1 + (every - 1) * ratio) / every, 4),
+        # end to end: publish until the generator holds the version
         "time_ratio": round(statistics.median(delta_s) / statistics.median(full_s), 3),
+        # what the next training step waits for
+        "publish_ratio": round(statistics.median(publish_s) / statistics.median(full_publish_s), 3),
         "delta_sync_s": round(statistics.median(delta_s), 4), "full_sync_s": round(statistics.median(full_s), 4),
         "delta_publish_s": round(statistics.median(publish_s), 4),
         "full_publish_s": round(statistics.median(full_publish_s), 4),
@@ -351,13 +359,14 @@ def vocab_size(model_dir: Path) -> int:
 
 def print_delta_table(deltas: dict) -> None:
     print("\ndelta sync, bf16 serving, AdamW, 2 fake hosts (trainer host → generator host)")
-    print(f"{'model / lr':18s} {'changed':>8s} {'bytes ratio':>11s} {'w/ anchor/10':>12s} {'time ratio':>10s} "
-          f"{'delta s':>8s} {'full s':>8s} {'publish Δ/full':>15s}")
+    print(f"{'model / lr':18s} {'changed':>8s} {'bytes ratio':>11s} {'w/ anchor/10':>12s} {'e2e ratio':>10s} "
+          f"{'delta s':>8s} {'full s':>8s} {'publish Δ/full':>15s} {'publish ratio':>13s}")
     rows = [(f"tiny {lr}", row) for lr, row in deltas["tiny"].items()] + [("bench 1e-06", deltas["bench"])]
     for name, row in rows:
         print(f"{name:18s} {row['changed_fraction']:8.4f} {row['bytes_ratio']:11.4f} "
               f"{row['bytes_ratio_anchor10']:12.4f} {row['time_ratio']:10.3f} {row['delta_sync_s']:8.4f} "
-              f"{row['full_sync_s']:8.4f} {row['delta_publish_s']:7.4f}/{row['full_publish_s']:.4f}")
+              f"{row['full_sync_s']:8.4f} {row['delta_publish_s']:7.4f}/{row['full_publish_s']:.4f} "
+              f"{row['publish_ratio']:13.3f}")
     print("\nencodings on the same versions (bytes ÷ bf16 bytes; encode GB/s, one thread)")
     print(f"{'lr':8s} {'xor+zstd':>9s} {'bitmask+v':>10s} {'index+v':>8s} {'xor GB/s':>9s} {'mask GB/s':>10s} "
           f"{'index GB/s':>10s}")
@@ -374,6 +383,8 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--ffn", type=int, default=2816)
+    parser.add_argument("--delta-only", action="store_true",
+                        help="only the delta-sync figures (no throughput paths; the JSON line has the delta keys)")
     parser.add_argument("--delta-steps", type=int, default=None,
                         help="steps per lr synced with deltas, then as many whole (default 10; the benchmark "
                              "shape: 4 with --quick, which also runs lr 1e-6 only)")
@@ -407,12 +418,19 @@ def main() -> None:
         with torch.device("meta"):
             nbytes = sum(p.numel() * p.element_size() for p in resolved.spec.model.build().parameters())
         # its processes start while the meshes come up
-        raw_shm = RawShm(nbytes)
+        raw_shm = None if args.delta_only else RawShm(nbytes)
         from transformers import AutoModelForCausalLM
 
         hf_dir = work / "hf"
         # generators' initial weights
         AutoModelForCausalLM.from_config(hf_config).save_pretrained(hf_dir)
+        if args.delta_only:
+            deltas = delta_figures(work, tiny, hf_dir, model_cfg, shape, args.delta_steps or 10,
+                                   args.delta_steps or (4 if args.quick else 10),
+                                   DELTA_LRS[:1] if args.quick else DELTA_LRS)
+            print_delta_table(deltas)
+            print(json.dumps(delta_json(deltas)))
+            return
         trainer_procs = this_host().spawn_procs(per_host={"gpus": 2})
         setup_torch_elastic_env(trainer_procs)
         trainer = trainer_procs.spawn("trainer", bench.BenchTrainer,
@@ -498,14 +516,20 @@ def main() -> None:
         "topology_gbps": round(gbps["topology (shm segments)"], 3), "model_mb": round(model_bytes / 1e6, 1),
     }
     print_delta_table(deltas)
+    figures.update(delta_json(deltas))
+    print(json.dumps(figures))
+
+
+def delta_json(deltas: dict) -> dict:
+    """The delta figures of the JSON line."""
     at_1e6 = deltas["tiny"]["1e-06"]
-    figures.update(
+    return dict(
         delta_bytes_ratio=at_1e6["bytes_ratio"], delta_time_ratio=deltas["bench"]["time_ratio"],
+        delta_publish_ratio=deltas["bench"]["publish_ratio"],
         delta_changed_fraction=at_1e6["changed_fraction"],
         delta={lr: {k: v for k, v in row.items() if k != "codec"} for lr, row in deltas["tiny"].items()},
         delta_bench=deltas["bench"],
     )
-    print(json.dumps(figures))
 
 
 if __name__ == "__main__":

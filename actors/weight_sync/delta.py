@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 import zstandard
@@ -71,9 +72,9 @@ class Delta:
         return sum(r.run.nbytes for r in self.runs) // self.itemsize
 
 
-def runs_crc(payload_U8: torch.Tensor, runs: list[Piece]) -> int:
-    """CRC-32 of `runs` of a segment payload, in order (zlib; no copy)."""
-    crc = 0
+def runs_crc(payload_U8: torch.Tensor, runs: list[Piece], crc: int = 0) -> int:
+    """CRC-32 of `runs` of a segment payload, in order (zlib; no copy), continuing from `crc` (a CRC of the runs
+    before them, so a stream of runs is checked chunk by chunk)."""
     for r in runs:
         crc = zlib.crc32(payload_U8[r.offset : r.offset + r.nbytes].numpy(), crc)
     return crc
@@ -111,31 +112,38 @@ class DeltaBase:
         self.runs: list[Piece] = []
         self.copy_U8 = torch.empty(0, dtype=torch.uint8)
 
-    def advance(self, payload_U8: torch.Tensor, runs: list[Piece], version: int, token: str, itemsize: int,
-                encode: bool) -> tuple[Delta, torch.Tensor] | None:
-        """Make `runs` of `payload_U8` (the rank's just-published version `version` of sync `token`) the base;
-        with `encode`, first the delta against the old base and its encoded bytes `[nbytes]` (uint8). None when
-        not encoding or without a base of the same runs (first publication, a restarted trainer, a new layout)."""
-        if not encode or self.version is None or runs != self.runs:
-            self._refresh(payload_U8, runs)
-            self.version, self.token = version, token
-            return None
+    def matches(self, runs: list[Piece]) -> bool:
+        """Whether the base holds these very runs (else a delta against it is not possible)."""
+        return self.version is not None and runs == self.runs
+
+    def encode_runs(self, payload_U8: torch.Tensor, runs: list[Piece], version: int, token: str,
+                    itemsize: int) -> Iterator[tuple[Piece, str, int, torch.Tensor]]:
+        """Per run of `payload_U8`, in order: (run, encoding, changed elements, section bytes `[size]` uint8)
+        against the base, which each run then replaces; once every run is out, the base is version `version` of
+        sync `token`. The base must `match` the runs. Stopped or failed half-way, the base is dropped."""
+        if not self.matches(runs):
+            raise ValueError(f"v{version}: the delta base holds other runs (refresh it first)")
         compressor = zstandard.ZstdCompressor(level=LEVEL)
-        sections: list[torch.Tensor] = []
-        out: list[RunDelta] = []
-        at = base = 0
-        for run in runs:
-            new = payload_U8[run.offset : run.offset + run.nbytes]
-            encoding, k, data = encode_run(new, self.copy_U8[base : base + run.nbytes], itemsize, compressor)
-            section = torch.frombuffer(bytearray(data), dtype=torch.uint8) if isinstance(data, bytes) else data
-            sections.append(section)
-            out.append(RunDelta(run, encoding, k, at, section.numel()))
-            at += section.numel()
-            base += run.nbytes
-        buffer = torch.cat(sections) if sections else torch.empty(0, dtype=torch.uint8)
-        delta = Delta(version, self.version, self.token, itemsize, out, buffer.numel(), runs_crc(payload_U8, runs))
+        finished, at = False, 0
+        try:
+            for run in runs:
+                new = payload_U8[run.offset : run.offset + run.nbytes]
+                encoding, k, data = encode_run(new, self.copy_U8[at : at + run.nbytes], itemsize, compressor)
+                at += run.nbytes
+                yield run, encoding, k, torch.frombuffer(bytearray(data), dtype=torch.uint8) if isinstance(
+                    data, bytes) else data
+            finished = True
+        finally:
+            if finished:
+                self.version, self.token = version, token
+            else:
+                # some runs of the copy are the new version (or an XOR): no base until the next refresh
+                self.drop()
+
+    def refresh(self, payload_U8: torch.Tensor, runs: list[Piece], version: int, token: str) -> None:
+        """Make `runs` of `payload_U8` (version `version` of sync `token`) the base, without a delta."""
+        self._refresh(payload_U8, runs)
         self.version, self.token = version, token
-        return delta, buffer
 
     def _refresh(self, payload_U8: torch.Tensor, runs: list[Piece]) -> None:
         """Copy `runs` of `payload_U8` in (reusing the copy's memory when their total is unchanged)."""

@@ -1,4 +1,4 @@
-"""A host's remote pull: RDMA-read the runs of trainer ranks on other hosts (or their deltas) into its segment."""
+"""A host's remote pull: RDMA-read the runs of trainer ranks on other hosts (or stream their deltas) into its segment."""
 
 from __future__ import annotations
 
@@ -6,9 +6,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from composer_mesh.actors.weight_sync.delta import Delta, apply_delta, runs_crc
+from composer_mesh.actors.weight_sync.encoder import DeltaChunk, DeltaPlan
 from composer_mesh.actors.weight_sync.mapping import one_thread
 from composer_mesh.actors.weight_sync.pull_status import pulling
 from composer_mesh.actors.weight_sync.reader import PinnedSegment
@@ -18,15 +17,15 @@ from composer_mesh.actors.weight_sync.writer import SegmentWriter
 
 @dataclass
 class RemoteSource:
-    """One trainer rank's runs and the RDMA buffers over them (same order); with deltas on, its runs' changes
-    since the version it published last (`Delta`) and the RDMA buffer of their bytes (`monarch.rdma.RDMABuffer`,
-    None when the delta has none)."""
+    """One trainer rank's runs and the RDMA buffers over them (same order); with deltas on, the plan of its runs'
+    changes since the version it published last (`DeltaPlan`) and the `DeltaEncoderActor` on its process that
+    serves them chunk by chunk as its background encoding produces them."""
 
     rank: int
     pieces: list[Piece]
     buffers: list
-    delta: Delta | None = None
-    delta_buffer: Any = None
+    delta: DeltaPlan | None = None
+    encoder: Any = None
 
 
 def _pin_base(root: str, host: str, layout: SegmentLayout, sources: list[RemoteSource]) -> PinnedSegment | None:
@@ -46,31 +45,53 @@ def _pin_base(root: str, host: str, layout: SegmentLayout, sources: list[RemoteS
     return base
 
 
-def _pull_deltas(writer: SegmentWriter, base: PinnedSegment, sources: list[RemoteSource]) -> tuple[int, list]:
-    """Read every source's delta bytes (one RDMA batch) and write its runs as `base` XOR the delta; returns
-    (bytes read, the sources whose CRC after applying did not match: to be pulled whole)."""
-    # lazy: monarch.rdma loads its transport backend; the controller imports this module and never pulls
-    from monarch.rdma import RDMAAction
+def _pull_deltas(writer: SegmentWriter, base: PinnedSegment, sources: list[RemoteSource],
+                 timeout_s: float = 600.0) -> tuple[int, list, dict[int, tuple[int, int]]]:
+    """Stream every source's delta chunk by chunk (chunk k+1 is asked for before chunk k is applied, so the
+    trainer's encoding, the transfer and this host's applying overlap) and write its runs as `base` XOR the
+    delta. Returns (bytes received, the sources to read whole: their CRC after applying did not match, a chunk
+    did not decode, or their background encoding failed, {rank: (changed, elements)} of the deltas applied)."""
 
-    action, received = RDMAAction(), {}
-    for s in sources:
-        received[s.rank] = torch.empty(s.delta.nbytes, dtype=torch.uint8)
-        if s.delta.nbytes:
-            action.read_remote(received[s.rank], s.delta_buffer)
-    action.submit(timeout=600).get()
-    mismatched = []
-    with one_thread():
-        for s in sources:
+    def ask(s: RemoteSource, index: int) -> Any:
+        return s.encoder.chunk.call_one(s.delta.version, s.delta.token, index, timeout_s)
+
+    transferred, mismatched, counts = 0, [], {}
+    crcs, changed = {s.rank: 0 for s in sources}, {s.rank: 0 for s in sources}
+    asked, index = {s.rank: ask(s, 0) for s in sources}, 0
+    live = {s.rank: s for s in sources}
+    while live:
+        chunks: dict[int, DeltaChunk] = {}
+        for rank in list(live):
             try:
-                apply_delta(writer.payload, base.payload, s.delta, received[s.rank])
-            except ValueError:
-                # undecodable: counted with the CRC mismatches, read whole
-                mismatched.append(s)
-                continue
-            if runs_crc(writer.payload, [rd.run for rd in s.delta.runs]) != s.delta.crc:
-                mismatched.append(s)
+                chunks[rank] = asked[rank].get()
+            except Exception:
+                # its background encoding failed (the trainer raises it at its next publication): read it whole
+                mismatched.append(live.pop(rank))
+        index += 1
+        asked = {rank: ask(live[rank], index) for rank, chunk in chunks.items() if not chunk.last}
+        with one_thread():
+            for rank, chunk in chunks.items():
+                s, runs = live[rank], [rd.run for rd in chunk.runs]
+                transferred += chunk.nbytes
+                part = Delta(s.delta.version, s.delta.base_version, s.delta.base_token, s.delta.itemsize,
+                             chunk.runs, chunk.nbytes, 0)
+                try:
+                    apply_delta(writer.payload, base.payload, part, chunk.data)
+                except ValueError:
+                    # undecodable: counted with the CRC mismatches, read whole
+                    mismatched.append(live.pop(rank))
+                    asked.pop(rank, None)
+                    continue
+                crcs[rank] = runs_crc(writer.payload, runs, crcs[rank])
+                changed[rank] += chunk.changed
+                if chunk.last:
+                    live.pop(rank)
+                    if crcs[rank] != chunk.crc:
+                        mismatched.append(s)
+                    else:
+                        counts[rank] = (changed[rank], s.delta.elements)
     base.verify()
-    return sum(s.delta.nbytes for s in sources), mismatched
+    return transferred, mismatched, counts
 
 
 def pull_pieces(root: str, host: str, version: int, token: str, layout: SegmentLayout,
@@ -84,12 +105,12 @@ def pull_pieces(root: str, host: str, version: int, token: str, layout: SegmentL
     from monarch.rdma import RDMAAction
 
     start = time.perf_counter()
-    transferred, mismatched, delta = 0, 0, False
+    transferred, mismatched, delta, counts = 0, 0, False, {}
     with pulling(root, host, version, token), SegmentWriter(root, host, version, token, layout, keep) as writer:
         base = _pin_base(root, host, layout, sources) if use_delta and sources else None
         if base is not None:
             with base:
-                transferred, again = _pull_deltas(writer, base, sources)
+                transferred, again, counts = _pull_deltas(writer, base, sources)
             mismatched, delta = len(again), not again
             sources = again
         action, pending = RDMAAction(), 0
@@ -109,5 +130,5 @@ def pull_pieces(root: str, host: str, version: int, token: str, layout: SegmentL
             action.submit(timeout=600).get()
         published = writer.done(parties)
     return {"bytes_remote": transferred, "published": published, "pull_s": time.perf_counter() - start,
-            "delta": delta, "crc_mismatches": mismatched}
+            "delta": delta, "crc_mismatches": mismatched, "changed": counts}
 

@@ -62,9 +62,9 @@ class TopologySyncReport:
     pull_s: dict[str, float] = field(default_factory=dict)  # per reader host
     # per reader host: it applied a delta (else full runs)
     delta: dict[str, bool] = field(default_factory=dict)
-    # elements of the pulled ranks' runs that changed since their last publication (deltas on)
+    # elements that changed since their last publication, in the pulled ranks' deltas readers applied
     changed: int = 0
-    # elements of those runs (0: no delta was encoded, e.g. an anchor)
+    # elements of those ranks' runs (0: no delta was applied, e.g. an anchor)
     elements: int = 0
 
 
@@ -107,8 +107,6 @@ class Publication:
     write_s: float
     # the trainer's (ModelConfig, ParallelismConfig), to name the tensors as its export does
     shadow: tuple
-    changed: int  # see TopologySyncReport
-    elements: int
     bucket_bytes: int
     timeout_s: float
     verify: bool
@@ -133,6 +131,20 @@ class Publication:
         read remotely where the slot locks cannot see them, may be overwritten)."""
         with self._pulls_lock:
             return {host: f.get() for host, f in self.pulls.items()}
+
+    @property
+    def changed(self) -> int:
+        """Elements that changed in the ranks' deltas some reader applied (see TopologySyncReport); waits for
+        the pulls, as the encoding runs in the background."""
+        return sum(c for c, _ in self._counts().values())
+
+    @property
+    def elements(self) -> int:
+        return sum(e for _, e in self._counts().values())
+
+    def _counts(self) -> dict[int, tuple[int, int]]:
+        """{trainer rank: (changed, elements)} of its delta, from every reader that applied one."""
+        return {rank: c for pulled in self.wait_pulls().values() for rank, c in pulled["changed"].items()}
 
     def sealed(self, host: str) -> bool:
         """Whether `host` holds this version whole: True at once where the trainer ranks wrote it, after the
@@ -241,18 +253,16 @@ class TopologySync:
         for route in self.plan.routes:
             if route.reader is None:
                 continue
-            sources = [RemoteSource(r, by_rank[r].pieces, by_rank[r].buffers, by_rank[r].delta,
-                                    by_rank[r].delta_buffer) for r in route.remote_sources]
+            sources = [RemoteSource(r, by_rank[r].pieces, by_rank[r].buffers, by_rank[r].delta, by_rank[r].encoder)
+                       for r in route.remote_sources]
             use_delta = mode == "delta" and route.host not in self._anchor_hosts
             pulls[route.host] = self.generators[route.reader].pull_weights.call_one(
                 self.root, version_, token, reports[0].layout, sources, route.parties, self.keep, self.bucket_bytes,
                 use_delta)
             self._anchor_hosts.discard(route.host)
-        deltas = [r.delta for r in reports if r.delta is not None]
         self.published = Publication(
             version_, token, self.root, frozenset(parties), pulls, reports[0].layout.model_bytes, start, publish_s,
-            max(r.write_s for r in reports), self.shadow, sum(d.changed for d in deltas),
-            sum(d.elements for d in deltas), self.bucket_bytes, self.timeout_s, self.verify)
+            max(r.write_s for r in reports), self.shadow, self.bucket_bytes, self.timeout_s, self.verify)
         return self.published
 
     def _delta_mode(self) -> str:

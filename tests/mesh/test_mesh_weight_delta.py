@@ -9,7 +9,11 @@ sync (sync mode's `sync()`; async mode's publish, then each generator loading
 alone, for two steps) each generator's digest equals the trainer's own export
 rounded to bf16, deltas cross hosts except on anchors, a respawned reader and
 a restarted trainer get anchors, a host two versions behind gets the full
-runs, and a flipped bit in the remote host's base is caught by the CRC.
+runs, a flipped bit in the remote host's base is caught by the CRC, and a
+trainer rank whose background encoding fails (`COMPOSER_MESH_FAIL_AT`) is read
+whole, then raises at its next publication. The background encoder's own
+tests stream its chunks in-process: every version rebuilt bitwise, a
+publication while the previous encoding runs, a failed encoding.
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ import numpy as np
 import pytest
 import torch
 
-from composer_mesh.actors.weight_sync.delta import FULL, XOR, DeltaBase, apply_delta, runs_crc
+from composer_mesh.actors.chaos import FAIL_ENV, MARKS_ENV
+from composer_mesh.actors.weight_sync.delta import FULL, XOR, Delta, DeltaBase, RunDelta, apply_delta, runs_crc
+from composer_mesh.actors.weight_sync.encoder import BackgroundEncoder
 from composer_mesh.actors.weight_sync.segment import Piece
 from composer_mesh.titan_ext.batch import TrainBatch
 
@@ -38,6 +44,23 @@ def _payload(values: torch.Tensor, runs: list[Piece]) -> torch.Tensor:
         out[r.offset : r.offset + r.nbytes] = raw[at : at + r.nbytes]
         at += r.nbytes
     return out
+
+
+def _advance(base: DeltaBase, payload_U8: torch.Tensor, runs: list[Piece], version: int, token: str,
+             itemsize: int, encode: bool) -> tuple[Delta, torch.Tensor] | None:
+    """The whole delta of one publication at once (what the background encoder streams in chunks): with
+    `encode` and a base of the same runs, the `Delta` against it and its bytes; else None (the base refreshed)."""
+    if not encode or not base.matches(runs):
+        base.refresh(payload_U8, runs, version, token)
+        return None
+    sections, out, at = [], [], 0
+    base_version, base_token = base.version, base.token
+    for run, encoding, k, section in base.encode_runs(payload_U8, runs, version, token, itemsize):
+        sections.append(section)
+        out.append(RunDelta(run, encoding, k, at, section.numel()))
+        at += section.numel()
+    buffer = torch.cat(sections) if sections else torch.empty(0, dtype=torch.uint8)
+    return Delta(version, base_version, base_token, itemsize, out, buffer.numel(), runs_crc(payload_U8, runs)), buffer
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -64,9 +87,9 @@ def test_delta_rebuilds_every_bit_and_falls_back_to_full(dtype):
                                                                       dtype=torch.uint8)
 
     base = DeltaBase()
-    assert base.advance(new_p, runs, 1, "tok1", size, encode=True) is None  # no base yet: an anchor
-    base.advance(old_p, runs, 0, "tok0", size, encode=False)
-    delta, buffer = base.advance(new_p, runs, 1, "tok1", size, encode=True)
+    assert _advance(base, new_p, runs, 1, "tok1", size, encode=True) is None  # no base yet: an anchor
+    _advance(base, old_p, runs, 0, "tok0", size, encode=False)
+    delta, buffer = _advance(base, new_p, runs, 1, "tok1", size, encode=True)
     assert (delta.version, delta.base_version, delta.base_token) == (1, 0, "tok0")
     assert [rd.encoding for rd in delta.runs][1] == FULL and delta.runs[2].encoding == XOR
 
@@ -102,11 +125,120 @@ def test_delta_rebuilds_every_bit_and_falls_back_to_full(dtype):
 
     # other runs (a changed layout): no delta, a new base
     other = [runs[0], runs[1]]
-    assert base.advance(new_p, other, 2, "tok2", size, encode=True) is None
-    base.advance(new_p, runs, 3, "tok3", size, encode=False)
+    assert _advance(base, new_p, other, 2, "tok2", size, encode=True) is None
+    _advance(base, new_p, runs, 3, "tok3", size, encode=False)
     # the next delta is against v3
-    same, _ = base.advance(new_p, runs, 4, "tok4", size, encode=True)
+    same, _ = _advance(base, new_p, runs, 4, "tok4", size, encode=True)
     assert (same.base_version, same.changed) == (3, 0) and same.nbytes < 100
+
+# ---- the background encoder: streamed chunks, overlap, failures ------------------------------------
+
+
+def _receive(encoder: BackgroundEncoder, base_p: torch.Tensor, timeout_s: float = 60.0) -> tuple[torch.Tensor, int]:
+    """What a reader does with the running job's delta: every chunk, in order, applied to a copy of its base
+    `base_p` (fresh bytes elsewhere), the CRC chained chunk by chunk. Returns (the rebuilt payload, chunks)."""
+    plan = encoder.job.plan
+    target = torch.full_like(base_p, 0x5A)
+    crc, index = 0, 0
+    while True:
+        runs, data, last, final_crc = encoder.job.chunk(index, timeout_s)
+        part = Delta(plan.version, plan.base_version, plan.base_token, plan.itemsize, runs, data.numel(), 0)
+        apply_delta(target, base_p, part, data.clone())
+        crc = runs_crc(target, [rd.run for rd in runs], crc)
+        index += 1
+        if last:
+            assert crc == final_crc, f"v{plan.version}: the chained CRC differs from the trainer's"
+            return target, index
+
+
+def _same_runs(a: torch.Tensor, b: torch.Tensor, runs: list[Piece]) -> bool:
+    """Whether payloads `a` and `b` hold the same bytes at every run."""
+    return all(torch.equal(a[r.offset : r.offset + r.nbytes], b[r.offset : r.offset + r.nbytes]) for r in runs)
+
+
+def _bf16_payload(g: torch.Generator, runs: list[Piece], n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 master values [n], the payload holding them as bf16 at `runs`)."""
+    values = torch.randn(n, generator=g) * 0.02
+    return values, _payload(values.to(torch.bfloat16), runs)
+
+
+def test_background_encoder_streams_chunks_that_rebuild_every_version_bitwise():
+    g = torch.Generator().manual_seed(5)
+    # 12 runs of 40k bf16 elements with gaps; chunks of about 3 runs
+    n_run, k = 40_000, 12
+    runs = [Piece(256 + i * (n_run * 2 + 128), n_run * 2) for i in range(k)]
+    values, payload = _bf16_payload(g, runs, n_run * k)
+    encoder = BackgroundEncoder(chunk_bytes=3 * n_run * 2)
+    # the first publication is an anchor: no plan, the base is refreshed in the background
+    assert encoder.submit(payload, runs, 0, "t0", 2, encode=True) is None
+    held = {0: payload}
+    chunk_counts = []
+    for version in range(1, 6):
+        # an Adam-like step moves some bf16 values; NaN and -0.0 bits on the way
+        values = values + 1e-4 * torch.sign(torch.randn(values.numel(), generator=g))
+        values[version] = float("nan") if version % 2 else -0.0
+        payload = _payload(values.to(torch.bfloat16), runs)
+        plan = encoder.submit(payload, runs, version, f"t{version}", 2, encode=True)
+        assert (plan.version, plan.base_version, plan.base_token) == (version, version - 1, f"t{version - 1}")
+        rebuilt, chunks = _receive(encoder, held[version - 1])
+        assert _same_runs(rebuilt, payload, runs), f"v{version}: the rebuilt runs differ"
+        held[version] = payload
+        chunk_counts.append(chunks)
+    assert chunk_counts == [4] * 5, chunk_counts
+    encoder.finish()
+
+
+def test_a_publication_while_the_previous_encoding_runs_waits_for_it_and_encodes_against_it():
+    g = torch.Generator().manual_seed(6)
+    # 48 MB of bf16 runs: encoding takes tens of milliseconds at least
+    n_run, k = 2_000_000, 12
+    runs = [Piece(i * n_run * 2, n_run * 2) for i in range(k)]
+    values, v0 = _bf16_payload(g, runs, n_run * k)
+    encoder = BackgroundEncoder()
+    encoder.submit(v0, runs, 0, "t0", 2, encode=True)
+    encoder.finish()
+    v1 = _payload((values + 1e-3).to(torch.bfloat16), runs)
+    v2 = _payload((values + 2e-3).to(torch.bfloat16), runs)
+    encoder.submit(v1, runs, 1, "t1", 2, encode=True)
+    first = encoder.job
+    # nobody read v1's chunks, and it is still encoding when v2 is published
+    assert encoder._thread.is_alive() and not first.finished
+    plan = encoder.submit(v2, runs, 2, "t2", 2, encode=True)
+    assert first.finished and first.error is None and first.chunks[-1][2]
+    assert (plan.base_version, plan.base_token) == (1, "t1")
+    # v1's chunks, read late, still rebuild v1; v2's rebuild v2 on top
+    rebuilt1 = torch.full_like(v0, 0x5A)
+    crc = 0
+    for index in range(len(first.chunks)):
+        runs_i, data, last, final_crc = first.chunk(index, 1.0)
+        apply_delta(rebuilt1, v0, Delta(1, 0, "t0", 2, runs_i, data.numel(), 0), data.clone())
+        crc = runs_crc(rebuilt1, [rd.run for rd in runs_i], crc)
+    assert last and crc == final_crc and _same_runs(rebuilt1, v1, runs)
+    rebuilt2, _ = _receive(encoder, v1)
+    assert _same_runs(rebuilt2, v2, runs)
+
+
+def test_a_failed_background_encoding_is_raised_at_the_next_publication_and_never_served():
+    g = torch.Generator().manual_seed(7)
+    runs = [Piece(0, 6 * 1000), Piece(6 * 1000 + 64, 6 * 500)]
+    _, payload = _bf16_payload(g, runs, 1000 * 3 + 500 * 3)
+    encoder = BackgroundEncoder()
+    encoder.submit(payload, runs, 0, "t0", 3, encode=True)
+    # 3-byte elements have no raw-bit view: the encoding fails on the encoder's thread
+    plan = encoder.submit(payload, runs, 1, "t1", 3, encode=True)
+    assert plan is not None
+    # a reader asking for the delta gets the failure, not bytes
+    with pytest.raises(RuntimeError, match=r"background delta encode of v1 \(sync t1\) failed: ValueError"):
+        encoder.job.chunk(0, 10.0)
+    # the next publication raises it, naming the version
+    with pytest.raises(RuntimeError, match=r"v1 \(sync t1\): the background delta encode failed.*anchor"):
+        encoder.submit(payload, runs, 2, "t2", 2, encode=True)
+    # once: the base is gone, so the publication after it is an anchor, and deltas resume after that
+    assert encoder.submit(payload, runs, 2, "t2", 2, encode=True) is None
+    plan = encoder.submit(payload, runs, 3, "t3", 2, encode=True)
+    assert (plan.base_version, plan.base_token) == (2, "t2")
+    rebuilt, _ = _receive(encoder, payload)
+    assert _same_runs(rebuilt, payload, runs)
 
 # ---- 2 fake hosts, 20 steps: dense and MoE ----------------------------------------------------------
 
@@ -137,16 +269,23 @@ def delta_meshes(request, tiny_assets, tiny_trainer_spec, tmp_path_factory):
         checkpoint=CheckpointConfig(every_steps=ANCHOR_EVERY, keep_last=2),
     )
     gen_spec = GeneratorSpec(model_dir=str(model_dir), generator=GeneratorConfig(engine="hf", dtype="bfloat16"))
-    job = ProcessJob({"trainer": 1, "generator": 1})
-    try:
-        state = job.state(cached_path=None)
+    # a failure of the trainer's background encoding, disarmed: the test removes its mark to arm it (chaos)
+    marks = out / "marks"
+    marks.mkdir()
+    (marks / "trainer-delta_encode").touch()
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(FAIL_ENV, "trainer:delta_encode")
+        env.setenv(MARKS_ENV, str(marks))
+        job = ProcessJob({"trainer": 1, "generator": 1})
+        try:
+            state = job.state(cached_path=None)
 
-        def new_generator(host):
-            return host.spawn_procs(per_host={"gpus": 1}).spawn("generator", GeneratorActor, gen_spec)
+            def new_generator(host):
+                return host.spawn_procs(per_host={"gpus": 1}).spawn("generator", GeneratorActor, gen_spec)
 
-        yield state, spec, new_generator, out
-    finally:
-        job.kill()
+            yield state, spec, new_generator, out
+        finally:
+            job.kill()
 
 
 def _flip_a_bit(root: str, host: str) -> None:
@@ -212,8 +351,8 @@ def test_deltas_over_20_steps_stay_bitwise_through_respawn_restart_and_lag(delta
         assert digest is not None and held == {rounded}, f"step {step}: generators differ from the trainer"
         if delta:
             assert nbytes < 0.5 * model_bytes, f"step {step}: delta not smaller"
-        elif step != 15:
-            # (15 reads one rank's runs whole on top of the delta)
+        elif step not in (2, 15):
+            # (2 and 15 read one rank's runs whole on top of the other's delta)
             assert nbytes == model_bytes, f"step {step}: an anchor moved {nbytes} of {model_bytes} bytes"
         return delta, changed / elements if elements else None
 
@@ -240,14 +379,22 @@ def test_deltas_over_20_steps_stay_bitwise_through_respawn_restart_and_lag(delta
         # one bit of the remote host's base flips: its CRC fails, that rank's runs come whole
         if step == 15:
             _flip_a_bit(root, remote)
+        # one trainer rank's background encoding fails: the reader reads that rank whole (the generators still
+        # get the trainer's weights, checked below), and the next publication raises it, naming the version
+        if step == 2:
+            (out / "marks" / "trainer-delta_encode").unlink()
+        if step == 3:
+            with pytest.raises(Exception, match=r"v2 \(sync \w+\): the background delta encode failed"):
+                sync.sync()
         delta, fraction = sync_checked(sync, step)
         kinds.append("delta" if delta else "full")
         if delta:
             fractions.append((step, fraction))
     # anchors at every 5th publication of a sync (steps 5 and 11; 17 after the restart's new sync), for the
-    # respawned reader (7), the host two versions behind (9), the restarted trainer (12) and the corrupted
-    # base (15); v8 went elsewhere
-    assert kinds == ["delta"] * 4 + ["full", "delta", "full", "full", "delta", "full", "full"] + [
+    # failed encoding (2) and the publication after its error (3: that rank has no base), the respawned reader
+    # (7), the host two versions behind (9), the restarted trainer (12) and the corrupted base (15); v8 went
+    # elsewhere
+    assert kinds == ["delta", "full", "full", "delta"] + ["full", "delta", "full", "full", "delta", "full", "full"] + [
         "delta", "delta", "full", "delta", "full"] + ["delta"] * 3, kinds
     # of the bf16 elements, per delta step
     changed = [round(f, 4) for _, f in fractions]

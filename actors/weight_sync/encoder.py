@@ -1,0 +1,213 @@
+"""Delta encoding off the trainer's critical path: one background thread per trainer rank, chunks served as they come.
+
+`TrainerActor.publish_shards` writes and seals its shards (what the next
+`train_step` waits for), then hands the sealed version to its process's
+`BackgroundEncoder` and returns. The encoder's thread XORs and compresses the
+runs against the rank's `DeltaBase` (`actors.weight_sync.delta`) and cuts
+the result into chunks of about `chunk_bytes` of input. A `DeltaEncoderActor`
+on the same process serves them to the readers (`chunk`), each as soon as it
+is encoded and in the reply itself (a delta is a few percent of the bytes:
+one round trip per chunk, no buffer to register), so a reader applies chunk k
+while chunk k+1 is encoded, and the trainer actor's own queue (the next
+`train_step`) never waits for the encoding.
+
+The sealed version the thread reads stays unchanged while it runs: its slot
+is reused only `keep` versions later, and every publication first waits for
+the previous encoding (`BackgroundEncoder.finish`). A failed encoding is raised
+there, at the trainer's next publication, naming the version; its readers
+never see it as a delta (`chunk` raises, and they read that rank whole).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+from monarch.actor import Actor, endpoint
+
+from composer_mesh.actors.chaos import fail_point
+from composer_mesh.actors.weight_sync.delta import DeltaBase, RunDelta, runs_crc
+from composer_mesh.actors.weight_sync.segment import Piece
+
+# input bytes per chunk: small enough to pipeline a shard of a few tens of MB, large enough that one
+# chunk's round trip is small against its encoding
+CHUNK_BYTES = 16 << 20
+
+
+@dataclass(frozen=True)
+class DeltaPlan:
+    """What a reader knows of a rank's delta at publish time: version `version` of sync `token` as changes
+    against `base_version` of sync `base_token` (the very bytes the reader must hold), over `runs` in order."""
+
+    version: int
+    token: str
+    base_version: int
+    base_token: str
+    itemsize: int
+    runs: list[Piece]
+
+    @property
+    def elements(self) -> int:
+        return sum(r.nbytes for r in self.runs) // self.itemsize
+
+
+@dataclass
+class DeltaChunk:
+    """One chunk of a rank's delta: its runs' encodings (`at` within `data`, its encoded bytes `[nbytes]`
+    uint8); on the `last` chunk, `crc`, the CRC-32 of all the rank's runs after applying."""
+
+    runs: list[RunDelta]
+    data: torch.Tensor
+    last: bool
+    crc: int | None
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    @property
+    def changed(self) -> int:
+        return sum(r.changed for r in self.runs)
+
+
+@dataclass
+class EncodeJob:
+    """One publication's encoding (or, with no `plan`, the base's refresh) on the encoder's thread."""
+
+    plan: DeltaPlan | None
+    # the runs of each chunk, in order, their encoded bytes [chunk bytes] uint8, and whether it is the last
+    chunks: list[tuple[list[RunDelta], torch.Tensor, bool]] = field(default_factory=list)
+    # CRC-32 of all the runs, set with the last chunk
+    crc: int | None = None
+    error: BaseException | None = None
+    finished: bool = False
+    cond: threading.Condition = field(default_factory=threading.Condition)
+
+    def chunk(self, index: int, timeout_s: float) -> tuple[list[RunDelta], torch.Tensor, bool, int | None]:
+        """Chunk `index` once encoded: (runs, bytes, last, CRC on the last); raises when the encoding failed."""
+        with self.cond:
+            ready = self.cond.wait_for(lambda: len(self.chunks) > index or self.finished, timeout_s)
+            if self.error is not None:
+                raise RuntimeError(f"background delta encode of {self.name()} failed: "
+                                   f"{type(self.error).__name__}: {self.error}") from self.error
+            if not ready:
+                raise TimeoutError(f"delta chunk {index} of {self.name()} not encoded within {timeout_s} s")
+            if index >= len(self.chunks):
+                raise IndexError(f"{self.name()} has {len(self.chunks)} delta chunks, not {index + 1}")
+            runs, data, last = self.chunks[index]
+            return runs, data, last, self.crc if last else None
+
+    def name(self) -> str:
+        """The publication it encodes, for errors."""
+        return f"v{self.plan.version} (sync {self.plan.token})" if self.plan else "the base refresh"
+
+
+class BackgroundEncoder:
+    """One trainer rank's delta base and the thread that encodes each publication against it."""
+
+    def __init__(self, chunk_bytes: int = CHUNK_BYTES) -> None:
+        self.base = DeltaBase()
+        self.chunk_bytes = chunk_bytes
+        self.job: EncodeJob | None = None
+        self._thread: threading.Thread | None = None
+
+    def finish(self) -> None:
+        """Wait for the running encoding; raise, once, when it failed (the base is then gone: the next delta
+        publication is an anchor)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        job = self.job
+        if job is not None and job.error is not None:
+            self.job = None
+            raise RuntimeError(f"{job.name()}: the background delta encode failed, so that version reached "
+                               f"other hosts whole; the base is dropped and the next publication is an anchor "
+                               f"({type(job.error).__name__}: {job.error})") from job.error
+
+    def submit(self, payload_U8: torch.Tensor, runs: list[Piece], version: int, token: str, itemsize: int,
+               encode: bool) -> DeltaPlan | None:
+        """Start making `runs` of `payload_U8` (this rank's sealed version `version` of sync `token`) the base,
+        in the background; with `encode` and a base of the same runs, as a delta against it (its plan is
+        returned; chunks come from `job.chunk`). `payload_U8` must stay unchanged until the next `finish`."""
+        self.finish()
+        plan = None
+        if encode and self.base.matches(runs):
+            plan = DeltaPlan(version, token, self.base.version, self.base.token, itemsize, list(runs))
+        job = EncodeJob(plan)
+        self.job = job
+        self._thread = threading.Thread(target=self._run, args=(job, payload_U8, runs, version, token, itemsize),
+                                        name=f"delta-encode-v{version}", daemon=True)
+        self._thread.start()
+        return plan
+
+    def drop(self) -> None:
+        """Deltas off: wait for the running encoding and free the base."""
+        try:
+            self.finish()
+        finally:
+            self.job = None
+            self.base.drop()
+
+    @staticmethod
+    def _emit(job: EncodeJob, runs: list[RunDelta], sections: list[torch.Tensor], last: bool, crc: int) -> None:
+        """Hand a chunk to the readers waiting on `job`."""
+        data = torch.cat(sections) if sections else torch.empty(0, dtype=torch.uint8)
+        with job.cond:
+            if last:
+                job.crc = crc
+            job.chunks.append((runs, data, last))
+            job.cond.notify_all()
+
+    def _run(self, job: EncodeJob, payload_U8: torch.Tensor, runs: list[Piece], version: int, token: str,
+             itemsize: int) -> None:
+        try:
+            fail_point("trainer", "delta_encode")
+            if job.plan is None:
+                self.base.refresh(payload_U8, runs, version, token)
+                return
+            crc, pending, sections, at, input_bytes = 0, [], [], 0, 0
+            for n, (run, encoding, k, section) in enumerate(
+                    self.base.encode_runs(payload_U8, runs, version, token, itemsize)):
+                crc = runs_crc(payload_U8, [run], crc)
+                pending.append(RunDelta(run, encoding, k, at, section.numel()))
+                sections.append(section)
+                at += section.numel()
+                input_bytes += run.nbytes
+                if input_bytes >= self.chunk_bytes or n == len(runs) - 1:
+                    self._emit(job, pending, sections, n == len(runs) - 1, crc)
+                    pending, sections, at, input_bytes = [], [], 0, 0
+            if not runs:
+                self._emit(job, [], [], True, crc)
+        except BaseException as exc:  # noqa: BLE001 - kept for the next publication and the readers
+            self.base.drop()
+            job.error = exc
+        finally:
+            with job.cond:
+                job.finished = True
+                job.cond.notify_all()
+
+
+_ENCODER: BackgroundEncoder | None = None
+
+
+def process_encoder() -> BackgroundEncoder:
+    """This process's encoder: the trainer rank's (`TrainerActor`) and the one `DeltaEncoderActor` serves."""
+    global _ENCODER
+    if _ENCODER is None:
+        _ENCODER = BackgroundEncoder()
+    return _ENCODER
+
+
+class DeltaEncoderActor(Actor):
+    """Serves this process's delta chunks to readers on other hosts, beside the trainer actor (whose queue may
+    hold a `train_step`): `chunk` waits for the chunk, not for the actor."""
+
+    @endpoint
+    def chunk(self, version: int, token: str, index: int, timeout_s: float = 300.0) -> DeltaChunk:
+        """Chunk `index` of this rank's delta of version `version` (sync `token`), once encoded."""
+        job = process_encoder().job
+        if job is None or job.plan is None or (job.plan.version, job.plan.token) != (version, token):
+            raise RuntimeError(f"no delta of v{version} (sync {token}) is being encoded here: a newer publication "
+                               "replaced it, or the trainer restarted")
+        return DeltaChunk(*job.chunk(index, timeout_s))
