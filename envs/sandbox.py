@@ -179,6 +179,12 @@ class Sandbox:
         ws.adopt()
         return ws
 
+    def scratch_workspace(
+        self, copy_from: str | os.PathLike | None = None, skip: Callable[[str], bool] | None = None
+    ) -> Workspace:
+        """A workspace for one short run (a grade's judge or callee): `workspace` here, a warm slot in `envs.pool`."""
+        return self.workspace(copy_from, skip)
+
     def _reserve_uid(self) -> tuple[int, Path]:
         """A uid no other live workspace (of any process) holds: an exclusive lock file per uid."""
         for _ in range(1000):
