@@ -25,6 +25,7 @@ or whose worker died, is replaced by a fresh worker.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import queue
@@ -81,11 +82,12 @@ class _Lease(Workspace):
 
     pool: SandboxPool | None = field(default=None, repr=False)
     worker: _Worker | None = field(default=None, repr=False)
+    owner: int = field(default=0, repr=False)
 
     def cleanup(self) -> None:
         if self.pool is not None and self.worker is not None:
             worker, self.worker = self.worker, None
-            self.pool._release(worker)
+            self.pool._release(worker, self.owner)
 
 
 class SandboxPool:
@@ -98,6 +100,9 @@ class SandboxPool:
         self.tag = self.sandbox.tag
         self.dir = Path(tempfile.mkdtemp(prefix="pool-", dir=self.root))
         self._free: list[_Worker] = []
+        # per thread: slots it holds, and the second slot reserved for its grade's next lease
+        self._held: dict[int, int] = {}
+        self._reserved: dict[int, _Worker] = {}
         self._all: set[_Worker] = set()
         self._cond = threading.Condition()
         self._closed = False
@@ -106,6 +111,7 @@ class SandboxPool:
         # bwrap --die-with-parent ties a worker to the thread that started it: one long-lived thread starts them all
         self._spawns: queue.Queue = queue.Queue()
         threading.Thread(target=self._spawner, name="sandbox-pool-spawner", daemon=True).start()
+        atexit.register(self.close)
         try:
             for worker in [self._spawn().result() for _ in range(self.config.pool_size)]:
                 self._add(worker)
@@ -154,13 +160,24 @@ class SandboxPool:
         self, copy_from: str | os.PathLike | None = None, skip: Callable[[str], bool] | None = None
     ) -> Workspace:
         """A warm slot's workspace for one grader run (a cold workspace when none frees up in `pool_wait_s`)."""
+        me = threading.get_ident()
         with self._cond:
-            self._cond.wait_for(lambda: self._free or self._closed, timeout=self.config.pool_wait_s)
-            worker = self._free.pop() if self._free and not self._closed else None
+            worker = self._reserved.pop(me, None)
+            if worker is None:
+                # a grade leases a judge and a callee: take two at once (one reserved for this thread's next
+                # lease), so two grades never each hold one slot while waiting for another
+                need = min(2, len(self._all)) or 1
+                self._cond.wait_for(lambda: len(self._free) >= need or self._closed, timeout=self.config.pool_wait_s)
+                if len(self._free) >= need and not self._closed:
+                    worker = self._free.pop()
+                    if need == 2:
+                        self._reserved[me] = self._free.pop()
+            if worker is not None:
+                self._held[me] = self._held.get(me, 0) + 1
         if worker is None:
             self._count("cold_fallbacks")
             return self.sandbox.workspace(copy_from, skip)
-        lease = _Lease(path=worker.path, uid=worker.uid, scratch=worker.scratch, pool=self, worker=worker)
+        lease = _Lease(path=worker.path, uid=worker.uid, scratch=worker.scratch, pool=self, worker=worker, owner=me)
         try:
             if copy_from is not None:
                 copy_tree(Path(copy_from), worker.path, skip=skip)
@@ -170,8 +187,16 @@ class SandboxPool:
             raise
         return lease
 
-    def _release(self, worker: _Worker) -> None:
+    def _release(self, worker: _Worker, owner: int) -> None:
         """Reset the slot (kill, wipe, check) and make it free again; replace it when the check fails."""
+        with self._cond:
+            self._held[owner] -= 1
+            if not self._held[owner]:
+                del self._held[owner]
+                spare = self._reserved.pop(owner, None)
+                if spare is not None:  # the owner's grade is over: its unused reservation goes back
+                    self._free.append(spare)
+                    self._cond.notify_all()
         self._count("resets")
         if worker.broken or not self._reset(worker):
             self._count("reset_failures", not worker.broken)
@@ -180,7 +205,7 @@ class SandboxPool:
         worker.uses += 1
         with self._cond:
             self._free.append(worker)
-            self._cond.notify()
+            self._cond.notify_all()
 
     def _reset(self, worker: _Worker) -> bool:
         """Wipe everything a job could leave and check it is gone; False when the slot is not clean."""
@@ -232,7 +257,7 @@ class SandboxPool:
                 return
             self._all.add(worker)
             self._free.append(worker)
-            self._cond.notify()
+            self._cond.notify_all()
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._count_lock:
@@ -244,10 +269,12 @@ class SandboxPool:
             return {**self.counts, "free": len(self._free), "workers": len(self._all)}
 
     def close(self) -> None:
-        """Stop every worker and remove the pool's directories."""
+        """Stop every worker and remove the pool's directories (again: nothing to do)."""
         with self._cond:
+            if self._closed:
+                return
             self._closed = True
-            workers, self._free = list(self._all), []
+            workers, self._free, self._reserved = list(self._all), [], {}
             self._cond.notify_all()
         for worker in workers:
             self._stop(worker)
