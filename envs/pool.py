@@ -73,7 +73,6 @@ class _Worker:
     ctrl: socket.socket
     zygote: int = 0
     broken: bool = False
-    uses: int = 0
 
 
 @dataclass
@@ -202,7 +201,6 @@ class SandboxPool:
             self._count("reset_failures", not worker.broken)
             self._replace(worker)
             return
-        worker.uses += 1
         with self._cond:
             self._free.append(worker)
             self._cond.notify_all()

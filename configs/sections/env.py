@@ -50,7 +50,7 @@ class SandboxConfig:
     pool_size: int = option(
         0,
         doc="warm sandbox workers started ahead for grading (envs.pool; a grade leases two); "
-        "0 = today's cold sandbox per run",
+        "0 = a cold sandbox per run",
         ge=0,
         le=64,
     )

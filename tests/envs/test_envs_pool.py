@@ -12,6 +12,7 @@ import time
 import pytest
 
 from composer_mesh.configs.sections.env import CodingConfig
+from composer_mesh.envs.backend import SandboxBackend
 from composer_mesh.envs.micro import make_task
 from composer_mesh.envs.pool import SandboxPool
 from composer_mesh.envs.safeguards import manifest
@@ -187,6 +188,7 @@ def test_a_pooled_grade_equals_a_cold_grade(sandbox, tmp_path):
     task = make_task(CodingConfig(), "train", 3)
     config = dataclasses.replace(sandbox.config, root_dir=str(tmp_path), pool_size=2)
     with SandboxPool(config) as pool:
+        assert isinstance(pool, SandboxBackend)
         for backend in (sandbox, pool):
             for correct in (True, False):
                 with task.workspace(backend) as ws:
