@@ -72,6 +72,8 @@ class _Worker:
     proc: subprocess.Popen
     ctrl: socket.socket
     zygote: int = 0
+    # the slot cgroup's processes while idle: bwrap's and the zygote
+    idle: set[int] = field(default_factory=set)
     broken: bool = False
 
 
@@ -206,8 +208,13 @@ class SandboxPool:
             self._cond.notify_all()
 
     def _reset(self, worker: _Worker) -> bool:
-        """Wipe everything a job could leave and check it is gone; False when the slot is not clean."""
-        if not self._alive(worker) or _kill_others(worker.uid, worker.zygote):
+        """Wipe everything a job could leave and check it is gone; False when the slot is not clean.
+
+        Every process of the slot's uid descends from the zygote and stays in the slot's cgroup or a job's
+        (only root can move it), and each job's end already checked the uid: here the slot's cgroup must
+        hold exactly what it held when the worker became ready.
+        """
+        if not self._alive(worker) or set(worker.cgroup.pids()) != worker.idle:
             return False
         inside = Path(f"/proc/{worker.zygote}/root")
         areas = (worker.path, worker.scratch, inside / "tmp", inside / "dev" / "shm")
@@ -220,11 +227,12 @@ class SandboxPool:
             clean = all(Path(e.path) in keep for a in areas for e in os.scandir(a))
             # the workspace is still mounted where jobs expect it, and the zygote still serves
             clean = clean and os.path.samefile(mount, worker.path) and self._alive(worker)
+            clean = clean and set(worker.cgroup.pids()) == worker.idle
             os.chown(worker.path, worker.uid, worker.uid)
             os.chmod(worker.path, 0o700)
         except OSError:
             return False
-        return clean and processes_of(worker.uid) == [worker.zygote]
+        return clean
 
     def _alive(self, worker: _Worker) -> bool:
         """The zygote runs and is not stopped (a job of its uid may have sent it SIGSTOP)."""
@@ -342,7 +350,7 @@ class SandboxPool:
         except BaseException:
             self._stop(worker)
             raise
-        worker.zygote = zygotes[0]
+        worker.zygote, worker.idle = zygotes[0], set(cgroup.pids())
         return worker
 
     def _stop(self, worker: _Worker) -> None:

@@ -414,11 +414,14 @@ def processes_of(uid: int) -> list[int]:
         if not entry.isdigit():
             continue
         try:
-            with open(f"/proc/{entry}/status") as f:
-                fields = dict(line.split(":", 1) for line in f if ":" in line)
+            with open(f"/proc/{entry}/status", "rb") as f:
+                status = f.read()
         except (FileNotFoundError, ProcessLookupError, PermissionError):
             continue
-        if int(fields["Uid"].split()[0]) == uid and not fields["State"].strip().startswith(("Z", "X")):
+        # only the two fields read (every grade scans /proc several times)
+        state = status[status.index(b"\nState:") + 7:].split(None, 1)[0]
+        real_uid = int(status[status.index(b"\nUid:") + 5:].split(None, 1)[0])
+        if real_uid == uid and not state.startswith((b"Z", b"X")):
             pids.append(int(entry))
     return pids
 

@@ -16,7 +16,7 @@ from composer_mesh.envs.backend import SandboxBackend
 from composer_mesh.envs.micro import make_task
 from composer_mesh.envs.pool import SandboxPool
 from composer_mesh.envs.safeguards import manifest
-from composer_mesh.envs.sandbox import processes_of, processes_with
+from composer_mesh.envs.sandbox import Sandbox, processes_of, processes_with
 
 MARKER = "composer-pool-marker-7c1"
 
@@ -47,6 +47,14 @@ def _wait_for_workers(pool: SandboxPool, n: int, timeout_s: float = 60.0) -> Non
     while pool.stats()["free"] < n:
         assert time.monotonic() < deadline, pool.stats()
         time.sleep(0.05)
+
+
+def _wait_until_stopped(pid: int, timeout_s: float = 30.0) -> None:
+    """A signal is delivered asynchronously: wait until `pid` shows as stopped."""
+    deadline = time.monotonic() + timeout_s
+    while "\nState:\tT" not in open(f"/proc/{pid}/status").read():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
 
 
 LEAVE_BEHIND = f"""
@@ -147,6 +155,7 @@ def test_a_dead_worker_is_replaced(pool):
     with pool.scratch_workspace() as ws:
         # stopped from the host between uses: the reset check refuses the slot
         os.kill(ws.worker.zygote, signal.SIGSTOP)
+        _wait_until_stopped(ws.worker.zygote)
     _wait_for_workers(pool, 1)
     again, _ = _use(pool, "print('fresh')\n")
     assert again.ok and again.stdout.strip() == "fresh"
@@ -186,8 +195,10 @@ def test_graders_share_the_pool_from_threads(sandbox, tmp_path):
 
 def test_a_pooled_grade_equals_a_cold_grade(sandbox, tmp_path):
     task = make_task(CodingConfig(), "train", 3)
-    config = dataclasses.replace(sandbox.config, root_dir=str(tmp_path), pool_size=2)
-    with SandboxPool(config) as pool:
+    # a wall limit a loaded box cannot reach for a correct answer: the comparison is of verdicts
+    config = dataclasses.replace(sandbox.config, root_dir=str(tmp_path), wall_timeout_s=60.0)
+    sandbox = Sandbox(config)
+    with SandboxPool(dataclasses.replace(config, pool_size=2)) as pool:
         assert isinstance(pool, SandboxBackend)
         for backend in (sandbox, pool):
             for correct in (True, False):
