@@ -419,8 +419,11 @@ def processes_of(uid: int) -> list[int]:
         except (FileNotFoundError, ProcessLookupError, PermissionError):
             continue
         # only the two fields read (every grade scans /proc several times)
-        state = status[status.index(b"\nState:") + 7:].split(None, 1)[0]
-        real_uid = int(status[status.index(b"\nUid:") + 5:].split(None, 1)[0])
+        try:
+            state = status[status.index(b"\nState:") + 7:].split(None, 1)[0]
+            real_uid = int(status[status.index(b"\nUid:") + 5:].split(None, 1)[0])
+        except (ValueError, IndexError):  # an exiting process's status can come back cut short
+            continue
         if real_uid == uid and not state.startswith((b"Z", b"X")):
             pids.append(int(entry))
     return pids
