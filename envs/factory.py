@@ -17,6 +17,7 @@ from composer_mesh.envs.demo import DemoEnv, Split, stable_split
 from composer_mesh.envs.feature_deletion import FeatureDeletionEnv, RepoTask, TaskStore, generate_tasks
 from composer_mesh.envs.micro import MicroTasks
 from composer_mesh.envs.plugin import check_call, load_callable
+from composer_mesh.envs.pool import SandboxPool
 from composer_mesh.envs.sandbox import Sandbox
 from composer_mesh.envs.swe import SweTask, TaskBackends, load_instances
 from composer_mesh.envs.tool_loop import ToolLoopEnv, offered_tools
@@ -47,7 +48,7 @@ def env_factory(config: EnvConfig, store: TaskStore | None = None) -> Callable[[
         return lambda split: DatasetEnv(task, split)
     if config.task == "plugin":
         return plugin_factory(config)
-    sandbox = Sandbox(config.sandbox)
+    sandbox = SandboxPool(config.sandbox) if config.sandbox.pool_size else Sandbox(config.sandbox)
     if config.task == "coding":
         pools = coding_pools(config, sandbox, store)
         backend = TaskBackends(sandbox, config.swe) if "swe" in config.coding.sources else sandbox

@@ -47,6 +47,16 @@ class SandboxConfig:
         "(wall_timeout_s still bounds what one grade can cost)",
         ge=0.0,
     )
+    pool_size: int = option(
+        0,
+        doc="warm sandbox workers started ahead for grading (envs.pool; a grade leases two); "
+        "0 = a cold sandbox per run",
+        ge=0,
+        le=64,
+    )
+    pool_wait_s: float = option(
+        1.0, doc="how long a grade waits for a free warm worker before it runs cold instead", ge=0.0
+    )
 
 
 @dataclass(frozen=True)
