@@ -66,7 +66,10 @@ def _run(cmd: list[str], **kw) -> None:
     subprocess.run(cmd, check=True, **kw)
 
 
-SYSTEM_PACKAGES = {"bwrap": "bubblewrap", "setpriv": "util-linux"}  # the grading sandbox (envs/sandbox.py)
+# the grading sandbox (envs/sandbox.py), and the container backend with its image build (envs/container.py)
+SYSTEM_PACKAGES = {
+    "bwrap": "bubblewrap", "setpriv": "util-linux", "podman": "podman", "runc": "runc", "debootstrap": "debootstrap",
+}
 
 
 def ensure_system_packages() -> None:
