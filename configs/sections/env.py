@@ -118,6 +118,10 @@ class CodingConfig:
         4, doc="micro: graded cases per function (reward = share of hidden tests passed)", ge=1, le=16
     )
     package: str = option("", doc="micro: put the module in this package ('' = at the repository root)")
+    docstring: str = option(
+        "words", doc="micro: docstrings name each operation in words, or state its Python expression (code)",
+        choices=("words", "code"),
+    )
     show_source: bool = option(True, doc="micro: put the target file's text in the prompt (else the agent reads it)")
     heldout_fraction: float = option(
         0.2, doc="micro: share of task templates (by a hash of the template id) kept for evaluation", ge=0.0, lt=1.0
