@@ -18,6 +18,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +34,47 @@ REPO = Path(__file__).resolve().parents[2]
 FIXTURE_REPO = REPO / "tests" / "envs" / "fixtures" / "minicalc"
 # a frozen Claude Code session (trace replay, channel 3)
 FIXTURE_TRACE = REPO / "tests" / "replay" / "fixtures" / "claude_session.jsonl"
+# the hidden test of the SWE instance (minicalc's `^` multiplies at the base commit)
+POWER_TEST = "from minicalc import evaluate\n\n\ndef test_power():\n    assert evaluate(\"2 ^ 3\") == 8.0\n"
 # the tiny model's context (titan_ext.tiny.TINY_MAX_SEQ_LEN): a recipe's longer sequences are cut to it
 TINY_CONTEXT = 4096
+
+
+def _git(repo: Path, *args: str) -> str:
+    cmd = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+
+
+def swe_fixture(root: Path) -> Path:
+    """instances.jsonl with one SWE-Gym row over a git copy of minicalc (under root/repos) whose `^` multiplies:
+    the gold patch restores `**`, the test_patch adds the hidden test, PASS_TO_PASS keeps a visible test."""
+    repo = root / "repos" / "acme__minicalc"
+    shutil.copytree(FIXTURE_REPO, repo)
+    source = repo / "minicalc" / "evaluate.py"
+    fixed = source.read_text()
+    source.write_text(fixed.replace("return lhs**rhs", "return lhs * rhs"))
+    _git(repo, "init", "-q")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-q", "-m", "base")
+    base = _git(repo, "rev-parse", "HEAD").strip()
+    source.write_text(fixed)
+    (repo / "tests" / "test_power.py").write_text(POWER_TEST)
+    _git(repo, "add", "-N", "tests/test_power.py")
+    patch, test_patch = _git(repo, "diff", "--", "minicalc"), _git(repo, "diff", "--", "tests")
+    # back to the base commit (the intent-to-add hidden test goes too)
+    _git(repo, "reset", "-q", "--hard")
+    row = {"instance_id": "acme__minicalc-1", "repo": "acme/minicalc", "base_commit": base, "patch": patch,
+           "test_patch": test_patch, "problem_statement": "evaluate('2 ^ 3') returns 6.0; `^` must be the power.",
+           "FAIL_TO_PASS": ["tests/test_power.py::test_power"], "PASS_TO_PASS": ["tests/test_evaluate.py::test_variables"],
+           "docker_image": "localhost/composer-mesh-swe:bookworm"}
+    path = root / "instances.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def swe_instances(tmp_path_factory) -> Path:
+    return swe_fixture(tmp_path_factory.mktemp("swe"))
 
 
 def _tiny_model(job: JobConfig, cache: Path) -> dict[str, Any]:
@@ -91,16 +132,27 @@ def _one_short_step(job: JobConfig) -> dict[str, Any]:
     return overrides
 
 
-def _fixture_data(job: JobConfig) -> dict[str, Any]:
-    """A user's data paths -> the suite's fixtures (repository, trace), few tasks."""
+def _missing(paths: Any) -> bool:
+    """Some of a recipe's data paths (relative ones from the repository root) are not on this box: placeholders
+    a user edits, which the suite's fixtures stand in for; data shipped with the repository stays."""
+    return any(not (REPO / p).exists() for p in ([paths] if isinstance(paths, str) else paths) if p)
+
+
+def _fixture_data(job: JobConfig, swe_instances: Path) -> dict[str, Any]:
+    """A user's data paths -> the suite's fixtures (repository, SWE instance, trace), few tasks; SWE rows
+    run in the local sandbox instead of their container images."""
     overrides: dict[str, Any] = {}
-    fd = job.env.feature_deletion
-    if fd.repo:
-        overrides.update({"env.feature_deletion.repo": str(FIXTURE_REPO),
+    fd, swe = job.env.feature_deletion, job.env.swe
+    if _missing(fd.repos):
+        overrides.update({"env.feature_deletion.repos": [str(FIXTURE_REPO)],
                           "env.feature_deletion.max_tasks": min(fd.max_tasks, 2)})
-    if job.env.sandbox.root_dir:
+    if _missing(swe.instances) or _missing(swe.repos_dir):
+        overrides.update({"env.swe.instances": str(swe_instances), "env.swe.repos_dir": str(swe_instances.parent / "repos")})
+    if swe.instances and swe.runtime != "local":
+        overrides["env.swe.runtime"] = "local"
+    if _missing(job.env.sandbox.root_dir):
         overrides["env.sandbox.root_dir"] = ""
-    if job.replay.traces:
+    if _missing(job.replay.traces):
         overrides["replay.traces"] = [str(FIXTURE_TRACE)]
     return overrides
 
@@ -114,10 +166,10 @@ def _loopback_teachers(job: JobConfig) -> dict[str, Any]:
             "teachers.api_key_env": "", "teachers.models": models}
 
 
-def cpu_overrides(job: JobConfig, out: Path, cache: Path) -> dict[str, Any]:
+def cpu_overrides(job: JobConfig, out: Path, cache: Path, swe_instances: Path) -> dict[str, Any]:
     """The dotted keys a CPU box changes in `job` (derived from the recipe), for one short step under `out`."""
     return {"job.output_dir": str(out), **_tiny_model(job, cache), **_local_mesh(job), **_one_short_step(job),
-            **_fixture_data(job), **_loopback_teachers(job)}
+            **_fixture_data(job, swe_instances), **_loopback_teachers(job)}
 
 
 def toml_literal(value: Any) -> str:
@@ -156,20 +208,26 @@ def test_toml_literal_round_trips_through_the_override_parser():
 
 
 @pytest.mark.parametrize("recipe", list_recipes())
-def test_cpu_overrides_name_only_existing_keys(recipe, tmp_path):
+def test_cpu_overrides_name_only_existing_keys(recipe, tmp_path, swe_instances):
     """The derived overrides load on top of the recipe (a key they name that the schema lost fails here)."""
     job = load_config(REPO / "configs" / recipe)
-    overrides = cpu_overrides(job, tmp_path, tmp_path / "assets")
+    overrides = cpu_overrides(job, tmp_path, tmp_path / "assets", swe_instances)
     cpu = load_config(REPO / "configs" / recipe, overrides)
     assert cpu.model.device in ("auto", "cpu") and cpu.mesh.backend == "local" and cpu.generator.engine == "hf"
     assert cpu.trainer.steps == 1 and cpu.model.registry_flavour() in ("tiny", "tiny_moe")
+    # every data path the run reads is on this box
+    for paths in (cpu.env.feature_deletion.repos, cpu.env.swe.instances, cpu.env.swe.repos_dir, cpu.replay.traces):
+        assert not _missing(paths), (recipe, paths)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", list_recipes())
-def test_recipe_trains_one_step_on_cpu(recipe, tmp_path, tiny_assets, capsys):
+def test_recipe_trains_one_step_on_cpu(recipe, tmp_path, tiny_assets, swe_instances, capsys, monkeypatch):
+    # a recipe's relative paths (shipped data) are from the repository root, as `composer-mesh` is run
+    monkeypatch.chdir(REPO)
     job = load_config(REPO / "configs" / recipe)
-    summary = train_one_step(recipe, cpu_overrides(job, tmp_path / "runs", tiny_assets.root.parent), capsys)
+    overrides = cpu_overrides(job, tmp_path / "runs", tiny_assets.root.parent, swe_instances)
+    summary = train_one_step(recipe, overrides, capsys)
     assert summary["final_step"] == 1 and summary["steps_run"] == 1 and summary["trained_steps"] == 1, summary
     rows = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     [row] = [r for r in rows if r["step"] == 1]
@@ -185,3 +243,17 @@ def test_recipe_trains_one_step_on_cpu(recipe, tmp_path, tiny_assets, capsys):
     if channels["preference"]:
         # frozen traces (and the run's own failed turns) gave the teachers states to disagree on
         assert row["preference/pairs"] > 0 and row["preference/loss"] > 0, row
+
+
+def test_swe_fixture_is_a_real_instance(swe_instances, tmp_path):
+    """The row the suite substitutes grades as SWE-Gym does: gold patch 1, no patch 0 (the hidden test fails)."""
+    from composer_mesh.configs.sections.env import SandboxConfig, SweConfig
+    from composer_mesh.envs.sandbox import Sandbox
+    from composer_mesh.envs.swe import load_instances
+
+    config = SweConfig(instances=str(swe_instances), repos_dir=str(swe_instances.parent / "repos"), runtime="local")
+    [task] = load_instances(config, tmp_path / "store")
+    sandbox = Sandbox(SandboxConfig(root_dir=str(tmp_path), wall_timeout_s=30.0))
+    gold, empty = task.grade_patch(sandbox, task.patch), task.grade_patch(sandbox, "")
+    assert (gold.reward, gold.passed, gold.total) == (1.0, 2, 2), gold
+    assert (empty.reward, empty.passed, empty.total) == (0.0, 1, 2), empty
