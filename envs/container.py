@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import threading
@@ -194,7 +195,7 @@ class ContainerBackend:
         if self.config.runtime in _OCI:
             subprocess.run([self.config.runtime, "rm", "-f", "-t", "0", name], capture_output=True, timeout=60)
         try:
-            os.killpg(proc.pid, 9)
+            os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
 

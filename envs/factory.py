@@ -10,6 +10,7 @@ from typing import Callable
 
 from composer_mesh.configs.sections.env import EnvConfig
 from composer_mesh.envs.base import Environment
+from composer_mesh.envs.container import ContainerBackend
 from composer_mesh.envs.coding import ListPool, TaskPool, UnionPool
 from composer_mesh.envs.dataset import DatasetEnv, load_task
 from composer_mesh.envs.demo import DemoEnv, Split, stable_split
@@ -18,7 +19,7 @@ from composer_mesh.envs.micro import MicroTasks
 from composer_mesh.envs.plugin import check_call, load_callable
 from composer_mesh.envs.sandbox import Sandbox
 from composer_mesh.envs.swe import SweTask, TaskBackends, load_instances
-from composer_mesh.envs.tool_loop import ToolLoopEnv
+from composer_mesh.envs.tool_loop import ToolLoopEnv, offered_tools
 
 
 def split_tasks(tasks: list[RepoTask], heldout_fraction: float, split: Split) -> list[RepoTask]:
@@ -76,14 +77,8 @@ def repository_tasks(config: EnvConfig, sandbox: Sandbox, store: TaskStore | Non
 
 def coding_pools(config: EnvConfig, sandbox: Sandbox, store: TaskStore | None) -> dict[Split, TaskPool]:
     """The union of `coding.sources` per split; an unknown or empty source is an error naming its key."""
-    sources = config.coding.sources
-    if not sources:
-        raise ValueError(f"env.coding.sources is empty; sources: {', '.join(CODING_SOURCES)}")
-    unknown = [s for s in sources if s not in CODING_SOURCES]
-    if unknown:
-        raise ValueError(f"env.coding.sources: unknown source(s) {unknown}; sources: {', '.join(CODING_SOURCES)}")
     pools: dict[Split, list[TaskPool]] = {"train": [], "heldout": []}
-    for source in dict.fromkeys(sources):
+    for source in coding_sources(config):
         if source == "micro":
             for split in pools:
                 pools[split].append(MicroTasks(config.coding, split))
@@ -100,10 +95,27 @@ def swe_tasks(config: EnvConfig, sandbox: Sandbox) -> dict[Split, list[SweTask]]
     """SWE instances of `swe.instances` per split; their snapshots live in a private dir removed at exit."""
     store = Path(tempfile.mkdtemp(prefix="swe-", dir=sandbox.root))
     atexit.register(shutil.rmtree, store, True)
+    tasks = swe_instances(config, store)
+    return {s: split_tasks(tasks, config.swe.heldout_fraction, s) for s in ("train", "heldout")}
+
+
+def swe_instances(config: EnvConfig, store: Path) -> list[SweTask]:
+    """The rows of `swe.instances` (snapshots go to `store`); an empty file is an error naming the key."""
     tasks = load_instances(config.swe, store)
     if not tasks:
         raise ValueError(f"env.coding.sources names swe, but env.swe.instances = {config.swe.instances!r} has no row")
-    return {s: split_tasks(tasks, config.swe.heldout_fraction, s) for s in ("train", "heldout")}
+    return tasks
+
+
+def coding_sources(config: EnvConfig) -> list[str]:
+    """`coding.sources` without repeats; empty or unknown is an error naming the key."""
+    sources = config.coding.sources
+    if not sources:
+        raise ValueError(f"env.coding.sources is empty; sources: {', '.join(CODING_SOURCES)}")
+    unknown = [s for s in sources if s not in CODING_SOURCES]
+    if unknown:
+        raise ValueError(f"env.coding.sources: unknown source(s) {unknown}; sources: {', '.join(CODING_SOURCES)}")
+    return list(dict.fromkeys(sources))
 
 
 def plugin_factory(config: EnvConfig) -> Callable[[Split], Environment]:
@@ -126,11 +138,31 @@ def plugin_factory(config: EnvConfig) -> Callable[[Split], Environment]:
 
 
 def check_task(config: EnvConfig) -> None:
-    """Fail before any actor starts when a dataset or plugin task cannot load (one environment made per split)."""
+    """Fail before any actor starts when a dataset or plugin task cannot load (one environment made per split),
+    or when a coding task's sources, micro knobs or tools are wrong (cheap checks: no repository is graded here)."""
     if config.task in ("dataset", "plugin"):
         make = env_factory(config)
         for split in ("train", "heldout"):
             make(split).close()
+    if config.task in ("tool_loop", "coding"):
+        offered_tools(config.tool_loop.tools)
+    if config.task == "coding":
+        sources = coding_sources(config)
+        if "repos" in sources and not config.feature_deletion.repos:
+            raise ValueError("env.coding.sources names 'repos': it needs env.feature_deletion.repos (local repository paths)")
+        if "micro" in sources:
+            for split in ("train", "heldout"):
+                MicroTasks(config.coding, split)
+        if "swe" in sources:
+            check_swe(config)
+
+
+def check_swe(config: EnvConfig) -> None:
+    """The instances file loads, and each image runs a contained container here (SandboxUnavailable says why not)."""
+    with tempfile.TemporaryDirectory(prefix="swe-check-") as tmp:
+        tasks = swe_instances(config, Path(tmp) / "store")
+    for image in sorted({t.image for t in tasks if t.backend == "container"}):
+        ContainerBackend(config.swe, image)
 
 
 def build_env(config: EnvConfig, split: Split = "train", store: TaskStore | None = None) -> Environment:

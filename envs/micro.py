@@ -166,6 +166,9 @@ def _space(config: CodingConfig) -> tuple[list[tuple[str, ...]], list[str | None
     if not chains:
         raise ValueError(f"env.coding: no operation chain of statements_per_body = {config.statements_per_body} "
                          f"in kinds {list(config.kinds)}")
+    if len(chains) < config.functions_per_task:
+        raise ValueError(f"env.coding.functions_per_task = {config.functions_per_task}: only {len(chains)} distinct "
+                         "function bodies in these kinds; widen kinds or ops_per_kind")
     bugs: list[str | None] = [op.id for op in ops] if config.failing_visible_test else [None]
     return chains, bugs
 
@@ -179,7 +182,7 @@ def templates(config: CodingConfig, split: Split | None = None) -> tuple[Templat
     if len(chains) > _ENUMERATE_LIMIT or size > _ENUMERATE_LIMIT:
         return None
     out = tuple(
-        Template(combo, bug, p, n)
+        Template(tuple(sorted(combo)), bug, p, n)
         for combo in itertools.combinations(chains, k) for bug in bugs for p in range(3) for n in range(3)
     )
     return out if split is None else tuple(t for t in out if stable_split(t.id, config.heldout_fraction) == split)

@@ -46,7 +46,7 @@ class SweTask:
 
     name: str
     repo: str
-    source: Path
+    repo_path: Path
     base_commit: str
     problem_statement: str
     patch: str
@@ -57,6 +57,7 @@ class SweTask:
     backend: str
     store: Path = field(repr=False)
     plugin_autoload: bool = False
+    source: str = "swe"
 
     @property
     def template(self) -> str:
@@ -82,12 +83,12 @@ class SweTask:
             tmp = Path(tempfile.mkdtemp(prefix="snap-", dir=self.store))
             if self.base_commit:
                 archive = subprocess.run(
-                    ["git", "-C", str(self.source), "archive", "--format=tar", self.base_commit],
+                    ["git", "-C", str(self.repo_path), "archive", "--format=tar", self.base_commit],
                     capture_output=True, check=True,
                 )
                 subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive.stdout, check=True)
             else:
-                shutil.copytree(self.source, tmp, dirs_exist_ok=True, ignore=shutil.ignore_patterns(".git"))
+                shutil.copytree(self.repo_path, tmp, dirs_exist_ok=True, ignore=shutil.ignore_patterns(".git"))
             try:
                 os.replace(tmp, dest)
             except OSError:
@@ -124,12 +125,17 @@ class SweTask:
         """Run the hidden tests against a copy of `ws` with test_patch applied; 1 only for a clean full pass.
 
         Added test files are allowed (only the named node ids run); edited or
-        deleted tests, test configuration and new conftest files are violations.
+        deleted tests, test configuration and new conftest files are violations
+        (as are the tool loop's `violations`): those earn 0 without a test run.
         """
         began = time.perf_counter()
         backend = _concrete(backend, self)
         diff = diff_tree(start_manifest, manifest(ws.path))
         found = list(violations) + [v for v in change_violations(diff) if v[0] != "added_tests"]
+        total = len(self.tests)
+        if found:
+            # reward 0 whatever the tests say: spare the run
+            return Grade(0.0, found[0][0], 0, total, tuple(dict.fromkeys(found)), "", round(time.perf_counter() - began, 3))
         hidden = patched_files(self.test_patch, self.snapshot())
         with backend.workspace(copy_from=ws.path, skip=lambda rel: rel in hidden or is_bytecode(rel)) as judge:
             write_files(judge.path, hidden)
@@ -139,8 +145,9 @@ class SweTask:
             result = backend.run(argv, judge, env=env, tail_chars=_REPORT_CHARS)
         outcomes = {node: outcome for outcome, node in _OUTCOME.findall(result.stdout)}
         found += [(v, "tests") for v in result.violations]
+        if not outcomes and not result.violations:
+            found.append(("tests_not_run", f"exit {result.exit_code}: {(result.stderr or result.stdout)[-300:]}"))
         passed = sum(outcomes.get(t) == "PASSED" for t in self.tests)
-        total = len(self.tests)
         if found:
             reason = found[0][0]
         elif passed < total:
@@ -160,11 +167,13 @@ class TaskBackends:
     workspace is made, and its commands run, in a container of the task's
     image (one `ContainerBackend` per image). `python()` names the local
     interpreter; `run` swaps it for the image's one in a container workspace.
+    Every other task (micro, repos) sees the local sandbox whole: its
+    attributes (`config`, `root`) and `run`'s local-only keywords pass through.
     """
 
     def __init__(self, local: SandboxBackend, config: SweConfig) -> None:
         self.local = local
-        self.config = config
+        self.swe_config = config
         self._images: dict[str, ContainerBackend] = {}
         self._by_path: dict[Path, SandboxBackend] = {}
         self._lock = threading.Lock()
@@ -175,7 +184,7 @@ class TaskBackends:
             return self.local
         with self._lock:
             if task.image not in self._images:
-                self._images[task.image] = ContainerBackend(self.config, task.image)
+                self._images[task.image] = ContainerBackend(self.swe_config, task.image)
             return self._images[task.image]
 
     def remember(self, ws: Workspace, task: Any) -> None:
@@ -192,15 +201,25 @@ class TaskBackends:
 
     def run(
         self, argv: Sequence[str], ws: Workspace, *, stdin: bytes = b"", timeout_s: float | None = None,
-        env: Mapping[str, str] | None = None, tail_chars: int | None = None,
+        env: Mapping[str, str] | None = None, tail_chars: int | None = None, **local_only: Any,
     ) -> SandboxResult:
+        """Run on `ws`'s backend; `local_only` (`expose`, `pass_fds`, ...) reach the local sandbox only."""
         backend = self._by_path.get(ws.path, self.local)
-        if backend is not self.local and argv and argv[0] == self.local.python():
-            argv = [backend.python(), *argv[1:]]
-        return backend.run(argv, ws, stdin=stdin, timeout_s=timeout_s, env=env, tail_chars=tail_chars)
+        if backend is not self.local:
+            if local_only:
+                raise ValueError(f"{sorted(local_only)}: the local sandbox's keywords, not a container's")
+            if argv and argv[0] == self.local.python():
+                argv = [backend.python(), *argv[1:]]
+        return backend.run(argv, ws, stdin=stdin, timeout_s=timeout_s, env=env, tail_chars=tail_chars, **local_only)
 
     def python(self) -> str:
         return self.local.python()
+
+    def __getattr__(self, name: str) -> Any:
+        # the local sandbox's own attributes (config, root, tag) for the graders of local tasks
+        if name == "local":
+            raise AttributeError(name)
+        return getattr(self.local, name)
 
 
 def _concrete(backend: SandboxBackend, task: SweTask) -> SandboxBackend:
@@ -296,13 +315,13 @@ def _task(raw: Any, where: str, config: SweConfig, store: Path) -> SweTask:
     image = next((raw[k] for k in _IMAGE_KEYS if raw.get(k)), config.image)
     if config.runtime != "local" and not image:
         raise ValueError(f"{where}: no image (row fields {', '.join(_IMAGE_KEYS)}) and env.swe.image is empty")
-    source = _repository(Path(config.repos_dir), repo, where)
+    repo_path = _repository(Path(config.repos_dir), repo, where)
     if commit:
-        check = subprocess.run(["git", "-C", str(source), "cat-file", "-e", f"{commit}^{{commit}}"], capture_output=True)
+        check = subprocess.run(["git", "-C", str(repo_path), "cat-file", "-e", f"{commit}^{{commit}}"], capture_output=True)
         if check.returncode != 0:
-            raise ValueError(f"{where}: base_commit {commit!r} is not a commit of {source}")
+            raise ValueError(f"{where}: base_commit {commit!r} is not a commit of {repo_path}")
     return SweTask(
-        name=str(name), repo=repo, source=source, base_commit=commit, problem_statement=get("problem_statement"),
+        name=str(name), repo=repo, repo_path=repo_path, base_commit=commit, problem_statement=get("problem_statement"),
         patch=str(raw.get("patch") or ""), test_patch=str(raw.get("test_patch") or ""), fail_to_pass=f2p,
         pass_to_pass=p2p, image=str(image), backend="local" if config.runtime == "local" else "container", store=store,
         plugin_autoload=config.plugin_autoload,

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from composer_mesh.configs.loader import loads_config
-from composer_mesh.configs.sections.env import CodingConfig, EnvConfig, FeatureDeletionConfig
-from composer_mesh.envs.factory import build_env, env_factory
+from composer_mesh.configs.sections.env import CodingConfig, EnvConfig, FeatureDeletionConfig, ToolLoopConfig
+from composer_mesh.envs.factory import build_env, check_task, env_factory
 from composer_mesh.envs.tool_loop import ToolLoopEnv
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -39,6 +39,23 @@ def test_coding_sources_errors_name_the_key():
         build_env(EnvConfig(task="coding", coding=CodingConfig(sources=("repos",))))
     with pytest.raises(ValueError, match="env.coding.heldout_fraction"):
         build_env(EnvConfig(task="coding", coding=CodingConfig(heldout_fraction=0.0)), "heldout")
+
+
+def test_check_task_refuses_a_bad_coding_section_before_any_actor_starts():
+    """The launcher's cheap pre-flight: every error names its key, and nothing is generated or graded."""
+    check_task(EnvConfig(task="coding"))
+    bad = {
+        "env.coding.sources is empty": CodingConfig(sources=()),
+        r"env.coding.sources: unknown source\(s\) \['nope'\]": CodingConfig(sources=("nope",)),
+        "needs env.feature_deletion.repos": CodingConfig(sources=("micro", "repos")),
+        "env.coding.heldout_fraction": CodingConfig(heldout_fraction=0.0),
+        "env.coding.kinds": CodingConfig(kinds=("sorting",)),
+    }
+    for message, coding in bad.items():
+        with pytest.raises(ValueError, match=message):
+            check_task(EnvConfig(task="coding", coding=coding))
+    with pytest.raises(ValueError, match="env.tool_loop.tools"):
+        check_task(EnvConfig(task="coding", tool_loop=ToolLoopConfig(tools=("edit_file", "grep"))))
 
 
 def test_coding_keys_load_from_toml():

@@ -71,6 +71,8 @@ def test_knobs_shape_the_task():
         assert f"{ast.unparse(ret.value)}." in literal.stubbed_source
     with pytest.raises(ValueError, match="env.coding.kinds"):
         make_task(CodingConfig(kinds=("sorting",)), "train", 0)
+    with pytest.raises(ValueError, match="env.coding.functions_per_task = 4: only 3 distinct"):
+        make_task(CodingConfig(functions_per_task=4), "train", 0)
 
 
 def test_split_is_by_template_and_heldout_reuses_the_operations():
@@ -78,6 +80,7 @@ def test_split_is_by_template_and_heldout_reuses_the_operations():
         train, held = templates(config, "train"), templates(config, "heldout")
         assert held and set(train).isdisjoint(held) and set(train) | set(held) == set(templates(config))
         assert all(stable_split(t.id, config.heldout_fraction) == "heldout" for t in held)
+        assert all(list(t.chains) == sorted(t.chains) for t in train)  # an id names a set of functions once
         trained_ops = {op for t in train for c in t.chains for op in c}
         assert {op for t in held for c in t.chains for op in c} <= trained_ops
     drawn = {s: {make_task(HARD, s, seed).template for seed in range(20)} for s in ("train", "heldout")}

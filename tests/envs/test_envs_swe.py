@@ -22,7 +22,7 @@ from composer_mesh.configs.schema import JobConfig
 from composer_mesh.envs.backend import SandboxBackend
 from composer_mesh.envs.base import assistant
 from composer_mesh.envs.container import ContainerBackend, build_image
-from composer_mesh.envs.factory import env_factory
+from composer_mesh.envs.factory import check_task, env_factory
 from composer_mesh.envs.safeguards import manifest
 from composer_mesh.envs.sandbox import Sandbox, SandboxUnavailable
 from composer_mesh.envs.swe import SweTask, load_instances
@@ -174,7 +174,7 @@ def test_graded_through_the_container_backend(tmp_path, instance, image):
 
 
 def test_container_containment(image):
-    backend = ContainerBackend(SweConfig(image=image, memory_mb=128, max_processes=16, tmpfs_mb=8))
+    backend = ContainerBackend(SweConfig(image=image, memory_mb=128, max_processes=16, tmpfs_mb=8, cpu_cores=0.5))
     with backend.workspace() as ws:
         def py(code: str, timeout_s: float = 20.0):
             return backend.run(["python3", "-c", code], ws, timeout_s=timeout_s)
@@ -191,6 +191,15 @@ def test_container_containment(image):
             assert "Read-only file system" in ro.stderr, (target, ro)
         wrote = py("open('made_inside.txt', 'w').write('x'); open('/tmp/t', 'w').write('y')")
         assert wrote.ok and (ws.path / "made_inside.txt").stat().st_uid == 150000
+        # the container's own cgroup limits, as the kernel holds them (cgroups v1 files, else v2)
+        limits = py(
+            "import os\ndef r(*ps):\n    p = next(p for p in ps if os.path.exists(p))\n    return open(p).read().split()\n"
+            "q = r('/sys/fs/cgroup/cpu/cpu.cfs_quota_us', '/sys/fs/cgroup/cpu.max')\n"
+            "period = r('/sys/fs/cgroup/cpu/cpu.cfs_period_us')[0] if len(q) == 1 else q[1]\n"
+            "print(int(q[0]) / int(period), r('/sys/fs/cgroup/memory/memory.limit_in_bytes', '/sys/fs/cgroup/memory.max')[0], "
+            "r('/sys/fs/cgroup/pids/pids.max', '/sys/fs/cgroup/pids.max')[0])"
+        )
+        assert limits.stdout.split() == ["0.5", str(128 << 20), "16"], limits
         tmp_cap = py("open('/tmp/big', 'wb').write(bytes(16 << 20))")
         assert "No space left on device" in tmp_cap.stderr, tmp_cap
         memory = py("x = bytearray(400 << 20); print('allocated')")
@@ -230,7 +239,31 @@ def test_coding_union_runs_a_swe_episode_in_its_container(tmp_path, instance, im
     env.step(assistant(tool_calls=[("write_file", {"path": "mathx.py", "content": FIXED})]))
     done = env.step(assistant("done"))
     assert done.done and done.reward == 1.0 and (done.info["passed"], done.info["total"]) == (2, 2), done.info
+    assert (done.info["source"], done.info["template"]) == ("swe", "acme__mathx-1")
+    # a union with micro: seed 0 draws a micro task (graded by the local sandbox through the same router)
+    union = env_factory(dataclasses.replace(config, coding=CodingConfig(sources=("micro", "swe"))))("train")
+    union.reset(seed=0)
+    micro = union.step(assistant("done"))
+    assert micro.done and micro.info["source"] == "micro" and micro.info["total"] > 0, micro.info
+    union.reset(seed=1)
+    assert union.state.messages[-1]["content"].startswith("Repository `acme/mathx`")
+    union.close()
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     with pytest.raises(ValueError, match=r"env\.coding\.sources names swe, but env\.swe\.instances = '.*empty.jsonl'"):
         env_factory(dataclasses.replace(config, swe=dataclasses.replace(swe, instances=str(empty))))
+    # the pre-flight before any actor starts: the rows load and each image runs here
+    check_task(config)
+    with pytest.raises(ValueError, match=r"env\.swe\.instances = '.*empty.jsonl' has no row"):
+        check_task(dataclasses.replace(config, swe=dataclasses.replace(swe, instances=str(empty))))
+    path.write_text(json.dumps(instance["row"] | {"docker_image": ""}) + "\n")
+    with pytest.raises(SandboxUnavailable, match="image 'localhost/no-such-image:x' not in local podman storage"):
+        check_task(dataclasses.replace(config, swe=dataclasses.replace(swe, image="localhost/no-such-image:x")))
+
+
+def test_a_run_that_reports_nothing_is_not_a_pass(tmp_path, instance, local_backend):
+    """Node ids pytest cannot find, or an interpreter that is not there, give `tests_not_run`, reward 0."""
+    row = instance["row"] | {"FAIL_TO_PASS": ["tests/test_gone.py::test_x"], "PASS_TO_PASS": []}
+    (task,) = _load(tmp_path, instance, [row], runtime="local")
+    grade = task.grade_patch(local_backend, task.patch)
+    assert (grade.reward, grade.reason, grade.passed) == (0.0, "tests_not_run", 0), grade

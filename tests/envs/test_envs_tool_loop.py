@@ -174,7 +174,8 @@ def test_edit_file_replaces_one_exact_occurrence(sandbox):
     info = obs.info
     assert (info["template"], info["source"], info["passed"], info["total"]) == (task.template, "micro", 8, 8)
     assert info["tool_errors"] == {"bad_tool_call": 3, "file_not_found": 1, "permission": 1}
-    assert info["reason"] == "passed" and info["violations"] == [] and info["grade_s"] > 0
+    assert info["reason"] == "passed" and info["violations"] == [] and info["violation_kinds"] == {}
+    assert info["turns"] == 3 and info["grade_s"] > 0
 
 
 def test_tools_subset_is_what_the_model_sees(sandbox):
@@ -182,11 +183,18 @@ def test_tools_subset_is_what_the_model_sees(sandbox):
     obs = env.reset(seed=0)
     assert [t["function"]["name"] for t in obs.info["tools"]] == ["edit_file", "run_tests"]
     assert obs.messages[0]["content"] == "You edit a Python repository with tools: edit_file, run_tests."
-    obs = env.step(assistant(tool_calls=[("read_file", {"path": env.task.target}), ("run_tests", {})]))
-    assert [s.kind for s in obs.error_sites] == [ErrorKind.BAD_TOOL_CALL, ErrorKind.TEST_FAILURE]
+    peek = ("edit_file", {"path": "test_hidden.py", "old": "def", "new": "def"})  # absent, and recorded
+    obs = env.step(assistant(tool_calls=[("read_file", {"path": env.task.target}), ("run_tests", {}), peek]))
+    assert [s.kind for s in obs.error_sites] == [ErrorKind.BAD_TOOL_CALL, ErrorKind.TEST_FAILURE, ErrorKind.FILE_NOT_FOUND]
     assert "unknown tool 'read_file'; tools: edit_file, run_tests" in obs.messages[0]["content"]
-    obs = env.step(assistant(tool_calls=[("run_tests", {})]))  # the turn limit grades the untouched stub
-    assert obs.done and obs.reward == 0.0 and obs.info["tool_errors"] == {"bad_tool_call": 1, "test_failure": 2}
+    # an edited test is a violation; the turn limit grades
+    hack = ("edit_file", {"path": "test_m.py", "old": "from m import", "new": "# ok\nfrom m import"})
+    obs = env.step(assistant(tool_calls=[hack, ("run_tests", {})]))
+    assert obs.error_sites[0].kind is ErrorKind.TEST_FAILURE and obs.messages[0]["content"] == "edited test_m.py"
+    info = obs.info
+    assert obs.done and obs.reward == 0.0 and info["turns"] == 2
+    assert info["tool_errors"] == {"bad_tool_call": 1, "test_failure": 2, "file_not_found": 1}
+    assert info["reason"] == "reads_hidden_tests" and info["violation_kinds"] == {"reads_hidden_tests": 1, "edited_tests": 1}
     with pytest.raises(ValueError, match="env.tool_loop.tools"):
         _micro_env(sandbox, tools=("edit_file", "grep"))
     with pytest.raises(ValueError, match="env.tool_loop.tools"):
