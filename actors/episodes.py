@@ -77,6 +77,8 @@ class _Episode:
     prompt_len: int
     finish: str = ""
     turns: int = 0
+    # the environment's info at the end of the episode (a coding task's grade: passed, total, grade_s, violations)
+    final: dict[str, Any] | None = None
 
 
 class Tokenizer(Protocol):
@@ -185,8 +187,10 @@ class EpisodeRunner:
             self._append(ep, [self.chat.end_id])
         message_index = len(ep.env.state.messages)
         ep.spans.append((message_index, start, start + len(done.token_ids)))
-        ep.env.step(parse_assistant(self.tok.decode(text_ids, skip_special_tokens=False)))
+        obs = ep.env.step(parse_assistant(self.tok.decode(text_ids, skip_special_tokens=False)))
         ep.turns += 1
+        if obs.done:
+            ep.final = dict(obs.info)
         messages = ep.env.state.messages
         rendered = self.chat.render(messages[: message_index + 1], ep.tools)
         # template text after the reply
@@ -249,7 +253,7 @@ class EpisodeRunner:
                     message_starts=(e.starts + [-1] * len(state.messages))[: len(state.messages)],
                     turn_spans=e.spans, reward=float(state.reward or 0.0), finish_reason=e.finish,  # type: ignore[arg-type]
                     policy_version=version, error_sites=list(state.error_sites),
-                    info={"turns": e.turns},
+                    info={**(e.final or {}), "turns": e.turns},
                 ))
             groups.append(RolloutGroup(request.group_id, request.seed, rollouts))
         return groups

@@ -100,6 +100,14 @@ class ToolLoopConfig:
         ("ls", "cat", "head", "tail", "grep", "wc", "find", "diff", "echo", "python"),
         doc="programs the restricted shell tool may run (no pipes, redirection or chaining)",
     )
+    warm_start_steps: int = option(
+        0,
+        doc="train: start RL from a base model made by this many SFT steps on tool-call format examples "
+        "(well-formed calls whose code is independent of the task, envs.tool_format); 0 = the raw weights",
+        ge=0,
+    )
+    warm_start_examples: int = option(256, doc="format-only conversations the warm start draws from", ge=1)
+    warm_start_lr: float = option(3e-3, doc="AdamW learning rate of the warm start", gt=0.0)
 
 
 @dataclass(frozen=True)

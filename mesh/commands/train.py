@@ -39,7 +39,10 @@ def heldout_line(heldout: dict[str, dict[str, float]]) -> str:
     b, a = heldout["before"], heldout["after"]
     return (f"held-out reward: greedy {b['eval/heldout_greedy']:.3f} -> {a['eval/heldout_greedy']:.3f}, "
             f"sampled {b['eval/heldout_sampled']:.3f} -> {a['eval/heldout_sampled']:.3f} "
-            f"(step {b['step']} -> {a['step']})")
+            f"(step {b['step']} -> {a['step']})"
+            + (f"; pass rate: greedy {b['eval/heldout_greedy_pass']:.3f} -> {a['eval/heldout_greedy_pass']:.3f}, "
+               f"sampled {b['eval/heldout_sampled_pass']:.3f} -> {a['eval/heldout_sampled_pass']:.3f}"
+               if "eval/heldout_greedy_pass" in b else ""))
 
 
 def run(args: argparse.Namespace) -> int:
