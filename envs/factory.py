@@ -7,9 +7,11 @@ from typing import Callable
 
 from composer_mesh.configs.sections.env import EnvConfig
 from composer_mesh.envs.base import Environment
+from composer_mesh.envs.coding import ListPool, TaskPool, UnionPool
 from composer_mesh.envs.dataset import DatasetEnv, load_task
 from composer_mesh.envs.demo import DemoEnv, Split, stable_split
 from composer_mesh.envs.feature_deletion import FeatureDeletionEnv, RepoTask, TaskStore, generate_tasks
+from composer_mesh.envs.micro import MicroTasks
 from composer_mesh.envs.plugin import check_call, load_callable
 from composer_mesh.envs.sandbox import Sandbox
 from composer_mesh.envs.tool_loop import ToolLoopEnv
@@ -21,13 +23,17 @@ def split_tasks(tasks: list[RepoTask], heldout_fraction: float, split: Split) ->
     return chosen or list(tasks)
 
 
+CODING_SOURCES = ("micro", "repos")
+
+
 def env_factory(config: EnvConfig, store: TaskStore | None = None) -> Callable[[Split], Environment]:
     """`make(split)` returning a fresh environment per call.
 
-    Repository tasks are generated and verified once, here, from
-    `feature_deletion.repo` into `store` (the caller cleans up a store it
+    Repository tasks are generated and verified once, here, from each of
+    `feature_deletion.repos` into `store` (the caller cleans up a store it
     passes; one made here is removed at interpreter exit), then shared by
-    every environment the factory makes.
+    every environment the factory makes. `task = "coding"` runs the tool loop
+    over the union of `coding.sources`.
     """
     if config.task == "demo":
         return lambda split: DemoEnv(config.demo, split)
@@ -36,20 +42,50 @@ def env_factory(config: EnvConfig, store: TaskStore | None = None) -> Callable[[
         return lambda split: DatasetEnv(task, split)
     if config.task == "plugin":
         return plugin_factory(config)
-    fd = config.feature_deletion
-    if not fd.repo:
-        raise ValueError(f"env.task = {config.task!r} needs env.feature_deletion.repo (a local repository path)")
     sandbox = Sandbox(config.sandbox)
-    if store is None:
-        store = TaskStore(sandbox)
-        atexit.register(store.cleanup)
-    tasks = generate_tasks(fd.repo, fd, sandbox, store)
-    if not tasks:
-        raise ValueError(f"{fd.repo}: no verifiable feature-deletion task found")
-    by_split = {s: split_tasks(tasks, fd.heldout_fraction, s) for s in ("train", "heldout")}
+    if config.task == "coding":
+        pools = coding_pools(config, sandbox, store)
+        return lambda split: ToolLoopEnv(pools[split], sandbox, config.tool_loop)
+    by_split = repository_tasks(config, sandbox, store)
     if config.task == "feature_deletion":
         return lambda split: FeatureDeletionEnv(by_split[split], sandbox)
     return lambda split: ToolLoopEnv(by_split[split], sandbox, config.tool_loop)
+
+
+def repository_tasks(config: EnvConfig, sandbox: Sandbox, store: TaskStore | None) -> dict[Split, list[RepoTask]]:
+    """Verified feature-deletion tasks of every repository in `feature_deletion.repos`, per split."""
+    fd = config.feature_deletion
+    if not fd.repos:
+        raise ValueError(f"env.task = {config.task!r} needs env.feature_deletion.repos (local repository paths)")
+    if store is None:
+        store = TaskStore(sandbox)
+        atexit.register(store.cleanup)
+    tasks: list[RepoTask] = []
+    for repo in fd.repos:
+        found = generate_tasks(repo, fd, sandbox, store)
+        if not found:
+            raise ValueError(f"env.feature_deletion.repos: {repo}: no verifiable feature-deletion task found")
+        tasks += found
+    return {s: split_tasks(tasks, fd.heldout_fraction, s) for s in ("train", "heldout")}
+
+
+def coding_pools(config: EnvConfig, sandbox: Sandbox, store: TaskStore | None) -> dict[Split, TaskPool]:
+    """The union of `coding.sources` per split; an unknown or empty source is an error naming its key."""
+    sources = config.coding.sources
+    if not sources:
+        raise ValueError(f"env.coding.sources is empty; sources: {', '.join(CODING_SOURCES)}")
+    unknown = [s for s in sources if s not in CODING_SOURCES]
+    if unknown:
+        raise ValueError(f"env.coding.sources: unknown source(s) {unknown}; sources: {', '.join(CODING_SOURCES)}")
+    pools: dict[Split, list[TaskPool]] = {"train": [], "heldout": []}
+    for source in dict.fromkeys(sources):
+        if source == "micro":
+            for split in pools:
+                pools[split].append(MicroTasks(config.coding, split))
+        else:
+            for split, tasks in repository_tasks(config, sandbox, store).items():
+                pools[split].append(ListPool(tasks))
+    return {split: UnionPool(p) for split, p in pools.items()}
 
 
 def plugin_factory(config: EnvConfig) -> Callable[[Split], Environment]:

@@ -23,6 +23,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import ClassVar, Sequence
 
 from composer_mesh.configs.records import ErrorKind, ErrorSite
 from composer_mesh.configs.sections.env import FeatureDeletionConfig
@@ -45,7 +46,11 @@ class RepoTask:
     stubbed_source: the target file as the agent first sees it; hidden_tests: test
     files kept out of the workspace; expected_tests: node ids that must pass.
     Every grade forwards `target`, and only it, to the agent's code (`envs.grading`).
+    A coding task (`envs.coding.CodingTask`) whose held-out key is its name.
     """
+
+    source: ClassVar[str] = "repos"
+    backend: ClassVar[str] = "local"
 
     name: str
     pristine: Path
@@ -66,15 +71,31 @@ class RepoTask:
             f"```python\n{self.stubbed_source}```"
         )
 
+    @property
+    def template(self) -> str:
+        return self.name
+
     def original_source(self) -> str:
         return (self.pristine / self.target).read_text()
+
+    def reference_files(self) -> dict[str, str]:
+        return {self.target: self.original_source()}
+
+    def grade(
+        self, sandbox: Sandbox, ws: Workspace, start_manifest: dict[str, str], violations: Sequence[tuple[str, str]] = ()
+    ) -> Grade:
+        """Grade the agent's workspace `ws` (reward 1 only when every expected test passes cleanly)."""
+        return grade_workspace(
+            sandbox, self.pristine, start_manifest, ws, self.expected_tests,
+            targets={self.target: self.stubbed_source}, episode_violations=violations,
+        )
 
     def grade_source(self, sandbox: Sandbox, source: str) -> Grade:
         """Grade `source` as the new target file in an otherwise untouched starting workspace."""
         with self.workspace(sandbox) as ws:
             start = manifest(ws.path)
             (ws.path / self.target).write_text(source)
-            return grade_workspace(sandbox, self.pristine, start, ws, self.expected_tests, targets={self.target: self.stubbed_source})
+            return self.grade(sandbox, ws, start)
 
     def workspace(self, sandbox: Sandbox) -> Workspace:
         """The agent's starting workspace: pristine minus hidden tests and bytecode, target stubbed."""

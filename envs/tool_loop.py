@@ -1,11 +1,15 @@
-"""Multi-turn tool loop over a repository task: read_file, write_file, list_dir, run_tests, shell.
+"""Multi-turn tool loop over a coding task: read_file, write_file, edit_file, list_dir, run_tests, shell.
 
 Each assistant message may call tools (OpenAI `tool_calls`); every call gets a
 `tool` message back. A failed call also yields an `ErrorSite` whose kind the
 tool knows (missing file, path outside the workspace, unknown tool or bad
-arguments, failing tests, syntax error, timeout, command not allowed), which
-the hint pipeline turns into hints. A message without tool calls, or the turn
-limit, ends the episode: the workspace is graded by `envs.grading`.
+arguments, an edit whose text is missing or not unique, failing tests, syntax
+error, timeout, command not allowed), which the hint pipeline turns into
+hints. A message without tool calls, or the turn limit, ends the episode: the
+task grades the workspace (`task.grade`, any `envs.coding.CodingTask` on any
+`SandboxBackend`). `[env.tool_loop] tools` offers a subset of the tools: their
+JSON is rendered into the system prompt, and prompt length matters to a tiny
+model.
 
 File tools run on the host but only inside the workspace (paths are resolved,
 symlinks included, and anything outside is refused); programs (`run_tests`,
@@ -20,16 +24,17 @@ import os
 import random
 import shlex
 import stat
+from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from composer_mesh.configs.records import ErrorKind, ErrorSite
 from composer_mesh.configs.sections.env import ToolLoopConfig
+from composer_mesh.envs.backend import SandboxBackend
 from composer_mesh.envs.base import Environment, Observation
-from composer_mesh.envs.feature_deletion import RepoTask
-from composer_mesh.envs.grading import grade_workspace
+from composer_mesh.envs.coding import CodingTask, ListPool, TaskPool, source_of
 from composer_mesh.envs.safeguards import manifest
-from composer_mesh.envs.sandbox import Sandbox, SandboxResult, Workspace
+from composer_mesh.envs.sandbox import SandboxResult, Workspace
 
 _MAX_WRITE = 1 << 20
 _SHELL_META = "|;&<>()"
@@ -53,11 +58,28 @@ def _fn(name: str, doc: str, **params: str) -> dict[str, Any]:
 TOOLS: list[dict[str, Any]] = [
     _fn("read_file", "Read a file of the repository.", path="path relative to the repository root"),
     _fn("write_file", "Create or overwrite a file.", path="path relative to the repository root", content="full text"),
+    _fn(
+        "edit_file", "Replace the one exact occurrence of old with new in a file.",
+        path="path relative to the repository root", old="exact text to replace (must occur once)", new="replacement",
+    ),
     _fn("list_dir", "List a directory (default: the root).", path="directory relative to the repository root"),
     _fn("run_tests", "Run the repository's visible tests."),
     _fn("shell", "Run one allowed program with arguments (no pipes or redirection).", command="command line"),
 ]
-SYSTEM_PROMPT = "You edit a Python repository with tools: " + ", ".join(t["function"]["name"] for t in TOOLS) + "."
+TOOL_NAMES = tuple(t["function"]["name"] for t in TOOLS)
+
+
+def offered_tools(names: Sequence[str]) -> list[dict[str, Any]]:
+    """The schemas of `names` (`[env.tool_loop] tools`), in their listed order; unknown names are an error."""
+    unknown = [n for n in names if n not in TOOL_NAMES]
+    if unknown or not names:
+        raise ValueError(f"env.tool_loop.tools: {unknown or 'empty'}; tools: {', '.join(TOOL_NAMES)}")
+    by_name = {t["function"]["name"]: t for t in TOOLS}
+    return [by_name[n] for n in dict.fromkeys(names)]
+
+
+def system_prompt(names: Sequence[str]) -> str:
+    return "You edit a Python repository with tools: " + ", ".join(dict.fromkeys(names)) + "."
 
 
 class ToolError(Exception):
@@ -67,35 +89,39 @@ class ToolError(Exception):
 
 
 class ToolLoopEnv(Environment):
-    """Episodes over `tasks` (picked by seed), graded on the final workspace."""
+    """Episodes over `tasks` (a list cycled by seed, or a source whose `pick(seed)` makes one), graded by the task."""
 
-    def __init__(self, tasks: Sequence[RepoTask], sandbox: Sandbox, config: ToolLoopConfig | None = None) -> None:
+    def __init__(
+        self, tasks: Sequence[CodingTask] | TaskPool, sandbox: SandboxBackend, config: ToolLoopConfig | None = None
+    ) -> None:
         super().__init__()
-        if not tasks:
-            raise ValueError("ToolLoopEnv needs at least one task")
-        self.tasks = list(tasks)
+        self.tasks: TaskPool = tasks if hasattr(tasks, "pick") else ListPool(tasks)  # type: ignore[arg-type]
         self.sandbox = sandbox
         self.config = config or ToolLoopConfig()
-        self.task: RepoTask | None = None
+        self.tool_schemas = offered_tools(self.config.tools)
+        self.task: CodingTask | None = None
         self.ws: Workspace | None = None
         self._start_manifest: dict[str, str] = {}
         self._violations: list[tuple[str, str]] = []
-        self._tools: dict[str, Callable[..., str]] = {
+        every: dict[str, Callable[..., str]] = {
             "read_file": self._read_file,
             "write_file": self._write_file,
+            "edit_file": self._edit_file,
             "list_dir": self._list_dir,
             "run_tests": self._run_tests,
             "shell": self._shell,
         }
+        self._tools = {name: every[name] for name in dict.fromkeys(self.config.tools)}
 
     def _start(self, seed: int | None) -> Observation:
-        index = seed if seed is not None else random.randrange(len(self.tasks))
-        self.task = self.tasks[index % len(self.tasks)]
+        self.task = self.tasks.pick(seed if seed is not None else random.randrange(1 << 31))
         self.ws = self.task.workspace(self.sandbox)
         self._start_manifest = manifest(self.ws.path)
         self._violations = []
-        messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": self.task.prompt()}]
-        return Observation(messages, info={"task": self.task.name, "tools": TOOLS})
+        messages = [
+            {"role": "system", "content": system_prompt(self._tools)}, {"role": "user", "content": self.task.prompt()},
+        ]
+        return Observation(messages, info={"task": self.task.name, "tools": self.tool_schemas})
 
     def close(self) -> None:
         if self.ws is not None:
@@ -116,14 +142,13 @@ class ToolLoopEnv(Environment):
 
     def _finish(self, messages: list[dict[str, Any]], sites: list[ErrorSite]) -> Observation:
         assert self.task is not None and self.ws is not None
-        grade = grade_workspace(
-            self.sandbox, self.task.pristine, self._start_manifest, self.ws, self.task.expected_tests,
-            targets={self.task.target: self.task.stubbed_source}, episode_violations=self._violations,
-        )
+        grade = self.task.grade(self.sandbox, self.ws, self._start_manifest, self._violations)
         self.ws.cleanup()  # the episode is over: free the disk now, whether or not close() is called
+        errors = Counter(site.kind.value for site in [*self.state.error_sites, *sites])
         info = {
-            "task": self.task.name, "reason": grade.reason, "violations": list(grade.violations),
-            "passed": grade.passed, "total": grade.total, "grade_s": grade.grade_s,
+            "task": self.task.name, "template": self.task.template, "source": source_of(self.task),
+            "reason": grade.reason, "violations": list(grade.violations),
+            "passed": grade.passed, "total": grade.total, "grade_s": grade.grade_s, "tool_errors": dict(errors),
         }
         return Observation(messages, reward=grade.reward, done=True, error_sites=sites, info=info)
 
@@ -153,7 +178,9 @@ class ToolLoopEnv(Environment):
     def _watch(self, name: str, raw: str) -> None:
         """Record an attempt to reach the hidden tests or the pristine copy (graded as 0)."""
         assert self.task is not None
-        targets = [str(self.task.pristine), *self.task.hidden_tests]
+        # tasks that keep hidden tests or a pristine copy on this host name them (a container task keeps neither)
+        pristine = getattr(self.task, "pristine", None)
+        targets = [str(pristine)] * (pristine is not None) + list(getattr(self.task, "hidden_tests", ()))
         hit = next((t for t in targets if t in raw), None)
         if hit is not None:
             self._violations.append(("reads_hidden_tests", f"{name}: {hit}"))
@@ -195,6 +222,21 @@ class ToolLoopEnv(Environment):
         for p in [real, *new_dirs]:  # the sandbox uid owns what the agent writes
             os.lchown(p, self.ws.uid, self.ws.uid)
         return f"wrote {len(content)} characters to {path}"
+
+    def _edit_file(self, path: str, old: str, new: str) -> str:
+        """Exact-string replace of the one occurrence of `old` (an edit that is missing or ambiguous changes nothing)."""
+        if not isinstance(old, str) or not isinstance(new, str) or not old:
+            raise ToolError(ErrorKind.BAD_TOOL_CALL, "edit_file: old must be a non-empty string and new a string")
+        text = self._read_file(path)
+        count = text.count(old)
+        if count == 0:
+            raise ToolError(ErrorKind.BAD_TOOL_CALL, f"{path}: string to replace not found (old must match exactly)")
+        if count > 1:
+            raise ToolError(
+                ErrorKind.BAD_TOOL_CALL, f"{path}: string to replace found {count} times; add context to make it unique"
+            )
+        self._write_file(path, text.replace(old, new, 1))
+        return f"edited {path}"
 
     def _list_dir(self, path: str = ".") -> str:
         real = self._resolve(path)

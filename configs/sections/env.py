@@ -1,8 +1,10 @@
 """`[env]`: verifiable tasks, the sandbox that runs model-written code, the tool loop.
 
 `task` picks the environment the generators drive: the CPU demo task (tiny
-arithmetic with a fixed answer format), feature deletion on a local Python
-repository, the multi-turn tool loop over such a repository, a prompt dataset
+arithmetic with a fixed answer format), feature deletion on local Python
+repositories, the multi-turn tool loop over such repositories, the coding
+tool loop over a union of sources (generated micro-repositories, local
+repositories, SWE instances), a prompt dataset
 scored by TRL-style reward functions (`dataset`), or a user's environment
 factory (`plugin`). docs/tasks.md shows each.
 """
@@ -80,13 +82,45 @@ class DemoTaskConfig:
 class FeatureDeletionConfig:
     """Tasks generated from a local Python repository with a passing pytest suite."""
 
-    repo: str = option("", doc="path of the local repository to generate tasks from")
-    max_tasks: int = option(8, doc="tasks to generate (after verification)", ge=1)
+    repos: tuple[str, ...] = option((), doc="paths of the local repositories to generate tasks from")
+    max_tasks: int = option(8, doc="tasks to generate per repository (after verification)", ge=1)
     functions_per_task: int = option(1, doc="functions deleted per task (>1: a feature of related functions)", ge=1, le=4)
     min_body_statements: int = option(2, doc="only delete functions with at least this many statements", ge=1)
     seed: int = option(0, doc="order in which candidate functions are tried")
     heldout_fraction: float = option(
         0.25, doc="share of tasks (by a hash of the task name) kept for evaluation", ge=0.0, lt=1.0
+    )
+
+
+@dataclass(frozen=True)
+class CodingConfig:
+    """`task = "coding"`: the tool loop over a union of task sources, and the knobs of generated micro-repositories."""
+
+    sources: tuple[str, ...] = option(
+        ("micro",),
+        doc="task sources: micro (generated micro-repositories), repos (feature deletion on "
+        "env.feature_deletion.repos), swe (env.swe instances)",
+    )
+    functions_per_task: int = option(1, doc="micro: functions to implement per task", ge=1, le=8)
+    statements_per_body: int = option(
+        1, doc="micro: operations chained in one function body, one statement each (the last is the return)",
+        ge=1, le=6,
+    )
+    kinds: tuple[str, ...] = option(
+        ("arithmetic",), doc="micro: operation kinds: arithmetic, strings, lists, dicts, control"
+    )
+    ops_per_kind: int = option(3, doc="micro: the first N operations of each kind (0 = all)", ge=0)
+    distractor_files: int = option(0, doc="micro: extra implemented modules the task does not touch", ge=0, le=6)
+    failing_visible_test: bool = option(
+        False, doc="micro: add an implemented function with a bug; its visible test fails until it is fixed"
+    )
+    hidden_tests_per_function: int = option(
+        4, doc="micro: graded cases per function (reward = share of hidden tests passed)", ge=1, le=16
+    )
+    package: str = option("", doc="micro: put the module in this package ('' = at the repository root)")
+    show_source: bool = option(True, doc="micro: put the target file's text in the prompt (else the agent reads it)")
+    heldout_fraction: float = option(
+        0.2, doc="micro: share of task templates (by a hash of the template id) kept for evaluation", ge=0.0, lt=1.0
     )
 
 
@@ -99,6 +133,10 @@ class ToolLoopConfig:
     shell_commands: tuple[str, ...] = option(
         ("ls", "cat", "head", "tail", "grep", "wc", "find", "diff", "echo", "python"),
         doc="programs the restricted shell tool may run (no pipes, redirection or chaining)",
+    )
+    tools: tuple[str, ...] = option(
+        ("read_file", "write_file", "edit_file", "list_dir", "run_tests", "shell"),
+        doc="tools offered (their JSON is in the system prompt: fewer tools, shorter prompts)",
     )
     warm_start_steps: int = option(
         0,
@@ -146,14 +184,16 @@ class PluginConfig:
 class EnvConfig:
     """Which task generators drive, and how its code runs."""
 
-    task: Literal["demo", "feature_deletion", "tool_loop", "dataset", "plugin"] = option(
-        "demo", doc="environment for rollouts", choices=("demo", "feature_deletion", "tool_loop", "dataset", "plugin")
+    task: Literal["demo", "feature_deletion", "tool_loop", "coding", "dataset", "plugin"] = option(
+        "demo", doc="environment for rollouts",
+        choices=("demo", "feature_deletion", "tool_loop", "coding", "dataset", "plugin"),
     )
     sandbox: SandboxConfig = option(default_factory=SandboxConfig, doc="sandbox limits")
     demo: DemoTaskConfig = option(default_factory=DemoTaskConfig, doc="the CPU demo task")
     feature_deletion: FeatureDeletionConfig = option(
         default_factory=FeatureDeletionConfig, doc="feature-deletion task generation"
     )
+    coding: CodingConfig = option(default_factory=CodingConfig, doc="coding task sources and micro-repository knobs")
     tool_loop: ToolLoopConfig = option(default_factory=ToolLoopConfig, doc="the multi-turn tool loop")
     dataset: DatasetTaskConfig = option(default_factory=DatasetTaskConfig, doc="prompt dataset + reward functions")
     plugin: PluginConfig = option(default_factory=PluginConfig, doc="a user's environment factory")

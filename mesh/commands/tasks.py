@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     config = FeatureDeletionConfig(
-        repo=args.repo, max_tasks=args.max_tasks, functions_per_task=args.functions_per_task, seed=args.seed
+        repos=(args.repo,), max_tasks=args.max_tasks, functions_per_task=args.functions_per_task, seed=args.seed
     )
     store = TaskStore(sandbox)
     try:

@@ -204,12 +204,12 @@ def test_env_factory_from_the_env_section(task_store, repo_tasks):
 
     demo = build_env(EnvConfig(), "heldout")
     assert isinstance(demo, DemoEnv) and demo.split == "heldout"
-    with pytest.raises(ValueError, match="feature_deletion.repo"):
+    with pytest.raises(ValueError, match="feature_deletion.repos"):
         build_env(EnvConfig(task="tool_loop"))
-    fd = FeatureDeletionConfig(repo=str(FIXTURES / "textkit"), max_tasks=2)
+    fd = FeatureDeletionConfig(repos=(str(FIXTURES / "textkit"),), max_tasks=2)
     make = env_factory(EnvConfig(task="tool_loop", feature_deletion=fd), store=task_store)
     a, b = make("train"), make("train")
-    assert isinstance(a, ToolLoopEnv) and a is not b and a.tasks == b.tasks  # tasks generated once, shared
+    assert isinstance(a, ToolLoopEnv) and a is not b and a.tasks.tasks == b.tasks.tasks  # generated once, shared
     tasks = repo_tasks["textkit"] + repo_tasks["minicalc"]
     train, held = split_tasks(tasks, 0.5, "train"), split_tasks(tasks, 0.5, "heldout")
     assert set(train).isdisjoint(held) and len(train) + len(held) == len(tasks)

@@ -1,0 +1,389 @@
+"""Micro coding tasks: small generated repositories, deterministic from (config, split, seed).
+
+A task is a module with functions to implement from their signature and
+docstring (bodies stubbed), a visible test file the agent may run, and a
+hidden test file that grades: reward = share of hidden tests passed, through
+the real sandbox grader (`envs.grading.grade_workspace`, the split judge with
+the target module forwarded), as feature-deletion tasks are graded.
+
+A *template* is an operation skeleton (one chain of `envs.micro_ops` ops per
+function, plus the op of a buggy function when `failing_visible_test`) with a
+phrasing and a naming variant; the seed then draws the test inputs and
+distractor files. Templates are split into train and held-out by a stable hash
+of their id (`envs.demo.stable_split`), so held-out tasks combine known
+operations, phrasings and names in combinations never trained on. Every task
+is checked in-process when it is made (the reference is our own code): the
+reference passes every hidden test, the starting code fails one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import random
+import shutil
+import sys
+import tempfile
+import types
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+from composer_mesh.configs.sections.env import CodingConfig
+from composer_mesh.envs.demo import Split, stable_split
+from composer_mesh.envs.grading import Grade, grade_workspace
+from composer_mesh.envs.micro_ops import BY_ID, Op, block_lines, draw_value, vocabulary
+from composer_mesh.envs.sandbox import Sandbox, Workspace
+
+# the stub body: one short token run, so the ideal edit is short (old="pass")
+STUB = "pass"
+MODULE = "m"
+VISIBLE_TESTS = f"test_{MODULE}.py"
+HIDDEN_TESTS = "test_hidden.py"
+_PARAMS = (("a", "b", "c", "d", "e", "f", "g"), ("x", "y", "z", "w", "u", "v", "k"), ("m", "n", "p", "q", "s", "t", "h"))
+_FRAMES = ("Return {}.", "Give back {}.", "Compute and return {}.")
+_DISTRACTORS = ("util", "helpers", "extra", "misc", "shapes", "common")
+# templates enumerated (then split by hash) when the space is at most this large; else drawn and rejected
+_ENUMERATE_LIMIT = 4096
+
+
+@dataclass(frozen=True)
+class Template:
+    """What the held-out split keys on: op chains per function, the buggy function's op, phrasing, naming."""
+
+    chains: tuple[tuple[str, ...], ...]
+    bug: str | None
+    phrasing: int
+    naming: int
+
+    @property
+    def id(self) -> str:
+        body = ";".join("+".join(chain) for chain in self.chains) + (f";bug:{self.bug}" if self.bug else "")
+        return f"{body}/p{self.phrasing}n{self.naming}"
+
+
+@dataclass(frozen=True)
+class MicroTask:
+    """One generated task (the coding-task protocol of `envs.tool_loop`).
+
+    files: the agent's starting workspace (relative path -> text); reference: the
+    changed files of the reference solution; hidden: the hidden test files;
+    target: the module the agent edits (forwarded by the judge); expected_tests:
+    the hidden node ids the reward counts.
+    """
+
+    name: str
+    template: str
+    target: str
+    functions: tuple[str, ...]
+    files: dict[str, str]
+    reference: dict[str, str]
+    hidden: dict[str, str]
+    expected_tests: tuple[str, ...]
+    show_source: bool = True
+    failing_visible_test: bool = False
+    backend: str = "local"
+    source: str = "micro"
+
+    @property
+    def stubbed_source(self) -> str:
+        return self.files[self.target]
+
+    @property
+    def hidden_tests(self) -> tuple[str, ...]:
+        return tuple(self.hidden)
+
+    def prompt(self, tools: bool = True) -> str:
+        """Terse instruction with the target file inline (unless `show_source` is off in the tool loop)."""
+        names = ", ".join(self.functions)
+        head = f"Implement {names} in {self.target}" + (" and fix the failing test" if self.failing_visible_test else "")
+        if tools:
+            return f"{head}.\n\n{self.stubbed_source}" if self.show_source else f"{head}."
+        return f"{head}. Reply with the complete new {self.target} in one ```python block.\n\n{self.stubbed_source}"
+
+    def reference_files(self) -> dict[str, str]:
+        return dict(self.reference)
+
+    def workspace(self, backend: Sandbox) -> Workspace:
+        """A fresh workspace holding the starting files (no hidden tests, no reference)."""
+        ws = backend.workspace()
+        write_tree(ws.path, self.files)
+        ws.adopt()
+        return ws
+
+    def grade(
+        self, backend: Sandbox, ws: Workspace, start_manifest: dict[str, str], violations: Sequence[tuple[str, str]] = ()
+    ) -> Grade:
+        """Grade `ws` against the pristine tree (made for this grade, root-only); partial credit per hidden test."""
+        root = Path(tempfile.mkdtemp(prefix="micro-", dir=getattr(backend, "root", None)))
+        root.chmod(0o700)
+        try:
+            pristine = root / "repo"
+            write_tree(pristine, {**self.files, **self.reference, **self.hidden})
+            grade = grade_workspace(
+                backend, pristine, start_manifest, ws, self.expected_tests,
+                targets={self.target: self.stubbed_source}, episode_violations=violations,
+            )
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        return dataclasses.replace(grade, reward=partial_reward(grade))
+
+
+def partial_reward(grade: Grade) -> float:
+    """Share of expected tests passed when the grade's only fault is failing tests; 0 on any violation."""
+    if grade.reason == "passed" or grade.reason.startswith("tests_failed"):
+        return grade.passed / grade.total if grade.total else 0.0
+    return 0.0
+
+
+def write_tree(root: Path, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+def _chains(ops: Sequence[Op], length: int, x: str | None = None) -> Iterator[tuple[Op, ...]]:
+    """Type-compatible op chains (each op's input is the previous op's output); the first takes parameters."""
+    for op in ops:
+        if x is not None and op.x != x:
+            continue
+        if length == 1:
+            yield (op,)
+        else:
+            for rest in _chains(ops, length - 1, op.out):
+                yield (op, *rest)
+
+
+def _space(config: CodingConfig) -> tuple[list[tuple[str, ...]], list[str | None]]:
+    """(chains, bug ops) the templates of `config` combine (chains capped at the enumeration limit + 1)."""
+    ops = vocabulary(config.kinds, config.ops_per_kind)
+    if not ops:
+        raise ValueError("env.coding.kinds: no operations selected")
+    chains = [tuple(op.id for op in c) for c in itertools.islice(_chains(ops, config.statements_per_body), _ENUMERATE_LIMIT + 1)]
+    if not chains:
+        raise ValueError(f"env.coding: no operation chain of statements_per_body = {config.statements_per_body} "
+                         f"in kinds {list(config.kinds)}")
+    bugs: list[str | None] = [op.id for op in ops] if config.failing_visible_test else [None]
+    return chains, bugs
+
+
+@functools.lru_cache(maxsize=16)
+def templates(config: CodingConfig, split: Split | None = None) -> tuple[Template, ...] | None:
+    """Every template of `config` (of one split when given), or None when the space is too large to list."""
+    chains, bugs = _space(config)
+    k = config.functions_per_task
+    size = len(chains) ** k * len(bugs) * 9
+    if len(chains) > _ENUMERATE_LIMIT or size > _ENUMERATE_LIMIT:
+        return None
+    out = tuple(
+        Template(combo, bug, p, n)
+        for combo in itertools.combinations(chains, k) for bug in bugs for p in range(3) for n in range(3)
+    )
+    return out if split is None else tuple(t for t in out if stable_split(t.id, config.heldout_fraction) == split)
+
+
+def draw_template(config: CodingConfig, split: Split, rng: random.Random) -> Template:
+    """A template of `split`: drawn from the listed split, or drawn from the space and kept when its hash agrees."""
+    listed = templates(config, split)
+    if listed is not None:
+        if not listed:
+            raise ValueError(f"env.coding.heldout_fraction = {config.heldout_fraction}: no {split} template "
+                             f"among {len(templates(config))}; change the fraction or widen the knobs")
+        return rng.choice(listed)
+    ops = vocabulary(config.kinds, config.ops_per_kind)
+    for _ in range(10_000):
+        chains = tuple(sorted({_random_chain(ops, config.statements_per_body, rng) for _ in range(config.functions_per_task)}))
+        bug = rng.choice(ops).id if config.failing_visible_test else None
+        t = Template(chains, bug, rng.randrange(3), rng.randrange(3))
+        if len(chains) == config.functions_per_task and stable_split(t.id, config.heldout_fraction) == split:
+            return t
+    raise ValueError(f"env.coding: no {split} template found in 10000 draws (heldout_fraction = {config.heldout_fraction})")
+
+
+def _random_chain(ops: Sequence[Op], length: int, rng: random.Random) -> tuple[str, ...]:
+    for _ in range(1000):
+        chain = [rng.choice(ops)]
+        while len(chain) < length:
+            nxt = [op for op in ops if op.x == chain[-1].out]
+            if not nxt:
+                break
+            chain.append(rng.choice(nxt))
+        if len(chain) == length:
+            return tuple(op.id for op in chain)
+    raise ValueError(f"env.coding: no operation chain of statements_per_body = {length}")
+
+
+@dataclass
+class _Fn:
+    """One rendered function: name, typed parameters, docstring and bodies (reference and starting)."""
+
+    name: str
+    params: list[tuple[str, str]]
+    doc: str
+    body: list[str]
+    start: list[str]
+
+    def source(self, lines: list[str]) -> str:
+        sig = ", ".join(p for p, _ in self.params)
+        return f'def {self.name}({sig}):\n    """{self.doc}"""\n' + "".join(f"    {line}\n" for line in lines)
+
+
+def _render(chain: Sequence[str], name: str, phrasing: int, naming: int, bug: bool = False) -> _Fn:
+    pool = iter(_PARAMS[naming])
+    params: list[tuple[str, str]] = []
+    body, doc = [], []
+    cur = ""
+    for i, op in enumerate(BY_ID[c] for c in chain):
+        if i == 0:
+            cur = next(pool)
+            params.append((cur, op.x))
+        y = next(pool) if op.y else ""
+        if op.y:
+            params.append((y, op.y))
+        phrase = op.phrases[phrasing].format(x=cur, y=y)
+        if i == len(chain) - 1:
+            body.append("return " + op.expr.format(x=cur, y=y))
+            doc.append(_FRAMES[phrasing].format(phrase))
+            start = ["return " + op.bug.format(x=cur, y=y)] if bug else [STUB]
+        else:
+            var = f"r{i + 1}"
+            body += block_lines(op, cur, var) if op.block else [f"{var} = " + op.expr.format(x=cur, y=y)]
+            doc.append(f"Let {var} be {phrase}.")
+            cur = var
+    return _Fn(name, params, " ".join(doc), body, start)
+
+
+def _function_name(chain: Sequence[str], naming: int, taken: set[str]) -> str:
+    base = "_".join(BY_ID[c].names[naming] for c in chain[:2])
+    name, n = base, 2
+    while name in taken:
+        name, n = f"{base}{n}", n + 1
+    taken.add(name)
+    return name
+
+
+def _call(fn: _Fn, args: Sequence[Any]) -> str:
+    return f"{fn.name}({', '.join(map(repr, args))})"
+
+
+def make_task(config: CodingConfig, split: Split, seed: int) -> MicroTask:
+    """The task of (config, split, seed): a template of `split`, inputs and distractors from the seed."""
+    rng = random.Random(f"micro:{split}:{seed}")
+    t = draw_template(config, split, rng)
+    taken: set[str] = set()
+    fns = [_render(c, _function_name(c, t.naming, taken), t.phrasing, t.naming) for c in t.chains]
+    if t.bug:
+        fns.append(_render((t.bug,), _function_name((t.bug,), t.naming, taken), t.phrasing, t.naming, bug=True))
+    pkg = f"{config.package}/" if config.package else ""
+    module = (config.package + "." if config.package else "") + MODULE
+    target = f"{pkg}{MODULE}.py"
+    reference_src = "\n\n".join(f.source(f.body) for f in fns)
+    start_src = "\n\n".join(f.source(f.start) for f in fns)
+    ref_ns, start_ns = _exec(reference_src), _exec(start_src)
+
+    def case(fn: _Fn) -> tuple[str, str]:
+        """A call and its expected value (a buggy function's visible case is drawn until the bug shows)."""
+        for _ in range(50):
+            args = [draw_value(kind, rng) for _, kind in fn.params]
+            want = ref_ns[fn.name](*args)
+            if fn.start == [STUB] or _differs(start_ns[fn.name], args, want):
+                break
+        return _call(fn, args), repr(want)
+
+    head = f"from {module} import {', '.join(f.name for f in fns)}\n"
+    visible = head + "".join(f"\n\ndef test_{f.name}():\n    assert {c} == {w}\n" for f in fns for c, w in [case(f)])
+    hidden_cases = [(f, i, *case(f)) for f in fns for i in range(config.hidden_tests_per_function)]
+    hidden = head + "".join(f"\n\ndef test_{f.name}_{i}():\n    assert {c} == {w}\n" for f, i, c, w in hidden_cases)
+    files = {target: start_src, VISIBLE_TESTS: visible}
+    if pkg:
+        files[f"{pkg}__init__.py"] = ""
+    for j in range(config.distractor_files):
+        ops = vocabulary(config.kinds, 0)
+        extra = [_render((rng.choice(ops).id,), "", rng.randrange(3), rng.randrange(3)) for _ in range(2)]
+        for n, fn in enumerate(extra, 1):
+            fn.name = f"helper{n}"
+        files[f"{pkg}{_DISTRACTORS[j]}.py"] = "\n\n".join(f.source(f.body) for f in extra)
+    task = MicroTask(
+        name=f"micro:{split}:{seed}:{t.id}", template=t.id, target=target, functions=tuple(f.name for f in fns),
+        files=files, reference={target: reference_src}, hidden={HIDDEN_TESTS: hidden},
+        expected_tests=tuple(f"{HIDDEN_TESTS}::test_{f.name}_{i}" for f, i, _, _ in hidden_cases),
+        show_source=config.show_source, failing_visible_test=bool(t.bug),
+    )
+    problem = check_task(task)
+    if problem:
+        raise AssertionError(f"micro generator made a broken task {task.name}: {problem}")
+    return task
+
+
+def _differs(fn: Any, args: Sequence[Any], want: Any) -> bool:
+    try:
+        return fn(*args) != want
+    except Exception:
+        return True
+
+
+def _exec(source: str) -> dict[str, Any]:
+    """Run our own generated (trusted) source in a fresh namespace."""
+    ns: dict[str, Any] = {}
+    exec(compile(source, "<micro>", "exec"), ns)
+    return ns
+
+
+def run_in_process(task: MicroTask, sources: dict[str, str], test_file: str) -> dict[str, bool]:
+    """test name -> passed, running `test_file` of the task against `sources` (trusted code only: ours)."""
+    module = task.target[:-3].replace("/", ".")
+    parts = module.split(".")
+    saved = {name: sys.modules.get(name) for name in (".".join(parts[: i + 1]) for i in range(len(parts)))}
+    try:
+        for i in range(len(parts)):
+            name = ".".join(parts[: i + 1])
+            mod = types.ModuleType(name)
+            if i == len(parts) - 1:
+                exec(compile(sources[task.target], task.target, "exec"), mod.__dict__)
+            sys.modules[name] = mod
+        text = {**task.files, **task.hidden}[test_file]
+        ns = _exec(text)
+        results = {}
+        for name, fn in ns.items():
+            if name.startswith("test_") and callable(fn):
+                try:
+                    fn()
+                    results[name] = True
+                except Exception:
+                    results[name] = False
+        return results
+    finally:
+        for name, mod in saved.items():
+            if mod is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = mod
+
+
+def check_task(task: MicroTask) -> str:
+    """'' when the reference passes every hidden and visible test and the starting code fails a hidden one."""
+    ref = {**task.files, **task.reference}
+    for test_file in (HIDDEN_TESTS, VISIBLE_TESTS):
+        failed = [t for t, ok in run_in_process(task, ref, test_file).items() if not ok]
+        if failed:
+            return f"the reference fails {test_file}: {failed}"
+    if all(run_in_process(task, task.files, HIDDEN_TESTS).values()):
+        return "the starting code passes every hidden test"
+    if task.failing_visible_test and all(run_in_process(task, task.files, VISIBLE_TESTS).values()):
+        return "the buggy function passes its visible test"
+    return ""
+
+
+class MicroTasks:
+    """The task source of one split: `pick(seed)` makes the seed's task (deterministic, cheap)."""
+
+    source = "micro"
+
+    def __init__(self, config: CodingConfig, split: Split) -> None:
+        self.config, self.split = config, split
+        draw_template(config, split, random.Random(0))  # fail at construction when the split is empty
+
+    def pick(self, seed: int) -> MicroTask:
+        return make_task(self.config, self.split, seed)
