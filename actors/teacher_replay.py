@@ -35,7 +35,7 @@ import torch
 from monarch.actor import Actor, endpoint
 
 from composer_mesh.actors.episodes import ChatTokens
-from composer_mesh.actors.rollout import Rollout
+from composer_mesh.actors.rollout import Rollout, failure_sites
 from composer_mesh.configs.sections.replay import ReplayConfig
 from composer_mesh.configs.sections.teachers import TeachersConfig
 from composer_mesh.replay.cache import ResponseCache
@@ -57,18 +57,14 @@ class ReplaySpec:
 
 
 def rollout_states(rollout: Rollout) -> list[TraceState]:
-    """One state per failed assistant turn of a rollout: its error sites, and for a graded coding episode that
-    failed its hidden tests without any error site, its first sampled turn (where its wrong answer started)."""
-    turns = [site.turn for site in rollout.error_sites]
-    if not turns and "total" in rollout.info and rollout.reward < 1.0 and rollout.turn_spans:
-        turns = [rollout.turn_spans[0][0]]
+    """One state per failed assistant turn of a rollout (`actors.rollout.failure_sites`)."""
     states = []
-    for k, turn in enumerate(turns):
-        if rollout.messages[turn].get("role") != "assistant":
+    for k, site in enumerate(failure_sites(rollout)):
+        if rollout.messages[site.turn].get("role") != "assistant":
             continue
         states.append(TraceState(
             trace_id=f"rollout:{rollout.group_id}:{rollout.sample}:v{rollout.policy_version}",
-            step=k, context=tuple(rollout.messages[:turn]), action=dict(rollout.messages[turn]),
+            step=k, context=tuple(rollout.messages[: site.turn]), action=dict(rollout.messages[site.turn]),
         ))
     return states
 

@@ -7,6 +7,7 @@ Mesh sits above both what answers (`replay.server`'s generic responders,
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from composer_mesh.configs.sections.env import EnvConfig
@@ -33,21 +34,29 @@ def build_responder(kind: str, model_dir: str = "", noise: float = 0.2, env: Env
         if env is None:
             raise ValueError("responder 'coding' serves a recipe's coding tasks: use it from a recipe's "
                              "[replay.local_server], not on its own")
-        return ReferenceResponder(reference_lookup(env), noise=noise)
+        tool = "edit_file" if "edit_file" in env.tool_loop.tools else "write_file"
+        return ReferenceResponder(reference_lookup(env), noise=noise, tool=tool)
     raise ValueError(f"unknown responder {kind!r}; choose from {', '.join(RESPONDERS)}")
 
 
-def reference_lookup(env: EnvConfig) -> Lookup:
-    """Prompt text -> reference files, over the train split's tasks (`env.tasks` of a tool-loop environment)."""
+def reference_lookup(env: EnvConfig, scan: int = 1024) -> Lookup:
+    """Prompt text -> (starting files, reference files) of the train split's tasks. A source makes tasks from
+    seeds (`pick`), so prompts are indexed lazily: a prompt not seen yet scans further seeds, up to `scan`
+    (the server answers on several threads: one lock guards the index)."""
     train = env_factory(env)("train")
-    tasks: list[Any] = list(getattr(train, "tasks", ()))
+    pool: Any = train.tasks
     train.close()
-    if not tasks:
-        raise ValueError(f"responder 'coding': env.task = {env.task!r} has no tool-loop tasks to serve")
-    by_prompt = {t.prompt(): t for t in tasks}
+    by_prompt: dict[str, Any] = {}
+    scanned, lock = 0, threading.Lock()
 
-    def lookup(prompt: str) -> dict[str, str] | None:
-        task = by_prompt.get(prompt)
-        return task.reference_files() if task is not None else None
+    def lookup(prompt: str) -> tuple[dict[str, str], dict[str, str]] | None:
+        nonlocal scanned
+        with lock:
+            while prompt not in by_prompt and scanned < scan:
+                task = pool.pick(scanned)
+                by_prompt.setdefault(task.prompt(), task)
+                scanned += 1
+            task = by_prompt.get(prompt)
+        return ({task.target: task.stubbed_source}, task.reference_files()) if task is not None else None
 
     return lookup

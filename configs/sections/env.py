@@ -145,6 +145,11 @@ class ToolLoopConfig:
         ge=0,
     )
     warm_start_examples: int = option(256, doc="format-only conversations the warm start draws from", ge=1)
+    warm_start_batch_size: int = option(16, doc="conversations per warm-start SFT step", ge=1)
+    step_workers: int = option(
+        1, doc="episodes a generator steps at once after each turn (their sandboxed tool runs and grades overlap)",
+        ge=1, le=64,
+    )
     warm_start_lr: float = option(3e-3, doc="AdamW learning rate of the warm start", gt=0.0)
 
 

@@ -26,7 +26,7 @@ HELP = "Run RL post-training: generators, teacher replay and the trainer on Mona
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", help="recipe (e.g. configs/debug_cpu.toml)")
+    parser.add_argument("config", help="recipe (e.g. configs/coding_cpu.toml)")
     parser.add_argument("overrides", nargs=argparse.REMAINDER, help="--section.key=value ...")
     parser.add_argument("--no-resume", action="store_true", help="start fresh even when a checkpoint exists (put it before CONFIG)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (put it before CONFIG)")
