@@ -11,8 +11,8 @@ share `noise` of states (chosen by a hash of model and context, so a repeated
 request repeats): it writes a near miss (an operator swapped, else the last
 digit moved by one, else the last line dropped). Two slipping teachers mostly slip on different states, so
 the vote of `replay.pairs` decides. A state of an unknown task (e.g. from a
-frozen trace of another repository) gets a plain message saying so; it never
-matches a student's tool call, and a vote with a single such answer has no quorum.
+frozen trace of another repository) gets a message saying so, worded per model:
+teachers never agree on it, so it never becomes a pair.
 """
 
 from __future__ import annotations
@@ -35,10 +35,11 @@ def first_user_text(messages: list[dict]) -> str:
 
 
 def near_miss(text: str) -> str:
-    """`text` with its first binary +, - or * swapped, else its last digit moved by one, else without its last line."""
-    ops = [(text.find(op), op) for op in _SWAP if op in text]
+    """`text` with its last binary +, - or * swapped (code after its docstring), else its last digit moved by one,
+    else without its last line."""
+    ops = [(text.rfind(op), op) for op in _SWAP if op in text]
     if ops:
-        at, op = min(ops)
+        at, op = max(ops)
         return text[:at] + _SWAP[op] + text[at + len(op) :]
     digits = list(re.finditer(r"\d", text))
     if digits:
@@ -112,7 +113,8 @@ class ReferenceResponder:
     def __call__(self, model: str, messages: list[dict], params: dict) -> dict:
         found = self.lookup(first_user_text(messages))
         if not found:
-            return {"content": "I do not know this task."}
+            # worded per model, so teachers never agree on it and it never becomes a pair
+            return {"content": f"{model}: no reference solution for this task."}
         start, reference = found
         calls = change_calls(start, reference, self.tool)
         made = _calls_made(messages)

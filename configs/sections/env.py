@@ -150,6 +150,10 @@ class ToolLoopConfig:
     )
     warm_start_examples: int = option(256, doc="format-only conversations the warm start draws from", ge=1)
     warm_start_batch_size: int = option(16, doc="conversations per warm-start SFT step", ge=1)
+    warm_start_seed: int = option(
+        0, doc="seed of the warm start's examples and SFT: one base model for every job seed (seeds vary RL only)",
+        ge=0,
+    )
     step_workers: int = option(
         1, doc="episodes a generator steps at once after each turn (their sandboxed tool runs and grades overlap)",
         ge=1, le=64,

@@ -22,8 +22,9 @@ from composer_mesh.actors.hf_engine import Completion
 from composer_mesh.actors.rollout import EpisodeRequest, SamplingParams
 from composer_mesh.actors.teacher_replay import rollout_states
 from composer_mesh.configs.records import ErrorKind
-from composer_mesh.configs.sections.env import CodingConfig, ToolLoopConfig
+from composer_mesh.configs.sections.env import CodingConfig, SandboxConfig, ToolLoopConfig
 from composer_mesh.envs.micro import make_task
+from composer_mesh.envs.sandbox import Sandbox
 from composer_mesh.envs.tool_format import CLOSING, EXPRESSIONS, tool_format_examples
 from composer_mesh.envs.tool_loop import ToolLoopEnv
 from composer_mesh.mesh.episode_metrics import episode_metrics, eval_pass_rates
@@ -40,6 +41,14 @@ def tok(tiny_assets):
 
 
 LOOP = ToolLoopConfig(tools=("read_file", "edit_file"), max_turns=6)
+
+
+@pytest.fixture(scope="module")
+def sandbox(tmp_path_factory):
+    """A sandbox whose wall limit leaves room for a loaded box (a grade took over 8 s on a shared 2-core
+    machine); the limits themselves are tested in test_envs_sandbox.py."""
+    config = SandboxConfig(root_dir=str(tmp_path_factory.mktemp("coding-sandbox")), wall_timeout_s=90.0)
+    return Sandbox(config)
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +121,7 @@ def test_failing_answer_is_replayed_and_counted(tok, task, sandbox):
     # and goes to the teachers
     hint = make_hint(ChatTokens(tok), r, TemplateHintGenerator())
     assert hint is not None and hint.site.kind is ErrorKind.TEST_FAILURE and hint.site.turn == 2
-    assert f'hidden tests: {r.info["reason"]}' in hint.text and "assert" not in hint.text
+    assert f'hidden tests: {r.info["reason"]}' in hint.text and "==" not in hint.text and "test_" not in hint.text
     (state,) = rollout_states(r)
     assert state.action["tool_calls"][0]["function"]["name"] == "edit_file" and len(state.context) == 2
     # the demo's rollouts (no grade in info) add no coding metrics
@@ -146,11 +155,12 @@ def test_reference_teachers_over_loopback(task, sandbox):
         bad = teacher_reply(slipping.url, "local-a", start)
         # after its write, the teacher closes the episode
         done = teacher_reply(exact.url, "local-a", start + [{"role": "assistant", "content": "", **good}])
-        unknown = teacher_reply(exact.url, "local-a", [{"role": "user", "content": "another task"}])
+        unknown = [teacher_reply(exact.url, m, [{"role": "user", "content": "another task"}]) for m in ("a", "b")]
     assert good["tool_calls"] == change_calls(start_files, reference(task), "edit_file")
     assert [c["function"]["name"] for c in good["tool_calls"]] == ["edit_file"]
     assert done["content"] == DONE_TEXT and not done.get("tool_calls")
-    assert not unknown.get("tool_calls")
+    # an unknown task: no tool call, and two teachers never agree on it (no pair)
+    assert not any(u.get("tool_calls") for u in unknown) and unknown[0]["content"] != unknown[1]["content"]
     assert grade_calls(task, sandbox, good["tool_calls"]).reward == 1.0
     assert grade_calls(task, sandbox, bad["tool_calls"]).reward == 0.0
 

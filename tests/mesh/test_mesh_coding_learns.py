@@ -23,7 +23,7 @@ from test_mesh_train import REPO, train
 
 pytestmark = pytest.mark.slow
 
-STEPS = 16
+STEPS = 12
 HELDOUT_PASS_MARGIN_SHORT = 0.05  # held-out sampled pass rate, step 0 -> STEPS (docs/coding.md)
 
 
