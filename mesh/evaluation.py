@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from composer_mesh.actors.rollout import EpisodeRequest, RolloutGroup, SamplingParams
+from composer_mesh.mesh.episode_metrics import eval_pass_rates
 
 
 @dataclass(frozen=True)
@@ -56,8 +57,10 @@ def evaluate(generators: Sequence[Any], cfg: EvalConfig) -> dict[str, float]:
     requests = heldout_requests(cfg.samples)
     greedy = _rollout(generators, requests, dataclasses.replace(cfg.sampling, temperature=0.0), 1)
     sampled = _rollout(generators, requests, cfg.sampling, None)
-    g = [r.reward for grp in greedy for r in grp.rollouts]
-    s = [r.reward for grp in sampled for r in grp.rollouts]
+    greedy_rollouts = [r for grp in greedy for r in grp.rollouts]
+    sampled_rollouts = [r for grp in sampled for r in grp.rollouts]
+    g = [r.reward for r in greedy_rollouts]
+    s = [r.reward for r in sampled_rollouts]
     versions = {r.policy_version for grp in greedy + sampled for r in grp.rollouts}
     return {
         "eval/heldout_greedy": sum(g) / len(g),
@@ -65,5 +68,7 @@ def evaluate(generators: Sequence[Any], cfg: EvalConfig) -> dict[str, float]:
         # reward 1 = solved (the demo's exact answer)
         "eval/heldout_sampled_solved": sum(x >= 1.0 for x in s) / len(s),
         "eval/policy_version": float(min(versions)),
+        # coding tasks: pass rates (every hidden test passed) and the sampled episodes' metrics
+        **eval_pass_rates(greedy_rollouts, sampled_rollouts),
         "eval/seconds": time.perf_counter() - start,
     }

@@ -24,7 +24,8 @@ from composer_mesh.actors.mesh_utils import rank0
 from composer_mesh.actors.teacher_replay import ReplaySpec
 from composer_mesh.configs.schema import JobConfig
 from composer_mesh.envs.demo import format_examples
-from composer_mesh.envs.factory import check_task
+from composer_mesh.envs.factory import check_task, env_factory
+from composer_mesh.envs.tool_format import tool_format_examples
 from composer_mesh.envs.plugin import add_python_path
 from composer_mesh.mesh.controller import Controller, ControllerConfig, StepRecord
 from composer_mesh.mesh.memory import check as memory_check
@@ -208,7 +209,7 @@ class Launch:
         if not teachers.models:
             raise ValueError("loss.beta > 0 needs [[teachers.models]] (or set loss.beta = 0 / mesh.replay_procs = 0)")
         if ls.enabled:
-            self.server = TeacherServer(build_responder(ls.responder, ls.model_dir, ls.noise), host=ls.host,
+            self.server = TeacherServer(build_responder(ls.responder, ls.model_dir, ls.noise, job.env), host=ls.host,
                                         port=ls.port, request_log=ls.request_log or None).start()
             teachers = dataclasses.replace(teachers, base_url=self.server.url)
         replay = dataclasses.replace(job.replay, output_dir=str(self.run_dir / "replay"))
@@ -231,15 +232,25 @@ class Launch:
                     shutil.rmtree(self.weight_dir, ignore_errors=True)
 
 
+# tasks whose episodes are the multi-turn tool loop (their warm start is `[env.tool_loop] warm_start_steps`)
+TOOL_TASKS = ("tool_loop", "coding")
+
+
 def model_dir(job: JobConfig) -> str:
-    """HF weights both the trainer and the generators start from (the demo's warm-started base when asked)."""
+    """HF weights both the trainer and the generators start from (a warm-started base when the task asks for one)."""
     # refuse a config.json here, before any actor
     if job.model.hf_path and job.model.registry_flavour() is None:
         check_hf_config(read_checkpoint_config(job.model.hf_path), f"{job.model.hf_path}/config.json")
     weights = hf_dir_for(job.model)
     if weights is None:
         raise ValueError(f"model.flavour = {job.model.flavour!r} needs model.hf_path (generators load HF weights)")
-    demo = job.env.demo
+    demo, tl = job.env.demo, job.env.tool_loop
+    if job.env.task in TOOL_TASKS and tl.warm_start_steps > 0:
+        conversations, tools = tool_format_examples(env_factory(job.env), tl.warm_start_examples, tl.warm_start_seed)
+        ws = WarmStartConfig(steps=tl.warm_start_steps, batch_size=tl.warm_start_batch_size, lr=tl.warm_start_lr,
+                             seed=tl.warm_start_seed)
+        weights = warm_start_dir(dataclasses.replace(job.model, hf_path=str(weights)), conversations, ws,
+                                 cache_dir_for(job.model), tools)
     if job.env.task == "demo" and demo.warm_start_steps > 0:
         ws = WarmStartConfig(steps=demo.warm_start_steps, lr=demo.warm_start_lr, seed=job.job.seed)
         weights = warm_start_dir(dataclasses.replace(job.model, hf_path=str(weights)),

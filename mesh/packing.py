@@ -32,7 +32,7 @@ from typing import Any, Sequence
 import torch
 
 from composer_mesh.actors.episodes import ChatTokens
-from composer_mesh.actors.rollout import Rollout, RolloutGroup
+from composer_mesh.actors.rollout import Rollout, RolloutGroup, failure_sites
 from composer_mesh.configs.records import ErrorSite
 from composer_mesh.configs.sections.loss import PolicyLossConfig
 from composer_mesh.losses.policy import dynamic_sampling_keep, grpo_advantages, overlong_penalty
@@ -159,12 +159,13 @@ def explain_drops(drops: Drops, max_seq_len: int, max_new_tokens: int) -> str:
 
 
 def make_hint(chat: ChatTokens, rollout: Rollout, hinter: Any) -> RolloutHint | None:
-    """A hint for the rollout's first error site whose turn was sampled (None without one).
+    """A hint for the rollout's first failure site (`actors.rollout.failure_sites`) whose turn was sampled
+    (None without one).
 
     hinter: a `replay.hints.HintGenerator` (`hint(site, messages) -> str`).
     """
     sampled = {msg for msg, _, _ in rollout.turn_spans}
-    for site in rollout.error_sites:
+    for site in failure_sites(rollout):
         if site.turn in sampled and rollout.message_starts[site.turn] >= 0:
             text = hinter.hint(site, rollout.messages)
             before = rollout.messages[: site.turn]

@@ -1,18 +1,25 @@
 """The local teacher server's responders by name (`[replay.local_server] responder`, `serve-teachers`).
 
-Mesh sits above both what answers (`replay.server`'s generic responders) and what
-is answered for (the demo task's solver in `envs.demo`), so it joins them here.
+Mesh sits above both what answers (`replay.server`'s generic responders,
+`replay.reference_teacher`) and what is answered for (the demo task's solver in
+`envs.demo`, the coding tasks' reference solutions), so it joins them here.
 """
 
 from __future__ import annotations
 
+import threading
+from typing import Any
+
+from composer_mesh.configs.sections.env import EnvConfig
 from composer_mesh.configs.sections.replay import RESPONDERS
 from composer_mesh.envs.demo import solve
+from composer_mesh.envs.factory import env_factory
+from composer_mesh.replay.reference_teacher import Lookup, ReferenceResponder
 from composer_mesh.replay.server import ConsensusResponder, HFResponder, Responder, SolverResponder, echo_responder
 
 
-def build_responder(kind: str, model_dir: str = "", noise: float = 0.2) -> Responder:
-    """The responder named by a config / command line (one of `RESPONDERS`)."""
+def build_responder(kind: str, model_dir: str = "", noise: float = 0.2, env: EnvConfig | None = None) -> Responder:
+    """The responder named by a config / command line (one of `RESPONDERS`); `coding` needs the job's `env`."""
     if kind == "consensus":
         return ConsensusResponder(noise=noise)
     if kind == "echo":
@@ -23,4 +30,33 @@ def build_responder(kind: str, model_dir: str = "", noise: float = 0.2) -> Respo
         if not model_dir:
             raise ValueError("responder 'hf' needs a local model directory")
         return HFResponder(model_dir)
+    if kind == "coding":
+        if env is None:
+            raise ValueError("responder 'coding' serves a recipe's coding tasks: use it from a recipe's "
+                             "[replay.local_server], not on its own")
+        tool = "edit_file" if "edit_file" in env.tool_loop.tools else "write_file"
+        return ReferenceResponder(reference_lookup(env), noise=noise, tool=tool)
     raise ValueError(f"unknown responder {kind!r}; choose from {', '.join(RESPONDERS)}")
+
+
+def reference_lookup(env: EnvConfig, scan: int = 1024) -> Lookup:
+    """Prompt text -> (starting files, reference files) of the train split's tasks. A source makes tasks from
+    seeds (`pick`), so prompts are indexed lazily: a prompt not seen yet scans further seeds, up to `scan`
+    (the server answers on several threads: one lock guards the index)."""
+    train = env_factory(env)("train")
+    pool: Any = train.tasks
+    train.close()
+    by_prompt: dict[str, Any] = {}
+    scanned, lock = 0, threading.Lock()
+
+    def lookup(prompt: str) -> tuple[dict[str, str], dict[str, str]] | None:
+        nonlocal scanned
+        with lock:
+            while prompt not in by_prompt and scanned < scan:
+                task = pool.pick(scanned)
+                by_prompt.setdefault(task.prompt(), task)
+                scanned += 1
+            task = by_prompt.get(prompt)
+        return ({task.target: task.stubbed_source}, task.reference_files()) if task is not None else None
+
+    return lookup

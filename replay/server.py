@@ -79,7 +79,7 @@ def _hash(*parts: str) -> int:
     return int.from_bytes(hashlib.sha256("\x00".join(parts).encode()).digest()[:8], "big")
 
 
-def _departs(model: str, ctx: str, noise: float) -> bool:
+def departs(model: str, ctx: str, noise: float) -> bool:
     """Whether `model` departs from the shared answer on `ctx` (chance `noise`, fixed per pair)."""
     return (_hash(model, ctx, "noise") % 10_000) / 10_000 < noise
 
@@ -98,7 +98,7 @@ class ConsensusResponder:
     def __call__(self, model: str, messages: list[dict], params: dict) -> str:
         ctx = json.dumps(messages, sort_keys=True)
         base = _hash(ctx) % self.choices
-        if _departs(model, ctx, self.noise):
+        if departs(model, ctx, self.noise):
             base = (base + 1 + _hash(model, ctx) % (self.choices - 1)) % self.choices
         return f"answer {base}"
 
@@ -120,7 +120,7 @@ class SolverResponder:
 
     def __call__(self, model: str, messages: list[dict], params: dict) -> str:
         ctx = json.dumps(messages, sort_keys=True)
-        slip = (1, -1, 2, -2)[_hash(model, ctx) % 4] if _departs(model, ctx, self.noise) else 0
+        slip = (1, -1, 2, -2)[_hash(model, ctx) % 4] if departs(model, ctx, self.noise) else 0
         return self.solve(messages, slip)
 
 

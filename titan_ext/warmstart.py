@@ -47,11 +47,12 @@ class WarmStartConfig:
     seed: int = 0
 
 
-def sft_rows(tokenizer: Any, conversations: Sequence[list[dict]]) -> list[tuple[list[int], list[bool]]]:
-    """Each conversation rendered with the chat template as (ids, assistant-token mask)."""
+def sft_rows(tokenizer: Any, conversations: Sequence[list[dict]],
+             tools: list[dict] | None = None) -> list[tuple[list[int], list[bool]]]:
+    """Each conversation rendered with the chat template (and `tools`' schemas) as (ids, assistant-token mask)."""
     rows = []
     for messages in conversations:
-        out = tokenizer.apply_chat_template(list(messages), tokenize=True, return_dict=True,
+        out = tokenizer.apply_chat_template(list(messages), tools=tools, tokenize=True, return_dict=True,
                                             return_assistant_tokens_mask=True)
         mask = [bool(m) for m in out["assistant_masks"]]
         if not any(mask):
@@ -94,9 +95,11 @@ def sft(model: torch.nn.Module, rows: Sequence[tuple[list[int], list[bool]]], cf
     return losses
 
 
-def _stamp(model_cfg: ModelConfig, src_dir: Path, conversations: Sequence[list[dict]], cfg: WarmStartConfig) -> str:
+def _stamp(model_cfg: ModelConfig, src_dir: Path, conversations: Sequence[list[dict]], cfg: WarmStartConfig,
+           tools: list[dict] | None) -> str:
     h = hashlib.sha256()
-    h.update(json.dumps({"model": asdict(model_cfg), "config": asdict(cfg), "conversations": list(conversations)}, sort_keys=True).encode())
+    inputs = {"model": asdict(model_cfg), "config": asdict(cfg), "conversations": list(conversations)}
+    h.update(json.dumps({**inputs, **({"tools": tools} if tools else {})}, sort_keys=True).encode())
     for f in sorted(src_dir.iterdir()):
         if f.is_file() and f.name != "stamp.json":
             h.update(f.name.encode() + f.read_bytes())
@@ -105,22 +108,23 @@ def _stamp(model_cfg: ModelConfig, src_dir: Path, conversations: Sequence[list[d
 
 
 def warm_start_dir(
-    model_cfg: ModelConfig, conversations: Sequence[list[dict]], cfg: WarmStartConfig, root: str | Path
+    model_cfg: ModelConfig, conversations: Sequence[list[dict]], cfg: WarmStartConfig, root: str | Path,
+    tools: list[dict] | None = None,
 ) -> Path:
     """The HF directory of `model_cfg`'s model (weights and tokenizer from its `hf_path`) after SFT on
-    `conversations`, built once under `root`."""
+    `conversations` (rendered with `tools`' schemas when given: a tool-loop task's prompt), built once under `root`."""
     if not model_cfg.hf_path:
         raise ValueError("warm start needs model.hf_path (the weights and tokenizer to start from)")
     src_dir = Path(model_cfg.hf_path)
     if not conversations:
         raise ValueError("warm start needs at least one conversation")
-    stamp = _stamp(model_cfg, src_dir, conversations, cfg)
+    stamp = _stamp(model_cfg, src_dir, conversations, cfg, tools)
 
     def write(tmp: Path) -> None:
         platform = detect_platform("cpu")
         torch.manual_seed(cfg.seed)
         model = build_model(dataclasses.replace(model_cfg, device="cpu"), device="cpu", platform=platform)
-        losses = sft(model, sft_rows(AutoTokenizer.from_pretrained(src_dir), conversations), cfg)
+        losses = sft(model, sft_rows(AutoTokenizer.from_pretrained(src_dir), conversations, tools), cfg)
         save_hf_weights(model, tmp, resolve_model(model_cfg, platform).hf_config)
         # tokenizer and generation config travel with the weights
         for f in sorted(src_dir.iterdir()):

@@ -152,6 +152,23 @@ class ToolLoopConfig:
         ("read_file", "write_file", "edit_file", "list_dir", "run_tests", "shell"),
         doc="tools offered (their JSON is in the system prompt: fewer tools, shorter prompts)",
     )
+    warm_start_steps: int = option(
+        0,
+        doc="train: start RL from a base model made by this many SFT steps on tool-call format examples "
+        "(well-formed calls whose code is independent of the task, envs.tool_format); 0 = the raw weights",
+        ge=0,
+    )
+    warm_start_examples: int = option(256, doc="format-only conversations the warm start draws from", ge=1)
+    warm_start_batch_size: int = option(16, doc="conversations per warm-start SFT step", ge=1)
+    warm_start_seed: int = option(
+        0, doc="seed of the warm start's examples and SFT: one base model for every job seed (seeds vary RL only)",
+        ge=0,
+    )
+    step_workers: int = option(
+        1, doc="episodes a generator steps at once after each turn (their sandboxed tool runs and grades overlap)",
+        ge=1, le=64,
+    )
+    warm_start_lr: float = option(3e-3, doc="AdamW learning rate of the warm start", gt=0.0)
 
 
 @dataclass(frozen=True)

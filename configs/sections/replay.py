@@ -13,7 +13,7 @@ from typing import Literal
 from composer_mesh.configs.fields import option
 
 # Who answers on the local teacher server (`mesh.responders.build_responder`).
-RESPONDERS = ("consensus", "echo", "solver", "hf")
+RESPONDERS = ("consensus", "echo", "solver", "hf", "coding")
 
 
 @dataclass(frozen=True)
@@ -35,13 +35,15 @@ class LocalServerConfig:
     enabled: bool = option(False, doc="start `serve-teachers` in-process for this run")
     host: str = option("127.0.0.1", doc="loopback address to bind")
     port: int = option(0, doc="port (0 = any free port; teachers.base_url is then rewritten)", ge=0, le=65535)
-    responder: Literal["consensus", "echo", "solver", "hf"] = option(
+    responder: Literal["consensus", "echo", "solver", "hf", "coding"] = option(
         "consensus",
-        doc="who answers: a deterministic consensus responder, echo, the demo-task solver, or a local HF model",
+        doc="who answers: a deterministic consensus responder, echo, the demo-task solver, a local HF model, or "
+        "coding teachers (the run's coding tasks' reference solutions as write_file calls)",
         choices=RESPONDERS,
     )
     noise: float = option(
-        0.2, doc="consensus / solver responders: chance a model departs from the shared (solver: exact) answer",
+        0.2, doc="consensus / solver / coding responders: chance a model departs from the shared (solver, coding: "
+        "exact) answer",
         ge=0.0, le=1.0,
     )
     model_dir: str = option("", doc="local HF model directory for responder = hf")

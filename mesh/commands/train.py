@@ -26,7 +26,7 @@ HELP = "Run RL post-training: generators, teacher replay and the trainer on Mona
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", help="recipe (e.g. configs/debug_cpu.toml)")
+    parser.add_argument("config", help="recipe (e.g. configs/coding_cpu.toml)")
     parser.add_argument("overrides", nargs=argparse.REMAINDER, help="--section.key=value ...")
     parser.add_argument("--no-resume", action="store_true", help="start fresh even when a checkpoint exists (put it before CONFIG)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (put it before CONFIG)")
@@ -39,7 +39,10 @@ def heldout_line(heldout: dict[str, dict[str, float]]) -> str:
     b, a = heldout["before"], heldout["after"]
     return (f"held-out reward: greedy {b['eval/heldout_greedy']:.3f} -> {a['eval/heldout_greedy']:.3f}, "
             f"sampled {b['eval/heldout_sampled']:.3f} -> {a['eval/heldout_sampled']:.3f} "
-            f"(step {b['step']} -> {a['step']})")
+            f"(step {b['step']} -> {a['step']})"
+            + (f"; pass rate: greedy {b['eval/heldout_greedy_pass']:.3f} -> {a['eval/heldout_greedy_pass']:.3f}, "
+               f"sampled {b['eval/heldout_sampled_pass']:.3f} -> {a['eval/heldout_sampled_pass']:.3f}"
+               if "eval/heldout_greedy_pass" in b else ""))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,0 +1,86 @@
+"""Tool-call format examples for warm-starting a base model on a tool-loop task (never its solutions).
+
+As the demo's `format_examples` teach `ANSWER: <x>` with answers drawn
+independently of the problem, these teach the tool loop's protocol with code
+independent of the task: each conversation is a real train-split episode start
+(system prompt, the task's prompt, rendered with the episode's tool schemas),
+then one well-formed tool call, the tool's answer as the loop words it, and a
+closing message without tool calls (which ends an episode). With `edit_file`
+offered the call edits the prompt's stub (`pass` in the file the prompt names)
+into `return <expr>`, the expression drawn uniformly from a fixed pool over the
+stub's parameters, whatever the docstring asks; with `write_file` only, it
+writes a random one-line function to a random module. A model trained on them
+writes `<tool_call>` blocks with JSON arguments and stops after its edit; which
+code the task wants is left for RL.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from typing import Any, Callable
+
+from composer_mesh.envs.base import Environment
+
+CLOSING = "Done."
+_MODULES = ("util", "helpers", "core", "main", "lib", "tools", "common", "mathx", "text", "funcs")
+_NAMES = ("f", "g", "h", "run", "calc", "value", "apply", "step", "make", "fix")
+_ARGS = ("a", "b", "n", "x", "s", "v", "k", "i")
+# what an edit returns: every pool entry is equally likely, whatever the task asks
+EXPRESSIONS = ("{a} + {b}", "{a} - {b}", "{a} * {b}", "{b} - {a}", "max({a}, {b})", "min({a}, {b})", "{a} % {b}",
+               "{a} // {b}")
+_STUB = re.compile(r"def \w+\(([^)]*)\):")
+_FILE = re.compile(r"\b([\w/]+\.py)\b")
+_BODIES = ("{a} + {k}", "{a} - {k}", "{a} * {k}", "{a}", "[{a}]", "str({a})", "len({a})", "{a} > {k}",
+           "max({a}, {k})", "{a} // {k}")
+
+
+def random_function(rng: random.Random) -> tuple[str, str]:
+    """(path, text) of a random one-line Python function in a random module."""
+    a = rng.choice(_ARGS)
+    body = rng.choice(_BODIES).format(a=a, k=rng.randint(1, 9))
+    return f"{rng.choice(_MODULES)}.py", f"def {rng.choice(_NAMES)}({a}):\n    return {body}\n"
+
+
+def random_edit(prompt: str, rng: random.Random) -> tuple[str, dict[str, str]] | None:
+    """(path, edit_file arguments) replacing the prompt's `pass` stub with a random return expression over its
+    parameters; None when the prompt names no file or stub."""
+    stub, path = _STUB.search(prompt), _FILE.search(prompt)
+    if stub is None or path is None or "pass" not in prompt:
+        return None
+    params = [p.split(":")[0].split("=")[0].strip() for p in stub.group(1).split(",") if p.strip()]
+    a, b = (params + params)[:2] if params else ("0", "1")
+    return path.group(1), {"path": path.group(1), "old": "pass", "new": "return " + rng.choice(EXPRESSIONS).format(a=a, b=b)}
+
+
+def tool_format_examples(make_env: Callable[[str], Environment], n: int, seed: int
+                         ) -> tuple[list[list[dict[str, Any]]], list[dict] | None]:
+    """`n` format-only conversations over train-split episode starts, and the tool schemas they were
+    rendered with (those of the first episode)."""
+    rng = random.Random(f"tool-format:{seed}")
+    out, tools = [], None
+    env = make_env("train")
+    try:
+        for i in range(n):
+            obs = env.reset(seed=seed * 1_000_003 + 10_000_019 + i)
+            tools = tools or obs.info.get("tools")
+            names = {t["function"]["name"] for t in tools or ()}
+            prompt = next(str(m["content"]) for m in env.state.messages if m["role"] == "user")
+            edit = random_edit(prompt, rng) if "edit_file" in names else None
+            if edit is not None:
+                path, args = edit
+                name, answer = "edit_file", f"edited {path}"
+            else:
+                path, text = random_function(rng)
+                name, args, answer = "write_file", {"path": path, "content": text}, f"wrote {len(text)} characters to {path}"
+            call = {"id": "call_0", "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
+            out.append([
+                *env.state.messages,
+                {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_0", "content": answer},
+                {"role": "assistant", "content": CLOSING},
+            ])
+    finally:
+        env.close()
+    return out, tools

@@ -1,0 +1,63 @@
+"""Per-step metrics of coding episodes: pass rate, turns, tool errors and sandbox violations by kind, grading time.
+
+A coding task's last observation carries its grade in `info` (`passed`, `total`,
+`grade_s`, `violations` as (kind, detail) pairs); the episode loop copies it into
+`Rollout.info`. Tool errors are the rollout's error sites (each a failed tool call
+or a failing test run, classified by `configs.records.ErrorKind`). Rollouts without
+a grade (the demo task) add nothing, so non-coding runs log what they logged before.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Sequence
+
+from composer_mesh.actors.rollout import Rollout
+
+
+def graded(rollouts: Sequence[Rollout]) -> list[Rollout]:
+    """The rollouts that a coding task graded (their info has `total` and `grade_s`)."""
+    return [r for r in rollouts if "total" in r.info and "grade_s" in r.info]
+
+
+def passed(rollout: Rollout) -> bool:
+    """Every hidden test passed and the grade found nothing wrong (reward 1)."""
+    total = int(rollout.info.get("total", 0))
+    return total > 0 and int(rollout.info.get("passed", 0)) == total and rollout.reward >= 1.0
+
+
+def pass_rate(rollouts: Sequence[Rollout]) -> float:
+    """Share of `rollouts` that passed (0 when there are none)."""
+    return sum(passed(r) for r in rollouts) / max(1, len(rollouts))
+
+
+def episode_metrics(rollouts: Sequence[Rollout], prefix: str = "coding/") -> dict[str, float]:
+    """Pass rate, mean turns, tool errors and violations per kind (totals over the step), mean and max
+    grading seconds of the graded rollouts; {} when none was graded."""
+    done = graded(rollouts)
+    if not done:
+        return {}
+    n = len(done)
+    errors = Counter(site.kind.value for r in done for site in r.error_sites)
+    violations = Counter(str(v[0]) for r in done for v in r.info.get("violations", ()))
+    grade_s = [float(r.info["grade_s"]) for r in done]
+    out = {
+        f"{prefix}pass_rate": pass_rate(done),
+        f"{prefix}turns": sum(int(r.info.get("turns", len(r.turn_spans))) for r in done) / n,
+        f"{prefix}multi_turn": sum(int(r.info.get("turns", len(r.turn_spans))) >= 2 for r in done) / n,
+        f"{prefix}tool_errors": float(sum(errors.values())),
+        f"{prefix}violations": float(sum(violations.values())),
+        f"{prefix}grade_s_mean": sum(grade_s) / n,
+        f"{prefix}grade_s_max": max(grade_s),
+    }
+    out.update({f"{prefix}tool_errors/{k}": float(v) for k, v in sorted(errors.items())})
+    out.update({f"{prefix}violations/{k}": float(v) for k, v in sorted(violations.items())})
+    return out
+
+
+def eval_pass_rates(greedy: Sequence[Rollout], sampled: Sequence[Rollout]) -> dict[str, Any]:
+    """The held-out pass rates (greedy and sampled) and the sampled episodes' metrics, for coding tasks."""
+    if not graded(greedy) and not graded(sampled):
+        return {}
+    return {"eval/heldout_greedy_pass": pass_rate(greedy), "eval/heldout_sampled_pass": pass_rate(sampled),
+            **episode_metrics(sampled, prefix="eval/heldout_")}

@@ -1,0 +1,200 @@
+"""The coding main job's plumbing on micro coding tasks, the real sandbox and the tiny tokenizer.
+
+Episodes run through `actors.episodes.EpisodeRunner` (the production loop: chat
+template with tools, `<tool_call>` parsing, tool results as `tool` messages) with
+a scripted policy in place of the model, so each test knows what the episode did:
+its grade reaches `Rollout.info`, per-step metrics count its tool errors, hints and
+replay states come from its real failures, the coding teachers' reference passes
+the hidden tests (their slip fails them), and the warm-start examples are
+well-formed tool calls whose code is not the task's.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from transformers import AutoTokenizer
+
+from composer_mesh.actors.episodes import ChatTokens, EpisodeRunner, parse_assistant
+from composer_mesh.actors.hf_engine import Completion
+from composer_mesh.actors.rollout import EpisodeRequest, SamplingParams
+from composer_mesh.actors.teacher_replay import rollout_states
+from composer_mesh.configs.records import ErrorKind
+from composer_mesh.configs.sections.env import CodingConfig, SandboxConfig, ToolLoopConfig
+from composer_mesh.envs.micro import make_task
+from composer_mesh.envs.sandbox import Sandbox
+from composer_mesh.envs.tool_format import CLOSING, EXPRESSIONS, tool_format_examples
+from composer_mesh.envs.tool_loop import ToolLoopEnv
+from composer_mesh.mesh.episode_metrics import episode_metrics, eval_pass_rates
+from composer_mesh.mesh.packing import make_hint
+from composer_mesh.replay.hints import TemplateHintGenerator
+from composer_mesh.replay.reference_teacher import DONE_TEXT, ReferenceResponder, change_calls, near_miss
+from composer_mesh.replay.server import TeacherServer
+from composer_mesh.titan_ext.warmstart import sft_rows
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_assets):
+    return AutoTokenizer.from_pretrained(str(tiny_assets.tokenizer_dir))
+
+
+LOOP = ToolLoopConfig(tools=("read_file", "edit_file"), max_turns=6)
+
+
+@pytest.fixture(scope="module")
+def sandbox(tmp_path_factory):
+    """A sandbox whose wall limit leaves room for a loaded box (a grade took over 8 s on a shared 2-core
+    machine); the limits themselves are tested in test_envs_sandbox.py."""
+    config = SandboxConfig(root_dir=str(tmp_path_factory.mktemp("coding-sandbox")), wall_timeout_s=90.0)
+    return Sandbox(config)
+
+
+@pytest.fixture(scope="module")
+def task():
+    return make_task(CodingConfig(), "train", 0)
+
+
+def reference(task) -> dict[str, str]:
+    return task.reference_files()
+
+
+def edit_text(task, files: dict[str, str]) -> str:
+    """The model's text of the edit_file call(s) turning the task's stub into `files`."""
+    calls = change_calls({task.target: task.stubbed_source}, files, "edit_file")
+    return "\n".join(call_text(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls)
+
+
+def call_text(name: str, args: dict) -> str:
+    return f'<tool_call>\n{{"name": "{name}", "arguments": {json.dumps(args)}}}\n</tool_call>'
+
+
+class ScriptedPolicy:
+    """Answers turn k of every episode with `turns[k]` (the engine's interface; no model)."""
+
+    def __init__(self, tok, turns: list[str]) -> None:
+        self.tok, self.turns, self.chat = tok, turns, ChatTokens(tok)
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Completion]:
+        out = []
+        for ids in prompts:
+            k = self.tok.decode(ids).count("<|im_start|>assistant") - 1
+            reply = self.chat.encode(self.turns[k]) + [self.chat.end_id]
+            out.append(Completion(reply, [-0.5] * len(reply), "stop"))
+        return out
+
+
+def run_episodes(tok, tasks, sandbox, turns: list[str], group_size: int = 2):
+    runner = EpisodeRunner(ScriptedPolicy(tok, turns), tok, lambda split: ToolLoopEnv(tasks, sandbox, LOOP),
+                           max_turns=6, max_context_tokens=1 << 16)
+    groups = runner.run([EpisodeRequest(group_id=0, seed=0)], group_size, SamplingParams(max_new_tokens=512), 0)
+    return groups[0].rollouts
+
+
+def test_episode_grade_failures_hints_and_metrics(tok, task, sandbox):
+    turns = [call_text("read_file", {"path": "no/such_file.py"}), edit_text(task, reference(task)), "Finished."]
+    rollouts = run_episodes(tok, [task], sandbox, turns)
+    r = rollouts[0]
+    assert r.reward == 1.0 and r.info["turns"] == 3 and r.info["total"] >= 1 and r.info["passed"] == r.info["total"]
+    assert r.info["grade_s"] > 0 and r.info["violations"] == []
+    # the failed call came back as a tool message and an error site of its kind
+    assert r.messages[3]["role"] == "tool" and "no such file" in r.messages[3]["content"]
+    assert [s.kind for s in r.error_sites] == [ErrorKind.FILE_NOT_FOUND] and r.error_sites[0].tool == "read_file"
+    m = episode_metrics(rollouts)
+    assert m["coding/pass_rate"] == 1.0 and m["coding/turns"] == 3.0 and m["coding/multi_turn"] == 1.0
+    assert m["coding/tool_errors/file_not_found"] == 2.0 and m["coding/violations"] == 0.0
+    hint = make_hint(ChatTokens(tok), r, TemplateHintGenerator())
+    assert hint is not None and "no/such_file.py" in hint.text and hint.site.kind is ErrorKind.FILE_NOT_FOUND
+    states = rollout_states(r)
+    assert len(states) == 1 and states[0].action["tool_calls"][0]["function"]["name"] == "read_file"
+    assert eval_pass_rates(rollouts[:1], rollouts)["eval/heldout_greedy_pass"] == 1.0
+
+
+def test_failing_answer_is_replayed_and_counted(tok, task, sandbox):
+    wrong = {task.target: near_miss(reference(task)[task.target])}
+    rollouts = run_episodes(tok, [task], sandbox, [edit_text(task, wrong), "Finished."])
+    r = rollouts[0]
+    assert r.reward == 0.0 and r.info["passed"] < r.info["total"] and r.error_sites == []
+    assert episode_metrics(rollouts)["coding/pass_rate"] == 0.0
+    # no error site, but the grade failed: its first turn is hinted (the grade's count, never the tests)
+    # and goes to the teachers
+    hint = make_hint(ChatTokens(tok), r, TemplateHintGenerator())
+    assert hint is not None and hint.site.kind is ErrorKind.TEST_FAILURE and hint.site.turn == 2
+    assert f'hidden tests: {r.info["reason"]}' in hint.text and "==" not in hint.text and "test_" not in hint.text
+    (state,) = rollout_states(r)
+    assert state.action["tool_calls"][0]["function"]["name"] == "edit_file" and len(state.context) == 2
+    # the demo's rollouts (no grade in info) add no coding metrics
+    r.info = {"turns": 2}
+    assert episode_metrics([r]) == {} and rollout_states(r) == []
+
+
+def teacher_reply(url: str, model: str, messages: list[dict]) -> dict:
+    body = {"model": model, "messages": messages, "max_tokens": 4096}
+    return httpx.post(f"{url}/chat/completions", json=body, timeout=30).json()["choices"][0]["message"]
+
+
+def grade_calls(task, sandbox, calls: list[dict]):
+    env = ToolLoopEnv([task], sandbox, LOOP)
+    env.reset(seed=0)
+    obs = env.step({"role": "assistant", "content": "", "tool_calls": calls})
+    obs = env.step({"role": "assistant", "content": DONE_TEXT}) if not obs.done else obs
+    env.close()
+    return obs
+
+
+def test_reference_teachers_over_loopback(task, sandbox):
+    env = ToolLoopEnv([task], sandbox, LOOP)
+    start = env.reset(seed=0).messages
+    env.close()
+    start_files = {task.target: task.stubbed_source}
+    lookup = {task.prompt(): (start_files, reference(task))}.get
+    with TeacherServer(ReferenceResponder(lookup, noise=0.0)) as exact, \
+            TeacherServer(ReferenceResponder(lookup, noise=1.0)) as slipping:
+        good = teacher_reply(exact.url, "local-a", start)
+        bad = teacher_reply(slipping.url, "local-a", start)
+        # after its write, the teacher closes the episode
+        done = teacher_reply(exact.url, "local-a", start + [{"role": "assistant", "content": "", **good}])
+        unknown = [teacher_reply(exact.url, m, [{"role": "user", "content": "another task"}]) for m in ("a", "b")]
+    assert good["tool_calls"] == change_calls(start_files, reference(task), "edit_file")
+    assert [c["function"]["name"] for c in good["tool_calls"]] == ["edit_file"]
+    assert done["content"] == DONE_TEXT and not done.get("tool_calls")
+    # an unknown task: no tool call, and two teachers never agree on it (no pair)
+    assert not any(u.get("tool_calls") for u in unknown) and unknown[0]["content"] != unknown[1]["content"]
+    assert grade_calls(task, sandbox, good["tool_calls"]).reward == 1.0
+    assert grade_calls(task, sandbox, bad["tool_calls"]).reward == 0.0
+
+
+def test_warm_start_examples_teach_the_format_not_the_task(tok, sandbox):
+    tasks = [make_task(CodingConfig(), "train", seed) for seed in range(40)]
+    make = lambda split: ToolLoopEnv(tasks, sandbox, ToolLoopConfig(tools=("edit_file",), max_turns=2))  # noqa: E731
+    conversations, tools = tool_format_examples(make, 40, seed=3)
+    assert len(conversations) == 40 and [t["function"]["name"] for t in tools] == ["edit_file"]
+    rows = sft_rows(tok, conversations, tools)
+    right = 0
+    for messages, (ids, mask) in zip(conversations, rows):
+        assert messages[-1] == {"role": "assistant", "content": CLOSING} and messages[-2]["content"] == "edited m.py"
+        # the rendered call parses back as the tool loop will parse the model's text
+        assistant_text = tok.decode([i for i, m in zip(ids, mask) if m]).split("<|im_end|>")[0]
+        (call,) = parse_assistant(assistant_text)["tool_calls"]
+        args = json.loads(call["function"]["arguments"])
+        assert call["function"]["name"] == "edit_file" and args["path"] == "m.py" and args["old"] == "pass"
+        assert args["new"].startswith("return ")
+        # which expression does not depend on the task: it is right about as often as chance
+        task = next(t for t in tasks if t.prompt() == messages[1]["content"])
+        right += "return " + args["new"][7:] in task.reference_files()[task.target]
+        assert '"name": "edit_file"' in tok.decode(ids)
+    assert right <= 40 * 3 // len(EXPRESSIONS)
+    # the same seed gives the same examples; another seed others
+    assert tool_format_examples(make, 40, seed=3)[0] == conversations
+    assert tool_format_examples(make, 40, seed=4)[0] != conversations
+
+
+def test_micro_teachers_edit_passes_and_slip_fails(sandbox):
+    for seed in range(3):
+        task = make_task(CodingConfig(), "train", seed)
+        start = {task.target: task.stubbed_source}
+        good = change_calls(start, task.reference_files(), "edit_file")
+        bad = change_calls(start, {p: near_miss(t) for p, t in task.reference_files().items()}, "edit_file")
+        assert json.loads(good[0]["function"]["arguments"])["old"] == "pass"
+        assert grade_calls(task, sandbox, good).reward == 1.0 and grade_calls(task, sandbox, bad).reward < 1.0
