@@ -18,7 +18,13 @@ Measures, in one run:
   of this sandbox or workspace left;
 - callable_task_oracle: the original code of every task of the `hookkit`
   fixture (tests pass callables and objects in and get callables back), min
-  reward; callable_refused: its tasks the generator refused (0 expected).
+  reward; callable_refused: its tasks the generator refused (0 expected);
+- the warm pool (`envs.pool`, `pool_size` 4): micro coding tasks (`envs.micro`,
+  reference answer, `grade_workspace`) graded one at a time cold and through the
+  pool (median grade ms, `pool_vs_cold_ratio` = cold / pool), then
+  `coding_eps_per_s`: episodes (workspace, answer, grade) per second with two
+  generator threads sharing the pool; the hostile replies again through the pool
+  (`hostile_contained` is the lower of the cold and pooled shares).
 Prints a table and ends with one JSON line.
 """
 
@@ -31,14 +37,19 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
-from composer_mesh.configs.sections.env import DemoTaskConfig, FeatureDeletionConfig
+from composer_mesh.configs.sections.env import CodingConfig, DemoTaskConfig, FeatureDeletionConfig
 from composer_mesh.envs.base import assistant
 from composer_mesh.envs.demo import DemoEnv, solve
 from composer_mesh.envs.containment import CGROUP_ROOT, CONTROLLERS
 from composer_mesh.envs.feature_deletion import FeatureDeletionEnv, TaskStore, generate_tasks
-from composer_mesh.envs.grading import PYTEST_ARGS
+from composer_mesh.envs.grading import PYTEST_ARGS, Grade
+from composer_mesh.envs.micro import MicroTask, make_task
+from composer_mesh.envs.pool import SandboxPool
+from composer_mesh.envs.safeguards import manifest
 from composer_mesh.envs.sandbox import Sandbox
 from composer_mesh.envs.tool_loop import ToolLoopEnv
 
@@ -85,7 +96,7 @@ def demo_rate(episodes: int) -> float:
     return episodes / (time.perf_counter() - start)
 
 
-def feature_deletion(sandbox: Sandbox, tasks_per_repo: int, reps: int) -> dict[str, float]:
+def feature_deletion(sandbox: Sandbox, pool: SandboxPool, tasks_per_repo: int, reps: int) -> dict[str, float]:
     store = TaskStore(sandbox)
     try:
         config = FeatureDeletionConfig(max_tasks=tasks_per_repo)
@@ -113,10 +124,38 @@ def feature_deletion(sandbox: Sandbox, tasks_per_repo: int, reps: int) -> dict[s
         out["oracle_grade_s"] = statistics.median(g.grade_s for g in oracle)
         target = next(t for t in callable_tasks if t.symbols == ("apply_all",))
         shapes = next(t for t in callable_tasks if t.symbols == ("total_area",))
-        out["hostile_contained"], out["hostile_tried"] = hostile_contained(sandbox, tasks[0], target, shapes)
+        out["hostile_contained_cold"], out["hostile_tried"] = hostile_contained(sandbox, tasks[0], target, shapes)
+        out["hostile_contained_pool"], _ = hostile_contained(pool, tasks[0], target, shapes)
+        out["hostile_contained"] = min(out["hostile_contained_cold"], out["hostile_contained_pool"])
         return out
     finally:
         store.cleanup()
+
+
+def micro_episode(backend: Sandbox | SandboxPool, task: MicroTask) -> Grade:
+    """One coding episode with the reference answer: the task's workspace, the answer written, the grade."""
+    with task.workspace(backend) as ws:
+        start = manifest(ws.path)
+        for rel, text in task.reference_files().items():
+            (ws.path / rel).write_text(text)
+        return task.grade(backend, ws, start)
+
+
+def coding(sandbox: Sandbox, pool: SandboxPool, episodes: int, cold_episodes: int, threads: int = 2) -> dict[str, float]:
+    """Micro-task grading: median grade ms cold and pooled (one at a time), then episodes/s with `threads` sharing the pool."""
+    tasks = [make_task(CodingConfig(), "train", seed) for seed in range(episodes)]
+    cold = [micro_episode(sandbox, t) for t in tasks[:cold_episodes]]
+    warm = [micro_episode(pool, t) for t in tasks]
+    start = time.perf_counter()
+    with ThreadPoolExecutor(threads) as ex:
+        parallel = list(ex.map(lambda t: micro_episode(pool, t), tasks))
+    eps = len(tasks) / (time.perf_counter() - start)
+    cold_ms = statistics.median(g.grade_s for g in cold) * 1e3
+    warm_ms = statistics.median(g.grade_s for g in warm) * 1e3
+    return {
+        "micro_grade_cold_ms": cold_ms, "micro_grade_pool_ms": warm_ms, "pool_vs_cold_ratio": cold_ms / warm_ms,
+        "coding_eps_per_s": eps, "coding_min_reward": min(g.reward for g in cold + warm + parallel),
+    }
 
 
 def grading_overhead(sandbox: Sandbox, task, reps: int) -> tuple[float, float]:
@@ -182,8 +221,12 @@ def main() -> None:
     reps, tasks_per_repo, demo_eps = (6, 2, 2000) if args.quick else (30, 8, 20000)
 
     sandbox = Sandbox()
+    pool = SandboxPool(replace(sandbox.config, pool_size=4))
     demo = demo_rate(demo_eps)
-    fd = feature_deletion(sandbox, tasks_per_repo, reps)
+    code = coding(sandbox, pool, *((12, 4) if args.quick else (60, 12)))
+    fd = feature_deletion(sandbox, pool, tasks_per_repo, reps)
+    pool_stats = pool.stats()
+    pool.close()
     py_bare, py_box = overhead(sandbox, lambda py: [py, "-c", "pass"], None, reps)
     pytest_args = ["-m", "pytest", "-q", "-p", "no:cacheprovider"]
     pt_bare, pt_box = overhead(sandbox, lambda py: [py, *pytest_args], FIXTURES / "textkit", reps)
@@ -196,7 +239,13 @@ def main() -> None:
         ("  no-op episodes/s   (mean reward)", f"{fd['noop_eps_per_s']:.2f}  ({fd['noop_mean_reward']:.2f})"),
         ("grade oracle: bare pytest / sandboxed grade ms",
          f"{fd['grade_bare_s'] * 1e3:.0f} / {fd['grade_sandboxed_s'] * 1e3:.0f}  (x{fd['grade_sandboxed_s'] / fd['grade_bare_s']:.2f})"),
-        ("hostile replies contained (share)", f"{fd['hostile_contained']:.2f}  ({fd['hostile_tried']:.0f} tried)"),
+        ("hostile replies contained (share): cold / pool",
+         f"{fd['hostile_contained_cold']:.2f} / {fd['hostile_contained_pool']:.2f}  ({fd['hostile_tried']:.0f} tried each)"),
+        ("micro task grade ms: cold / pool", f"{code['micro_grade_cold_ms']:.0f} / {code['micro_grade_pool_ms']:.0f}  (x{code['pool_vs_cold_ratio']:.1f})"),
+        ("coding episodes/s (pool of 4, 2 threads; min reward)", f"{code['coding_eps_per_s']:.2f}  ({code['coding_min_reward']:.2f})"),
+        ("pool: warm runs, resets, failed checks, replaced, cold", " ".join(
+            str(pool_stats[k]) for k in ("warm_runs", "resets", "reset_failures", "replaced", "cold_fallbacks"))),
+        ("load average (1 min) at the end", f"{os.getloadavg()[0]:.1f}"),
         ("callable tasks: oracle min reward (tasks, refused)",
          f"{fd['callable_task_oracle']:.2f}  ({fd['callable_tasks']:.0f}, {fd['callable_refused']:.0f})"),
         ("oracle grade_s (median, callable tasks)", f"{fd['oracle_grade_s']:.2f}"),
@@ -220,6 +269,16 @@ def main() -> None:
         "grade_sandboxed_ms": round(fd["grade_sandboxed_s"] * 1e3, 1),
         "grading_overhead_ratio": round(fd["grade_sandboxed_s"] / fd["grade_bare_s"], 3),
         "hostile_contained": fd["hostile_contained"],
+        "hostile_contained_cold": fd["hostile_contained_cold"],
+        "hostile_contained_pool": fd["hostile_contained_pool"],
+        "coding_eps_per_s": round(code["coding_eps_per_s"], 2),
+        "coding_min_reward": code["coding_min_reward"],
+        "micro_grade_pool_ms": round(code["micro_grade_pool_ms"], 1),
+        "micro_grade_cold_ms": round(code["micro_grade_cold_ms"], 1),
+        "pool_vs_cold_ratio": round(code["pool_vs_cold_ratio"], 2),
+        "pool_reset_failures": pool_stats["reset_failures"],
+        "pool_cold_fallbacks": pool_stats["cold_fallbacks"],
+        "load_avg_1m": round(os.getloadavg()[0], 1),
         "hostile_tried": int(fd["hostile_tried"]),
         "callable_task_oracle": fd["callable_task_oracle"],
         "callable_tasks": int(fd["callable_tasks"]),

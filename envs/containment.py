@@ -41,10 +41,13 @@ class ContainmentUnavailable(RuntimeError):
     """libseccomp or the cgroup controllers are missing; nothing may be graded without them."""
 
 
-def seccomp_filter() -> bytes:
-    """The compiled BPF program (made once per process; each run hands bwrap a memfd holding it)."""
-    global _FILTER
-    if _FILTER is None:
+def seccomp_filter(extra: tuple[str, ...] = ()) -> bytes:
+    """The compiled BPF program (made once per process; each run hands bwrap a memfd holding it).
+
+    extra: syscalls denied besides `DENIED_SYSCALLS` (a pool worker also denies the IPC
+    objects that would outlive a job inside the worker's IPC namespace).
+    """
+    if extra not in _FILTERS:
         try:
             # lazy: a missing pyseccomp must become ContainmentUnavailable naming it, not an import error
             import pyseccomp as seccomp
@@ -55,7 +58,7 @@ def seccomp_filter() -> bytes:
             ) from exc
         f = seccomp.SyscallFilter(seccomp.ALLOW)
         deny = seccomp.ERRNO(errno.EPERM)
-        for name in DENIED_SYSCALLS:
+        for name in DENIED_SYSCALLS + extra:
             try:
                 f.add_rule(deny, name)
             except (RuntimeError, ValueError, OSError):
@@ -67,19 +70,19 @@ def seccomp_filter() -> bytes:
         with tempfile.TemporaryFile() as out:
             f.export_bpf(out)
             out.seek(0)
-            _FILTER = out.read()
-    return _FILTER
+            _FILTERS[extra] = out.read()
+    return _FILTERS[extra]
 
 
-def seccomp_fd() -> int:
+def seccomp_fd(extra: tuple[str, ...] = ()) -> int:
     """A fresh read-only-positioned memfd with the filter, for `bwrap --seccomp FD` (caller closes it)."""
     fd = os.memfd_create("composer-mesh-seccomp")
-    os.write(fd, seccomp_filter())
+    os.write(fd, seccomp_filter(extra))
     os.lseek(fd, 0, os.SEEK_SET)
     return fd
 
 
-_FILTER: bytes | None = None
+_FILTERS: dict[tuple[str, ...], bytes] = {}
 
 
 def probe_cgroups() -> str:
@@ -121,6 +124,11 @@ class RunCgroup:
         for c in CONTROLLERS:
             with open(self.path(c) / "cgroup.procs", "w") as f:
                 f.write("0")
+
+    def attach(self, pid: int) -> None:
+        """Move process `pid` (host view) into the cgroups (a pool worker's freshly forked job)."""
+        for c in CONTROLLERS:
+            _write(self.path(c) / "cgroup.procs", str(pid))
 
     def pids(self) -> list[int]:
         out: set[int] = set()

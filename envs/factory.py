@@ -13,8 +13,9 @@ from composer_mesh.envs.demo import DemoEnv, Split, stable_split
 from composer_mesh.envs.feature_deletion import FeatureDeletionEnv, RepoTask, TaskStore, generate_tasks
 from composer_mesh.envs.micro import MicroTasks
 from composer_mesh.envs.plugin import check_call, load_callable
+from composer_mesh.envs.pool import SandboxPool
 from composer_mesh.envs.sandbox import Sandbox
-from composer_mesh.envs.tool_loop import ToolLoopEnv
+from composer_mesh.envs.tool_loop import ToolLoopEnv, offered_tools
 
 
 def split_tasks(tasks: list[RepoTask], heldout_fraction: float, split: Split) -> list[RepoTask]:
@@ -42,7 +43,7 @@ def env_factory(config: EnvConfig, store: TaskStore | None = None) -> Callable[[
         return lambda split: DatasetEnv(task, split)
     if config.task == "plugin":
         return plugin_factory(config)
-    sandbox = Sandbox(config.sandbox)
+    sandbox = SandboxPool(config.sandbox) if config.sandbox.pool_size else Sandbox(config.sandbox)
     if config.task == "coding":
         pools = coding_pools(config, sandbox, store)
         return lambda split: ToolLoopEnv(pools[split], sandbox, config.tool_loop)
@@ -71,14 +72,8 @@ def repository_tasks(config: EnvConfig, sandbox: Sandbox, store: TaskStore | Non
 
 def coding_pools(config: EnvConfig, sandbox: Sandbox, store: TaskStore | None) -> dict[Split, TaskPool]:
     """The union of `coding.sources` per split; an unknown or empty source is an error naming its key."""
-    sources = config.coding.sources
-    if not sources:
-        raise ValueError(f"env.coding.sources is empty; sources: {', '.join(CODING_SOURCES)}")
-    unknown = [s for s in sources if s not in CODING_SOURCES]
-    if unknown:
-        raise ValueError(f"env.coding.sources: unknown source(s) {unknown}; sources: {', '.join(CODING_SOURCES)}")
     pools: dict[Split, list[TaskPool]] = {"train": [], "heldout": []}
-    for source in dict.fromkeys(sources):
+    for source in coding_sources(config):
         if source == "micro":
             for split in pools:
                 pools[split].append(MicroTasks(config.coding, split))
@@ -86,6 +81,17 @@ def coding_pools(config: EnvConfig, sandbox: Sandbox, store: TaskStore | None) -
             for split, tasks in repository_tasks(config, sandbox, store).items():
                 pools[split].append(ListPool(tasks))
     return {split: UnionPool(p) for split, p in pools.items()}
+
+
+def coding_sources(config: EnvConfig) -> list[str]:
+    """`coding.sources` without repeats; empty or unknown is an error naming the key."""
+    sources = config.coding.sources
+    if not sources:
+        raise ValueError(f"env.coding.sources is empty; sources: {', '.join(CODING_SOURCES)}")
+    unknown = [s for s in sources if s not in CODING_SOURCES]
+    if unknown:
+        raise ValueError(f"env.coding.sources: unknown source(s) {unknown}; sources: {', '.join(CODING_SOURCES)}")
+    return list(dict.fromkeys(sources))
 
 
 def plugin_factory(config: EnvConfig) -> Callable[[Split], Environment]:
@@ -108,11 +114,21 @@ def plugin_factory(config: EnvConfig) -> Callable[[Split], Environment]:
 
 
 def check_task(config: EnvConfig) -> None:
-    """Fail before any actor starts when a dataset or plugin task cannot load (one environment made per split)."""
+    """Fail before any actor starts when a dataset or plugin task cannot load (one environment made per split),
+    or when a coding task's sources, micro knobs or tools are wrong (cheap checks: no repository is graded here)."""
     if config.task in ("dataset", "plugin"):
         make = env_factory(config)
         for split in ("train", "heldout"):
             make(split).close()
+    if config.task in ("tool_loop", "coding"):
+        offered_tools(config.tool_loop.tools)
+    if config.task == "coding":
+        sources = coding_sources(config)
+        if "repos" in sources and not config.feature_deletion.repos:
+            raise ValueError("env.coding.sources names 'repos': it needs env.feature_deletion.repos (local repository paths)")
+        if "micro" in sources:
+            for split in ("train", "heldout"):
+                MicroTasks(config.coding, split)
 
 
 def build_env(config: EnvConfig, split: Split = "train", store: TaskStore | None = None) -> Environment:

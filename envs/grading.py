@@ -257,8 +257,8 @@ def _grade_split(sandbox: Sandbox, pristine: Path, agent_ws: Workspace, targets:
     if not all(modules.values()):
         raise ValueError(f"targets {list(targets)} are not all modules the judge can forward")
     with (
-        sandbox.workspace(copy_from=pristine, skip=is_bytecode) as judge_ws,
-        sandbox.workspace(copy_from=agent_ws.path, skip=lambda rel: not _is_source(rel)) as callee_ws,
+        sandbox.scratch_workspace(copy_from=pristine, skip=is_bytecode) as judge_ws,
+        sandbox.scratch_workspace(copy_from=agent_ws.path, skip=lambda rel: not _is_source(rel)) as callee_ws,
     ):
         for rel, base in targets.items():
             (judge_ws.path / rel).write_text(base)

@@ -70,7 +70,8 @@ class MicroTask:
     files: the agent's starting workspace (relative path -> text); reference: the
     changed files of the reference solution; hidden: the hidden test files;
     target: the module the agent edits (forwarded by the judge); expected_tests:
-    the hidden node ids the reward counts.
+    the hidden node ids the reward counts; bug_function: the implemented function
+    with a bug whose visible test fails ("" when none).
     """
 
     name: str
@@ -82,7 +83,7 @@ class MicroTask:
     hidden: dict[str, str]
     expected_tests: tuple[str, ...]
     show_source: bool = True
-    failing_visible_test: bool = False
+    bug_function: str = ""
     backend: str = "local"
     source: str = "micro"
 
@@ -96,8 +97,8 @@ class MicroTask:
 
     def prompt(self, tools: bool = True) -> str:
         """Terse instruction with the target file inline (unless `show_source` is off in the tool loop)."""
-        names = ", ".join(self.functions)
-        head = f"Implement {names} in {self.target}" + (" and fix the failing test" if self.failing_visible_test else "")
+        names = ", ".join(f for f in self.functions if f != self.bug_function)
+        head = f"Implement {names} in {self.target}" + (f" and fix the bug in {self.bug_function}" if self.bug_function else "")
         if tools:
             return f"{head}.\n\n{self.stubbed_source}" if self.show_source else f"{head}."
         return f"{head}. Reply with the complete new {self.target} in one ```python block.\n\n{self.stubbed_source}"
@@ -165,6 +166,9 @@ def _space(config: CodingConfig) -> tuple[list[tuple[str, ...]], list[str | None
     if not chains:
         raise ValueError(f"env.coding: no operation chain of statements_per_body = {config.statements_per_body} "
                          f"in kinds {list(config.kinds)}")
+    if len(chains) < config.functions_per_task:
+        raise ValueError(f"env.coding.functions_per_task = {config.functions_per_task}: only {len(chains)} distinct "
+                         "function bodies in these kinds; widen kinds or ops_per_kind")
     bugs: list[str | None] = [op.id for op in ops] if config.failing_visible_test else [None]
     return chains, bugs
 
@@ -178,7 +182,7 @@ def templates(config: CodingConfig, split: Split | None = None) -> tuple[Templat
     if len(chains) > _ENUMERATE_LIMIT or size > _ENUMERATE_LIMIT:
         return None
     out = tuple(
-        Template(combo, bug, p, n)
+        Template(tuple(sorted(combo)), bug, p, n)
         for combo in itertools.combinations(chains, k) for bug in bugs for p in range(3) for n in range(3)
     )
     return out if split is None else tuple(t for t in out if stable_split(t.id, config.heldout_fraction) == split)
@@ -230,7 +234,8 @@ class _Fn:
         return f'def {self.name}({sig}):\n    """{self.doc}"""\n' + "".join(f"    {line}\n" for line in lines)
 
 
-def _render(chain: Sequence[str], name: str, phrasing: int, naming: int, bug: bool = False) -> _Fn:
+def _render(chain: Sequence[str], name: str, phrasing: int, naming: int, bug: bool = False, code: bool = False) -> _Fn:
+    """The function of `chain`; `code`: docstrings state each op's expression instead of its words."""
     pool = iter(_PARAMS[naming])
     params: list[tuple[str, str]] = []
     body, doc = [], []
@@ -242,7 +247,7 @@ def _render(chain: Sequence[str], name: str, phrasing: int, naming: int, bug: bo
         y = next(pool) if op.y else ""
         if op.y:
             params.append((y, op.y))
-        phrase = op.phrases[phrasing].format(x=cur, y=y)
+        phrase = (op.expr if code else op.phrases[phrasing]).format(x=cur, y=y)
         if i == len(chain) - 1:
             body.append("return " + op.expr.format(x=cur, y=y))
             doc.append(_FRAMES[phrasing].format(phrase))
@@ -271,11 +276,17 @@ def _call(fn: _Fn, args: Sequence[Any]) -> str:
 def make_task(config: CodingConfig, split: Split, seed: int) -> MicroTask:
     """The task of (config, split, seed): a template of `split`, inputs and distractors from the seed."""
     rng = random.Random(f"micro:{split}:{seed}")
-    t = draw_template(config, split, rng)
+    return build_task(config, draw_template(config, split, rng), rng, f"micro:{split}:{seed}")
+
+
+def build_task(config: CodingConfig, t: Template, rng: random.Random, name: str) -> MicroTask:
+    """The task of template `t` (test inputs and distractors drawn from `rng`), checked in-process."""
     taken: set[str] = set()
-    fns = [_render(c, _function_name(c, t.naming, taken), t.phrasing, t.naming) for c in t.chains]
+    code = config.docstring == "code"
+    fns = [_render(c, _function_name(c, t.naming, taken), t.phrasing, t.naming, code=code) for c in t.chains]
     if t.bug:
-        fns.append(_render((t.bug,), _function_name((t.bug,), t.naming, taken), t.phrasing, t.naming, bug=True))
+        bug_name = _function_name((t.bug,), t.naming, taken)
+        fns.append(_render((t.bug,), bug_name, t.phrasing, t.naming, bug=True, code=code))
     pkg = f"{config.package}/" if config.package else ""
     module = (config.package + "." if config.package else "") + MODULE
     target = f"{pkg}{MODULE}.py"
@@ -306,10 +317,10 @@ def make_task(config: CodingConfig, split: Split, seed: int) -> MicroTask:
             fn.name = f"helper{n}"
         files[f"{pkg}{_DISTRACTORS[j]}.py"] = "\n\n".join(f.source(f.body) for f in extra)
     task = MicroTask(
-        name=f"micro:{split}:{seed}:{t.id}", template=t.id, target=target, functions=tuple(f.name for f in fns),
+        name=f"{name}:{t.id}", template=t.id, target=target, functions=tuple(f.name for f in fns),
         files=files, reference={target: reference_src}, hidden={HIDDEN_TESTS: hidden},
         expected_tests=tuple(f"{HIDDEN_TESTS}::test_{f.name}_{i}" for f, i, _, _ in hidden_cases),
-        show_source=config.show_source, failing_visible_test=bool(t.bug),
+        show_source=config.show_source, bug_function=fns[-1].name if t.bug else "",
     )
     problem = check_task(task)
     if problem:
@@ -371,7 +382,7 @@ def check_task(task: MicroTask) -> str:
             return f"the reference fails {test_file}: {failed}"
     if all(run_in_process(task, task.files, HIDDEN_TESTS).values()):
         return "the starting code passes every hidden test"
-    if task.failing_visible_test and all(run_in_process(task, task.files, VISIBLE_TESTS).values()):
+    if task.bug_function and run_in_process(task, task.files, VISIBLE_TESTS)[f"test_{task.bug_function}"]:
         return "the buggy function passes its visible test"
     return ""
 

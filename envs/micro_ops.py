@@ -21,6 +21,8 @@ KINDS = ("arithmetic", "strings", "lists", "dicts", "control")
 
 @dataclass(frozen=True)
 class Op:
+    """One operation: input types `x` (and `y`), output type `out`, its Python, words, names and bug."""
+
     id: str
     kind: str
     x: str

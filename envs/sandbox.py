@@ -179,6 +179,12 @@ class Sandbox:
         ws.adopt()
         return ws
 
+    def scratch_workspace(
+        self, copy_from: str | os.PathLike | None = None, skip: Callable[[str], bool] | None = None
+    ) -> Workspace:
+        """A workspace for one short run (a grade's judge or callee): `workspace` here, a warm slot in `envs.pool`."""
+        return self.workspace(copy_from, skip)
+
     def _reserve_uid(self) -> tuple[int, Path]:
         """A uid no other live workspace (of any process) holds: an exclusive lock file per uid."""
         for _ in range(1000):
@@ -408,11 +414,17 @@ def processes_of(uid: int) -> list[int]:
         if not entry.isdigit():
             continue
         try:
-            with open(f"/proc/{entry}/status") as f:
-                fields = dict(line.split(":", 1) for line in f if ":" in line)
+            with open(f"/proc/{entry}/status", "rb") as f:
+                status = f.read()
         except (FileNotFoundError, ProcessLookupError, PermissionError):
             continue
-        if int(fields["Uid"].split()[0]) == uid and not fields["State"].strip().startswith(("Z", "X")):
+        # only the two fields read (every grade scans /proc several times)
+        try:
+            state = status[status.index(b"\nState:") + 7:].split(None, 1)[0]
+            real_uid = int(status[status.index(b"\nUid:") + 5:].split(None, 1)[0])
+        except (ValueError, IndexError):  # an exiting process's status can come back cut short
+            continue
+        if real_uid == uid and not state.startswith((b"Z", b"X")):
             pids.append(int(entry))
     return pids
 

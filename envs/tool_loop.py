@@ -148,7 +148,8 @@ class ToolLoopEnv(Environment):
         info = {
             "task": self.task.name, "template": self.task.template, "source": source_of(self.task),
             "reason": grade.reason, "violations": list(grade.violations),
-            "passed": grade.passed, "total": grade.total, "grade_s": grade.grade_s, "tool_errors": dict(errors),
+            "passed": grade.passed, "total": grade.total, "grade_s": grade.grade_s, "turns": self.state.step_count,
+            "tool_errors": dict(errors), "violation_kinds": dict(Counter(reason for reason, _ in grade.violations)),
         }
         return Observation(messages, reward=grade.reward, done=True, error_sites=sites, info=info)
 

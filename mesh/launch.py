@@ -156,7 +156,7 @@ class Launch:
                fault_events: list[str]) -> None:
         job, run_dir = self.job, self.run_dir
         add_python_path(job.job.python_path)
-        # a plugin or dataset that cannot load fails here, before any actor starts
+        # a plugin or dataset that cannot load, or a bad coding section, fails here, before any actor starts
         check_task(job.env)
         run_dir.mkdir(parents=True, exist_ok=True)
         weights = model_dir(job)

@@ -47,6 +47,16 @@ class SandboxConfig:
         "(wall_timeout_s still bounds what one grade can cost)",
         ge=0.0,
     )
+    pool_size: int = option(
+        0,
+        doc="warm sandbox workers started ahead for grading (envs.pool; a grade leases two); "
+        "0 = a cold sandbox per run",
+        ge=0,
+        le=64,
+    )
+    pool_wait_s: float = option(
+        1.0, doc="how long a grade waits for a free warm worker before it runs cold instead", ge=0.0
+    )
 
 
 @dataclass(frozen=True)
@@ -118,6 +128,10 @@ class CodingConfig:
         4, doc="micro: graded cases per function (reward = share of hidden tests passed)", ge=1, le=16
     )
     package: str = option("", doc="micro: put the module in this package ('' = at the repository root)")
+    docstring: str = option(
+        "words", doc="micro: docstrings name each operation in words, or state its Python expression (code)",
+        choices=("words", "code"),
+    )
     show_source: bool = option(True, doc="micro: put the target file's text in the prompt (else the agent reads it)")
     heldout_fraction: float = option(
         0.2, doc="micro: share of task templates (by a hash of the template id) kept for evaluation", ge=0.0, lt=1.0

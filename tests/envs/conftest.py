@@ -6,6 +6,7 @@ run inside the sandbox by the tests here, never collected by the project's run.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -17,15 +18,29 @@ collect_ignore_glob = ["fixtures/*"]
 FIXTURES = Path(__file__).parent / "fixtures"
 REPOS = ("textkit", "minicalc")
 SANDBOX_LIMITS = dict(wall_timeout_s=8.0, cpu_time_s=3, address_space_mb=1024, max_processes=12)
+# these modules run twice: graded by cold sandboxes, and through a pool of warm workers (envs.pool)
+POOLED_MODULES = ("test_envs_hostile", "test_envs_hostile_callables")
+
+
+def pytest_generate_tests(metafunc):
+    if "sandbox" in metafunc.fixturenames and metafunc.module.__name__.rsplit(".", 1)[-1] in POOLED_MODULES:
+        metafunc.parametrize("sandbox", ["cold", "pool"], indirect=True, scope="session")
 
 
 @pytest.fixture(scope="session")
-def sandbox(tmp_path_factory):
+def sandbox(request, tmp_path_factory):
     """A sandbox with a root of its own: other graders on the box (a second run, a benchmark) add and remove
-    their workspaces elsewhere, so a test may compare the root's listing before and after."""
+    their workspaces elsewhere, so a test may compare the root's listing before and after.
+    Parametrized "pool" (POOLED_MODULES): a `SandboxPool` over the same limits, grading in warm workers."""
+    from composer_mesh.envs.pool import SandboxPool
     from composer_mesh.envs.sandbox import Sandbox
 
-    return Sandbox(SandboxConfig(root_dir=str(tmp_path_factory.mktemp("sandbox-root")), **SANDBOX_LIMITS))
+    config = SandboxConfig(root_dir=str(tmp_path_factory.mktemp("sandbox-root")), **SANDBOX_LIMITS)
+    if getattr(request, "param", "cold") == "pool":
+        with SandboxPool(dataclasses.replace(config, pool_size=2)) as pool:
+            yield pool
+    else:
+        yield Sandbox(config)
 
 
 @pytest.fixture(scope="session")

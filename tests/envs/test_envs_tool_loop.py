@@ -114,7 +114,7 @@ def test_turn_limit_ends_the_episode(repo_tasks, sandbox):
 
 
 def test_tool_schemas_are_openai_functions():
-    assert [t["function"]["name"] for t in TOOLS] == ["read_file", "write_file", "list_dir", "run_tests", "shell"]
+    assert [t["function"]["name"] for t in TOOLS] == ["read_file", "write_file", "edit_file", "list_dir", "run_tests", "shell"]
     assert all(t["type"] == "function" and t["function"]["parameters"]["type"] == "object" for t in TOOLS)
 
 
@@ -138,3 +138,64 @@ def test_change_rules():
         ("edited_test_config", "pkg/b.pth"), ("edited_test_config", "pytest.ini"), ("edited_tests", "tests/test_a.py"),
     ]
     assert is_test_path("tests/data/x.json") and is_test_path("a/test_x.py") and not is_test_path("pkg/testing.py")
+
+
+def _micro_env(sandbox, **tool_loop):
+    from composer_mesh.configs.sections.env import CodingConfig, ToolLoopConfig
+    from composer_mesh.envs.micro import MicroTasks
+
+    tasks = MicroTasks(CodingConfig(functions_per_task=2, kinds=("arithmetic", "strings")), "train")
+    return ToolLoopEnv(tasks, sandbox, ToolLoopConfig(**tool_loop))
+
+
+def test_edit_file_replaces_one_exact_occurrence(sandbox):
+    """Missing, ambiguous and empty `old` change nothing and say why; unique edits rebuild the task (reward 1)."""
+    env = _micro_env(sandbox)
+    env.reset(seed=3)
+    task, target = env.task, env.task.target
+    start = (env.ws.path / target).read_text()
+    outside = os.path.relpath("/etc/hostname", env.ws.path)
+    bad = [
+        ("edit_file", {"path": target, "old": "pass", "new": "return 0"}),        # twice in the file
+        ("edit_file", {"path": target, "old": "return 42", "new": "return 0"}),   # not there
+        ("edit_file", {"path": target, "old": "", "new": "x"}),
+        ("edit_file", {"path": "nope.py", "old": "pass", "new": "x"}),
+        ("edit_file", {"path": outside, "old": "localhost", "new": "x"}),
+    ]
+    obs = env.step(assistant(tool_calls=bad))
+    assert [s.kind for s in obs.error_sites] == [ErrorKind.BAD_TOOL_CALL] * 3 + [ErrorKind.FILE_NOT_FOUND, ErrorKind.PERMISSION]
+    texts = [m["content"] for m in obs.messages]
+    assert "found 2 times" in texts[0] and "not found" in texts[1] and (env.ws.path / target).read_text() == start
+    stubs, refs = start.split("\n\n\n"), task.reference[target].split("\n\n\n")
+    obs = env.step(assistant(tool_calls=[("edit_file", {"path": target, "old": s, "new": r}) for s, r in zip(stubs, refs)]))
+    assert obs.error_sites == [] and (env.ws.path / target).read_text() == task.reference[target]
+    obs = env.step(assistant("Done."))
+    assert obs.done and obs.reward == 1.0
+    info = obs.info
+    assert (info["template"], info["source"], info["passed"], info["total"]) == (task.template, "micro", 8, 8)
+    assert info["tool_errors"] == {"bad_tool_call": 3, "file_not_found": 1, "permission": 1}
+    assert info["reason"] == "passed" and info["violations"] == [] and info["violation_kinds"] == {}
+    assert info["turns"] == 3 and info["grade_s"] > 0
+
+
+def test_tools_subset_is_what_the_model_sees(sandbox):
+    env = _micro_env(sandbox, tools=("edit_file", "run_tests"), max_turns=2)
+    obs = env.reset(seed=0)
+    assert [t["function"]["name"] for t in obs.info["tools"]] == ["edit_file", "run_tests"]
+    assert obs.messages[0]["content"] == "You edit a Python repository with tools: edit_file, run_tests."
+    peek = ("edit_file", {"path": "test_hidden.py", "old": "def", "new": "def"})  # absent, and recorded
+    obs = env.step(assistant(tool_calls=[("read_file", {"path": env.task.target}), ("run_tests", {}), peek]))
+    assert [s.kind for s in obs.error_sites] == [ErrorKind.BAD_TOOL_CALL, ErrorKind.TEST_FAILURE, ErrorKind.FILE_NOT_FOUND]
+    assert "unknown tool 'read_file'; tools: edit_file, run_tests" in obs.messages[0]["content"]
+    # an edited test is a violation; the turn limit grades
+    hack = ("edit_file", {"path": "test_m.py", "old": "from m import", "new": "# ok\nfrom m import"})
+    obs = env.step(assistant(tool_calls=[hack, ("run_tests", {})]))
+    assert obs.error_sites[0].kind is ErrorKind.TEST_FAILURE and obs.messages[0]["content"] == "edited test_m.py"
+    info = obs.info
+    assert obs.done and obs.reward == 0.0 and info["turns"] == 2
+    assert info["tool_errors"] == {"bad_tool_call": 1, "test_failure": 2, "file_not_found": 1}
+    assert info["reason"] == "reads_hidden_tests" and info["violation_kinds"] == {"reads_hidden_tests": 1, "edited_tests": 1}
+    with pytest.raises(ValueError, match="env.tool_loop.tools"):
+        _micro_env(sandbox, tools=("edit_file", "grep"))
+    with pytest.raises(ValueError, match="env.tool_loop.tools"):
+        _micro_env(sandbox, tools=())

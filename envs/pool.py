@@ -1,0 +1,471 @@
+"""A pool of warm sandbox workers: grading at RL speed with every containment layer of a cold run.
+
+`SandboxPool(config)` starts `pool_size` workers ahead. A worker is one slot:
+a private uid (held for the slot's life), a workspace directory, and a
+sandbox built exactly as `Sandbox.run` builds one (bwrap namespaces and
+minimal root, setpriv, seccomp, rlimits, a scrubbed environment) whose program
+is `_zygote.py`: Python with pytest imported, which forks a child per job. Each
+job still gets its own memory/pids/cpu cgroup (the host moves the child in
+before it runs), the job's rlimits, a wall timer that kills the job's cgroup,
+and the stray-process check.
+
+The graders lease slots through `scratch_workspace` (the judge's and the
+callee's short-lived workspaces); `run` on a leased slot runs there warm, and
+`python -E -s -P -B <grader script>` runs in the forked interpreter without an
+exec. Agents' own workspaces (`workspace`) and runs in them stay cold: an
+episode holds its workspace while the model writes, a slot is held for one grade.
+When no slot frees up within `pool_wait_s`, a lease is a cold workspace (same
+containment, cold cost; counted in `stats()["cold_fallbacks"]`).
+
+Returning a lease resets the slot: strays killed, the workspace, the sandbox's
+/tmp and /dev/shm and the host scratch wiped, then checked (empty, only the
+zygote alive as the uid, the zygote not stopped); a slot that fails the check,
+or whose worker died, is replaced by a fresh worker.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import queue
+import resource
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+from composer_mesh.configs.sections.env import SandboxConfig
+from composer_mesh.envs.containment import RunCgroup, seccomp_fd
+from composer_mesh.envs.sandbox import (
+    Sandbox, SandboxResult, SandboxUnavailable, Workspace, _classify, _tail, copy_tree, interpreter, processes_of,
+)
+
+_ENVS = Path(__file__).resolve().parent
+_ZYGOTE = _ENVS / "_zygote.py"
+# the grader's scripts a job may run in the warm interpreter (and all the worker exposes)
+_SCRIPTS = tuple(str(_ENVS / n) for n in ("_grade_runner.py", "_callee.py", "_wire.py"))
+_PY_FLAGS = ["-E", "-s", "-P", "-B"]
+# IPC objects that would outlive a job in the worker's IPC namespace: denied in pool workers
+_IPC_SYSCALLS = ("msgget", "semget", "shmget", "mq_open")
+_START_S = 30.0
+_REPLY_GRACE_S = 5.0
+
+
+@dataclass(eq=False)
+class _Worker:
+    """One slot: its uid, workspace and scratch dirs, cgroup, and the sandboxed zygote."""
+
+    uid: int
+    lock: Path
+    path: Path
+    scratch: Path
+    cgroup: RunCgroup
+    proc: subprocess.Popen
+    ctrl: socket.socket
+    zygote: int = 0
+    # the slot cgroup's processes while idle: bwrap's and the zygote
+    idle: set[int] = field(default_factory=set)
+    broken: bool = False
+
+
+@dataclass
+class _Lease(Workspace):
+    """A slot's workspace for one grader run; `cleanup` resets the slot and gives it back."""
+
+    pool: SandboxPool | None = field(default=None, repr=False)
+    worker: _Worker | None = field(default=None, repr=False)
+    owner: int = field(default=0, repr=False)
+
+    def cleanup(self) -> None:
+        if self.pool is not None and self.worker is not None:
+            worker, self.worker = self.worker, None
+            self.pool._release(worker, self.owner)
+
+
+class SandboxPool:
+    """A `SandboxBackend` with warm workers for grading; every other run is the wrapped cold `Sandbox`'s."""
+
+    def __init__(self, config: SandboxConfig | None = None) -> None:
+        self.sandbox = Sandbox(config)
+        self.config = self.sandbox.config
+        self.root = self.sandbox.root
+        self.tag = self.sandbox.tag
+        self.dir = Path(tempfile.mkdtemp(prefix="pool-", dir=self.root))
+        self._free: list[_Worker] = []
+        # per thread: slots it holds, and the second slot reserved for its grade's next lease
+        self._held: dict[int, int] = {}
+        self._reserved: dict[int, _Worker] = {}
+        self._all: set[_Worker] = set()
+        self._cond = threading.Condition()
+        self._closed = False
+        self.counts = dict(warm_runs=0, resets=0, reset_failures=0, replaced=0, cold_fallbacks=0)
+        self._count_lock = threading.Lock()
+        # bwrap --die-with-parent ties a worker to the thread that started it: one long-lived thread starts them all
+        self._spawns: queue.Queue = queue.Queue()
+        threading.Thread(target=self._spawner, name="sandbox-pool-spawner", daemon=True).start()
+        atexit.register(self.close)
+        try:
+            for worker in [self._spawn().result() for _ in range(self.config.pool_size)]:
+                self._add(worker)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- SandboxBackend -------------------------------------------------------------------------
+
+    def workspace(
+        self, copy_from: str | os.PathLike | None = None, skip: Callable[[str], bool] | None = None
+    ) -> Workspace:
+        """An agent's workspace (cold: it lives for a whole episode)."""
+        return self.sandbox.workspace(copy_from, skip)
+
+    def python(self) -> str:
+        return interpreter()
+
+    def run(
+        self,
+        argv: Sequence[str],
+        ws: Workspace,
+        *,
+        stdin: bytes = b"",
+        timeout_s: float | None = None,
+        env: Mapping[str, str] | None = None,
+        tail_chars: int | None = None,
+        expose: Sequence[str] = (),
+        pass_fds: Sequence[int] = (),
+        hand_over: Sequence[int] = (),
+    ) -> SandboxResult:
+        """`Sandbox.run`; warm in a leased slot's worker, cold in any other workspace."""
+        worker = ws.worker if isinstance(ws, _Lease) else None
+        if worker is None:
+            return self.sandbox.run(argv, ws, stdin=stdin, timeout_s=timeout_s, env=env, tail_chars=tail_chars,
+                                    expose=expose, pass_fds=pass_fds, hand_over=hand_over)
+        try:
+            return self._run_warm(worker, argv, ws, stdin, timeout_s, env, tail_chars, expose, pass_fds)
+        finally:
+            for fd in hand_over:
+                os.close(fd)
+
+    # -- leases -----------------------------------------------------------------------------------
+
+    def scratch_workspace(
+        self, copy_from: str | os.PathLike | None = None, skip: Callable[[str], bool] | None = None
+    ) -> Workspace:
+        """A warm slot's workspace for one grader run (a cold workspace when none frees up in `pool_wait_s`)."""
+        me = threading.get_ident()
+        with self._cond:
+            worker = self._reserved.pop(me, None)
+            if worker is None:
+                # a grade leases a judge and a callee: take two at once (one reserved for this thread's next
+                # lease), so two grades never each hold one slot while waiting for another
+                need = min(2, len(self._all)) or 1
+                self._cond.wait_for(lambda: len(self._free) >= need or self._closed, timeout=self.config.pool_wait_s)
+                if len(self._free) >= need and not self._closed:
+                    worker = self._free.pop()
+                    if need == 2:
+                        self._reserved[me] = self._free.pop()
+            if worker is not None:
+                self._held[me] = self._held.get(me, 0) + 1
+        if worker is None:
+            self._count("cold_fallbacks")
+            return self.sandbox.workspace(copy_from, skip)
+        lease = _Lease(path=worker.path, uid=worker.uid, scratch=worker.scratch, pool=self, worker=worker, owner=me)
+        try:
+            if copy_from is not None:
+                copy_tree(Path(copy_from), worker.path, skip=skip)
+            lease.adopt()
+        except BaseException:
+            lease.cleanup()
+            raise
+        return lease
+
+    def _release(self, worker: _Worker, owner: int) -> None:
+        """Reset the slot (kill, wipe, check) and make it free again; replace it when the check fails."""
+        with self._cond:
+            self._held[owner] -= 1
+            if not self._held[owner]:
+                del self._held[owner]
+                spare = self._reserved.pop(owner, None)
+                if spare is not None:  # the owner's grade is over: its unused reservation goes back
+                    self._free.append(spare)
+                    self._cond.notify_all()
+        self._count("resets")
+        if worker.broken or not self._reset(worker):
+            self._count("reset_failures", not worker.broken)
+            self._replace(worker)
+            return
+        with self._cond:
+            self._free.append(worker)
+            self._cond.notify_all()
+
+    def _reset(self, worker: _Worker) -> bool:
+        """Wipe everything a job could leave and check it is gone; False when the slot is not clean.
+
+        Every process of the slot's uid descends from the zygote and stays in the slot's cgroup or a job's
+        (only root can move it), and each job's end already checked the uid: here the slot's cgroup must
+        hold exactly what it held when the worker became ready.
+        """
+        if not self._alive(worker) or set(worker.cgroup.pids()) != worker.idle:
+            return False
+        inside = Path(f"/proc/{worker.zygote}/root")
+        areas = (worker.path, worker.scratch, inside / "tmp", inside / "dev" / "shm")
+        # the root-owned directories bwrap made on the way to the workspace's mount point stay
+        mount = inside / worker.path.relative_to("/")
+        keep = {inside / p.relative_to("/") for p in worker.path.parents} | {mount}
+        try:
+            for area in areas:
+                _wipe(area, keep)
+            clean = all(Path(e.path) in keep for a in areas for e in os.scandir(a))
+            # the workspace is still mounted where jobs expect it, and the zygote still serves
+            clean = clean and os.path.samefile(mount, worker.path) and self._alive(worker)
+            clean = clean and set(worker.cgroup.pids()) == worker.idle
+            os.chown(worker.path, worker.uid, worker.uid)
+            os.chmod(worker.path, 0o700)
+        except OSError:
+            return False
+        return clean
+
+    def _alive(self, worker: _Worker) -> bool:
+        """The zygote runs and is not stopped (a job of its uid may have sent it SIGSTOP)."""
+        try:
+            status = Path(f"/proc/{worker.zygote}/status").read_text()
+        except OSError:
+            return False
+        state = next(line for line in status.splitlines() if line.startswith("State:"))
+        return worker.proc.poll() is None and state.split()[1] not in ("T", "t", "Z", "X")
+
+    def _replace(self, worker: _Worker) -> None:
+        """Stop a worker and start another for its slot in the background."""
+        self._stop(worker)
+        if self._closed:
+            return
+        self._count("replaced")
+
+        def done(future: Future) -> None:
+            if future.exception() is None:
+                self._add(future.result())
+
+        self._spawn().add_done_callback(done)
+
+    def _add(self, worker: _Worker) -> None:
+        with self._cond:
+            if self._closed:
+                self._stop(worker)
+                return
+            self._all.add(worker)
+            self._free.append(worker)
+            self._cond.notify_all()
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._count_lock:
+            self.counts[name] += n
+
+    def stats(self) -> dict[str, int]:
+        """Warm runs, resets, failed reset checks, replaced workers, cold fallbacks; slots free now."""
+        with self._cond, self._count_lock:
+            return {**self.counts, "free": len(self._free), "workers": len(self._all)}
+
+    def close(self) -> None:
+        """Stop every worker and remove the pool's directories (again: nothing to do)."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            workers, self._free, self._reserved = list(self._all), [], {}
+            self._cond.notify_all()
+        for worker in workers:
+            self._stop(worker)
+        self._spawns.put(None)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> SandboxPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- workers ----------------------------------------------------------------------------------
+
+    def _spawn(self) -> Future:
+        future: Future = Future()
+        self._spawns.put(future)
+        return future
+
+    def _spawner(self) -> None:
+        while (future := self._spawns.get()) is not None:
+            try:
+                future.set_result(self._start())
+            except BaseException as exc:
+                future.set_exception(exc)
+
+    def _start(self) -> _Worker:
+        """A new slot: uid, directories, cgroup, and the zygote in its sandbox (ready when this returns)."""
+        cfg = self.config
+        uid, lock = self.sandbox._reserve_uid()
+        path = Path(tempfile.mkdtemp(prefix="ws-", dir=self.dir))
+        scratch = Path(tempfile.mkdtemp(prefix="host-", dir=self.dir))
+        os.chown(path, uid, uid)
+        # named apart from per-run cgroups (`<tag>-...`): they hold only the idle zygote
+        cgroup = RunCgroup.create(f"pool-{self.tag}-{uid}-{uuid.uuid4().hex[:8]}", cfg.memory_mb, 8, cfg.cpu_cores)
+        host_end, worker_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        ws = Workspace(path=path, uid=uid, scratch=scratch)
+        limits = self.sandbox._limits()
+        # the zygote's own CPU time grows with every fork; each job gets RLIMIT_CPU afresh
+        limits["RLIMIT_CPU"] = (resource.RLIM_INFINITY, resource.RLIM_INFINITY)
+        limits["RLIMIT_NPROC"] = (cfg.max_processes + 1, cfg.max_processes + 1)
+
+        def enter() -> None:  # in the child, before exec: join the slot's cgroups, set the rlimits
+            cgroup.join()
+            for name, value in limits.items():
+                resource.setrlimit(getattr(resource, name), value)
+
+        filter_fd = seccomp_fd(_IPC_SYSCALLS)
+        argv = [interpreter(), *_PY_FLAGS, str(_ZYGOTE), str(worker_end.fileno())]
+        try:
+            cmd = self.sandbox._command(argv[0], argv, ws, (str(_ZYGOTE), *_SCRIPTS), filter_fd)
+            proc = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                env=self.sandbox._environment(ws, {}), preexec_fn=enter, pass_fds=(filter_fd, worker_end.fileno()),
+                start_new_session=True,
+            )
+        finally:
+            os.close(filter_fd)
+            worker_end.close()
+        worker = _Worker(uid, lock, path, scratch, cgroup, proc, host_end)
+        host_end.settimeout(_START_S)
+        try:
+            ready = host_end.recv(4096)
+            zygotes = [p for p in cgroup.pids() if p in processes_of(uid)]
+            if not ready or json.loads(ready) != {"ready": True} or len(zygotes) != 1:
+                raise SandboxUnavailable(f"a pool worker did not start (exit {proc.poll()})")
+        except BaseException:
+            self._stop(worker)
+            raise
+        worker.zygote, worker.idle = zygotes[0], set(cgroup.pids())
+        return worker
+
+    def _stop(self, worker: _Worker) -> None:
+        """Kill the worker's whole tree, remove its cgroup and directories, free its uid."""
+        worker.broken = True
+        with self._cond:
+            self._all.discard(worker)
+        worker.cgroup.kill()
+        try:
+            worker.proc.wait(timeout=_REPLY_GRACE_S)
+        except subprocess.TimeoutExpired:
+            pass
+        worker.ctrl.close()
+        worker.cgroup.destroy()
+        _kill_others(worker.uid, 0)
+        shutil.rmtree(worker.path, ignore_errors=True)
+        shutil.rmtree(worker.scratch, ignore_errors=True)
+        worker.lock.unlink(missing_ok=True)
+
+    # -- a warm run -------------------------------------------------------------------------------
+
+    def _run_warm(
+        self, worker: _Worker, argv: Sequence[str], ws: Workspace, stdin: bytes, timeout_s: float | None,
+        env: Mapping[str, str] | None, tail_chars: int | None, expose: Sequence[str], pass_fds: Sequence[int],
+    ) -> SandboxResult:
+        """One job in the worker: its own cgroup, rlimits and timer; the same checks and result as a cold run."""
+        cfg, sandbox = self.config, self.sandbox
+        missing = {os.path.realpath(p) for p in expose} - {os.path.realpath(p) for p in (*_SCRIPTS, *cfg.expose_paths)}
+        if missing:
+            raise ValueError(f"pool workers expose only the grader's scripts and expose_paths, not {sorted(missing)}")
+        child_env = sandbox._environment(ws, env)
+        exe = argv[0] if os.path.isabs(argv[0]) else shutil.which(argv[0], path=child_env["PATH"])
+        if exe is None:
+            return SandboxResult(127, "", f"command not found: {argv[0]}", 0.0, 0.0, False)
+        in_process = exe == interpreter() and list(argv[1:5]) == _PY_FLAGS and len(argv) > 5 and argv[5] in _SCRIPTS
+        stdin_path, out_path, err_path = (ws.scratch / n for n in ("stdin", "stdout", "stderr"))
+        with os.fdopen(os.open(stdin_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
+            f.write(stdin)
+        limits = sandbox._limits()
+        limits["RLIMIT_NPROC"] = (cfg.max_processes + 1, cfg.max_processes + 1)  # the zygote is one of the uid's
+        job = {
+            "argv": [exe, *argv[1:]], "env": child_env, "cwd": str(ws.path), "in_process": in_process,
+            "limits": [[name, *value] for name, value in limits.items()], "fds": [0, 1, 2, *pass_fds],
+        }
+        cgroup = RunCgroup.create(
+            f"{self.tag}-{ws.uid}-{uuid.uuid4().hex[:8]}", cfg.memory_mb, cfg.max_processes + 4, cfg.cpu_cores
+        )
+        timeout = cfg.wall_timeout_s if timeout_s is None else timeout_s
+        fired = threading.Event()
+        timer = threading.Timer(timeout, lambda: (fired.set(), cgroup.kill()))
+        exit_code, cpu_s, start = -signal.SIGKILL, 0.0, time.perf_counter()
+        try:
+            with open(stdin_path, "rb") as fin, open(out_path, "wb") as fout, open(err_path, "wb") as ferr:
+                worker.ctrl.settimeout(_START_S)
+                socket.send_fds(worker.ctrl, [json.dumps(job).encode()], [fin.fileno(), fout.fileno(), ferr.fileno(), *pass_fds])
+            pid = json.loads(worker.ctrl.recv(4096))["pid"]
+            cgroup.attach(_host_pid(worker.cgroup, pid))
+            start = time.perf_counter()
+            worker.ctrl.send(b'{"go": true}')
+            timer.start()
+            worker.ctrl.settimeout(timeout + _REPLY_GRACE_S)
+            reply = json.loads(worker.ctrl.recv(4096))
+            exit_code, cpu_s = int(reply["exit"]), float(reply["cpu"])
+            self._count("warm_runs")
+        except (OSError, ValueError, KeyError, TypeError):
+            # the zygote died, stopped or answered nonsense (a job of its uid can signal it): the job is lost
+            worker.broken = True
+            cgroup.kill()
+        finally:
+            timer.cancel()
+        wall = time.perf_counter() - start
+        violations = ["timeout"] if fired.is_set() else []
+        violations += cgroup.limits_hit()
+        if cgroup.destroy() or _kill_others(ws.uid, worker.zygote):
+            violations.append("stray_process")
+        n = cfg.output_tail_chars if tail_chars is None else tail_chars
+        stdout, stderr = _tail(out_path, n), _tail(err_path, n)
+        violations += _classify(exit_code, stdout + stderr, fired.is_set())
+        return SandboxResult(exit_code, stdout, stderr, wall, cpu_s, fired.is_set(), tuple(dict.fromkeys(violations)))
+
+
+def _host_pid(slot: RunCgroup, ns_pid: int) -> int:
+    """The host pid of the worker's child `ns_pid` (still in the slot's cgroup: it waits for the host)."""
+    for pid in slot.pids():
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        nspids = next((line.split()[1:] for line in status.splitlines() if line.startswith("NSpid:")), [])
+        if len(nspids) > 1 and int(nspids[-1]) == ns_pid:
+            return pid
+    raise ValueError(f"job {ns_pid} is not in its worker's cgroup")
+
+
+def _kill_others(uid: int, keep: int, grace_s: float = 2.0) -> bool:
+    """Kill every process of `uid` but `keep` (the zygote); True when one survived `grace_s` of SIGKILLs."""
+    deadline = time.monotonic() + grace_s
+    while pids := [p for p in processes_of(uid) if p != keep]:
+        if time.monotonic() > deadline:
+            return True
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.01)
+    return False
+
+
+def _wipe(area: Path, keep: set[Path]) -> None:
+    """Remove everything inside `area` but `keep`, never following a link (`area` itself stays: a mount point)."""
+    for entry in os.scandir(area):
+        if Path(entry.path) in keep:
+            continue
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path)
+        else:
+            os.unlink(entry.path)
