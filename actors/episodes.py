@@ -117,11 +117,13 @@ class ChatTokens:
             raise ValueError("the chat template does not render messages by concatenation; cannot extend tokens")
         return new[len(old):]
 
-    def prompt_and_action(self, context: list[dict], message: dict) -> tuple[list[int], list[int]]:
-        """Ids of `context` with the assistant header, and of `message`'s content through its end token."""
-        prompt_text = self.render(context, generation=True)
-        head = prompt_text[len(self.render(context)):] if context else prompt_text
-        text = self.delta(context, context + [message])
+    def prompt_and_action(self, context: list[dict], message: dict,
+                          tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
+        """Ids of `context` (rendered with `tools`' schemas, as the episode's prompt was) with the assistant
+        header, and of `message`'s content through its end token."""
+        prompt_text = self.render(context, tools, generation=True)
+        head = prompt_text[len(self.render(context, tools)):] if context else prompt_text
+        text = self.delta(context, context + [message], tools)
         if not text.startswith(head):
             raise ValueError("the chat template renders the assistant header differently with content")
         ids = self.encode(text[len(head):])

@@ -48,6 +48,7 @@ from composer_mesh.actors.rollout import RolloutGroup, SamplingParams
 from composer_mesh.actors.weight_sync.sync import Publication, TopologySync, TopologySyncReport, sync_keep, sync_metrics
 from composer_mesh.configs.schema import JobConfig
 from composer_mesh.configs.sections.loss import PolicyLossConfig
+from composer_mesh.envs.tool_loop import offered_tools
 from composer_mesh.mesh.errors import phase
 from composer_mesh.mesh.evaluation import EvalConfig, evaluate
 from composer_mesh.mesh.episode_metrics import episode_metrics
@@ -63,6 +64,10 @@ from composer_mesh.mesh.supervision import (
 )
 
 logger = logging.getLogger(__name__)
+
+
+# tasks whose episodes are the multi-turn tool loop (tool schemas in every prompt; `[env.tool_loop]` warm start)
+TOOL_TASKS = ("tool_loop", "coding")
 
 
 @dataclass(frozen=True)
@@ -88,6 +93,8 @@ class ControllerConfig:
     pairs_per_step: int = 0
     # score pairs with the trainer's π_ref (DPO; TrainerActor.score(reference=True))
     dpo_reference: bool = True
+    # tool schemas a pair's context is rendered with (a tool-loop task's; () = none)
+    pair_tools: tuple[dict, ...] = ()
     # None: each generator's configured sampling
     sampling: SamplingParams | None = None
     # where a ControllerState is saved each step (beside the trainer checkpoints); "" = memory only
@@ -113,6 +120,7 @@ class ControllerConfig:
             serving_dtype=gen.dtype, anchor_every=job.mesh.weight_sync_anchor_every,
             pairs_per_step=trainer.prompts_per_step if replay else 0,
             dpo_reference=job.loss.preference.needs_reference, state_dir=state_dir,
+            pair_tools=tuple(offered_tools(job.env.tool_loop.tools)) if job.env.task in TOOL_TASKS else (),
             deadline=Deadline(job.mesh.hang_floor_s, job.mesh.hang_s_per_token),
             tokens_per_request=gen.group_size * gen.max_new_tokens * gen.max_turns, max_new_tokens=gen.max_new_tokens,
             eval=EvalConfig(trainer.eval_every, trainer.eval_samples,
@@ -329,7 +337,7 @@ class Controller:
         if self.replay is None or self.cfg.pairs_per_step == 0:
             return [], None, []
         raw = self.replay.next_pairs.call_one(self.cfg.pairs_per_step).get()
-        pairs = [pair_tokens(self.chat, p.context, p.chosen, p.rejected) for p in raw]
+        pairs = [pair_tokens(self.chat, p.context, p.chosen, p.rejected, self.cfg.pair_tools) for p in raw]
         keys = [f"{p.trace_id}#{p.step}" for p in raw]
         if not pairs or not self.cfg.dpo_reference:
             return pairs, None, keys

@@ -27,7 +27,7 @@ from composer_mesh.envs.demo import format_examples
 from composer_mesh.envs.factory import check_task, env_factory
 from composer_mesh.envs.tool_format import tool_format_examples
 from composer_mesh.envs.plugin import add_python_path
-from composer_mesh.mesh.controller import Controller, ControllerConfig, StepRecord
+from composer_mesh.mesh.controller import TOOL_TASKS, Controller, ControllerConfig, StepRecord
 from composer_mesh.mesh.memory import check as memory_check
 from composer_mesh.mesh.metrics import MetricsSink, read_metrics
 from composer_mesh.mesh.placement import Placement, generator_spec, place, trainer_spec_for
@@ -230,10 +230,6 @@ class Launch:
                     self.server.stop()
                 if self.weight_dir:
                     shutil.rmtree(self.weight_dir, ignore_errors=True)
-
-
-# tasks whose episodes are the multi-turn tool loop (their warm start is `[env.tool_loop] warm_start_steps`)
-TOOL_TASKS = ("tool_loop", "coding")
 
 
 def model_dir(job: JobConfig) -> str:

@@ -174,10 +174,12 @@ def make_hint(chat: ChatTokens, rollout: Rollout, hinter: Any) -> RolloutHint | 
     return None
 
 
-def pair_tokens(chat: ChatTokens, context: Sequence[dict], chosen: dict, rejected: dict) -> PairTokens:
-    """Ids of a pair: the context with the assistant header, then each action through its end token."""
-    prompt, chosen_ids = chat.prompt_and_action(list(context), chosen)
-    _, rejected_ids = chat.prompt_and_action(list(context), rejected)
+def pair_tokens(chat: ChatTokens, context: Sequence[dict], chosen: dict, rejected: dict,
+                tools: Sequence[dict] = ()) -> PairTokens:
+    """Ids of a pair: the context with the assistant header (and the run's tool schemas, as its episodes'
+    prompts have them), then each action through its end token."""
+    prompt, chosen_ids = chat.prompt_and_action(list(context), chosen, list(tools) or None)
+    _, rejected_ids = chat.prompt_and_action(list(context), rejected, list(tools) or None)
     return PairTokens(tuple(prompt), tuple(chosen_ids), tuple(rejected_ids))
 
 

@@ -26,9 +26,9 @@ from composer_mesh.configs.sections.env import CodingConfig, SandboxConfig, Tool
 from composer_mesh.envs.micro import make_task
 from composer_mesh.envs.sandbox import Sandbox
 from composer_mesh.envs.tool_format import CLOSING, EXPRESSIONS, tool_format_examples
-from composer_mesh.envs.tool_loop import ToolLoopEnv
+from composer_mesh.envs.tool_loop import ToolLoopEnv, offered_tools
 from composer_mesh.mesh.episode_metrics import episode_metrics, eval_pass_rates
-from composer_mesh.mesh.packing import make_hint
+from composer_mesh.mesh.packing import make_hint, pair_tokens
 from composer_mesh.replay.hints import TemplateHintGenerator
 from composer_mesh.replay.reference_teacher import DONE_TEXT, ReferenceResponder, change_calls, near_miss
 from composer_mesh.replay.server import TeacherServer
@@ -109,6 +109,11 @@ def test_episode_grade_failures_hints_and_metrics(tok, task, sandbox):
     states = rollout_states(r)
     assert len(states) == 1 and states[0].action["tool_calls"][0]["function"]["name"] == "read_file"
     assert eval_pass_rates(rollouts[:1], rollouts)["eval/heldout_greedy_pass"] == 1.0
+    # a pair's context is rendered with the run's tool schemas, as the episode's prompt was
+    pair = pair_tokens(ChatTokens(tok), r.messages[:2], r.messages[4], r.messages[2], offered_tools(LOOP.tools))
+    assert tok.decode(pair.prompt) == tok.decode(r.token_ids[: r.turn_spans[0][1]])
+    assert tok.decode(pair_tokens(ChatTokens(tok), r.messages[:2], r.messages[4], r.messages[2]).prompt) != \
+        tok.decode(r.token_ids[: r.turn_spans[0][1]])
 
 
 def test_failing_answer_is_replayed_and_counted(tok, task, sandbox):
