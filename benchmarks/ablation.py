@@ -1,6 +1,6 @@
 """The three loss channels switched on and off: held-out reward gain, train reward gain and cost per configuration.
 
-Every configuration runs the embedded main job (`configs/debug_cpu.toml`: the
+Every configuration runs the embedded main job (`configs/demo_cpu.toml`: the
 demo task, the tiny warm-started model, three local solver teachers that slip) as
 `composer-mesh train` in a process of its own, at the same steps, seeds and
 budget; only the channel weights differ:
@@ -164,7 +164,7 @@ def main() -> None:
     parser.add_argument("--plot", default="runs/ablation.png",
                         help="where the held-out curves go (a PNG; its folder is made)")
     parser.add_argument("--only", nargs="*", choices=list(CONFIGS), help="run these configurations only")
-    parser.add_argument("--config", type=Path, default=REPO / "configs/debug_cpu.toml",
+    parser.add_argument("--config", type=Path, default=REPO / "configs/demo_cpu.toml",
                         help="the recipe every configuration starts from (a task with a held-out split)")
     parser.add_argument("--override", action="append", default=[], metavar="--SECTION.KEY=VALUE",
                         help="applied to every configuration, before its channel switches (repeatable)")

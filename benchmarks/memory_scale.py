@@ -3,7 +3,7 @@
 Each shape is a Qwen3 checkpoint made with transformers (random init, the
 project's tiny ChatML tokenizer, so the vocabulary is small and the layers
 hold nearly all parameters), run for 2 steps of the main recipe
-(`configs/debug_cpu.toml`: all three loss channels, fp32 master weights,
+(`configs/demo_cpu.toml`: all three loss channels, fp32 master weights,
 checkpoint at the last step, final `hf/` export; warm start and held-out
 evaluation off) with the memory goal's optimizer, serving dtype and malloc
 threshold (`RECIPE`: AdamW, so the trainer holds fp32 parameters, gradients
@@ -54,7 +54,7 @@ SHAPES = {
 }
 QUICK = ("tiny", "8M", "0.6B-4L")
 ROLES = ("controller", "trainer", "generator", "replay")
-# overrides of configs/debug_cpu.toml for every run, before --override
+# overrides of configs/demo_cpu.toml for every run, before --override
 RECIPE = ("optimizer.name=adamw", "generator.dtype=bfloat16", "mesh.malloc_mmap_threshold_mib=1")
 
 
@@ -165,7 +165,7 @@ def run_shape(name: str, shape: tuple[int, ...], tmp: Path, steps: int = 2, over
     job = f"mem-{name}-{os.getpid()}".replace(".", "_")
     # the caller's PYTHONPATH: the run imports the same composer_mesh as this script
     env = dict(os.environ, HF_HUB_OFFLINE="1")
-    cmd = [sys.executable, "-m", "composer_mesh.mesh.cli", "train", "--no-progress", str(REPO / "configs/debug_cpu.toml"),
+    cmd = [sys.executable, "-m", "composer_mesh.mesh.cli", "train", "--no-progress", str(REPO / "configs/demo_cpu.toml"),
            f"--job.name={job}", f"--job.output_dir={root / 'runs'}", f"--model.hf_path={model_dir}",
            f"--trainer.steps={steps}", "--trainer.prompts_per_step=2", "--trainer.eval_every=0",
            "--generator.max_new_tokens=8", f"--checkpoint.every_steps={steps}", "--env.demo.warm_start_steps=0",

@@ -2,7 +2,7 @@
 
     from composer_mesh.mesh.api import Run
 
-    with Run.from_toml("configs/debug_cpu.toml", {"trainer.steps": 4}) as run:
+    with Run.from_toml("configs/demo_cpu.toml", {"trainer.steps": 4}) as run:
         record = run.step()                         # one controller step (sync mode)
         run.generate(["What is 2 + 3?"])            # completions of the current policy
         run.evaluate()                              # held-out reward, greedy and sampled

@@ -89,5 +89,5 @@ def test_wheel_carries_every_package_folder_and_its_data(wheel_names: list[str])
     assert sorted(listed) == [f"composer_mesh.{f}" for f in folders]
     for folder in folders:
         assert f"composer_mesh/{folder.replace('.', '/')}/__init__.py" in wheel_names
-    assert "composer_mesh/configs/debug_cpu.toml" in wheel_names
+    assert "composer_mesh/configs/demo_cpu.toml" in wheel_names
     assert "composer_mesh/replay/recipes/default.yaml" in wheel_names

@@ -146,13 +146,13 @@ def test_config_is_frozen():
 
 def test_cli_config_show_prints_resolved_and_exits_2_on_error(tmp_path):
     ok = subprocess.run(
-        [sys.executable, "-m", "composer_mesh.mesh.cli", "config", "show", "configs/debug_cpu.toml", "--trainer.steps=3"],
+        [sys.executable, "-m", "composer_mesh.mesh.cli", "config", "show", "configs/demo_cpu.toml", "--trainer.steps=3"],
         cwd=REPO, capture_output=True, text=True,
     )
     assert ok.returncode == 0, ok.stderr
     assert loads_config(ok.stdout).trainer.steps == 3
     bad = subprocess.run(
-        [sys.executable, "-m", "composer_mesh.mesh.cli", "config", "show", "configs/debug_cpu.toml", "--trainer.stepz=3"],
+        [sys.executable, "-m", "composer_mesh.mesh.cli", "config", "show", "configs/demo_cpu.toml", "--trainer.stepz=3"],
         cwd=REPO, capture_output=True, text=True,
     )
     assert bad.returncode == 2 and "did you mean 'steps'" in bad.stderr

@@ -1,7 +1,7 @@
 """The public Python API (`mesh.api.Run`) on real local meshes: step by step with sampling and held-out
 evaluation in between trains exactly as `run()` does, and a Run cleans up after itself.
 
-Two in-process runs of the same shortened debug_cpu recipe and seed: A steps by hand and calls
+Two in-process runs of the same shortened demo_cpu recipe and seed: A steps by hand and calls
 `generate` and `evaluate` between the steps, B calls `run()`. Their training metrics and final
 weights must be bitwise equal (sampling and evaluation draw from their own seeded streams). A's
 `export_hf` output loads with transformers and equals B's final `hf/` weights; after `stop()`

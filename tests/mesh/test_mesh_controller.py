@@ -271,7 +271,7 @@ def test_controller_config_is_built_from_the_recipe():
     from composer_mesh.configs.loader import load_config
     from composer_mesh.mesh.controller import ControllerConfig
 
-    job = load_config("debug_cpu.toml", {"loss.alpha": 0.0, "trainer.eval_every": 5})
+    job = load_config("demo_cpu.toml", {"loss.alpha": 0.0, "trainer.eval_every": 5})
     cfg = ControllerConfig.from_job(job, steps=7, weight_dir="/w", state_dir="/s", replay=True)
     assert (cfg.steps, cfg.weight_dir, cfg.state_dir) == (7, "/w", "/s")
     assert (cfg.prompts_per_step, cfg.max_seq_len, cfg.mode, cfg.seed) == (8, 256, "sync", 0)

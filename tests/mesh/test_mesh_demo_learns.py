@@ -1,4 +1,4 @@
-"""The README's main job learns: a shortened, seeded `composer-mesh train configs/debug_cpu.toml`.
+"""The README's main job learns: a shortened, seeded `composer-mesh train configs/demo_cpu.toml`.
 
 Real Monarch processes (trainer, generator), the local teacher server, the
 warm-started tiny base model. Over the run the sampled reward on *held-out*
@@ -33,7 +33,7 @@ HELDOUT_MARGIN_SHORT = 0.08  # held-out sampled reward, step 0 -> STEPS (measure
 
 def test_debug_recipe_reward_rises_with_three_live_channels(tmp_path, tiny_assets):
     recipe = tmp_path / "demo.toml"
-    recipe.write_text(f'base = "{REPO}/configs/debug_cpu.toml"\n\n[job]\noutput_dir = "{tmp_path / "runs"}"\n')
+    recipe.write_text(f'base = "{REPO}/configs/demo_cpu.toml"\n\n[job]\noutput_dir = "{tmp_path / "runs"}"\n')
     summary = train(recipe, STEPS, tiny_assets.root.parents[1], timeout=1200)
     rows = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))

@@ -1,6 +1,6 @@
 """Held-out evaluation in `composer-mesh train` (mesh.evaluation): logged, and invisible to training.
 
-Two shortened debug_cpu runs from the same seed, one with `trainer.eval_every = 1`
+Two shortened demo_cpu runs from the same seed, one with `trainer.eval_every = 1`
 and one with evaluation off, must train bitwise the same: every logged training
 metric (losses, grad norm, rewards, token counts) and the replay actor's status
 equal, the final checkpoints' weights equal. The run with evaluation logs

@@ -234,7 +234,7 @@ def teacher_cmd(tmp_path: Path, steps: int, log: Path) -> tuple[list[str], Path]
     cmd = [sys.executable, "-m", "composer_mesh.mesh.cli", "train", "--no-progress", str(recipe), f"--trainer.steps={steps}",
            "--checkpoint.every_steps=1", f"--replay.local_server.request_log={log}",
            "--replay.concurrency=1"]  # one state at a time: each step asks the teachers, no pairs pile up
-    return cmd, tmp_path / "runs" / "debug_cpu"
+    return cmd, tmp_path / "runs" / "demo_cpu"
 
 
 @pytest.mark.slow

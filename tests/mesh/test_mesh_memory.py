@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def job_with(**overrides):
     items = [f"--{k}={v}" for k, v in overrides.items()]
-    return load_config(REPO / "configs/debug_cpu.toml", items)
+    return load_config(REPO / "configs/demo_cpu.toml", items)
 
 
 def test_estimate_is_the_documented_formula():
@@ -87,11 +87,11 @@ def test_train_refuses_a_model_the_host_cannot_hold(tmp_path, tiny_assets):
     (model / "config.json").write_text(json.dumps(config))
     env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1",
                COMPOSER_MESH_CACHE=str(tiny_assets.root.parents[1]))
-    out = subprocess.run([sys.executable, "-m", "composer_mesh.mesh.cli", "train", "--no-progress", str(REPO / "configs/debug_cpu.toml"),
+    out = subprocess.run([sys.executable, "-m", "composer_mesh.mesh.cli", "train", "--no-progress", str(REPO / "configs/demo_cpu.toml"),
                           f"--model.hf_path={model}", f"--job.output_dir={tmp_path / 'runs'}",
                           "--env.demo.warm_start_steps=0"], cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 2, out.stderr[-3000:]
     line = [ln for ln in out.stderr.splitlines() if ln.startswith("error: ")][-1]
     assert line.startswith("error: memory: a 3") and "M-parameter model" in line and "memory_check" in line
-    assert not (tmp_path / "runs" / "debug_cpu" / "processes.json").exists()  # no actor started
+    assert not (tmp_path / "runs" / "demo_cpu" / "processes.json").exists()  # no actor started

@@ -93,7 +93,7 @@ def test_controller_config_names_the_budget():
     from composer_mesh.configs.loader import load_config
     from composer_mesh.mesh.controller import ControllerConfig
 
-    job = load_config("debug_cpu.toml", {"trainer.max_seq_len": 16})
+    job = load_config("demo_cpu.toml", {"trainer.max_seq_len": 16})
     cfg = ControllerConfig.from_job(job, steps=1, weight_dir="", state_dir="", replay=False)
     assert (cfg.max_seq_len, cfg.max_new_tokens) == (16, 24)
 
@@ -123,7 +123,7 @@ def test_summary_of_a_run_that_trained_nothing():
 def test_train_exits_nonzero_when_every_prompt_is_too_long(tmp_path, tiny_assets):
     cache = tiny_assets.root.parents[1]  # the suite's asset cache: no rebuild in the child
     env = dict(os.environ, HF_HUB_OFFLINE="1", COMPOSER_MESH_CACHE=str(cache))
-    cmd = [sys.executable, "-m", "composer_mesh.mesh.cli", "train", "--no-progress", "configs/debug_cpu.toml",
+    cmd = [sys.executable, "-m", "composer_mesh.mesh.cli", "train", "--no-progress", "configs/demo_cpu.toml",
            "--trainer.steps=2", "--trainer.max_seq_len=16", f"--job.output_dir={tmp_path}",
            "--trainer.prompts_per_step=2", "--trainer.eval_every=0", "--checkpoint.enabled=false",
            # no teacher replay: fewer processes to start

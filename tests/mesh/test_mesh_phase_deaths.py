@@ -40,7 +40,7 @@ def train_with_kill(tmp_path: Path, tiny_assets, kill_at: str, *overrides: str) 
     marks, name = tmp_path / "marks", f"phase-{tmp_path.name}"[:60]
     env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1",
                COMPOSER_MESH_CACHE=str(tiny_assets.root.parents[1]), **{ENV: kill_at, MARKS_ENV: str(marks)})
-    cmd = [sys.executable, "-m", "composer_mesh.mesh.cli", "train", "--no-progress", str(REPO / "configs/debug_cpu.toml"),
+    cmd = [sys.executable, "-m", "composer_mesh.mesh.cli", "train", "--no-progress", str(REPO / "configs/demo_cpu.toml"),
            f"--job.output_dir={tmp_path / 'runs'}", f"--job.name={name}", *SMALL, *overrides]
     out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     ended = time.time()

@@ -11,7 +11,7 @@ train ...`, `monarch kill`), inside the cluster's namespaces:
   naming the job id, its state and Slurm's reason, and is cancelled;
 - a notebook-style session applies the job, spawns actors on both meshes,
   calls them (each reports the Slurm node and job it runs in) and kills it;
-- `composer-mesh train configs/debug_cpu.toml --mesh.backend=slurm` (5 steps)
+- `composer-mesh train configs/demo_cpu.toml --mesh.backend=slurm` (5 steps)
   runs through sbatch/srun with the trainer on node 1 and the generator on
   node 2; the generator's process in the Slurm step is SIGKILLed after step 2
   and the supervisor respawns it; the run ends at step 5 with every step logged,
@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 
 from slurm_cluster import NODES, SlurmCluster, install, skip_reason  # tests/mesh is on sys.path
-from test_mesh_train import RECIPE  # the shortened debug_cpu recipe of the local train test
+from test_mesh_train import RECIPE  # the shortened demo_cpu recipe of the local train test
 
 pytestmark = pytest.mark.slow
 
@@ -171,7 +171,7 @@ def test_train_end_to_end_survives_generator_sigkill(cluster, tiny_assets):
            f"--trainer.steps={STEPS}"]
     log = open(wd / "exec.log", "w")
     proc = subprocess.Popen(cluster.inside(cmd, cwd=wd), env=env, stdout=subprocess.PIPE, stderr=log, text=True)
-    run_dir = wd / "runs" / "debug_cpu"
+    run_dir = wd / "runs" / "demo_cpu"
     try:
         deadline = time.monotonic() + 400
         while not (run_dir / "metrics.jsonl").exists() or len((run_dir / "metrics.jsonl").read_text().splitlines()) < KILL_AFTER:

@@ -24,7 +24,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 COMMON = """
-base = "{repo}/configs/debug_cpu.toml"
+base = "{repo}/configs/demo_cpu.toml"
 
 [job]
 output_dir = "{out}"

@@ -1,6 +1,6 @@
 """`composer-mesh train` end to end on local process meshes (tiny model, demo task, local teachers), and --resume.
 
-A shortened debug_cpu run: two steps, then the same command with three steps
+A shortened demo_cpu run: two steps, then the same command with three steps
 resumes from the checkpoint and runs only the third. Checks the run's files
 (metrics.jsonl, TensorBoard events, plot.png, checkpoints, summary) and that
 the hint-distillation and trace-replay channels carried loss.
@@ -19,7 +19,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 RECIPE = """
-base = "{repo}/configs/debug_cpu.toml"
+base = "{repo}/configs/demo_cpu.toml"
 
 [job]
 output_dir = "{out}"
@@ -113,9 +113,9 @@ def test_role_specs_follow_the_recipe():
     from composer_mesh.mesh.placement import generator_spec, trainer_spec_for
 
     for device in ("auto", "cpu", "cuda"):
-        job = load_config(REPO / "configs" / "debug_cpu.toml", [f"--model.device={device}"])
+        job = load_config(REPO / "configs" / "demo_cpu.toml", [f"--model.device={device}"])
         assert generator_spec(job, "/weights").device == device
-    job = load_config(REPO / "configs" / "debug_cpu.toml", ["--trainer.dpo_reference=frozen"])
+    job = load_config(REPO / "configs" / "demo_cpu.toml", ["--trainer.dpo_reference=frozen"])
     assert job.loss.beta > 0 and job.loss.preference.kind == "dpo"
     assert trainer_spec_for(job, preference_pairs=True).trainer.dpo_reference == "frozen"
     without = trainer_spec_for(job, preference_pairs=False)

@@ -204,7 +204,7 @@ def test_train_refuses_an_unsupported_checkpoint_in_one_line(tmp_path, capsys):
     from composer_mesh.mesh.cli import main
 
     hf_dir = _config_only(tmp_path / "ckpt", "qwen3", {**DENSE, "attention_bias": True})
-    recipe = Path(__file__).resolve().parents[2] / "configs" / "debug_cpu.toml"
+    recipe = Path(__file__).resolve().parents[2] / "configs" / "demo_cpu.toml"
     code = main(["train", "--no-progress", str(recipe), f"--model.hf_path={hf_dir}",
                  f"--job.output_dir={tmp_path / 'runs'}"])
     err = capsys.readouterr().err.strip().splitlines()

@@ -11,20 +11,20 @@ from composer_mesh.titan_ext.trainer import TrainerSpec
 
 
 def test_spec_from_recipe_sections_and_checkpoint_folder():
-    job = load_config("debug_cpu.toml", ["--trainer.steps=7", "--checkpoint.folder=ck", "--parallelism.ep=2"])
+    job = load_config("demo_cpu.toml", ["--trainer.steps=7", "--checkpoint.folder=ck", "--parallelism.ep=2"])
     spec = TrainerSpec.from_job(job)
     assert spec.trainer.steps == 7 and spec.parallelism.ep == 2
     assert spec.model == job.model and spec.loss == job.loss and spec.optimizer == job.optimizer
     assert Path(spec.checkpoint_dir) == Path(job.job.output_dir) / job.job.name / "ck"
-    off = TrainerSpec.from_job(load_config("debug_cpu.toml", ["--checkpoint.enabled=false"]))
+    off = TrainerSpec.from_job(load_config("demo_cpu.toml", ["--checkpoint.enabled=false"]))
     assert off.checkpoint_dir == ""
 
 
 def test_reference_dtype_is_the_serving_dtype_unless_set():
-    assert TrainerSpec.from_job(load_config("debug_cpu.toml")).reference_dtype == "float32"
-    bf16 = load_config("debug_cpu.toml", ["--generator.dtype=bfloat16"])
+    assert TrainerSpec.from_job(load_config("demo_cpu.toml")).reference_dtype == "float32"
+    bf16 = load_config("demo_cpu.toml", ["--generator.dtype=bfloat16"])
     assert TrainerSpec.from_job(bf16).reference_dtype == "bfloat16"
-    pinned = load_config("debug_cpu.toml", ["--generator.dtype=bfloat16", "--trainer.dpo_reference_dtype=float32"])
+    pinned = load_config("demo_cpu.toml", ["--generator.dtype=bfloat16", "--trainer.dpo_reference_dtype=float32"])
     assert TrainerSpec.from_job(pinned).reference_dtype == "float32"
     # a spec made without a recipe has no serving dtype of its own: float32, as before the option
     assert TrainerSpec().reference_dtype == "float32"
