@@ -129,7 +129,7 @@ class SandboxPool:
         return self.sandbox.workspace(copy_from, skip)
 
     def python(self) -> str:
-        return interpreter()
+        return self.sandbox.python()
 
     def run(
         self,
