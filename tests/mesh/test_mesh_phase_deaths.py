@@ -32,6 +32,7 @@ DEATH_LINE = "killed by signal 9 (SIGKILL; the kernel's OOM killer sends it too)
 # Monarch's other report of the same death: its poll's state query was in flight when the process died, timed out,
 # and the exit status was reaped without being reported (reproduced by test_a_death_during_the_poll_s_query_...)
 UNANSWERED_LINE = "its process stopped answering Monarch's supervision (taken as dead)"
+UNANSWERED_QUERY = "timeout waiting for message from proc mesh agent"  # Monarch's own words for that report
 
 
 def train_with_kill(tmp_path: Path, tiny_assets, kill_at: str, *overrides: str) -> tuple[int, str, dict, float, float]:
@@ -83,7 +84,9 @@ def test_trainer_killed_in_first_sync_recovers(tmp_path, tiny_assets):
     print(f"trainer SIGKILLed in the first weight sync: restart began {to_restart:.1f} s after the kill")
     assert rc == 0, err[-3000:]
     assert [r["role"] for r in summary["restarts"]] == ["trainer"] and summary["final_step"] == 2
-    assert "publish_shards" in summary["restarts"][0]["error"] and "Killed(sig=9)" in summary["restarts"][0]["error"]
+    error = summary["restarts"][0]["error"]
+    # either of Monarch's two reports of the same death (see UNANSWERED_LINE); CI saw the second
+    assert "publish_shards" in error and ("Killed(sig=9)" in error or UNANSWERED_QUERY in error), error
     assert to_restart < 30, f"the restart began {to_restart:.1f} s after the kill"
 
 
