@@ -74,7 +74,8 @@ class Selection:
 
 
 def select_rollouts(groups: Sequence[RolloutGroup], cfg: PolicyLossConfig) -> Selection:
-    """Advantages of every rollout; with dynamic sampling, groups with equal rewards leave the policy channel."""
+    """Advantages of every rollout; groups that sampled nothing and, with dynamic sampling, groups with equal
+    rewards leave the policy channel."""
     rollouts = [r for g in groups for r in g.rollouts]
     if not rollouts:
         return Selection([], [], [], 0, [])
@@ -85,6 +86,8 @@ def select_rollouts(groups: Sequence[RolloutGroup], cfg: PolicyLossConfig) -> Se
     ids_N = torch.tensor([r.group_id for r in rollouts])
     adv_N = grpo_advantages(rewards_N, ids_N, cfg)
     keep_N = dynamic_sampling_keep(rewards_N, ids_N) if cfg.dynamic_sampling else torch.ones(len(rollouts), dtype=torch.bool)
+    # an episode that sampled nothing (its prompt left no room) has no tokens for the policy gradient
+    keep_N &= torch.tensor([not prompt_too_long(r) for r in rollouts])
     kept_groups = {int(g) for g, k in zip(ids_N, keep_N) if k}
     return Selection(
         rollouts, [float(a) for a in adv_N], [bool(k) for k in keep_N],

@@ -75,8 +75,12 @@ def test_drop_reasons_name_long_prompts_equal_rewards_and_stale(runner_for, capl
     assert "raise trainer.max_seq_len" in line and "loss.policy.dynamic_sampling" in line
     assert "\n" not in line
 
-    # without dynamic sampling the long group stays in the policy channel but still counts: it sampled nothing
-    kept_all = drop_reasons(groups, select_rollouts(groups, PolicyLossConfig(dynamic_sampling=False)), stale=0)
+    # without dynamic sampling the equal-reward group stays in the policy channel; the long group does not: it
+    # sampled nothing, so a step of long prompts alone trains nothing (and a run of them exits non-zero)
+    no_dynamic = select_rollouts(groups, PolicyLossConfig(dynamic_sampling=False))
+    assert no_dynamic.in_policy == [True] * 8 + [False] * 4 and no_dynamic.dropped_groups == 1
+    assert select_rollouts(long, PolicyLossConfig(dynamic_sampling=False)).policy_rollouts == 0
+    kept_all = drop_reasons(groups, no_dynamic, stale=0)
     assert kept_all.counts == {"prompt_too_long": 1, "equal_rewards": 0, "stale": 0}
     assert kept_all.metrics() == {"rollouts/dropped_reason/prompt_too_long": 1.0,
                                   "rollouts/dropped_prompt_tokens": float(prompt_tokens)}
