@@ -141,6 +141,31 @@ def group_streams(cfg: ControllerConfig, groups: int, prompt_cursor: int) -> lis
             for g, (n, p) in enumerate(zip(counts, pairs))]
 
 
+# per-step counts (summed over replica groups) and maxima; by exact key or by key prefix
+COUNT_KEYS = ("rollouts/policy", "rollouts/dropped_groups", "rollouts/completion_tokens", "distill/hinted",
+              "preference/pairs_in_batch", "coding/tool_errors", "coding/violations")
+COUNT_PREFIXES = ("rollouts/dropped_reason/", "coding/tool_errors/", "coding/violations/")
+MAX_KEYS = ("rollouts/dropped_prompt_tokens", "coding/grade_s_max")
+
+
+def merge_metrics(rows: Sequence[dict[str, float]]) -> dict[str, float]:
+    """One step's metrics from its replica groups' rows: counts summed, maxima kept, `skipped` only when every
+    group skipped (a step that trained in one group trained), everything else averaged over the groups."""
+    keys = set().union(*rows)
+    out: dict[str, float] = {}
+    for k in keys:
+        values = [row.get(k, 0.0) for row in rows]
+        if k in COUNT_KEYS or k.startswith(COUNT_PREFIXES):
+            out[k] = sum(values)
+        elif k in MAX_KEYS:
+            out[k] = max(values)
+        elif k != "skipped":
+            out[k] = sum(values) / len(rows)
+    if all("skipped" in row for row in rows):
+        out["skipped"] = 1.0
+    return out
+
+
 def run_groups(drive: Callable[[int, threading.Event], None], n: int, stop_run: Callable[[], None]) -> None:
     """`drive(g, stop)` for every replica group g in its own thread; the first failure stops them all.
 
@@ -267,12 +292,8 @@ class ReplicaController:
                 "diloco/bytes_sent": float(s["bytes_sent"])}
 
     def _merge(self, records: Sequence[StepRecord]) -> StepRecord:
-        """One record for the step: metrics averaged over groups (counts summed), rollouts pooled."""
-        keys = set().union(*(r.metrics for r in records))
-        metrics = {k: sum(r.metrics.get(k, 0.0) for r in records) / len(records) for k in keys}
-        for k in ("rollouts/policy", "rollouts/dropped_groups", "distill/hinted", "preference/pairs_in_batch"):
-            if k in keys:
-                metrics[k] *= len(records)
+        """One record for the step: the groups' metrics merged (`merge_metrics`), rollouts pooled."""
+        metrics = merge_metrics([r.metrics for r in records])
         groups = sum(r.groups for r in records)
         reward = sum(r.reward_mean * r.groups for r in records) / max(1, groups)
         metrics["reward/mean"] = reward

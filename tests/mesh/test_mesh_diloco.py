@@ -194,3 +194,22 @@ def test_group_streams_split_the_step_and_resume_each_stream():
     seeds = [{r.seed for r in RequestLedger(c.seed, 0).take(10_000)} for c, _ in streams]
     assert not seeds[0] & seeds[1]
     assert all(c.steps == 10 and c.max_seq_len == 64 for c, _ in streams)
+
+
+def test_merged_step_metrics_sum_counts_keep_maxima_and_skip_only_when_every_group_skipped():
+    from composer_mesh.mesh.replicas import merge_metrics
+
+    trained = {"rollouts/policy": 6.0, "rollouts/dropped_reason/equal_rewards": 1.0, "coding/tool_errors/timeout": 2.0,
+               "rollouts/dropped_prompt_tokens": 300.0, "coding/grade_s_max": 0.5, "loss/total": 1.0}
+    skipped = {"skipped": 1.0, "rollouts/policy": 0.0, "rollouts/dropped_reason/equal_rewards": 2.0,
+               "rollouts/dropped_reason/prompt_too_long": 1.0, "rollouts/dropped_prompt_tokens": 700.0,
+               "coding/tool_errors": 3.0, "coding/grade_s_max": 2.0, "loss/total": 3.0}
+    merged = merge_metrics([trained, skipped])
+    assert "skipped" not in merged  # one group trained: the step trained (trained_summary counts it)
+    assert merged["rollouts/policy"] == 6.0 and merged["coding/tool_errors"] == 3.0
+    assert merged["rollouts/dropped_reason/equal_rewards"] == 3.0
+    assert merged["rollouts/dropped_reason/prompt_too_long"] == 1.0
+    assert merged["coding/tool_errors/timeout"] == 2.0
+    assert merged["rollouts/dropped_prompt_tokens"] == 700.0 and merged["coding/grade_s_max"] == 2.0
+    assert merged["loss/total"] == 2.0
+    assert merge_metrics([skipped, dict(skipped)])["skipped"] == 1.0
