@@ -1,9 +1,10 @@
 """The three loss channels switched on and off: held-out reward gain, train reward gain and cost per configuration.
 
-Every configuration runs the embedded main job (`configs/demo_cpu.toml`: the
-demo task, the tiny warm-started model, three local solver teachers that slip) as
-`composer-mesh train` in a process of its own, at the same steps, seeds and
-budget; only the channel weights differ:
+Every configuration runs the task's recipe (`--task demo`: `configs/demo_cpu.toml`,
+the arithmetic demo with three local solver teachers that slip; `--task coding`:
+`configs/coding_cpu.toml`, the main job, micro coding tasks in the tool loop
+graded by hidden tests) as `composer-mesh train` in a process of its own, at the
+same steps, seeds and budget; only the channel weights differ:
 
     policy            [loss] alpha = 0, beta = 0 (plain GRPO/DAPO)
     policy+distill    beta = 0
@@ -12,22 +13,24 @@ budget; only the channel weights differ:
     distill only      policy_weight = 0, beta = 0   (control)
     replay only       policy_weight = 0, alpha = 0  (control)
 
-Held-out reward is the run's own evaluation (`[trainer] eval_every`: greedy
-and sampled on the environment's held-out split, the same problems for every
+Held-out reward (coding: pass rate) is the run's own evaluation (`[trainer]
+eval_every`: greedy and sampled on the environment's held-out split, the same problems for every
 seed); the gain is the last evaluation minus the one before step 1. Train
 gain: mean reward of the last 20 % of steps minus the first 20 %. "At equal
 wall time" is each configuration's held-out gain at its last evaluation
 within the policy-only runs' mean training time.
 
-    python benchmarks/ablation.py --quick   # 20 steps, 2 seeds (about 10 minutes on 2 cores)
-    python benchmarks/ablation.py           # the recipe's steps (90), 3 seeds
+    python benchmarks/ablation.py --quick   # 20 steps, 2 seeds, the four keyed configurations
+    python benchmarks/ablation.py --quick --task coding   # the coding recipe, 10 steps, pass rates
+    python benchmarks/ablation.py           # the recipe's steps (90), 3 seeds, all six configurations
     python benchmarks/ablation.py --config my.toml --override=--optimizer.lr=3e-3 --only policy all
 
 Prints the table of docs/recipe.md, writes a PNG of the held-out curves
 (`--plot`), and ends with one JSON line: all_vs_policy_heldout_gain (gain of
 all / gain of policy only; null when the policy-only gain is 0),
 distill_gain_delta, preference_gain_delta (gain with the channel added to
-the policy channel minus policy only), overhead_ratio (training wall time of
+the policy channel minus policy only), greedy_gain_all (held-out greedy gain
+of the shipped recipe), overhead_ratio (training wall time of
 all / policy only), and the per-configuration figures.
 """
 
@@ -59,7 +62,14 @@ CONFIGS: dict[str, tuple[str, ...]] = {
     "distill only": ("--loss.policy_weight=0", "--loss.beta=0"),
     "replay only": ("--loss.policy_weight=0", "--loss.alpha=0"),
 }
-SAMPLED, GREEDY = "eval/heldout_sampled", "eval/heldout_greedy"
+# per task: the recipe every configuration starts from, and the held-out figures its gain is read from (the
+# demo's reward; the coding task's pass rate: every hidden test passed)
+TASKS: dict[str, tuple[str, str, str]] = {
+    "demo": ("configs/demo_cpu.toml", "eval/heldout_sampled", "eval/heldout_greedy"),
+    "coding": ("configs/coding_cpu.toml", "eval/heldout_sampled_pass", "eval/heldout_greedy_pass"),
+}
+# the configurations the JSON line's keys compare (--quick runs only these)
+KEYED = ("policy", "policy+distill", "policy+replay", "all")
 
 
 @dataclass
@@ -86,7 +96,7 @@ class RunResult:
 
 
 def run_one(recipe: Path, overrides: list[str], out: Path, name: str, seed: int, steps: int,
-            eval_every: int) -> RunResult:
+            eval_every: int, task: str) -> RunResult:
     """`composer-mesh train` of `recipe` in configuration `name` at `seed`; its figures from summary.json and
     metrics.jsonl."""
     cmd = [sys.executable, "-m", "composer_mesh.mesh.cli", "train", "--no-progress", "--no-resume", str(recipe),
@@ -99,13 +109,14 @@ def run_one(recipe: Path, overrides: list[str], out: Path, name: str, seed: int,
     if proc.returncode != 0:
         raise RuntimeError(f"{name} seed {seed} failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    _, sampled, greedy = TASKS[task]
     rows = read_metrics(Path(summary["run_dir"]) / "metrics.jsonl")
     before = summary["heldout"]["before"]
-    heldout, elapsed = [(0, 0.0, before[SAMPLED], before[GREEDY])], 0.0
+    heldout, elapsed = [(0, 0.0, before[sampled], before[greedy])], 0.0
     for row in rows:
         elapsed += row["seconds"]
-        if SAMPLED in row:
-            heldout.append((row["step"], elapsed, row[SAMPLED], row[GREEDY]))
+        if sampled in row:
+            heldout.append((row["step"], elapsed, row[sampled], row[greedy]))
     rewards = [row["reward/mean"] for row in rows]
     k = max(1, len(rewards) // 5)
     total = lambda key: float(sum(row.get(key, 0.0) for row in rows))  # noqa: E731
@@ -158,29 +169,34 @@ def plot(rows: list[Row], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="20 steps, 2 seeds")
+    parser.add_argument("--quick", action="store_true",
+                        help="2 seeds, the four configurations of the JSON keys; demo 20 steps, coding 10")
+    parser.add_argument("--task", choices=list(TASKS), default="demo",
+                        help="demo: configs/demo_cpu.toml, reward; coding: configs/coding_cpu.toml, pass rate")
     parser.add_argument("--steps", type=int, help="steps per run (default: the recipe's [trainer] steps; --quick 20)")
     parser.add_argument("--seeds", type=int, help="seeds 0..n-1 (default 3, --quick 2)")
     parser.add_argument("--plot", default="runs/ablation.png",
                         help="where the held-out curves go (a PNG; its folder is made)")
     parser.add_argument("--only", nargs="*", choices=list(CONFIGS), help="run these configurations only")
-    parser.add_argument("--config", type=Path, default=REPO / "configs/demo_cpu.toml",
-                        help="the recipe every configuration starts from (a task with a held-out split)")
+    parser.add_argument("--config", type=Path,
+                        help="the recipe every configuration starts from (default: the task's; a task with a "
+                        "held-out split)")
     parser.add_argument("--override", action="append", default=[], metavar="--SECTION.KEY=VALUE",
                         help="applied to every configuration, before its channel switches (repeatable)")
     args = parser.parse_args()
-    recipe = load_config(args.config, args.override)  # a bad override fails here, before any run
-    steps = args.steps or (20 if args.quick else recipe.trainer.steps)
+    config = args.config or REPO / TASKS[args.task][0]
+    recipe = load_config(config, args.override)  # a bad override fails here, before any run
+    steps = args.steps or ((20 if args.task == "demo" else 10) if args.quick else recipe.trainer.steps)
     seeds = args.seeds or (2 if args.quick else 3)
     eval_every = max(1, steps // 6)
-    names = args.only or list(CONFIGS)
+    names = args.only or list(KEYED if args.quick else CONFIGS)
     rows = [Row(n) for n in names]
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="ablation-") as tmp:
         for seed in range(seeds):  # seed-major: a partial run still compares every configuration
             for row in rows:
-                result = run_one(args.config, args.override, Path(tmp) / f"{row.name.replace(' ', '_')}-s{seed}",
-                                 row.name, seed, steps, eval_every)
+                result = run_one(config, args.override, Path(tmp) / f"{row.name.replace(' ', '_')}-s{seed}",
+                                 row.name, seed, steps, eval_every, args.task)
                 if row.name.endswith("only") and result.policy_rollouts:
                     raise RuntimeError(f"{row.name}: the policy channel trained {result.policy_rollouts:.0f} rollouts")
                 row.runs.append(result)
@@ -189,7 +205,7 @@ def main() -> None:
                       file=sys.stderr, flush=True)
     by = {r.name: r for r in rows}
     budget = by["policy"].figure(lambda r: r.train_s)[0] if "policy" in by else None
-    print(f"\n{steps} steps, seeds 0..{seeds - 1}, held-out evaluated every {eval_every} steps; mean ± sd over seeds")
+    print(f"\n{args.task} task, {steps} steps, seeds 0..{seeds - 1}, held-out evaluated every {eval_every} steps; mean ± sd over seeds")
     head = (f"{'configuration':<16}{'held-out sampled':>18}{'held-out greedy':>17}{'train gain':>16}"
             f"{'at equal time':>15}{'train s':>9}{'wall s':>8}{'tokens':>9}{'teacher $':>11}{'hinted':>8}{'pairs':>7}"
             f"{'replayed':>10}{'pair rate':>11}")
@@ -226,9 +242,10 @@ def main() -> None:
                                if base is not None and gain("policy+distill") is not None else None),
         "preference_gain_delta": (round(gain("policy+replay") - base, 4)
                                   if base is not None and gain("policy+replay") is not None else None),
+        "greedy_gain_all": figures["all"]["heldout_greedy_gain"] if "all" in figures else None,
         "overhead_ratio": (round(figures["all"]["train_s"] / figures["policy"]["train_s"], 4)
                            if "all" in figures and "policy" in figures else None),
-        "steps": steps, "seeds": seeds, "configs": figures,
+        "task": args.task, "steps": steps, "seeds": seeds, "configs": figures,
     }
     print(json.dumps(out))
 
