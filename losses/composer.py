@@ -36,7 +36,7 @@ from composer_mesh.losses.logprobs import (
 )
 from composer_mesh.losses.mismatch import mismatch_weights, needs_sequences
 from composer_mesh.losses.policy import dapo_token_loss, prime_dppo_token_loss
-from composer_mesh.losses.preference import dpo_loss, ipo_loss, simpo_loss
+from composer_mesh.losses.preference import dpo_loss, ipo_loss, rpo_nll, simpo_loss
 from composer_mesh.losses.reduce import global_mean, math_dtype, segment_sum, upcast
 
 CHANNELS = ("policy", "distill", "preference")
@@ -377,7 +377,7 @@ def preference_channel(
     head: FusedHead | None = None,
     scale: float = 1.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Σ_pairs DPO/IPO/SimPO loss / num_pairs (sequence-level). Chunked: fused pair by pair
+    """Σ_pairs (DPO/IPO/SimPO loss + nll_weight·RPO NLL) / num_pairs (sequence-level). Chunked: fused pair by pair
     (gradient of scale·loss into `head`, loss returned detached), or — for short pairs —
     per-token stats with recomputation in backward (loss differentiable)."""
     pref = cfg.preference
@@ -391,7 +391,8 @@ def preference_channel(
     c_len_P, r_len_P = c_mask.sum(-1).clamp(min=1).float(), r_mask.sum(-1).clamp(min=1).float()
     n_tokens = int(c_mask.sum() + r_mask.sum())
     chunk = _chunk_tokens(cfg, weight_VD, label_only=True)
-    if head is not None and n_pairs > 0 and n_tokens >= n_pairs * min(chunk, MIN_FUSED_PAIR_TOKENS):
+    fused = head is not None and n_pairs > 0 and n_tokens >= n_pairs * min(chunk, MIN_FUSED_PAIR_TOKENS)
+    if fused:
         chosen_P, rejected_P = _fused_pair_seq_logps(
             cfg, head, scale, weight_VD, inputs, c_mask, r_mask, c_len_P, r_len_P
         )
@@ -409,6 +410,12 @@ def preference_channel(
         seq_logps = segment_sum(stats.logprobs, seq_n, 2 * n_pairs)
         chosen_P, rejected_P = seq_logps[:n_pairs], seq_logps[n_pairs:]
     per_pair, margin = _pair_losses(pref, inputs, chosen_P, rejected_P, c_len_P, r_len_P)
+    nll_P = None
+    if pref.nll_weight:
+        nll_P = rpo_nll(chosen_P, c_len_P)
+        per_pair = per_pair + pref.nll_weight * nll_P
+        if fused:
+            _fused_chosen_nll(cfg, head, scale, weight_VD, inputs, c_mask, c_len_P)
     loss = global_mean(per_pair, inputs.num_pairs)
     metrics = {
         "preference/loss": loss.detach(),
@@ -416,7 +423,22 @@ def preference_channel(
         "preference/margin_sum": margin.sum(),
         "preference/accuracy_sum": (margin > 0).float().sum(),
     }
+    if nll_P is not None:
+        metrics["preference/nll_sum"] = nll_P.detach().sum()
     return loss, metrics
+
+
+def _fused_chosen_nll(cfg, head, scale, weight_VD, inputs, c_mask, c_len_P) -> None:
+    """Gradient of nll_weight·Σ_pairs rpo_nll / num_pairs into `head` (the fused pair pass carries only
+    the pair loss: its one scale per pair cannot give chosen and rejected tokens different weights)."""
+    rows = torch.arange(c_mask.shape[0], device=c_mask.device).unsqueeze(-1).expand_as(c_mask)[c_mask]
+    count = torch.as_tensor(inputs.num_pairs, dtype=c_len_P.dtype, device=c_len_P.device).clamp(min=1.0)
+    # [n] d(loss)/d(log p) of each chosen token is −weight_n
+    weight_n = cfg.preference.nll_weight / (c_len_P[rows] * count)
+    _head_loss(
+        cfg, head, scale, inputs.chosen_hidden_BTD[c_mask], weight_VD, inputs.chosen_labels_BT[c_mask],
+        lambda stats, sl: -(weight_n[sl] * stats.logprobs).sum(),
+    )
 
 
 def compose_loss(

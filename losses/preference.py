@@ -1,4 +1,5 @@
-"""Trace-replay preference channel (channel 3): DPO, IPO and SimPO on chosen/rejected pairs.
+"""Trace-replay preference channel (channel 3): DPO, IPO and SimPO on chosen/rejected pairs,
+with RPO's NLL anchor on the chosen response.
 
 Pairs come from frozen agent traces (consensus of N teachers = chosen, the
 recorded student action = rejected). Per-pair losses here; the channel loss is
@@ -85,3 +86,15 @@ def simpo_loss(
     """
     margin_P = beta * (upcast(chosen_avg_logps_P) - upcast(rejected_avg_logps_P)) - gamma
     return smoothed_sigmoid_loss(margin_P, label_smoothing), margin_P.detach()
+
+
+def rpo_nll(chosen_logps_P: torch.Tensor, chosen_len_P: torch.Tensor) -> torch.Tensor:
+    """RPO's anchor (Pang et al. 2024, Eq. 3): −log π(y_w | x) / |y_w| per pair.  # [P]
+
+    The chosen response's negative log-likelihood averaged over its own tokens (the
+    paper normalises by the chosen sequence's length); the channel adds
+    `nll_weight` × this to each pair's loss, so the batch term is the mean over
+    pairs. TRL's `rpo_alpha` takes one token mean over all chosen tokens of the
+    batch instead, which is the same number when the chosen lengths are equal.
+    """
+    return -upcast(chosen_logps_P) / chosen_len_P.clamp(min=1)

@@ -102,6 +102,11 @@ class PreferenceLossConfig:
         0.0, doc="DPO / SimPO label smoothing eps (conservative DPO): preference flipped with probability eps", ge=0.0, lt=0.5
     )
     ipo_average: bool = option(True, doc="IPO on length-averaged logprobs (TRL); false = sequence sums (paper)")
+    nll_weight: float = option(
+        0.0,
+        doc="RPO anchor: adds nll_weight x the chosen response's per-token mean NLL to each pair's loss (0 = off)",
+        ge=0.0,
+    )
 
     def __post_init__(self) -> None:
         if self.kind == "ipo" and self.label_smoothing:

@@ -1,14 +1,24 @@
-"""DPO / SimPO vs the published formulas; gradient signs."""
+"""DPO / SimPO / RPO's NLL anchor vs the published formulas; gradient signs."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
 from composer_mesh.configs.loader import ConfigError, load_config
-from composer_mesh.losses.preference import dpo_loss, ipo_loss, sequence_logprobs, sequence_mean_logprobs, simpo_loss
+from composer_mesh.configs.sections.loss import LossConfig, PreferenceLossConfig
+from composer_mesh.losses.composer import PreferenceInputs, compose_loss, summarize_metrics
+from composer_mesh.losses.preference import (
+    dpo_loss,
+    ipo_loss,
+    rpo_nll,
+    sequence_logprobs,
+    sequence_mean_logprobs,
+    simpo_loss,
+)
 
 SHAPES = [(2, 5), (3, 17), (5, 40)]  # (pairs, tokens)
 
@@ -122,3 +132,99 @@ def test_ipo_reaches_the_reference_policy():
     job = load_config(None, ["--loss.preference.kind=ipo"])
     assert job.loss.preference.needs_reference and not load_config(
         None, ["--loss.preference.kind=simpo"]).loss.preference.needs_reference
+
+
+# --- RPO's NLL anchor through the channel, against the formula written out here ---
+
+V_RPO, D_RPO = 37, 8
+
+
+def _pair_batch(P, T, seed):
+    g = torch.Generator().manual_seed(seed)
+    masks = [torch.rand(P, T, generator=g) > 0.3 for _ in range(2)]
+    for m in masks:
+        m[:, 0] = True
+    return PreferenceInputs(
+        torch.randn(P, T, D_RPO, generator=g), torch.randint(0, V_RPO, (P, T), generator=g), masks[0],
+        torch.randn(P, T, D_RPO, generator=g), torch.randint(0, V_RPO, (P, T), generator=g), masks[1],
+        num_pairs=P,
+        ref_chosen_logps_P=-torch.rand(P, generator=g) * 30, ref_rejected_logps_P=-torch.rand(P, generator=g) * 30,
+    )
+
+
+def _rpo_reference(kind, w_VD, x, nll_weight, beta, gamma=0.0):
+    """Pang et al. 2024 Eq. 3 with the pair loss of `kind`: mean over pairs of
+    ℓ_pair − nll_weight · log π(y_w|x) / |y_w| (DPO: −log σ(β[(π_w − ref_w) − (π_l − ref_l)]);
+    SimPO: −log σ(β(π_w/|y_w| − π_l/|y_l|) − γ)), in float64 with full logits."""
+    total, nll_total = 0.0, 0.0
+    for p in range(x.chosen_mask_BT.shape[0]):
+        sums, lens = [], []
+        for h, y, m in ((x.chosen_hidden_BTD, x.chosen_labels_BT, x.chosen_mask_BT),
+                        (x.rejected_hidden_BTD, x.rejected_labels_BT, x.rejected_mask_BT)):
+            logp_TV = torch.log_softmax(h[p].double() @ w_VD.double().T, dim=-1)
+            tokens = [logp_TV[t, y[p, t]] for t in range(y.shape[1]) if m[p, t]]
+            sums.append(sum(tokens))
+            lens.append(len(tokens))
+        (c, r), (n_c, n_r) = sums, lens
+        if kind == "dpo":
+            z = beta * ((c - x.ref_chosen_logps_P[p].double()) - (r - x.ref_rejected_logps_P[p].double()))
+        else:
+            z = beta * (c / n_c - r / n_r) - gamma
+        nll = -c / n_c
+        total = total - torch.log(torch.sigmoid(z)) + nll_weight * nll
+        nll_total = nll_total + nll.detach()
+    P = x.chosen_mask_BT.shape[0]
+    return total / P, nll_total / P
+
+
+def _leaves(x):
+    for h in (x.chosen_hidden_BTD, x.rejected_hidden_BTD):
+        h.requires_grad_()
+    return [x.chosen_hidden_BTD, x.rejected_hidden_BTD]
+
+
+# chunked False: full logits; chunk_tokens=4: the fused pair pass plus the NLL pass; 0: per-token stats, recomputed
+LOSS_PATHS = [dict(chunked=False), dict(chunked=True, chunk_tokens=4), dict(chunked=True, chunk_tokens=0)]
+
+
+@pytest.mark.parametrize("path", LOSS_PATHS)
+@pytest.mark.parametrize("kind", ["dpo", "simpo"])
+@pytest.mark.parametrize("nll_weight", [0.0, 0.7])
+@pytest.mark.parametrize("shape", [(1, 9), (3, 13)])
+def test_rpo_nll_anchor_matches_the_formula(path, kind, nll_weight, shape):
+    x = _pair_batch(*shape, seed=sum(shape) + int(10 * nll_weight))
+    leaves = _leaves(x)
+    w = (torch.randn(V_RPO, D_RPO, generator=torch.Generator().manual_seed(4)) / D_RPO**0.5).requires_grad_()
+    pref = PreferenceLossConfig(kind=kind, dpo_beta=0.3, simpo_beta=2.0, simpo_gamma=0.5, nll_weight=nll_weight)
+    cfg = LossConfig(**path, preference=pref)
+    out = compose_loss(cfg, w, preference=x)
+    beta = 0.3 if kind == "dpo" else 2.0
+    ref, ref_nll = _rpo_reference(kind, w, x, nll_weight, beta, 0.5 if kind == "simpo" else 0.0)
+    torch.testing.assert_close(out.loss.double(), ref, atol=1e-5, rtol=1e-5)
+    got = torch.autograd.grad(out.loss, [w, *leaves])
+    want = torch.autograd.grad(ref, [w, *leaves])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.double(), b.double(), atol=1e-5, rtol=1e-4)
+    if nll_weight:
+        assert summarize_metrics(out.metrics)["preference/nll_mean"] == pytest.approx(float(ref_nll), abs=1e-5)
+    else:
+        # off: no NLL term, no NLL metric, and the same number as a config that never names the key
+        assert "preference/nll_sum" not in out.metrics
+        plain = compose_loss(LossConfig(**path, preference=dataclasses.replace(pref, nll_weight=0.0)), w,
+                             preference=x)
+        assert torch.equal(plain.loss, out.loss)
+
+
+def test_rpo_nll_is_the_chosen_per_token_mean():
+    logp, mask = _seq((3, 11), seed=9)
+    got = rpo_nll(sequence_logprobs(logp, mask), mask.sum(-1).float())
+    for b in range(3):
+        vals = [logp[b, t].item() for t in range(11) if mask[b, t]]
+        assert got[b].item() == pytest.approx(-sum(vals) / len(vals), abs=1e-6)
+
+
+def test_nll_weight_is_validated():
+    with pytest.raises(ConfigError, match=r"loss\.preference\.nll_weight"):
+        load_config(None, ["--loss.preference.nll_weight=-0.5"])
+    assert load_config(None, ["--loss.preference.nll_weight=1.0"]).loss.preference.nll_weight == 1.0
+    assert load_config(None, []).loss.preference.nll_weight == 0.0
