@@ -64,6 +64,29 @@ def parse_assistant(text: str) -> dict[str, Any]:
     return msg
 
 
+def student_action(message: dict[str, Any]) -> dict[str, Any]:
+    """An assistant message in the shape `parse_assistant` gives the student's own turns: tool calls
+    with ids call_0.., arguments re-serialised as the student's are (`json.dumps`), no extra keys
+    (a teacher's `reasoning`, call ids, `None` content); calls written as text in the student's
+    markup are parsed. The student's own messages come back unchanged, so a pair's chosen and
+    rejected actions reach the chat template in one format."""
+    calls = message.get("tool_calls") or []
+    if not calls:
+        return parse_assistant(str(message.get("content") or ""))
+    out = []
+    for i, call in enumerate(calls):
+        fn = call.get("function") or {}
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError:
+                pass
+        out.append({"id": f"call_{i}", "type": "function",
+                    "function": {"name": str(fn.get("name", "")), "arguments": args if isinstance(args, str) else json.dumps(args)}})
+    return {"role": "assistant", "content": str(message.get("content") or "").strip(), "tool_calls": out}
+
+
 @dataclass
 class _Episode:
     request: EpisodeRequest

@@ -31,7 +31,7 @@ from typing import Any, Sequence
 
 import torch
 
-from composer_mesh.actors.episodes import ChatTokens
+from composer_mesh.actors.episodes import ChatTokens, student_action
 from composer_mesh.actors.rollout import Rollout, RolloutGroup, failure_sites
 from composer_mesh.configs.records import ErrorSite
 from composer_mesh.configs.sections.loss import PolicyLossConfig
@@ -180,9 +180,10 @@ def make_hint(chat: ChatTokens, rollout: Rollout, hinter: Any) -> RolloutHint | 
 def pair_tokens(chat: ChatTokens, context: Sequence[dict], chosen: dict, rejected: dict,
                 tools: Sequence[dict] = ()) -> PairTokens:
     """Ids of a pair: the context with the assistant header (and the run's tool schemas, as its episodes'
-    prompts have them), then each action through its end token."""
-    prompt, chosen_ids = chat.prompt_and_action(list(context), chosen, list(tools) or None)
-    _, rejected_ids = chat.prompt_and_action(list(context), rejected, list(tools) or None)
+    prompts have them), then each action through its end token, both in the student's own message shape
+    (`student_action`), so a teacher's chosen call is tokenized as the student would have written it."""
+    prompt, chosen_ids = chat.prompt_and_action(list(context), student_action(chosen), list(tools) or None)
+    _, rejected_ids = chat.prompt_and_action(list(context), student_action(rejected), list(tools) or None)
     return PairTokens(tuple(prompt), tuple(chosen_ids), tuple(rejected_ids))
 
 

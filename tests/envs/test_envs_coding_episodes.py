@@ -203,3 +203,26 @@ def test_micro_teachers_edit_passes_and_slip_fails(sandbox):
         bad = change_calls(start, {p: near_miss(t) for p, t in task.reference_files().items()}, "edit_file")
         assert json.loads(good[0]["function"]["arguments"])["old"] == "pass"
         assert grade_calls(task, sandbox, good).reward == 1.0 and grade_calls(task, sandbox, bad).reward < 1.0
+
+
+def test_chosen_tool_call_is_tokenized_as_the_student_would_write_it(tok):
+    """A teacher's call (API shape: compact JSON arguments, its own call id, no content, a reasoning key) is the
+    student's action once parsed from the student's own tool-call text: the pair's chosen ids are the ids the
+    student's chat template gives that message, and the student's rejected call keeps its ids."""
+    chat = ChatTokens(tok)
+    tools = offered_tools(LOOP.tools)
+    context = [{"role": "system", "content": "Fix the function."}, {"role": "user", "content": "Make the tests pass."}]
+    args = {"path": "pkg/util.py", "old": "return a - b", "new": "return a + b"}
+    teacher = {"role": "assistant", "content": None, "reasoning": "the sign is wrong",
+               "tool_calls": [{"id": "toolu_01AbC", "type": "function",
+                               "function": {"name": "edit_file", "arguments": json.dumps(args, separators=(",", ":"))}}]}
+    student_same = parse_assistant(call_text("edit_file", args))
+    student_slip = parse_assistant(call_text("read_file", {"path": "pkg/util.py"}))
+    pair = pair_tokens(chat, context, teacher, student_slip, tools)
+    _, want_chosen = chat.prompt_and_action(context, student_same, tools)
+    _, want_rejected = chat.prompt_and_action(context, student_slip, tools)
+    assert list(pair.chosen) == want_chosen and list(pair.rejected) == want_rejected
+    assert "edit_file" in tok.decode(pair.chosen) and "the sign is wrong" not in tok.decode(pair.chosen)
+    # a teacher that wrote the call as text in the student's markup is the same action
+    as_text = {"role": "assistant", "content": call_text("edit_file", args)}
+    assert list(pair_tokens(chat, context, as_text, student_slip, tools).chosen) == want_chosen
