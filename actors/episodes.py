@@ -294,7 +294,7 @@ class EpisodeRunner:
                     message_starts=(e.starts + [-1] * len(state.messages))[: len(state.messages)],
                     turn_spans=e.spans, reward=float(state.reward or 0.0), finish_reason=e.finish,  # type: ignore[arg-type]
                     policy_version=version, error_sites=list(state.error_sites),
-                    info={**(e.final or {}), "turns": e.turns},
+                    info={**(e.final or {}), "turns": e.turns}, split=request.split,
                 ))
             groups.append(RolloutGroup(request.group_id, request.seed, rollouts))
         return groups

@@ -76,6 +76,8 @@ class Rollout:
     policy_version: int
     error_sites: list[ErrorSite] = field(default_factory=list)
     info: dict[str, Any] = field(default_factory=dict)
+    # the environment split `seed` was drawn from (a verifier replays the episode from both)
+    split: Literal["train", "heldout"] = "train"
 
     @property
     def completion_tokens(self) -> int:

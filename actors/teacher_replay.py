@@ -6,6 +6,9 @@ the messages before it, action = what the student did). `next_pairs(n)` asks
 the teachers about queued states (tier by tier, cache, budget and retries of
 `replay.teachers`; votes of `replay.pairs`) until it has `n` pairs or runs out
 of states; `status()` reports budget, spend, outcomes and queue sizes.
+With `[replay] verify_pairs` a pair from the run's rollouts is kept only if the
+run's environment scores its chosen action above its rejected one
+(`actors.pair_verify`, here in the replay process); the verdicts are counted.
 `snapshot()` / `restore()` carry the in-memory part (queued states, ready
 pairs, counters) through the controller's state checkpoint, so a respawned
 actor or a resumed run continues where the saved step left; the response cache
@@ -27,7 +30,8 @@ import asyncio
 import os
 import threading
 from collections import Counter, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -35,9 +39,13 @@ import torch
 from monarch.actor import Actor, endpoint
 
 from composer_mesh.actors.episodes import ChatTokens
+from composer_mesh.actors.pair_verify import VERDICTS, PairVerifier
 from composer_mesh.actors.rollout import Rollout, failure_sites
+from composer_mesh.configs.sections.env import EnvConfig
 from composer_mesh.configs.sections.replay import ReplayConfig
 from composer_mesh.configs.sections.teachers import TeachersConfig
+from composer_mesh.envs.factory import env_factory
+from composer_mesh.envs.plugin import add_python_path
 from composer_mesh.replay.cache import ResponseCache
 from composer_mesh.replay.gating import Uncertainty, VOIGate
 from composer_mesh.replay.pairs import PreferencePair
@@ -54,6 +62,10 @@ class ReplaySpec:
     tokenizer_dir: str = ""
     # states waiting for teachers; the oldest are dropped beyond it
     max_queue: int = 4096
+    # the run's [env]: verifies pairs from its rollouts (`replay.verify_pairs`); None = no verification
+    env: EnvConfig | None = None
+    # [job] python_path: where task plugins are imported from
+    python_path: tuple[str, ...] = ()
 
 
 def rollout_states(rollout: Rollout) -> list[TraceState]:
@@ -65,6 +77,7 @@ def rollout_states(rollout: Rollout) -> list[TraceState]:
         states.append(TraceState(
             trace_id=f"rollout:{rollout.group_id}:{rollout.sample}:v{rollout.policy_version}",
             step=k, context=tuple(rollout.messages[: site.turn]), action=dict(rollout.messages[site.turn]),
+            env_seed=rollout.seed, env_split=rollout.split,
         ))
     return states
 
@@ -98,6 +111,8 @@ class ReplaySnapshot:
     outcomes: dict[str, int]
     states_done: int
     pairs_made: int
+    # verified / refuted / unverifiable pairs (`actors.pair_verify`)
+    verification: dict[str, int] = field(default_factory=dict)
 
 
 class TeacherReplayActor(Actor):
@@ -127,6 +142,10 @@ class TeacherReplayActor(Actor):
         self.outcomes: Counter[str] = Counter()
         self.states_done = 0
         self.pairs_made = 0
+        self.verifier = None
+        if spec.replay.verify_pairs and spec.env is not None:
+            add_python_path(spec.python_path)
+            self.verifier = PairVerifier(partial(env_factory, spec.env))
 
     async def _make_client(self, cls: Any) -> Any:  # built on the loop that will use it
         return cls(self.spec.teachers, self.cache)
@@ -156,8 +175,9 @@ class TeacherReplayActor(Actor):
             for r in results:
                 self.outcomes[r.outcome] += 1
                 if r.pair is not None:
-                    self.ready.append(r.pair)
                     self.pairs_made += 1
+                    if self.verifier is None or self.verifier.keep(r.pair):
+                        self.ready.append(r.pair)
             self.states_done += len(chunk)
         return [self.ready.popleft() for _ in range(min(n, len(self.ready)))]
 
@@ -168,7 +188,7 @@ class TeacherReplayActor(Actor):
     @endpoint
     def snapshot(self) -> ReplaySnapshot:
         return ReplaySnapshot(list(self.queue), list(self.ready), dict(self.outcomes), self.states_done,
-                              self.pairs_made)
+                              self.pairs_made, dict(self.verifier.counts) if self.verifier is not None else {})
 
     @endpoint
     def restore(self, snap: ReplaySnapshot) -> int:
@@ -177,6 +197,8 @@ class TeacherReplayActor(Actor):
         self.ready = deque(snap.ready)
         self.outcomes = Counter(snap.outcomes)
         self.states_done, self.pairs_made = snap.states_done, snap.pairs_made
+        if self.verifier is not None:
+            self.verifier.counts = Counter(snap.verification)
         return len(self.queue)
 
     @endpoint
@@ -192,5 +214,11 @@ class TeacherReplayActor(Actor):
             "budget_usd": budget.cap_usd, "spend_usd": budget.spent_usd, "left_usd": budget.cap_usd - budget.spent_usd,
             "budget_refusals": budget.refusals, "queued_states": len(self.queue), "states_done": self.states_done,
             "pairs_made": self.pairs_made, "pairs_ready": len(self.ready), "outcomes": dict(self.outcomes),
-            "client": self.client.stats.as_dict(),
+            "client": self.client.stats.as_dict(), **self._verification(),
         }
+
+    def _verification(self) -> dict[str, int]:
+        """pairs_verified / pairs_refuted / pairs_unverifiable: the environment's verdicts (refuted pairs
+        are dropped); a pair made while verification is off counts as unverifiable."""
+        counts = self.verifier.counts if self.verifier is not None else Counter({"unverifiable": self.pairs_made})
+        return {f"pairs_{v}": counts.get(v, 0) for v in VERDICTS}

@@ -213,7 +213,8 @@ class Launch:
                                         port=ls.port, request_log=ls.request_log or None).start()
             teachers = dataclasses.replace(teachers, base_url=self.server.url)
         replay = dataclasses.replace(job.replay, output_dir=str(self.run_dir / "replay"))
-        return ReplaySpec(replay, teachers, tokenizer_dir=job.model.tokenizer_path or weights)
+        return ReplaySpec(replay, teachers, tokenizer_dir=job.model.tokenizer_path or weights, env=job.env,
+                          python_path=job.job.python_path)
 
     def stop(self) -> None:
         """Close the metrics sink, stop every actor and the local teacher server, remove the shared-memory

@@ -96,6 +96,9 @@ class PreferencePair:
     strategy: str = "plurality"
     # winner's share of the valid votes (or of the voting weight)
     support: float = 0.0
+    # the run's episode the state comes from (TraceState.env_seed / env_split); None: a frozen trace
+    env_seed: int | None = None
+    env_split: str = "train"
 
     def to_record(self) -> dict[str, Any]:
         """A flat JSONL record (uniform schema: data-juicer's JSON loader needs it)."""
@@ -187,5 +190,7 @@ def decide(
         costs_usd={v.teacher: v.cost_usd for v in votes},
         strategy=strategy,
         support=support,
+        env_seed=state.env_seed,
+        env_split=state.env_split,
     )
     return Decision("pair", pair, unanimous=unanimous)

@@ -40,7 +40,9 @@ class TraceState:
     action: the recorded assistant message (with `reasoning` when it thought);
     step: index of this assistant turn within the trace; error_sites: failed
     tool calls inside `context` (`turn` indexes `context`); tools: names of the
-    tools the trace used (teachers may be offered them).
+    tools the trace used (teachers may be offered them); env_seed / env_split: the
+    run's episode this state comes from (`reset(seed)` on that split replays its
+    context), None for frozen external traces.
     """
 
     trace_id: str
@@ -49,6 +51,8 @@ class TraceState:
     action: dict
     error_sites: tuple[ErrorSite, ...] = ()
     tools: tuple[str, ...] = ()
+    env_seed: int | None = None
+    env_split: str = "train"
 
 
 # ---------------------------------------------------------------- OpenAI chat

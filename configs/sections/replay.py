@@ -75,6 +75,11 @@ class ReplayConfig:
         choices=("tool_call", "text"),
     )
     concurrency: int = option(8, doc="states replayed at once", ge=1)
+    verify_pairs: bool = option(
+        True,
+        doc="keep a pair from the run's own rollouts only if the run's environment scores its chosen action above "
+        "the rejected one (frozen-trace pairs are unverifiable and kept)",
+    )
     recipe: str = option("default", doc="data-juicer recipe: a name in replay/recipes or a YAML path")
     gating: GatingConfig = option(default_factory=GatingConfig, doc="uncertainty gating")
     local_server: LocalServerConfig = option(default_factory=LocalServerConfig, doc="local teacher server")

@@ -12,26 +12,32 @@ well-formed tool calls whose code is not the task's.
 from __future__ import annotations
 
 import json
+from functools import partial
+from pathlib import Path
 
 import httpx
 import pytest
 from transformers import AutoTokenizer
 
 from composer_mesh.actors.episodes import ChatTokens, EpisodeRunner, parse_assistant
+from composer_mesh.actors.pair_verify import PairVerifier, action_score
 from composer_mesh.actors.hf_engine import Completion
 from composer_mesh.actors.rollout import EpisodeRequest, SamplingParams
 from composer_mesh.actors.teacher_replay import rollout_states
 from composer_mesh.configs.records import ErrorKind
-from composer_mesh.configs.sections.env import CodingConfig, SandboxConfig, ToolLoopConfig
+from composer_mesh.configs.sections.env import CodingConfig, EnvConfig, SandboxConfig, ToolLoopConfig
+from composer_mesh.envs.factory import env_factory
 from composer_mesh.envs.micro import make_task
 from composer_mesh.envs.sandbox import Sandbox
 from composer_mesh.envs.tool_format import CLOSING, EXPRESSIONS, tool_format_examples
 from composer_mesh.envs.tool_loop import ToolLoopEnv, offered_tools
 from composer_mesh.mesh.episode_metrics import episode_metrics, eval_pass_rates
 from composer_mesh.mesh.packing import make_hint, pair_tokens
+from composer_mesh.replay.pairs import PreferencePair
 from composer_mesh.replay.hints import TemplateHintGenerator
 from composer_mesh.replay.reference_teacher import DONE_TEXT, ReferenceResponder, change_calls, near_miss
 from composer_mesh.replay.server import TeacherServer
+from composer_mesh.replay.traces import TraceState
 from composer_mesh.titan_ext.warmstart import sft_rows
 
 
@@ -226,3 +232,49 @@ def test_chosen_tool_call_is_tokenized_as_the_student_would_write_it(tok):
     # a teacher that wrote the call as text in the student's markup is the same action
     as_text = {"role": "assistant", "content": call_text("edit_file", args)}
     assert list(pair_tokens(chat, context, as_text, student_slip, tools).chosen) == want_chosen
+
+
+def make_pair(state: TraceState, chosen: dict, rejected: dict) -> PreferencePair:
+    return PreferencePair(trace_id=state.trace_id, step=state.step, context=state.context, chosen=chosen,
+                          rejected=rejected, votes={}, agree=2, teachers=("a", "b"),
+                          env_seed=state.env_seed, env_split=state.env_split)
+
+
+@pytest.fixture(scope="module")
+def coding(tmp_path_factory):
+    return EnvConfig(task="coding", coding=CodingConfig(sources=("micro",)),
+                     tool_loop=ToolLoopConfig(tools=("read_file", "edit_file"), max_turns=6),
+                     sandbox=SandboxConfig(root_dir=str(tmp_path_factory.mktemp("verify-sandbox")), wall_timeout_s=90.0))
+
+
+def test_pairs_from_a_rollout_are_verified_in_the_sandbox(tok, coding):
+    make = env_factory(coding)
+    env = make("train")
+    env.reset(seed=3)
+    task = env.task
+    env.close()
+    reference = task.reference_files()
+    slip_files = {task.target: near_miss(reference[task.target])}
+    # the student's episode: a failed read, then the right edit; its failed turn becomes a replay state
+    turns = [call_text("read_file", {"path": "no/such_file.py"}), edit_text(task, reference), "Finished."]
+    runner = EpisodeRunner(ScriptedPolicy(tok, turns), tok, make, max_turns=6, max_context_tokens=1 << 16)
+    rollout = runner.run([EpisodeRequest(group_id=0, seed=3)], 1, SamplingParams(max_new_tokens=512), 0)[0].rollouts[0]
+    assert rollout.reward == 1.0 and rollout.seed == 3 and rollout.split == "train"
+    (state,) = rollout_states(rollout)
+    assert state.env_seed == 3 and state.env_split == "train"
+    # teachers answer in the API's shape (compact arguments, their own call ids)
+    teacher_right = {"role": "assistant", "content": None, "tool_calls": [
+        {**c, "id": f"toolu_{i}", "function": {**c["function"], "arguments": json.dumps(json.loads(c["function"]["arguments"]), separators=(",", ":"))}}
+        for i, c in enumerate(change_calls({task.target: task.stubbed_source}, reference, "edit_file"))]}
+    teacher_slip = {"role": "assistant", "content": None,
+                    "tool_calls": change_calls({task.target: task.stubbed_source}, slip_files, "edit_file")}
+    student_right = parse_assistant(edit_text(task, reference))
+    assert action_score(make, 3, "train", state.context, teacher_right) == 1.0
+    assert action_score(make, 3, "train", state.context, state.action) == 0.0
+    verifier = PairVerifier(partial(env_factory, coding))
+    assert verifier.keep(make_pair(state, teacher_right, state.action))
+    assert not verifier.keep(make_pair(state, teacher_slip, student_right))
+    assert verifier.keep(make_pair(TraceState("trace.jsonl", 0, state.context, state.action), teacher_slip, student_right))
+    assert dict(verifier.counts) == {"verified": 1, "refuted": 1, "unverifiable": 1}
+    # every scored episode closed its workspace
+    assert not list((Path(coding.sandbox.root_dir) / "composer-mesh-sandboxes").iterdir())

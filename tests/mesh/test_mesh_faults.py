@@ -272,13 +272,14 @@ def test_replay_sigkill_respawns_restores_and_repeats_no_teacher_call(tmp_path, 
     repeated = {k: n for k, n in Counter(r["key"] for r in requests).items() if n > 1}
     assert repeated == {}, f"teacher requests sent twice after the replay restart: {repeated}"
     # pairs: none trained twice, none lost — every pair the replay actors made (the restored counter continues the
-    # dead actor's) was trained in a logged step or is still ready at the end
+    # dead actor's) was trained in a logged step, is still ready at the end, or was refuted by the environment
     trained = [key for r in logged for key in r["pair_keys"]]
     twice = {k: n for k, n in Counter(trained).items() if n > 1}
     assert twice == {}, f"preference pairs trained twice across the replay restart: {twice}"
     status = summary["replay"]
-    assert trained and len(trained) + status["pairs_ready"] == status["pairs_made"], (
-        f"{status['pairs_made']} pairs made, {len(trained)} trained + {status['pairs_ready']} ready: pairs lost")
+    assert trained and len(trained) + status["pairs_ready"] + status["pairs_refuted"] == status["pairs_made"], (
+        f"{status['pairs_made']} pairs made, {len(trained)} trained + {status['pairs_ready']} ready + "
+        f"{status['pairs_refuted']} refuted: pairs lost")
     print(f"replay drill: killed after {killed_at} logged steps, replacement began {noticed:.1f} s later and took "
           f"{rebuilt:.1f} s; {len(requests)} teacher requests, none repeated; {len(trained)} pairs trained once each, "
           f"{status['pairs_ready']} ready, {status['pairs_made']} made")
