@@ -51,3 +51,47 @@ def test_demo_pairs_are_verified_refuted_or_unverifiable():
     assert verifier.keep(make_pair(TraceState("trace.jsonl", 0, tuple(prompt), slip), slip, right))
     assert verifier.keep(make_pair(TraceState("rollout:1:0:v0", 0, tuple(prompt), slip, env_seed=8), slip, right))
     assert dict(verifier.counts) == {"verified": 2, "refuted": 1, "unverifiable": 2}
+
+
+def test_replay_actor_drops_refuted_pairs_and_counts_verdicts(tmp_path):
+    """The TeacherReplayActor (a real Monarch actor, teachers behind a loopback server) verifies the pairs its
+    teachers make with the run's environment: the refuted one never reaches `next_pairs`, the counts reach
+    `status()` (summary.json's `replay`) and survive snapshot / restore."""
+    from monarch.actor import this_proc
+
+    from composer_mesh.actors.teacher_replay import ReplaySpec, TeacherReplayActor
+    from composer_mesh.configs.sections.replay import ReplayConfig
+    from composer_mesh.configs.sections.teachers import TeacherSpec, TeachersConfig
+    from composer_mesh.replay.server import TeacherServer
+
+    env = env_factory(EnvConfig(task="demo"))("train")
+    prompts = {seed: env.reset(seed=seed).messages for seed in (1, 2, 3)}
+    env.close()
+    # the teachers slip on seed 2's problem, further than the student did
+    teacher_slip = {prompts[2][-1]["content"]: 9}
+    states = [
+        TraceState("rollout:1:0:v0", 0, tuple(prompts[1]), answer(solve(prompts[1], slip=7)), env_seed=1),
+        TraceState("rollout:2:0:v0", 0, tuple(prompts[2]), answer(solve(prompts[2], slip=1)), env_seed=2),
+        TraceState("trace.jsonl", 0, tuple(prompts[3]), answer(solve(prompts[3], slip=7))),
+    ]
+    make = env_factory(EnvConfig(task="demo"))
+    assert action_score(make, 2, "train", prompts[2], answer(solve(prompts[2], slip=9))) < \
+        action_score(make, 2, "train", prompts[2], states[1].action) < 1.0
+    responder = lambda model, messages, params: solve(messages, slip=teacher_slip.get(messages[-1]["content"], 0))  # noqa: E731
+    with TeacherServer(responder) as server:
+        teachers = TeachersConfig(
+            models=tuple(TeacherSpec(name=n, model=f"local-{n}", price_in_per_mtok=1.0, price_out_per_mtok=4.0,
+                                     max_tokens=16) for n in ("a", "b")),
+            base_url=server.url, budget_usd=0.5, max_retries=1, backoff_base_s=0.05,
+        )
+        spec = ReplaySpec(ReplayConfig(output_dir=str(tmp_path / "replay"), min_agree=2, concurrency=4), teachers,
+                          env=EnvConfig(task="demo"))
+        replay = this_proc().spawn("replay_verify", TeacherReplayActor, spec)
+        replay.add_states.call_one(states).get()
+        pairs = replay.next_pairs.call_one(3).get()
+        status = replay.status.call_one().get()
+        snap = replay.snapshot.call_one().get()
+    assert sorted(p.trace_id for p in pairs) == ["rollout:1:0:v0", "trace.jsonl"]
+    assert status["pairs_made"] == 3 and status["pairs_ready"] == 0
+    assert (status["pairs_verified"], status["pairs_refuted"], status["pairs_unverifiable"]) == (1, 1, 1)
+    assert snap.verification == {"verified": 1, "refuted": 1, "unverifiable": 1}
