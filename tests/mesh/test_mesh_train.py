@@ -78,6 +78,9 @@ def test_train_command_runs_and_resumes(tmp_path, tiny_assets):
     assert first["start_step"] == 0 and first["final_step"] == 2
     assert (run / "checkpoints" / "step-00000002" / "COMPLETE").is_file()
     assert first["replay"]["pairs_made"] > 0 and 0 < first["replay"]["spend_usd"] <= 0.5
+    # the solver teachers' answers beat the student's failed ones in the demo environment: all verified
+    assert first["replay"]["pairs_verified"] == first["replay"]["pairs_made"]
+    assert first["replay"]["pairs_refuted"] == first["replay"]["pairs_unverifiable"] == 0
     trainer_memory, generator_memory = first["memory"]["trainer"][0], first["memory"]["generator"][0]
     assert {"load", "first_sync", "step", "sync", "checkpoint", "export"} <= trainer_memory.keys()
     assert {"load", "first_sync", "generate"} <= generator_memory.keys()
