@@ -198,7 +198,8 @@ class TeacherReplayActor(Actor):
         self.outcomes = Counter(snap.outcomes)
         self.states_done, self.pairs_made = snap.states_done, snap.pairs_made
         if self.verifier is not None:
-            self.verifier.counts = Counter(snap.verification)
+            # a snapshot saved before pairs were verified has no counts
+            self.verifier.counts = Counter(getattr(snap, "verification", {}))
         return len(self.queue)
 
     @endpoint
