@@ -53,6 +53,8 @@ _ENVS = Path(__file__).resolve().parent
 _ZYGOTE = _ENVS / "_zygote.py"
 # the grader's scripts a job may run in the warm interpreter (and all the worker exposes)
 _SCRIPTS = tuple(str(_ENVS / n) for n in ("_grade_runner.py", "_callee.py", "_wire.py"))
+# what the zygote compiles and imports once: the scripts, and the wire protocol under the name the judge loads it as
+_PRELOAD = json.dumps({"scripts": _SCRIPTS, "modules": {"_composer_wire": str(_ENVS / "_wire.py")}})
 _PY_FLAGS = ["-E", "-s", "-P", "-B"]
 # IPC objects that would outlive a job in the worker's IPC namespace: denied in pool workers
 _IPC_SYSCALLS = ("msgget", "semget", "shmget", "mq_open")
@@ -329,7 +331,7 @@ class SandboxPool:
                 resource.setrlimit(getattr(resource, name), value)
 
         filter_fd = seccomp_fd(_IPC_SYSCALLS)
-        argv = [interpreter(), *_PY_FLAGS, str(_ZYGOTE), str(worker_end.fileno())]
+        argv = [interpreter(), *_PY_FLAGS, str(_ZYGOTE), str(worker_end.fileno()), _PRELOAD]
         try:
             cmd = self.sandbox._command(argv[0], argv, ws, (str(_ZYGOTE), *_SCRIPTS), filter_fd)
             proc = subprocess.Popen(
