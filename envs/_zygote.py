@@ -9,11 +9,13 @@ protocol) once, makes itself non-dumpable (a job of the same uid cannot read or
 write its memory or fds through /proc, and ptrace is denied by seccomp), blocks
 every catchable signal, then serves jobs on the control socket (SOCK_SEQPACKET):
 
+- host -> zygote: {"spare": true} -> {"pid": the pid in the namespace of the next
+  job's process}, forked ahead (once) and waiting; the host moves it into that
+  job's own cgroup while the slot is idle, so a job never waits for the move;
 - host -> zygote: {"argv", "env", "cwd", "limits": [[resource, soft, hard]],
   "fds": [target numbers], "in_process"} with the job's fds attached (stdin,
-  stdout, stderr, then the pass-through fds);
-- zygote -> host: {"pid": the child's pid in the namespace}; the host moves the
-  child into the job's own cgroup and answers {"go": true}; the child starts only then;
+  stdout, stderr, then the pass-through fds): passed on to the spare, which starts
+  only then (no spare: nothing runs, exit 125);
 - zygote -> host: {"exit": exit code (-N for signal N), "cpu": seconds} once the child ended.
 
 The child drops the zygote's fds and signal mask, puts the job's fds at the
@@ -86,6 +88,8 @@ def main() -> None:
         raise SystemExit("cannot make the worker non-dumpable")
     signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
     ctrl.send(json.dumps({"ready": True}).encode())
+    # the next job's process, forked ahead: (pid, our end of its socket)
+    spare: tuple[int, socket.socket] | None = None
     while True:
         try:
             data, fds, _, _ = socket.recv_fds(ctrl, 1 << 20, _MAX_FDS)
@@ -93,33 +97,53 @@ def main() -> None:
             return
         if not data:
             return
-        job = json.loads(data)
-        go_r, go_w = os.pipe()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            os.close(go_w)
-            child(job, fds, go_r, ctrl.fileno())
-        os.close(go_r)
+        if json.loads(data).get("spare"):
+            for fd in fds:
+                os.close(fd)
+            if spare is None:
+                spare = fork_spare(ctrl)
+            ctrl.send(json.dumps({"pid": spare[0]}).encode())
+            continue
+        if spare is None:  # the host places a spare before every job: run nothing
+            for fd in fds:
+                os.close(fd)
+            ctrl.send(json.dumps({"exit": 125, "cpu": 0.0}).encode())
+            continue
+        (pid, sock), spare = spare, None
+        try:
+            socket.send_fds(sock, [data], fds)
+        except OSError:
+            pass  # the spare is gone (killed from outside): its exit status says so
+        sock.close()
         for fd in fds:
             os.close(fd)  # the child holds the only copies (end-of-stream reaches a peer when it exits)
-        ctrl.send(json.dumps({"pid": pid}).encode())
-        reply = ctrl.recv(4096)
-        os.write(go_w, b"g" if reply and json.loads(reply).get("go") else b"")
-        os.close(go_w)
         _, status, usage = os.wait4(pid, 0)
         ctrl.send(json.dumps({"exit": os.waitstatus_to_exitcode(status), "cpu": usage.ru_utime + usage.ru_stime}).encode())
 
 
-def child(job: dict, fds: list[int], go_r: int, ctrl_fd: int) -> None:
-    """Set the job up and run it; never returns."""
+def fork_spare(ctrl: socket.socket) -> tuple[int, socket.socket]:
+    """Fork the next job's process: it waits, signals blocked, for its job on a socket of its own."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        ours.close()
+        child(theirs, ctrl.fileno())
+    theirs.close()
+    return pid, ours
+
+
+def child(sock: socket.socket, ctrl_fd: int) -> None:
+    """Wait for the job (the host moved us into its cgroup first), set it up and run it; never returns."""
     code = 1
     try:
         os.close(ctrl_fd)
-        if os.read(go_r, 1) != b"g":  # the host did not place us in the job's cgroup: run nothing
+        data, fds, _, _ = socket.recv_fds(sock, 1 << 20, _MAX_FDS)
+        sock.close()
+        if not data:  # the zygote went away before a job came: run nothing
             os._exit(125)
-        os.close(go_r)
+        job = json.loads(data)
         targets = job["fds"]
         low = max(targets) + 1
         # copies above every target number first, so no dup2 below overwrites a source
