@@ -23,8 +23,11 @@ Measures, in one run:
   reference answer, `grade_workspace`) graded one at a time cold and through the
   pool (median grade ms, `pool_vs_cold_ratio` = cold / pool), then
   `coding_eps_per_s`: episodes (workspace, answer, grade) per second with two
-  generator threads sharing the pool; the hostile replies again through the pool
-  (`hostile_contained` is the lower of the cold and pooled shares).
+  generator threads sharing the pool (`coding_cold_fallbacks`: leases of that
+  phase that found no free slot in `pool_wait_s` and ran cold; 0 = the pool
+  kept up); the hostile replies again through the pool (`hostile_contained` is
+  the lower of the cold and pooled shares). The sandbox root is a fresh
+  directory of its own (other graders on the box do not touch it).
 Prints a table and ends with one JSON line.
 """
 
