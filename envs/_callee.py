@@ -25,7 +25,8 @@ import warnings
 
 def main() -> None:
     in_fd, out_fd, repo = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    wire = importlib.import_module("_wire")  # before the repository is on the path
+    # a pool worker imported it before any job ran (`_zygote.py`); else before the repository is on the path
+    wire = sys.modules.get("_composer_wire") or importlib.import_module("_wire")
     sys.path.insert(0, repo)
     peer = wire.Peer(in_fd, out_fd, lambda request: answer(wire, peer, request),
                      forwarder=lambda h: remote(wire, peer, {"op": "call", "handle": h}),

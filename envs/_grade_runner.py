@@ -2,9 +2,12 @@
 
 Started by `envs.grading` as `python -E -s -P -B _grade_runner.py` with a JSON
 request on stdin: {"nonce", "repo", "submission": [relative paths to watch],
-"pytest_args": [...], "channel_fd", "callee"}. Stdlib + pytest only, no project imports.
+"pytest_args": [...], "channel_fd", "callee", "plain"}. Stdlib + pytest only, no project imports.
 With "callee" (every grade) it is the judge: the target modules forward to the
 submission's process (`install_forwarding`) and no submission code runs here.
+With "plain" (a list of test files; generated tasks whose tests are plain
+functions) it runs them without pytest (`run_plain`): each module imported,
+each of its `test_*` functions called with no arguments; pytest is not imported.
 
 It reports on the fd named by `channel_fd` (a file in the host's scratch dir),
 one line per event, `@@grade <nonce> <json>`; any other line there is a
@@ -23,14 +26,9 @@ import importlib.util
 import json
 import os
 import sys
+import traceback
+import types
 import warnings
-
-import _pytest.main  # noqa: F401  (the guarded modules, loaded before any other code)
-import _pytest.outcomes  # noqa: F401
-import _pytest.python  # noqa: F401
-import _pytest.reports  # noqa: F401
-import _pytest.runner  # noqa: F401
-import pytest
 
 _TEST_NAME = ("test_", "conftest")
 _RANK = ("passed", "skipped", "failed")
@@ -78,6 +76,8 @@ _GUARDED = (
     ("builtins", "__import__"),
     ("os", "_exit"),
 )
+# what the plain runner relies on (it imports no pytest)
+_GUARDED_PLAIN = _GUARDED[-3:]
 
 
 def _lookup(module: str, path: str) -> object:
@@ -147,13 +147,25 @@ def main() -> None:
         if where:
             violation(kind, detail, where)
 
+    plain = request.get("plain")
+    if plain is not None and (submission or not request.get("callee")):
+        raise SystemExit("the plain runner is for the split judge only (no submission code runs here)")
+    if plain is None:
+        # lazy: the plain runner never imports pytest (most of a cold judge's start-up); guarded ones first
+        import _pytest.main  # noqa: F401
+        import _pytest.outcomes  # noqa: F401
+        import _pytest.python  # noqa: F401
+        import _pytest.reports  # noqa: F401
+        import _pytest.runner  # noqa: F401
+        import pytest
     sys.path.insert(0, repo)
     os.chdir(repo)
     # after pytest's import, which overlaps the callee's start-up
     if request.get("callee"):
         install_forwarding(request["callee"], violation, repo)
 
-    originals = {(m, p): _safe_lookup(m, p) for m, p in _GUARDED}
+    guarded = _GUARDED if plain is None else _GUARDED_PLAIN
+    originals = {(m, p): _safe_lookup(m, p) for m, p in guarded}
     outcomes: dict[str, str] = {}
     collect_errors: list[str] = []
 
@@ -177,11 +189,51 @@ def main() -> None:
     # nothing to watch otherwise (the judge runs no submission code): no per-event cost
     if submission:
         sys.addaudithook(hook)
-    exit_code = pytest.main(list(request["pytest_args"]), plugins=[Recorder()])
+    if plain is None:
+        exit_code = pytest.main(list(request["pytest_args"]), plugins=[Recorder()])
+    else:
+        exit_code = run_plain([str(p) for p in plain], repo, outcomes, collect_errors)
     for (module, path), obj in originals.items():
         if _safe_lookup(module, path) is not obj:
             violation("test_runner_tamper", f"{module}.{path}", "")
     emit({"done": True, "exit": int(exit_code), "tests": outcomes, "collect_errors": collect_errors})
+
+
+def run_plain(files: list[str], repo: str, outcomes: dict[str, str], collect_errors: list[str]) -> int:
+    """Import each test file (relative to `repo`) and call its `test_*` functions; pytest's exit code.
+
+    A test passes when its call returns; anything it raises (an AssertionError,
+    the submission's exception, a missing argument) fails it. A file that does
+    not import is a collection error. Failures are printed as pytest prints its
+    short summary. Only for trusted, generated test files of plain functions
+    (the same contract as the generator's in-process check, `envs.micro.check_task`).
+    """
+    failures = []
+    for rel in files:
+        path = os.path.join(repo, rel)
+        name = rel[:-3].replace("/", ".")
+        try:
+            spec = importlib.util.spec_from_file_location(name, path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            spec.loader.exec_module(module)
+        except BaseException:
+            collect_errors.append(rel)
+            failures.append(f"ERROR {rel}\n{traceback.format_exc(limit=-3)}")
+            continue
+        for test, fn in list(vars(module).items()):
+            if not (test.startswith("test") and type(fn) is types.FunctionType and fn.__module__ == name):
+                continue
+            node = f"{rel}::{test}"
+            try:
+                fn()
+                outcomes[node] = "passed"
+            except BaseException as exc:
+                outcomes[node] = "failed"
+                failures.append(f"FAILED {node} - {type(exc).__name__}: {str(exc)[:500]}")
+    counts = [f"{n} {word}" for word in ("failed", "passed") if (n := sum(v == word for v in outcomes.values()))]
+    print("\n".join([*failures, ", ".join(counts) or "no tests ran"]))
+    return 2 if collect_errors else 1 if len(failures) else 5 if not outcomes else 0
 
 
 def install_forwarding(callee: dict, violation, repo: str) -> None:
@@ -200,9 +252,12 @@ def install_forwarding(callee: dict, violation, repo: str) -> None:
     protocol is the violation `malformed_reply`, a result that is not plain data
     `unplain_result`; both fail the call, none raises here.
     """
-    spec = importlib.util.spec_from_file_location("_composer_wire", callee["wire"])
-    wire = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(wire)
+    # a pool worker imported it before any job ran (`_zygote.py`)
+    wire = sys.modules.get("_composer_wire")
+    if wire is None:
+        spec = importlib.util.spec_from_file_location("_composer_wire", callee["wire"])
+        wire = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(wire)
     warning_kinds = {c.__name__: c for c in (
         UserWarning, DeprecationWarning, PendingDeprecationWarning, RuntimeWarning, FutureWarning,
         SyntaxWarning, ImportWarning, UnicodeWarning, BytesWarning, ResourceWarning,

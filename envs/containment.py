@@ -125,6 +125,12 @@ class RunCgroup:
             with open(self.path(c) / "cgroup.procs", "w") as f:
                 f.write("0")
 
+    def rename(self, name: str) -> None:
+        """Rename the cgroups (v1 allows it within the parent; their processes and limits stay)."""
+        for c in CONTROLLERS:
+            os.rename(self.path(c), CGROUP_ROOT / c / _GROUP / name)
+        self.name = name
+
     def attach(self, pid: int) -> None:
         """Move process `pid` (host view) into the cgroups (a pool worker's freshly forked job)."""
         for c in CONTROLLERS:

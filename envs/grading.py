@@ -66,8 +66,11 @@ def run_suite(
     submission: Sequence[str] = (),
     pytest_args: Sequence[str] = PYTEST_ARGS,
     callee: dict | None = None,
+    plain: Sequence[str] | None = None,
 ) -> SuiteRun:
     """Run the suite in `ws`; `submission` lists the agent-written files the audit hook watches.
+
+    plain: run only these test files, without pytest (the runner's `run_plain`; split judge only).
 
     The runner reports on a file of the host's scratch dir (not stdout, which the
     program shares with everything it starts). The host reads at most
@@ -80,7 +83,7 @@ def run_suite(
     channel = os.open(channel_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     request = {
         "nonce": nonce, "repo": str(ws.path), "submission": list(submission), "pytest_args": list(pytest_args),
-        "channel_fd": channel, "callee": callee,
+        "channel_fd": channel, "callee": callee, "plain": None if plain is None else list(plain),
     }
     argv = [sandbox.python(), "-E", "-s", "-P", "-B", str(_RUNNER)]
     try:
@@ -142,7 +145,9 @@ def _well_formed(event: object) -> bool:
     return False
 
 
-def run_split(sandbox: Sandbox, judge_ws: Workspace, callee_ws: Workspace, modules: Sequence[str]) -> SuiteRun:
+def run_split(
+    sandbox: Sandbox, judge_ws: Workspace, callee_ws: Workspace, modules: Sequence[str], plain: Sequence[str] | None = None
+) -> SuiteRun:
     """Run the pristine suite in `judge_ws` with `modules` forwarded to the submission in `callee_ws`.
 
     Two sandboxes joined only by two pipes: the judge (pytest, tests, expected
@@ -161,7 +166,7 @@ def run_split(sandbox: Sandbox, judge_ws: Workspace, callee_ws: Workspace, modul
     thread.start()
     callee = {"modules": list(modules), "in_fd": to_judge_r, "out_fd": to_callee_w, "wire": str(_WIRE),
               "timeout_s": timeout}
-    run = run_suite(sandbox, judge_ws, (), callee=callee)
+    run = run_suite(sandbox, judge_ws, (), callee=callee, plain=plain)
     thread.join()
     callee_violations = tuple((v, "callee", "sandbox") for v in (outcome[0].violations if outcome else ("callee_lost",)))
     # The callee's limits first: they are why the judge saw no (valid) answers.
@@ -201,6 +206,7 @@ def grade_workspace(
     *,
     targets: Mapping[str, str],
     episode_violations: Sequence[tuple[str, str]] = (),
+    plain: bool = False,
 ) -> Grade:
     """Grade `agent_ws` against the pristine repo; `start` is the manifest the agent began from.
 
@@ -211,7 +217,8 @@ def grade_workspace(
     their own sandbox (`run_split`). A new file whose module
     name the test runner, its plugins, the standard library or site-packages
     provide is `shadows_module`. A grade slower than `slow_answer_s` is
-    `slow_answer`.
+    `slow_answer`. `plain`: the judge runs only the expected tests' files, without
+    pytest (generated tests that are plain functions: `envs.micro`).
     """
     began = time.perf_counter()
     agent = manifest(agent_ws.path)
@@ -225,7 +232,8 @@ def grade_workspace(
             new_text = (agent_ws.path / rel).read_text(errors="replace")
             old_text = (pristine / rel).read_text(errors="replace") if rel in original else None
             violations += [(reason, f"{rel}: {what}") for reason, what in scan_source(new_text, old_text)]
-    run = _grade_split(sandbox, pristine, agent_ws, targets)
+    files = sorted({t.split("::", 1)[0] for t in expected_tests}) if plain else None
+    run = _grade_split(sandbox, pristine, agent_ws, targets, files)
     violations += [(reason, f"{where}: {detail}" if where else detail) for reason, where, detail in run.violations]
     grade_s = time.perf_counter() - began
     cap = sandbox.config.slow_answer_s
@@ -251,7 +259,9 @@ def _pristine_manifest(pristine: Path) -> dict[str, str]:
     return manifest(pristine)
 
 
-def _grade_split(sandbox: Sandbox, pristine: Path, agent_ws: Workspace, targets: Mapping[str, str]) -> SuiteRun:
+def _grade_split(
+    sandbox: Sandbox, pristine: Path, agent_ws: Workspace, targets: Mapping[str, str], plain: Sequence[str] | None
+) -> SuiteRun:
     """The judge gets the pristine tree with the targets stubbed; the callee gets the agent's sources."""
     modules = {rel: module_name(rel) for rel in targets}
     if not all(modules.values()):
@@ -263,7 +273,7 @@ def _grade_split(sandbox: Sandbox, pristine: Path, agent_ws: Workspace, targets:
         for rel, base in targets.items():
             (judge_ws.path / rel).write_text(base)
         _seal(judge_ws)
-        return run_split(sandbox, judge_ws, callee_ws, sorted(modules.values()))
+        return run_split(sandbox, judge_ws, callee_ws, sorted(modules.values()), plain)
 
 
 def shadowing(sources: Sequence[str], original: dict[str, str]) -> list[str]:

@@ -124,7 +124,7 @@ class MicroTask:
             write_tree(pristine, {**self.files, **self.reference, **self.hidden})
             grade = grade_workspace(
                 backend, pristine, start_manifest, ws, self.expected_tests,
-                targets={self.target: self.stubbed_source}, episode_violations=violations,
+                targets={self.target: self.stubbed_source}, episode_violations=violations, plain=True,
             )
         finally:
             shutil.rmtree(root, ignore_errors=True)

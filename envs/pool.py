@@ -4,10 +4,11 @@
 a private uid (held for the slot's life), a workspace directory, and a
 sandbox built exactly as `Sandbox.run` builds one (bwrap namespaces and
 minimal root, setpriv, seccomp, rlimits, a scrubbed environment) whose program
-is `_zygote.py`: Python with pytest imported, which forks a child per job. Each
-job still gets its own memory/pids/cpu cgroup (the host moves the child in
-before it runs), the job's rlimits, a wall timer that kills the job's cgroup,
-and the stray-process check.
+is `_zygote.py`: Python with pytest and the grader's scripts loaded, which forks
+a child per job. Each job still gets its own memory/pids/cpu cgroup, the job's
+rlimits, a wall timer that kills the job's cgroup, and the stray-process check:
+the zygote forks the next job's process ahead and the host moves it into that
+job's cgroup while the slot is idle (`_place`), so the move is off the grade's path.
 
 The graders lease slots through `scratch_workspace` (the judge's and the
 callee's short-lived workspaces); `run` on a leased slot runs there warm, and
@@ -17,10 +18,12 @@ episode holds its workspace while the model writes, a slot is held for one grade
 When no slot frees up within `pool_wait_s`, a lease is a cold workspace (same
 containment, cold cost; counted in `stats()["cold_fallbacks"]`).
 
-Returning a lease resets the slot: strays killed, the workspace, the sandbox's
-/tmp and /dev/shm and the host scratch wiped, then checked (empty, only the
-zygote alive as the uid, the zygote not stopped); a slot that fails the check,
-or whose worker died, is replaced by a fresh worker.
+Returning a lease hands the slot to a resetter thread: strays killed, the
+workspace, the sandbox's /tmp and /dev/shm and the host scratch wiped, then
+checked (empty, only the zygote alive as the uid, the zygote not stopped), the
+next job's process placed, and only then is the slot free again; a slot that
+fails the check, or whose worker died, is replaced by a fresh worker. Free slots
+are leased oldest first, so a slot serves as judge and as callee in turn.
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ _ENVS = Path(__file__).resolve().parent
 _ZYGOTE = _ENVS / "_zygote.py"
 # the grader's scripts a job may run in the warm interpreter (and all the worker exposes)
 _SCRIPTS = tuple(str(_ENVS / n) for n in ("_grade_runner.py", "_callee.py", "_wire.py"))
+# what the zygote compiles and imports once: the scripts, and the wire protocol under the name the judge loads it as
+_PRELOAD = json.dumps({"scripts": _SCRIPTS, "modules": {"_composer_wire": str(_ENVS / "_wire.py")}})
 _PY_FLAGS = ["-E", "-s", "-P", "-B"]
 # IPC objects that would outlive a job in the worker's IPC namespace: denied in pool workers
 _IPC_SYSCALLS = ("msgget", "semget", "shmget", "mq_open")
@@ -74,6 +79,8 @@ class _Worker:
     zygote: int = 0
     # the slot cgroup's processes while idle: bwrap's and the zygote
     idle: set[int] = field(default_factory=set)
+    # the own cgroup of the next job's process, which the zygote forked ahead and the host moved in while idle
+    placed: RunCgroup | None = None
     broken: bool = False
 
 
@@ -112,6 +119,9 @@ class SandboxPool:
         # bwrap --die-with-parent ties a worker to the thread that started it: one long-lived thread starts them all
         self._spawns: queue.Queue = queue.Queue()
         threading.Thread(target=self._spawner, name="sandbox-pool-spawner", daemon=True).start()
+        # returned slots are reset (and their next job's process placed) off the grader's thread
+        self._resets: queue.Queue = queue.Queue()
+        threading.Thread(target=self._resetter, name="sandbox-pool-resetter", daemon=True).start()
         atexit.register(self.close)
         try:
             for worker in [self._spawn().result() for _ in range(self.config.pool_size)]:
@@ -170,9 +180,10 @@ class SandboxPool:
                 need = min(2, len(self._all)) or 1
                 self._cond.wait_for(lambda: len(self._free) >= need or self._closed, timeout=self.config.pool_wait_s)
                 if len(self._free) >= need and not self._closed:
-                    worker = self._free.pop()
+                    # the slots free the longest first: a slot serves as judge and callee in turn
+                    worker = self._free.pop(0)
                     if need == 2:
-                        self._reserved[me] = self._free.pop()
+                        self._reserved[me] = self._free.pop(0)
             if worker is not None:
                 self._held[me] = self._held.get(me, 0) + 1
         if worker is None:
@@ -189,7 +200,7 @@ class SandboxPool:
         return lease
 
     def _release(self, worker: _Worker, owner: int) -> None:
-        """Reset the slot (kill, wipe, check) and make it free again; replace it when the check fails."""
+        """Hand the slot to the resetter (kill, wipe, check, place the next job's process), which frees it."""
         with self._cond:
             self._held[owner] -= 1
             if not self._held[owner]:
@@ -199,13 +210,20 @@ class SandboxPool:
                     self._free.append(spare)
                     self._cond.notify_all()
         self._count("resets")
-        if worker.broken or not self._reset(worker):
-            self._count("reset_failures", not worker.broken)
-            self._replace(worker)
-            return
-        with self._cond:
-            self._free.append(worker)
-            self._cond.notify_all()
+        self._resets.put(worker)
+
+    def _resetter(self) -> None:
+        """Reset returned slots one at a time; a slot that fails the check is replaced."""
+        while (worker := self._resets.get()) is not None:
+            if self._closed:
+                continue
+            if worker.broken or not self._reset(worker):
+                self._count("reset_failures", not worker.broken)
+                self._replace(worker)
+                continue
+            with self._cond:
+                self._free.append(worker)
+                self._cond.notify_all()
 
     def _reset(self, worker: _Worker) -> bool:
         """Wipe everything a job could leave and check it is gone; False when the slot is not clean.
@@ -230,9 +248,32 @@ class SandboxPool:
             clean = clean and set(worker.cgroup.pids()) == worker.idle
             os.chown(worker.path, worker.uid, worker.uid)
             os.chmod(worker.path, 0o700)
-        except OSError:
+            # a lease with no run leaves its placed process unused (no job of the uid ran since it was placed)
+            if clean and worker.placed is None:
+                worker.placed = self._place(worker)
+        except (OSError, ValueError, KeyError, TypeError):
             return False
         return clean
+
+    def _place(self, worker: _Worker) -> RunCgroup:
+        """Have the zygote fork the next job's process and move it into that job's own cgroup.
+
+        Done while the slot is idle (the move costs the kernel ~10 ms per job on cgroup v1): a job
+        then only renames the cgroup to a run's name and sends its description.
+        """
+        cfg = self.config
+        worker.ctrl.settimeout(_START_S)
+        worker.ctrl.send(b'{"spare": true}')
+        pid = json.loads(worker.ctrl.recv(4096))["pid"]
+        name = f"pool-{self.tag}-{worker.uid}-next-{uuid.uuid4().hex[:8]}"
+        cgroup = RunCgroup.create(name, cfg.memory_mb, cfg.max_processes + 4, cfg.cpu_cores)
+        try:
+            cgroup.attach(_host_pid(worker.cgroup, pid))
+        except BaseException:
+            worker.broken = True
+            cgroup.destroy()
+            raise
+        return cgroup
 
     def _alive(self, worker: _Worker) -> bool:
         """The zygote runs and is not stopped (a job of its uid may have sent it SIGSTOP)."""
@@ -285,6 +326,7 @@ class SandboxPool:
         for worker in workers:
             self._stop(worker)
         self._spawns.put(None)
+        self._resets.put(None)
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def __enter__(self) -> SandboxPool:
@@ -329,7 +371,7 @@ class SandboxPool:
                 resource.setrlimit(getattr(resource, name), value)
 
         filter_fd = seccomp_fd(_IPC_SYSCALLS)
-        argv = [interpreter(), *_PY_FLAGS, str(_ZYGOTE), str(worker_end.fileno())]
+        argv = [interpreter(), *_PY_FLAGS, str(_ZYGOTE), str(worker_end.fileno()), _PRELOAD]
         try:
             cmd = self.sandbox._command(argv[0], argv, ws, (str(_ZYGOTE), *_SCRIPTS), filter_fd)
             proc = subprocess.Popen(
@@ -351,6 +393,11 @@ class SandboxPool:
             self._stop(worker)
             raise
         worker.zygote, worker.idle = zygotes[0], set(cgroup.pids())
+        try:
+            worker.placed = self._place(worker)
+        except BaseException:
+            self._stop(worker)
+            raise
         return worker
 
     def _stop(self, worker: _Worker) -> None:
@@ -365,6 +412,8 @@ class SandboxPool:
             pass
         worker.ctrl.close()
         worker.cgroup.destroy()
+        if worker.placed is not None:
+            worker.placed.destroy()
         _kill_others(worker.uid, 0)
         shutil.rmtree(worker.path, ignore_errors=True)
         shutil.rmtree(worker.scratch, ignore_errors=True)
@@ -395,21 +444,21 @@ class SandboxPool:
             "argv": [exe, *argv[1:]], "env": child_env, "cwd": str(ws.path), "in_process": in_process,
             "limits": [[name, *value] for name, value in limits.items()], "fds": [0, 1, 2, *pass_fds],
         }
-        cgroup = RunCgroup.create(
-            f"{self.tag}-{ws.uid}-{uuid.uuid4().hex[:8]}", cfg.memory_mb, cfg.max_processes + 4, cfg.cpu_cores
-        )
+        # the job's process waits in its own cgroup already (placed while the slot was idle), else is placed now
+        cgroup, worker.placed = worker.placed, None
         timeout = cfg.wall_timeout_s if timeout_s is None else timeout_s
         fired = threading.Event()
         timer = threading.Timer(timeout, lambda: (fired.set(), cgroup.kill()))
         exit_code, cpu_s, start = -signal.SIGKILL, 0.0, time.perf_counter()
         try:
+            if cgroup is None:
+                cgroup = self._place(worker)
+            # named as a cold run's cgroup while the job runs
+            cgroup.rename(f"{self.tag}-{ws.uid}-{uuid.uuid4().hex[:8]}")
+            start = time.perf_counter()
             with open(stdin_path, "rb") as fin, open(out_path, "wb") as fout, open(err_path, "wb") as ferr:
                 worker.ctrl.settimeout(_START_S)
                 socket.send_fds(worker.ctrl, [json.dumps(job).encode()], [fin.fileno(), fout.fileno(), ferr.fileno(), *pass_fds])
-            pid = json.loads(worker.ctrl.recv(4096))["pid"]
-            cgroup.attach(_host_pid(worker.cgroup, pid))
-            start = time.perf_counter()
-            worker.ctrl.send(b'{"go": true}')
             timer.start()
             worker.ctrl.settimeout(timeout + _REPLY_GRACE_S)
             reply = json.loads(worker.ctrl.recv(4096))
@@ -418,13 +467,14 @@ class SandboxPool:
         except (OSError, ValueError, KeyError, TypeError):
             # the zygote died, stopped or answered nonsense (a job of its uid can signal it): the job is lost
             worker.broken = True
-            cgroup.kill()
+            if cgroup is not None:
+                cgroup.kill()
         finally:
             timer.cancel()
         wall = time.perf_counter() - start
         violations = ["timeout"] if fired.is_set() else []
-        violations += cgroup.limits_hit()
-        if cgroup.destroy() or _kill_others(ws.uid, worker.zygote):
+        violations += cgroup.limits_hit() if cgroup is not None else []
+        if (cgroup is not None and cgroup.destroy()) or _kill_others(ws.uid, worker.zygote):
             violations.append("stray_process")
         n = cfg.output_tail_chars if tail_chars is None else tail_chars
         stdout, stderr = _tail(out_path, n), _tail(err_path, n)

@@ -19,7 +19,7 @@ FIXTURES = Path(__file__).parent / "fixtures"
 REPOS = ("textkit", "minicalc")
 SANDBOX_LIMITS = dict(wall_timeout_s=8.0, cpu_time_s=3, address_space_mb=1024, max_processes=12)
 # these modules run twice: graded by cold sandboxes, and through a pool of warm workers (envs.pool)
-POOLED_MODULES = ("test_envs_hostile", "test_envs_hostile_callables")
+POOLED_MODULES = ("test_envs_hostile", "test_envs_hostile_callables", "test_envs_micro_hostile")
 
 
 def pytest_generate_tests(metafunc):

@@ -18,6 +18,8 @@ from composer_mesh.envs.pool import SandboxPool
 from composer_mesh.envs.safeguards import manifest
 from composer_mesh.envs.sandbox import Sandbox, processes_of, processes_with
 
+from test_envs_micro_hostile import PATCH_WORKER, candidate  # the sibling module: one payload for both
+
 MARKER = "composer-pool-marker-7c1"
 
 
@@ -187,6 +189,8 @@ def test_graders_share_the_pool_from_threads(sandbox, tmp_path):
             t.start()
         for t in threads:
             t.join()
+        # returned slots are reset in the background: both come back
+        _wait_for_workers(pool, 2)
         stats = pool.stats()
     assert errors == []
     assert results == {(s, s % 2 == 0): (1.0 if s % 2 == 0 else 0.0) for s in range(6)}
@@ -210,3 +214,40 @@ def test_a_pooled_grade_equals_a_cold_grade(sandbox, tmp_path):
                     grade = task.grade(backend, ws, start)
                 assert (grade.reward, grade.passed) == ((1.0, grade.total) if correct else (0.0, 0)), (backend, grade)
         assert pool.stats()["warm_runs"] == 4
+
+
+class _RecordingPool(SandboxPool):
+    """A pool that notes which grader script ran in which slot (uid), in order."""
+
+    def __init__(self, config) -> None:
+        self.runs: list[tuple[str, int]] = []
+        super().__init__(config)
+
+    def run(self, argv, ws, **kw):
+        self.runs.append((os.path.basename(argv[5]) if len(argv) > 5 else argv[0], ws.uid))
+        return super().run(argv, ws, **kw)
+
+
+def test_a_candidate_that_patches_its_worker_cannot_reach_later_grades(sandbox, tmp_path):
+    """A callee that swaps its worker's preloaded runner for a forger and its wire decoding for always-equal
+    changed only its own fork: the judges that later run in that slot still fail the wrong answer."""
+    task = make_task(CodingConfig(), "train", 11)
+    config = dataclasses.replace(sandbox.config, root_dir=str(tmp_path), pool_size=2, wall_timeout_s=60.0)
+
+    def grade(pool: SandboxPool, sources: dict[str, str]):
+        with task.workspace(pool) as ws:
+            start = manifest(ws.path)
+            for rel, text in sources.items():
+                (ws.path / rel).write_text(text)
+            return task.grade(pool, ws, start)
+
+    with _RecordingPool(config) as pool:
+        hostile = grade(pool, {task.target: candidate(task, PATCH_WORKER)})
+        assert hostile.reward == 0.0 and "patched=2" in hostile.output, hostile  # it did patch its own copy
+        (patched_slot,) = {uid for script, uid in pool.runs if script == "_callee.py"}
+        pool.runs.clear()
+        later = [grade(pool, {}) for _ in range(3)]
+        assert [g.reward for g in later] == [0.0] * 3 and all(g.reason.startswith("tests_failed") for g in later), later
+        # the patched slot served as a judge since
+        assert ("_grade_runner.py", patched_slot) in pool.runs, pool.runs
+        assert grade(pool, task.reference_files()).reward == 1.0
