@@ -11,7 +11,7 @@ boundaries by pickling.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from composer_mesh.configs.records import ErrorKind, ErrorSite
@@ -106,9 +106,15 @@ def failure_sites(rollout: Rollout) -> list[ErrorSite]:
     """Where the episode went wrong: its error sites (failed tool calls, failing test runs), or, for a graded
     coding episode that failed its hidden tests without one, a test failure at its first sampled turn (the
     grade's reason as the message: how many hidden tests passed, never which). Hints and teacher replay
-    start from these; a rollout without a grade in `info` (the demo) has only its error sites."""
+    start from these; a rollout without a grade in `info` (the demo) has only its error sites.
+
+    Each site carries the episode's privileged context for the hint teacher: `info["reference"]` (the task's
+    reference) as its reference, and the synthesized grade site `info["feedback"]` (the hidden tests' output)
+    as its feedback."""
+    reference = str(rollout.info.get("reference") or "")
     if rollout.error_sites or "total" not in rollout.info or rollout.reward >= 1.0 or not rollout.turn_spans:
-        return list(rollout.error_sites)
+        return [replace(s, reference=s.reference or reference) for s in rollout.error_sites]
     turn = rollout.turn_spans[0][0]
     reason = str(rollout.info.get("reason") or "hidden tests failed")
-    return [ErrorSite(turn=turn, kind=ErrorKind.TEST_FAILURE, message=f"hidden tests: {reason}", tool="grade")]
+    return [ErrorSite(turn=turn, kind=ErrorKind.TEST_FAILURE, message=f"hidden tests: {reason}", tool="grade",
+                      feedback=str(rollout.info.get("feedback") or ""), reference=reference)]

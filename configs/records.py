@@ -33,9 +33,16 @@ class ErrorSite:
     call failed (messages[turn]["role"] == "assistant"); the hint is placed right
     after the failed call's result. tool: the tool's name ("" when unknown);
     message: the error text as the model saw it (trimmed); kind: the class.
+    Privileged context, for the teacher of hint distillation only (never shown to
+    the policy through these fields): feedback: the environment's full feedback
+    on the failure (the failing tests' output, expected vs got, the tool's whole
+    error; "" = only `message`); reference: the task's reference solution or
+    answer ("" = the task has none).
     """
 
     turn: int
     kind: ErrorKind
     message: str
     tool: str = ""
+    feedback: str = ""
+    reference: str = ""

@@ -51,6 +51,9 @@ class JobConfig:
                 and ds.heldout_fraction == 0):
             raise ValueError("trainer.eval_every > 0 needs held-out rows: set env.dataset.heldout_file or "
                              "env.dataset.heldout_fraction (or trainer.eval_every = 0)")
+        hinting = self.loss.distill
+        if hinting.hint_kind == "llm" and hinting.hint_teacher not in [t.name for t in self.teachers.models]:
+            raise ValueError(f"loss.distill.hint_teacher = {hinting.hint_teacher!r} names no [[teachers.models]] entry")
         if self.diloco.enabled and self.trainer.eval_every > 0:
             raise ValueError("trainer.eval_every > 0 is not supported with diloco.enabled (the replica loop has no "
                              "held-out evaluation yet); set trainer.eval_every = 0")

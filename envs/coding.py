@@ -67,6 +67,17 @@ class UnionPool:
         return self.pools[seed % n].pick(seed // n)
 
 
+# cap on a rendered reference: it rides with every failed rollout to the controller
+REFERENCE_CHARS = 16_000
+
+
+def render_reference(files: dict[str, str], limit: int = REFERENCE_CHARS) -> str:
+    """A task's reference files as text for the teacher's context: `--- path` then the full text, per file,
+    in path order, cut at `limit` characters."""
+    text = "\n".join(f"--- {path}\n{body.rstrip()}" for path, body in sorted(files.items()))
+    return text[:limit]
+
+
 def source_of(task: CodingTask) -> str:
     """The source a task came from ("micro", "repos", "swe"; "" when the task does not say)."""
     return str(getattr(task, "source", ""))

@@ -8,7 +8,9 @@ wrong one, more the closer it is, 1 for the exact answer. Well-formed is a line
 extra spaces let RL drift probability onto the space token (one character =
 one token in the demo tokenizer), until greedy decoding emitted only spaces. A failed attempt
 yields an error site (SYNTAX for a malformed reply, TEST_FAILURE for a wrong
-one) and a feedback message, so a second turn can retry and a hint can be made.
+one) and a feedback message, so a second turn can retry and a hint can be made;
+the correct answer goes in the episode's info as its reference (for the
+teacher of `reference` hints only, never for the policy's context).
 
 Problems are drawn deterministically from a seed; a fixed share of the problem
 space (by a stable hash of the problem text) is held out for evaluation and
@@ -196,11 +198,12 @@ class DemoEnv(Environment):
         s = score(str(action.get("content") or ""), self.problem, self.config)
         self._rewards.append(s.reward)
         done = s.kind is None or len(self._rewards) >= self.config.max_turns
-        info = {"problem": self.problem.text, "attempt": len(self._rewards)}
+        # the correct answer rides in info as the task's reference (teacher-only, `reference` hints)
+        info = {"problem": self.problem.text, "attempt": len(self._rewards), "reference": f"ANSWER: {self.problem.answer}"}
         reward = self._episode_reward()
         if s.kind is None:
             return Observation([], reward=reward, done=True, info=info)
-        site = ErrorSite(turn=turn, kind=s.kind, message=s.feedback)
+        site = ErrorSite(turn=turn, kind=s.kind, message=s.feedback, feedback=s.feedback)
         messages = [] if done else [{"role": "user", "content": s.feedback}]
         return Observation(messages, reward=reward, done=done, error_sites=[site], info=info)
 

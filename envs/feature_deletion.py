@@ -28,6 +28,7 @@ from typing import ClassVar, Sequence
 from composer_mesh.configs.records import ErrorKind, ErrorSite
 from composer_mesh.configs.sections.env import FeatureDeletionConfig
 from composer_mesh.envs.base import Environment, Observation
+from composer_mesh.envs.coding import render_reference
 from composer_mesh.envs.grading import Grade, grade_workspace, module_name, provided_modules, run_suite
 from composer_mesh.envs.safeguards import is_bytecode, is_test_path, manifest
 from composer_mesh.envs.sandbox import Sandbox, Workspace, copy_tree
@@ -262,7 +263,8 @@ class FeatureDeletionEnv(Environment):
     def _answer(self, action: dict, turn: int) -> Observation:
         assert self.task is not None
         blocks = _CODE_BLOCK.findall(str(action.get("content") or ""))
-        info: dict = {"task": self.task.name}
+        # teacher-only: the original file (`reference` hints); the reply never sees it
+        info: dict = {"task": self.task.name, "reference": render_reference(self.task.reference_files())}
         if not blocks:
             site = ErrorSite(turn, ErrorKind.SYNTAX, "no ```python block with the new file in the reply")
             return Observation([], reward=0.0, done=True, error_sites=[site], info=info | {"reason": "no_code"})
@@ -277,5 +279,6 @@ class FeatureDeletionEnv(Environment):
                 ErrorKind.TIMEOUT if grade.reason in ("timeout", "cpu_time_limit")
                 else ErrorKind.TEST_FAILURE if grade.reason.startswith("tests_failed") else ErrorKind.OTHER
             )
-            sites = [ErrorSite(turn, kind, f"{grade.reason}\n{grade.output[-400:]}".strip())]
+            sites = [ErrorSite(turn, kind, f"{grade.reason}\n{grade.output[-400:]}".strip(),
+                               feedback=f"{grade.reason}\n{grade.output[-4000:]}".strip())]
         return Observation([], reward=grade.reward, done=True, error_sites=sites, info=info)

@@ -32,11 +32,13 @@ from composer_mesh.configs.records import ErrorKind, ErrorSite
 from composer_mesh.configs.sections.env import ToolLoopConfig
 from composer_mesh.envs.backend import SandboxBackend
 from composer_mesh.envs.base import Environment, Observation
-from composer_mesh.envs.coding import CodingTask, ListPool, TaskPool, source_of
+from composer_mesh.envs.coding import CodingTask, ListPool, TaskPool, render_reference, source_of
 from composer_mesh.envs.safeguards import manifest
 from composer_mesh.envs.sandbox import SandboxResult, Workspace
 
 _MAX_WRITE = 1 << 20
+# privileged feedback kept per failure (the tail: test runners end with the failing assertion)
+_FEEDBACK_CHARS = 4000
 _SHELL_META = "|;&<>()"
 
 
@@ -135,7 +137,8 @@ class ToolLoopEnv(Environment):
             name, text, kind = self._call(call)
             messages.append({"role": "tool", "tool_call_id": str(call.get("id", "")), "content": text})
             if kind is not None:
-                sites.append(ErrorSite(turn=turn, kind=kind, message=text[:500], tool=name))
+                # the whole result is privileged feedback for the teacher; the model saw it in the tool message
+                sites.append(ErrorSite(turn=turn, kind=kind, message=text[:500], tool=name, feedback=text[-_FEEDBACK_CHARS:]))
         if calls and self.state.step_count < self.config.max_turns:
             return Observation(messages, error_sites=sites)
         return self._finish(messages, sites)
@@ -151,6 +154,10 @@ class ToolLoopEnv(Environment):
             "passed": grade.passed, "total": grade.total, "grade_s": grade.grade_s, "turns": self.state.step_count,
             "tool_errors": dict(errors), "violation_kinds": dict(Counter(reason for reason, _ in grade.violations)),
         }
+        if grade.reward < 1.0:
+            # teacher-only context of a failed episode (`actors.rollout.failure_sites`): the hidden tests' output
+            # and the reference solution, as text; nothing of it enters the workspace or the policy's messages
+            info |= {"feedback": grade.output[-_FEEDBACK_CHARS:], "reference": render_reference(self.task.reference_files())}
         return Observation(messages, reward=grade.reward, done=True, error_sites=sites, info=info)
 
     def _call(self, call: dict[str, Any]) -> tuple[str, str, ErrorKind | None]:

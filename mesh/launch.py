@@ -34,7 +34,7 @@ from composer_mesh.mesh.placement import Placement, generator_spec, place, train
 from composer_mesh.mesh.replicas import ReplicaController, check_supported, place_replicas
 from composer_mesh.mesh.responders import build_responder
 from composer_mesh.mesh.supervision import ControllerState, Supervisor, install_fault_hook, load_state, state_path
-from composer_mesh.replay.hints import TemplateHintGenerator
+from composer_mesh.replay.hints import make_hint_generator
 from composer_mesh.replay.server import TeacherServer
 from composer_mesh.titan_ext.assets import cache_dir_for, hf_dir_for
 from composer_mesh.titan_ext.checkpoint import Checkpointer
@@ -66,7 +66,7 @@ class Loop:
 
     def controller(self, cfg: ControllerConfig, placement: Placement, chat: ChatTokens, *,
                    on_step: Callable[[StepRecord], None], supervisor: Supervisor | None, state: ControllerState) -> Any:
-        return Controller(cfg, placement.trainer, placement.generators, chat, hinter=TemplateHintGenerator(),
+        return Controller(cfg, placement.trainer, placement.generators, chat, hinter=make_hint_generator(self.job.loss.distill, self.job.teachers),
                           replay=placement.replay, on_step=on_step, supervisor=supervisor, state=state)
 
     def trainers(self, placement: Placement) -> list[Any]:
@@ -101,7 +101,7 @@ class ReplicaLoop(Loop):
 
     def controller(self, cfg: ControllerConfig, placement: Placement, chat: ChatTokens, *,
                    on_step: Callable[[StepRecord], None], supervisor: Supervisor | None, state: ControllerState) -> Any:
-        return ReplicaController(cfg, placement, self.job.diloco, chat, hinter=TemplateHintGenerator(),
+        return ReplicaController(cfg, placement, self.job.diloco, chat, hinter=make_hint_generator(self.job.loss.distill, self.job.teachers),
                                  on_step=on_step, prompt_cursor=state.prompt_cursor)
 
     def trainers(self, placement: Placement) -> list[Any]:

@@ -1,11 +1,14 @@
 """Error sites → hints for the hint-distillation channel.
 
 `classify_error` names what went wrong in a failed tool call; a `HintGenerator`
-writes a short hint for an `ErrorSite` (from a template, or from a teacher model
-through the teacher client); `insert_hint` places the hint right after the
-failed call's results, and `hint_token_spans` tells the trainer which tokens of
-the hinted context are the hint so the rest can be aligned to the student's
-tokens (the teacher is the policy *with* the hint, the student *without*).
+writes the hint for an `ErrorSite`: a fixed template per error kind, the
+environment's privileged feedback on the failure (SDPO), the task's reference
+solution (OPSD), or a teacher model's advice through the teacher client;
+`make_hint_generator` picks one from `[loss.distill] hint_kind`. `insert_hint`
+places the hint right after the failed call's results, and `hint_token_spans`
+tells the trainer which tokens of the hinted context are the hint so the rest
+can be aligned to the student's tokens (the teacher is the policy *with* the
+hint, the student *without*).
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from composer_mesh.configs.records import ErrorKind, ErrorSite
+from composer_mesh.configs.sections.loss import DistillLossConfig
+from composer_mesh.configs.sections.teachers import TeachersConfig
+from composer_mesh.replay.teachers import SyncTeacherClient
 
 # Checked in order: the first kind whose pattern matches wins (timeouts and bad
 # calls first: their messages often also mention files or commands).
@@ -105,6 +111,44 @@ class TemplateHintGenerator:
         return text
 
 
+class FeedbackHintGenerator:
+    """The environment's feedback on the failed attempt, as privileged context (SDPO's self-teacher).
+
+    The teacher reads it right before the attempt it re-scores: the failing tests' output, expected vs got,
+    the tool's whole error (`site.feedback`, else the error as the model saw it). Long feedback keeps its
+    last `max_chars` characters (runners end with the failing assertion).
+    """
+
+    def __init__(self, max_chars: int = 2000) -> None:
+        self.max_chars = max_chars
+
+    def hint(self, site: ErrorSite, messages: Sequence[dict]) -> str:
+        feedback = (site.feedback or site.message).strip()[-self.max_chars :]
+        tool = f" ({site.tool})" if site.tool else ""
+        return f"Feedback from the environment on your attempt at this step{tool}:\n{feedback}\n" \
+               "Take it into account and reply correctly."
+
+
+class ReferenceHintGenerator:
+    """The task's reference solution or answer, as privileged context (OPSD's teacher p(. | x, y*)).
+
+    `site.reference` (the demo's correct answer, a coding task's reference files) cut to its first
+    `max_chars` characters; a site without one gets the fallback's hint (feedback by default).
+    """
+
+    def __init__(self, max_chars: int = 2000, fallback: HintGenerator | None = None) -> None:
+        self.max_chars = max_chars
+        self.fallback = fallback or FeedbackHintGenerator(max_chars)
+        self.fallbacks = 0  # how many hints came from the fallback
+
+    def hint(self, site: ErrorSite, messages: Sequence[dict]) -> str:
+        reference = site.reference.strip()[: self.max_chars]
+        if not reference:
+            self.fallbacks += 1
+            return self.fallback.hint(site, messages)
+        return f"Here is a reference solution for this task:\n{reference}\nUse it to reply correctly."
+
+
 class SyncCompleter(Protocol):
     """What `LLMHintGenerator` needs from a client: a blocking chat completion."""
 
@@ -147,7 +191,7 @@ class LLMHintGenerator:
         body = (
             f"Conversation (most recent last):\n{json.dumps(recent, ensure_ascii=False, indent=1)}\n\n"
             f"Failed tool: {site.tool or 'unknown'}\nError kind: {site.kind.value}\n"
-            f"Error message:\n{site.message}\n\nHint:"
+            f"Error message:\n{site.feedback or site.message}\n\nHint:"
         )
         return [{"role": "system", "content": _HINT_SYSTEM}, {"role": "user", "content": body}]
 
@@ -254,3 +298,20 @@ def hint_token_spans(
         )
     spans = HintSpans(prefix, len(with_hint) - suffix, len(student), len(with_hint))
     return student, with_hint, spans
+
+
+HINT_KINDS = ("template", "feedback", "reference", "llm")
+
+
+def make_hint_generator(cfg: DistillLossConfig, teachers: TeachersConfig) -> HintGenerator:
+    """The run's hint generator, from `[loss.distill] hint_kind` (`llm` asks `hint_teacher` of `[teachers]`)."""
+    if cfg.hint_kind == "template":
+        return TemplateHintGenerator()
+    if cfg.hint_kind == "feedback":
+        return FeedbackHintGenerator(cfg.hint_max_chars)
+    if cfg.hint_kind == "reference":
+        return ReferenceHintGenerator(cfg.hint_max_chars)
+    if cfg.hint_kind == "llm":
+        # JobConfig checked that hint_teacher names one of teachers.models
+        return LLMHintGenerator(SyncTeacherClient(teachers), cfg.hint_teacher)
+    raise ValueError(f"loss.distill.hint_kind = {cfg.hint_kind!r}; choose from {', '.join(HINT_KINDS)}")

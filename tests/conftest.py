@@ -77,6 +77,32 @@ def make_generator_spec(tiny_assets):
     return make
 
 
+@pytest.fixture(scope="session")
+def demo_rollouts(tiny_assets):
+    """`make(seeds, group_size, sampling_seed, rewards)` → (groups, ChatTokens, tokenizer): demo episodes of the
+    tiny dense model on the HF engine (2 turns, 8 new tokens), one group per seed, rewards then set per group
+    (distinct rewards give nonzero advantages)."""
+    from transformers import AutoTokenizer
+
+    from composer_mesh.actors.episodes import ChatTokens, EpisodeRunner
+    from composer_mesh.actors.hf_engine import HFEngine
+    from composer_mesh.actors.rollout import EpisodeRequest, SamplingParams
+    from composer_mesh.envs.demo import DemoEnv
+
+    def make(seeds, group_size, sampling_seed, rewards):
+        tok = AutoTokenizer.from_pretrained(str(tiny_assets.dense_dir))
+        runner = EpisodeRunner(HFEngine(tiny_assets.dense_dir, [tok.eos_token_id]), tok,
+                               lambda split: DemoEnv(split=split), max_turns=2, max_context_tokens=200)
+        requests = [EpisodeRequest(g, seed) for g, seed in enumerate(seeds)]
+        groups = runner.run(requests, group_size, SamplingParams(max_new_tokens=8, seed=sampling_seed), 0)
+        for g, group_rewards in zip(groups, rewards):
+            for r, x in zip(g.rollouts, group_rewards):
+                r.reward = x
+        return groups, ChatTokens(tok), tok
+
+    return make
+
+
 @pytest.fixture(scope="module")
 def generator_spec(make_generator_spec):
     """The tiny dense model on the demo task: groups of 3, two turns of at most 10 tokens."""

@@ -88,6 +88,21 @@ class DistillLossConfig:
     taid_beta: float = option(0.99, doc="TAID momentum of the relative loss change", ge=0.0, lt=1.0)
     taid_adaptive: bool = option(True, doc="TAID adaptive update of t; false = linear t_start -> t_end over the run's steps")
     eopd_h_max: float | None = option(None, doc="entropy-aware OPD entropy scale; unset = log(vocab)", gt=0.0)
+    # what the hints of this channel hold (`replay.hints.make_hint_generator`)
+    hint_kind: Literal["template", "feedback", "reference", "llm"] = option(
+        "template",
+        doc="what the teacher's hint holds: a template per error kind, the environment's feedback on the failure "
+        "(SDPO), the task's reference solution (OPSD), or a teacher model's advice (hint_teacher)",
+        choices=("template", "feedback", "reference", "llm"),
+    )
+    hint_max_chars: int = option(2000, doc="cap on the privileged text (feedback or reference) of one hint", ge=1)
+    hint_teacher: str = option("", doc="hint_kind = 'llm': the [[teachers.models]] name that writes the hints")
+
+    def __post_init__(self) -> None:
+        if self.hint_kind == "llm" and not self.hint_teacher:
+            raise ValueError("loss.distill.hint_kind = 'llm' needs loss.distill.hint_teacher (a [[teachers.models]] name)")
+        if self.hint_kind != "llm" and self.hint_teacher:
+            raise ValueError(f"loss.distill.hint_teacher applies to hint_kind = 'llm' only (hint_kind is {self.hint_kind!r})")
 
 
 @dataclass(frozen=True)

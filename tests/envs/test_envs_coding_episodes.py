@@ -33,8 +33,8 @@ from composer_mesh.envs.tool_format import CLOSING, EXPRESSIONS, tool_format_exa
 from composer_mesh.envs.tool_loop import ToolLoopEnv, offered_tools
 from composer_mesh.mesh.episode_metrics import episode_metrics, eval_pass_rates
 from composer_mesh.mesh.packing import make_hint, pair_tokens
+from composer_mesh.replay.hints import FeedbackHintGenerator, ReferenceHintGenerator, TemplateHintGenerator
 from composer_mesh.replay.pairs import PreferencePair
-from composer_mesh.replay.hints import TemplateHintGenerator
 from composer_mesh.replay.reference_teacher import DONE_TEXT, ReferenceResponder, change_calls, near_miss
 from composer_mesh.replay.server import TeacherServer
 from composer_mesh.replay.traces import TraceState
@@ -133,6 +133,13 @@ def test_failing_answer_is_replayed_and_counted(tok, task, sandbox):
     hint = make_hint(ChatTokens(tok), r, TemplateHintGenerator())
     assert hint is not None and hint.site.kind is ErrorKind.TEST_FAILURE and hint.site.turn == 2
     assert f'hidden tests: {r.info["reason"]}' in hint.text and "==" not in hint.text and "test_" not in hint.text
+    # the privileged kinds give the teacher (only) the hidden tests' output, or the task's reference files
+    assert r.info["feedback"].strip()
+    feedback = make_hint(ChatTokens(tok), r, FeedbackHintGenerator(100_000))
+    assert feedback.site.turn == 2 and r.info["feedback"].strip()[-300:] in feedback.text
+    ref = make_hint(ChatTokens(tok), r, ReferenceHintGenerator(100_000))
+    assert all(body.rstrip() in ref.text for body in reference(task).values())
+    assert all(body.rstrip() not in str(m.get("content")) for m in r.messages for body in reference(task).values())
     (state,) = rollout_states(r)
     assert state.action["tool_calls"][0]["function"]["name"] == "edit_file" and len(state.context) == 2
     # the demo's rollouts (no grade in info) add no coding metrics

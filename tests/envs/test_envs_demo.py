@@ -125,6 +125,19 @@ def test_episode_feedback_and_error_sites():
         env.step(assistant("ANSWER: 1"))
 
 
+def test_failed_attempts_carry_privileged_feedback_and_the_answer_only_in_info():
+    """The teacher's privileged context: the site's feedback is the environment's message on the attempt, the
+    reference (the correct answer, from `Problem`) rides in info; neither the prompt nor the feedback holds it."""
+    env = DemoEnv(DemoTaskConfig(max_turns=2))
+    obs = env.reset(seed=7)
+    answer = env.problem.answer
+    obs = env.step(assistant("ANSWER: 999999"))
+    (site,) = obs.error_sites
+    assert site.feedback == obs.messages[0]["content"] and site.reference == ""
+    assert obs.info["reference"] == f"ANSWER: {answer}"
+    assert all(f"ANSWER: {answer}" not in str(m["content"]) for m in env.state.messages)
+
+
 def test_episode_ends_after_max_turns_and_rejects_non_assistant_actions():
     env = DemoEnv(DemoTaskConfig(max_turns=2))
     env.reset(seed=1)

@@ -65,6 +65,8 @@ def test_tool_errors_become_error_sites_and_episode_is_graded(episode):
         assert site.tool in names
         results = [m["content"] for m in messages[site.turn + 1 :] if m["role"] == "tool"]
         assert any(site.message[:40] in r for r in results)
+        # privileged feedback: the tool's whole result (the model saw it in the tool message, `message` is its head)
+        assert site.feedback.startswith(site.message) and any(site.feedback in r for r in results)
     # every tool call got exactly one tool message with its id
     for i, m in enumerate(messages):
         if m.get("tool_calls"):
@@ -92,6 +94,32 @@ def test_error_sites_become_hints_through_replay(episode):
         assert ctx.messages[ctx.hint_index + 1 :] == messages[ctx.hint_index :]
     hints = {s.kind: generator.hint(s, messages) for s in sites}
     assert len(set(hints.values())) == len(hints)  # kinds map to different hints
+
+
+def test_a_failed_episode_hands_the_teacher_its_privileged_context(env):
+    """Hidden tests failed: the episode's info carries their output and the task's reference for the hint
+    teacher (`failure_sites` puts them on the site); the policy's messages hold neither, and the workspace the
+    agent worked in never held the hidden tests or the reference."""
+    from composer_mesh.actors.rollout import Rollout, failure_sites
+    from composer_mesh.envs.coding import render_reference
+
+    first = env.reset(seed=0)
+    task, ws = env.task, env.ws.path
+    listing = sorted(str(p.relative_to(ws)) for p in ws.rglob("*") if p.is_file())
+    obs = env.step(assistant("I am done."))
+    assert obs.done and obs.reward < 1.0 and obs.error_sites == []
+    reference = render_reference(task.reference_files())
+    assert obs.info["reference"] == reference and task.original_source().rstrip() in reference
+    assert obs.info["feedback"].strip()
+    assert not any(h in listing for h in task.hidden_tests)
+    messages = list(env.state.messages)
+    rollout = Rollout(0, 0, 0, [1, 2], 1, [False, True], [0.0, 0.0], messages, [0] * len(messages),
+                      [(len(messages) - 1, 1, 2)], obs.reward, "done", 0, info=dict(obs.info))
+    (site,) = failure_sites(rollout)
+    assert site.reference == reference and site.feedback == obs.info["feedback"] and site.tool == "grade"
+    assert site.message == f"hidden tests: {obs.info['reason']}"  # what the policy may be told: no test output
+    context = "".join(str(m.get("content")) for m in [*first.messages, *messages])
+    assert task.original_source().strip() not in context and obs.info["feedback"].strip() not in context
 
 
 def test_write_file_cannot_follow_a_symlink_out(env):

@@ -14,26 +14,13 @@ import statistics
 import pytest
 import torch
 
-from composer_mesh.actors.rollout import EpisodeRequest, SamplingParams
 from composer_mesh.configs.sections.loss import PolicyLossConfig
 
 
 @pytest.fixture(scope="module")
-def rollouts_and_chat(tiny_assets):
-    from transformers import AutoTokenizer
-
-    from composer_mesh.actors.episodes import ChatTokens, EpisodeRunner
-    from composer_mesh.actors.hf_engine import HFEngine
-    from composer_mesh.envs.demo import DemoEnv
-
-    tok = AutoTokenizer.from_pretrained(str(tiny_assets.dense_dir))
-    runner = EpisodeRunner(HFEngine(tiny_assets.dense_dir, [tok.eos_token_id]), tok, lambda split: DemoEnv(split=split),
-                           max_turns=2, max_context_tokens=200)
-    groups = runner.run([EpisodeRequest(0, 11), EpisodeRequest(1, 12)], 4, SamplingParams(max_new_tokens=8, seed=1), 0)
-    for g, rewards in zip(groups, ([0.0, 0.2, 0.6, 0.0], [0.4, 0.4, 0.4, 0.4])):  # distinct rewards for advantages
-        for r, x in zip(g.rollouts, rewards):
-            r.reward = x
-    return groups, ChatTokens(tok), tok
+def rollouts_and_chat(demo_rollouts):
+    # group 0: distinct rewards for advantages; group 1: all equal (dynamic sampling drops it)
+    return demo_rollouts([11, 12], 4, 1, ([0.0, 0.2, 0.6, 0.0], [0.4, 0.4, 0.4, 0.4]))
 
 
 def test_advantages_and_dynamic_sampling(rollouts_and_chat):

@@ -103,3 +103,64 @@ def test_llm_hints_through_the_teacher_client(tmp_path):
         finally:
             client.close()
     assert [r["outcome"] for r in server.log if r["model"] == "down"] == ["server_error"] * 2
+
+
+# --- privileged hints: `[loss.distill] hint_kind` = feedback | reference ---
+
+PRIVILEGED = ErrorSite(turn=1, kind=ErrorKind.TEST_FAILURE, message="1 failed", tool="run_tests",
+                       feedback="FAILED test_calc.py::test_add\nassert add(2, 2) == 4\nE  assert 5 == 4",
+                       reference="--- calc.py\ndef add(a, b):\n    return a + b")
+
+
+def test_feedback_hint_holds_the_environments_feedback():
+    from composer_mesh.replay.hints import FeedbackHintGenerator
+
+    text = FeedbackHintGenerator().hint(PRIVILEGED, MESSAGES)
+    assert PRIVILEGED.feedback in text and "(run_tests)" in text and PRIVILEGED.reference not in text
+    # without privileged feedback, the error as the model saw it
+    assert "1 failed" in FeedbackHintGenerator().hint(ErrorSite(1, ErrorKind.TEST_FAILURE, "1 failed"), MESSAGES)
+    # long feedback keeps its tail (the failing assertion)
+    cut = FeedbackHintGenerator(max_chars=13).hint(PRIVILEGED, MESSAGES)
+    assert "assert 5 == 4" in cut and "FAILED" not in cut
+
+
+def test_reference_hint_holds_the_reference_or_falls_back_to_feedback():
+    from composer_mesh.replay.hints import ReferenceHintGenerator
+
+    gen = ReferenceHintGenerator()
+    text = gen.hint(PRIVILEGED, MESSAGES)
+    assert PRIVILEGED.reference in text and PRIVILEGED.feedback not in text and gen.fallbacks == 0
+    no_reference = ErrorSite(1, ErrorKind.TEST_FAILURE, "1 failed", feedback="E  assert 5 == 4")
+    assert "E  assert 5 == 4" in gen.hint(no_reference, MESSAGES) and gen.fallbacks == 1
+    assert ReferenceHintGenerator(max_chars=10).hint(PRIVILEGED, MESSAGES).count("def add") == 0
+
+
+def test_hint_kind_selects_the_generator_and_bad_values_name_the_key():
+    from composer_mesh.configs.loader import ConfigError, loads_config
+    from composer_mesh.replay.hints import (
+        FeedbackHintGenerator, ReferenceHintGenerator, make_hint_generator,
+    )
+
+    kinds = {"template": TemplateHintGenerator, "feedback": FeedbackHintGenerator,
+             "reference": ReferenceHintGenerator}
+    for kind, cls in kinds.items():
+        job = loads_config(f'[loss.distill]\nhint_kind = "{kind}"')
+        assert type(make_hint_generator(job.loss.distill, job.teachers)) is cls
+    assert loads_config("").loss.distill.hint_kind == "template"  # today's behaviour stays the default
+    job = loads_config('[loss.distill]\nhint_kind = "llm"\nhint_teacher = "t"\n[[teachers.models]]\nname = "t"\nmodel = "m"')
+    llm = make_hint_generator(job.loss.distill, job.teachers)
+    assert isinstance(llm, LLMHintGenerator) and llm.teacher == "t"
+    with pytest.raises(ConfigError, match=r"loss\.distill\.hint_kind.*'bogus'"):
+        loads_config('[loss.distill]\nhint_kind = "bogus"')
+    with pytest.raises(ConfigError, match=r"loss\.distill\.hint_teacher"):
+        loads_config('[loss.distill]\nhint_kind = "llm"')
+    with pytest.raises(ConfigError, match=r"loss\.distill\.hint_teacher = 'nobody' names no \[\[teachers\.models\]\]"):
+        loads_config('[loss.distill]\nhint_kind = "llm"\nhint_teacher = "nobody"')
+    with pytest.raises(ConfigError, match=r"hint_teacher applies to hint_kind = 'llm' only"):
+        loads_config('[loss.distill]\nhint_kind = "feedback"\nhint_teacher = "t"')
+
+
+def test_llm_hint_prompt_carries_the_privileged_feedback():
+    gen = LLMHintGenerator(client=None, teacher="t")  # prompt() only; no request is made
+    body = gen.prompt(PRIVILEGED, MESSAGES)[1]["content"]
+    assert "E  assert 5 == 4" in body
