@@ -219,7 +219,14 @@ class EpisodeRunner:
 
     def _step_all(self, episodes: list[_Episode], actions: list[dict[str, Any]]) -> list[Observation]:
         """Each episode's environment answers its action; up to `step_workers` at once (sandboxed tool runs and
-        grading wait on other processes), each environment stepped by one thread only."""
+        grading wait on other processes), each environment stepped by one thread only. Environments of one
+        class with a batched step (`Environment.step_many`: a dataset task's rewards over the whole batch, as
+        TRL calls them) are stepped together."""
+        kind = type(episodes[0].env)
+        if all(type(e.env) is kind for e in episodes):
+            batched = kind.step_many([e.env for e in episodes], actions)
+            if batched is not None:
+                return batched
         if self.pool is None or len(episodes) < 2:
             return [e.env.step(a) for e, a in zip(episodes, actions)]
         return list(self.pool.map(lambda ea: ea[0].env.step(ea[1]), zip(episodes, actions)))

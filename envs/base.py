@@ -16,7 +16,7 @@ import json
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from composer_mesh.configs.records import ErrorSite
 
@@ -87,6 +87,12 @@ class Environment(ABC):
 
     def close(self) -> None:
         """Release resources of the current episode (workspaces); reset() calls it."""
+
+    @classmethod
+    def step_many(cls, envs: Sequence[Environment], actions: Sequence[dict[str, Any]]) -> list[Observation] | None:
+        """Step several environments of this class in one go (e.g. one reward call over all their actions);
+        None: this class has no batched step, and the caller steps each one."""
+        return None
 
     @abstractmethod
     def _start(self, seed: int | None) -> Observation: ...

@@ -4,12 +4,15 @@ Rows come from a local file read with HF `datasets` (.jsonl/.json, .parquet,
 .csv); the prompt column is a string (TRL's *standard* format: the model sees
 it as one user message, after `system_prompt` if set) or a list of chat
 messages (*conversational*). Reward functions have TRL GRPOTrainer's
-signature and are called once per episode:
+signature and, as TRL calls them, each is called once per generate call over
+all the completions it sampled (`DatasetEnv.step_many`, which the episode
+loop uses for a batch of these environments):
 
-    reward(completions=[c], prompts=[p], **{column: [value] for the row's other columns}) -> [float | None]
+    reward(completions=[c, ...], prompts=[p, ...], **{column: [value, ...] for the rows' other columns})
+        -> [float | None, ...]
 
 with `c` a string (standard) or `[{"role": "assistant", "content": ...}]`
-(conversational). Rewards combine as in TRL: the weighted sum of the
+(conversational); a single `step` calls them with lists of one. Rewards combine as in TRL: the weighted sum of the
 functions' values, a None skipped (all None: 0). TRL's `completion_ids` and
 `trainer_state` are not passed; a function that requires them is refused at
 load (docs/tasks.md).
@@ -28,7 +31,7 @@ import random
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from composer_mesh.configs.sections.env import DatasetTaskConfig
 from composer_mesh.envs.base import Environment, Observation
@@ -77,20 +80,25 @@ class RewardFn:
     params: frozenset[str]
     accepts_all: bool
 
-    def __call__(self, prompt: Any, completion: Any, columns: dict[str, Any]) -> float | None:
-        kwargs = {"prompts": [prompt], "completions": [completion], **{k: [v] for k, v in columns.items()}}
+    def __call__(self, prompts: list[Any], completions: list[Any],
+                 columns: dict[str, list[Any]]) -> list[float | None]:
+        """One value per completion; `columns` holds one list per column, aligned with `completions`."""
+        kwargs = {"prompts": prompts, "completions": completions, **columns}
         if not self.accepts_all:
             kwargs = {k: v for k, v in kwargs.items() if k in self.params}
         try:
             out = self.fn(**kwargs)
         except Exception as e:
             raise RuntimeError(f"reward function {self.spec!r} raised {type(e).__name__}: {e}") from e
-        if not isinstance(out, (list, tuple)) or len(out) != 1:
+        n = len(completions)
+        if not isinstance(out, (list, tuple)) or len(out) != n:
             got = f"{type(out).__name__} of length {len(out)}" if isinstance(out, (list, tuple)) else type(out).__name__
             raise ValueError(
-                f"reward function {self.spec!r} returned {got}; expected a list with one reward per completion (1)"
+                f"reward function {self.spec!r} returned {got}; expected a list with one reward per completion ({n})"
             )
-        value = out[0]
+        return [self._value(v) for v in out]
+
+    def _value(self, value: Any) -> float | None:
         if value is None:
             return None
         if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(float(value)):
@@ -175,6 +183,8 @@ class DatasetEnv(Environment):
         super().__init__()
         self.task, self.split = task, split
         self.row: dict[str, Any] = {}
+        # reward values computed for this episode's action by `step_many`, consumed by `_answer`
+        self._values: list[float | None] | None = None
 
     def _start(self, seed: int | None) -> Observation:
         self.row = self.task.row(self.split, seed if seed is not None else random.randrange(2**31))
@@ -187,12 +197,38 @@ class DatasetEnv(Environment):
             messages = [dict(m) for m in prompt]
         return Observation(messages, info={"prompt": prompt})
 
+    @classmethod
+    def step_many(cls, envs: Sequence[Environment], actions: Sequence[dict[str, Any]]) -> list[Observation] | None:
+        """Step `envs` (one task) with each reward function called once over all their completions, as TRL calls
+        it per generate batch (a function normalising over its batch sees the whole batch); None (step each
+        on its own, which raises the usual errors) for a mix of tasks, an ended episode or a non-assistant action."""
+        if not envs or any(not isinstance(e, cls) or e.task is not envs[0].task or e.state.done for e in envs):
+            return None
+        if any(not isinstance(a, dict) or a.get("role") != "assistant" for a in actions):
+            return None
+        task = envs[0].task
+        column = task.config.prompt_column
+        rows = [e.row for e in envs]  # type: ignore[attr-defined]
+        names = list(dict.fromkeys(k for r in rows for k in r if k != column))
+        columns = {k: [r.get(k) for r in rows] for k in names}
+        prompts = [r[column] for r in rows]
+        completions = [_completion(p, a) for p, a in zip(prompts, actions)]
+        values_RN = [reward(prompts, completions, columns) for reward in task.rewards]
+        for i, env in enumerate(envs):
+            env._values = [values_N[i] for values_N in values_RN]  # type: ignore[attr-defined]
+        return [env.step(action) for env, action in zip(envs, actions)]
+
     def _answer(self, action: dict[str, Any], turn: int) -> Observation:
-        column = self.task.config.prompt_column
-        prompt = self.row[column]
-        text = str(action.get("content") or "")
-        completion: Any = text if isinstance(prompt, str) else [{"role": "assistant", "content": text}]
-        columns = {k: v for k, v in self.row.items() if k != column}
-        values = [r(prompt, completion, columns) for r in self.task.rewards]
+        values, self._values = self._values, None
+        if values is None:
+            prompt = self.row[self.task.config.prompt_column]
+            columns = {k: [v] for k, v in self.row.items() if k != self.task.config.prompt_column}
+            values = [r([prompt], [_completion(prompt, action)], columns)[0] for r in self.task.rewards]
         reward = combine(values, [r.weight for r in self.task.rewards])
         return Observation([], reward=reward, done=True, info={"rewards": values})
+
+
+def _completion(prompt: Any, action: dict[str, Any]) -> Any:
+    """The completion as TRL passes it: a string for a string prompt, else one assistant message in a list."""
+    text = str(action.get("content") or "")
+    return text if isinstance(prompt, str) else [{"role": "assistant", "content": text}]

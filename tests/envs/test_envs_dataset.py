@@ -29,7 +29,7 @@ def maybe(completions, **kwargs):
 
 def seen(completions, prompts, **kwargs):
     seen.calls.append((prompts, completions, kwargs))
-    return [0.0]
+    return [0.0] * len(completions)
 seen.calls = []
 
 def two(completions, **kwargs):
@@ -55,6 +55,15 @@ def no_completions(prompts):
 
 def raises(completions, **kwargs):
     raise KeyError("boom")
+
+def normalised(completions, answer, **kwargs):
+    """Batch-normalising, as GRPO-style rewards often are: (length - batch mean) / batch std."""
+    normalised.batches.append(list(answer))
+    n = [float(len(c)) for c in completions]
+    mean = sum(n) / len(n)
+    sd = (sum((x - mean) ** 2 for x in n) / len(n)) ** 0.5 or 1.0
+    return [(x - mean) / sd for x in n]
+normalised.batches = []
 
 NOT_CALLABLE = 3
 
@@ -128,6 +137,55 @@ def test_combine_matches_trl_nansum(seed):
         # TRL: rewards_per_func with NaN for None, (rewards * weights).nansum(dim=1)
         ref = math.fsum(w * v for v, w in zip([math.nan if v is None else v for v in values], weights) if not math.isnan(v))
         assert combine(values, weights) == pytest.approx(ref, abs=1e-12)
+
+
+def test_step_many_calls_each_reward_once_over_the_batch(files):
+    """TRL calls a reward function once per generate call over all its completions: a batch-normalising
+    function sees the whole batch (here 4 episodes of 3 rows), not batches of one."""
+    task = load_task(cfg(files, rewards=("task_user_mod:normalised", "task_user_mod:seen")))
+    mod = sys.modules["task_user_mod"]
+    mod.normalised.batches.clear()
+    envs = [DatasetEnv(task, "train") for _ in range(4)]
+    for env, seed in zip(envs, (0, 0, 1, 2)):
+        env.reset(seed=seed)
+    replies = ["a", "abcd", "ab", "abcdefg"]
+    out = DatasetEnv.step_many(envs, [assistant(r) for r in replies])
+    assert mod.normalised.batches == [["a0", "a0", "a1", "a2"]]  # one call, every completion, in order
+    prompts, completions, kwargs = mod.seen.calls[-1]
+    assert prompts == ["p0", "p0", "p1", "p2"] and completions == replies
+    assert kwargs == {"answer": ["a0", "a0", "a1", "a2"], "level": [0, 0, 1, 2]}
+    n = [1.0, 4.0, 2.0, 7.0]
+    mean, sd = sum(n) / 4, (sum((x - 3.5) ** 2 for x in n) / 4) ** 0.5
+    assert [o.reward for o in out] == pytest.approx([(x - mean) / sd for x in n])
+    assert all(o.done for o in out) and [e.state.reward for e in envs] == [o.reward for o in out]
+    # a batch's wrong-length return names the batch size
+    two = load_task(cfg(files, rewards=("task_user_mod:two",)))
+    bad = [DatasetEnv(two, "train") for _ in range(3)]
+    for env in bad:
+        env.reset(seed=0)
+    with pytest.raises(ValueError, match=r"returned list of length 2; expected .* per completion \(3\)"):
+        DatasetEnv.step_many(bad, [assistant("x")] * 3)
+
+
+def test_episode_runner_scores_a_generate_call_in_one_reward_call(files, tiny_assets):
+    """Through the production episode loop with the HF engine: 2 prompts x G 3 sampled in one generate call
+    are scored by one call of the batch-normalising function, and its values are the episodes' rewards."""
+    from transformers import AutoTokenizer
+
+    from composer_mesh.actors.episodes import EpisodeRunner
+    from composer_mesh.actors.hf_engine import HFEngine
+    from composer_mesh.actors.rollout import EpisodeRequest, SamplingParams
+
+    task = load_task(cfg(files, rewards=("task_user_mod:normalised",)))
+    mod = sys.modules["task_user_mod"]
+    mod.normalised.batches.clear()
+    tok = AutoTokenizer.from_pretrained(str(tiny_assets.dense_dir))
+    runner = EpisodeRunner(HFEngine(tiny_assets.dense_dir, [tok.eos_token_id]), tok,
+                           lambda split: DatasetEnv(task, split), max_turns=1, max_context_tokens=200)
+    groups = runner.run([EpisodeRequest(0, 4), EpisodeRequest(1, 7)], 3, SamplingParams(max_new_tokens=6, seed=3), 0)
+    assert mod.normalised.batches == [["a4"] * 3 + ["a7"] * 3]
+    rewards = [r.reward for g in groups for r in g.rollouts]
+    assert sum(rewards) == pytest.approx(0.0, abs=1e-9)  # normalised over all 6, not each alone (all 0)
 
 
 def test_order_sequential_and_shuffle(files):
