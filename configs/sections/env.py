@@ -172,6 +172,9 @@ class ToolLoopConfig:
         ge=1, le=64,
     )
     warm_start_lr: float = option(3e-3, doc="AdamW learning rate of the warm start", gt=0.0)
+    warm_start_decay: bool = option(
+        False, doc="decay the warm start's learning rate linearly to 0 over its steps (else constant)"
+    )
 
 
 @dataclass(frozen=True)
