@@ -170,6 +170,8 @@ def _space(config: CodingConfig) -> tuple[list[tuple[str, ...]], list[str | None
         raise ValueError(f"env.coding.functions_per_task = {config.functions_per_task}: only {len(chains)} distinct "
                          "function bodies in these kinds; widen kinds or ops_per_kind")
     bugs: list[str | None] = [op.id for op in ops] if config.failing_visible_test else [None]
+    if not config.namings or any(n not in range(len(_PARAMS)) for n in config.namings):
+        raise ValueError(f"env.coding.namings = {list(config.namings)}: naming variants are 0, 1, 2 (at least one)")
     return chains, bugs
 
 
@@ -178,12 +180,12 @@ def templates(config: CodingConfig, split: Split | None = None) -> tuple[Templat
     """Every template of `config` (of one split when given), or None when the space is too large to list."""
     chains, bugs = _space(config)
     k = config.functions_per_task
-    size = len(chains) ** k * len(bugs) * 9
+    size = len(chains) ** k * len(bugs) * 3 * len(config.namings)
     if len(chains) > _ENUMERATE_LIMIT or size > _ENUMERATE_LIMIT:
         return None
     out = tuple(
         Template(tuple(sorted(combo)), bug, p, n)
-        for combo in itertools.combinations(chains, k) for bug in bugs for p in range(3) for n in range(3)
+        for combo in itertools.combinations(chains, k) for bug in bugs for p in range(3) for n in config.namings
     )
     return out if split is None else tuple(t for t in out if stable_split(t.id, config.heldout_fraction) == split)
 
@@ -200,7 +202,7 @@ def draw_template(config: CodingConfig, split: Split, rng: random.Random) -> Tem
     for _ in range(10_000):
         chains = tuple(sorted({_random_chain(ops, config.statements_per_body, rng) for _ in range(config.functions_per_task)}))
         bug = rng.choice(ops).id if config.failing_visible_test else None
-        t = Template(chains, bug, rng.randrange(3), rng.randrange(3))
+        t = Template(chains, bug, rng.randrange(3), rng.choice(config.namings))
         if len(chains) == config.functions_per_task and stable_split(t.id, config.heldout_fraction) == split:
             return t
     raise ValueError(f"env.coding: no {split} template found in 10000 draws (heldout_fraction = {config.heldout_fraction})")

@@ -27,9 +27,8 @@ CLOSING = "Done."
 _MODULES = ("util", "helpers", "core", "main", "lib", "tools", "common", "mathx", "text", "funcs")
 _NAMES = ("f", "g", "h", "run", "calc", "value", "apply", "step", "make", "fix")
 _ARGS = ("a", "b", "n", "x", "s", "v", "k", "i")
-# what an edit returns: every pool entry is equally likely, whatever the task asks
-EXPRESSIONS = ("{a} + {b}", "{a} - {b}", "{a} * {b}", "{b} - {a}", "max({a}, {b})", "min({a}, {b})", "{a} % {b}",
-               "{a} // {b}")
+# what an edit returns over the stub's first two parameters: each entry equally likely, whatever the task asks
+EXPRESSIONS = ("{a} + {b}", "{a} - {b}", "{a} * {b}")
 _STUB = re.compile(r"def \w+\(([^)]*)\):")
 _FILE = re.compile(r"\b([\w/]+\.py)\b")
 _BODIES = ("{a} + {k}", "{a} - {k}", "{a} * {k}", "{a}", "[{a}]", "str({a})", "len({a})", "{a} > {k}",

@@ -245,7 +245,7 @@ def model_dir(job: JobConfig) -> str:
     if job.env.task in TOOL_TASKS and tl.warm_start_steps > 0:
         conversations, tools = tool_format_examples(env_factory(job.env), tl.warm_start_examples, tl.warm_start_seed)
         ws = WarmStartConfig(steps=tl.warm_start_steps, batch_size=tl.warm_start_batch_size, lr=tl.warm_start_lr,
-                             seed=tl.warm_start_seed)
+                             seed=tl.warm_start_seed, decay=tl.warm_start_decay)
         weights = warm_start_dir(dataclasses.replace(job.model, hf_path=str(weights)), conversations, ws,
                                  cache_dir_for(job.model), tools)
     if job.env.task == "demo" and demo.warm_start_steps > 0:

@@ -45,6 +45,8 @@ class WarmStartConfig:
     batch_size: int = 16
     lr: float = 3e-3
     seed: int = 0
+    # linear decay of the learning rate to 0 over `steps` (else constant)
+    decay: bool = False
 
 
 def sft_rows(tokenizer: Any, conversations: Sequence[list[dict]],
@@ -80,6 +82,7 @@ def sft(model: torch.nn.Module, rows: Sequence[tuple[list[int], list[bool]]], cf
     """
     gen = torch.Generator().manual_seed(cfg.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 - k / cfg.steps if cfg.decay else 1.0)
     model.train()
     losses = []
     for _ in range(cfg.steps):
@@ -91,6 +94,7 @@ def sft(model: torch.nn.Module, rows: Sequence[tuple[list[int], list[bool]]], cf
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        decay.step()
         losses.append(float(loss.detach()))
     return losses
 

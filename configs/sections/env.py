@@ -127,6 +127,9 @@ class CodingConfig:
     hidden_tests_per_function: int = option(
         4, doc="micro: graded cases per function (reward = share of hidden tests passed)", ge=1, le=16
     )
+    namings: tuple[int, ...] = option(
+        (0, 1, 2), doc="micro: naming variants tasks draw (each a set of parameter and function names: 0, 1, 2)"
+    )
     package: str = option("", doc="micro: put the module in this package ('' = at the repository root)")
     docstring: str = option(
         "words", doc="micro: docstrings name each operation in words, or state its Python expression (code)",
@@ -169,6 +172,9 @@ class ToolLoopConfig:
         ge=1, le=64,
     )
     warm_start_lr: float = option(3e-3, doc="AdamW learning rate of the warm start", gt=0.0)
+    warm_start_decay: bool = option(
+        False, doc="decay the warm start's learning rate linearly to 0 over its steps (else constant)"
+    )
 
 
 @dataclass(frozen=True)

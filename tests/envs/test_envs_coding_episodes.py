@@ -12,6 +12,7 @@ well-formed tool calls whose code is not the task's.
 from __future__ import annotations
 
 import json
+import re
 from functools import partial
 from pathlib import Path
 
@@ -202,7 +203,11 @@ def test_warm_start_examples_teach_the_format_not_the_task(tok, sandbox):
         task = next(t for t in tasks if t.prompt() == messages[1]["content"])
         right += "return " + args["new"][7:] in task.reference_files()[task.target]
         assert '"name": "edit_file"' in tok.decode(ids)
-    assert right <= 40 * 3 // len(EXPRESSIONS)
+        # the expression is over the stub's own parameters
+        params = re.search(r"def \w+\((\w+), (\w+)\)", task.stubbed_source).groups()
+        assert set(re.findall(r"[a-z]\w*", args["new"][7:])) - {"max", "min"} <= set(params), (args, params)
+    # chance is 1/len(EXPRESSIONS) of 40 (names always right); twice chance would mean the task leaked in
+    assert 1 <= right <= 2 * 40 // len(EXPRESSIONS)
     # the same seed gives the same examples; another seed others
     assert tool_format_examples(make, 40, seed=3)[0] == conversations
     assert tool_format_examples(make, 40, seed=4)[0] != conversations

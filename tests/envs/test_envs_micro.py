@@ -90,6 +90,18 @@ def test_split_is_by_template_and_heldout_reuses_the_operations():
         MicroTasks(dataclasses.replace(EASY, heldout_fraction=0.0), "heldout")
 
 
+def test_namings_knob_keeps_one_set_of_names():
+    one = dataclasses.replace(EASY, namings=(2,), heldout_fraction=0.25)
+    assert {t.naming for t in templates(one)} == {2} and len(templates(one)) == 9
+    assert [t.id for t in templates(one, "heldout")] == ["add/p0n2", "add/p2n2", "sub/p1n2"]
+    for seed in range(6):
+        assert "(m, n):" in make_task(one, "train", seed).stubbed_source
+    # the default draws every naming, as before the knob
+    assert {t.naming for t in templates(EASY)} == {0, 1, 2} and len(templates(EASY)) == 27
+    with pytest.raises(ValueError, match=r"env.coding.namings = \[3\]"):
+        make_task(dataclasses.replace(EASY, namings=(3,)), "train", 0)
+
+
 @pytest.mark.parametrize("config", [EASY, ALL_KINDS, CodingConfig(kinds=KINDS, ops_per_kind=2, statements_per_body=2)],
                          ids=["easy", "all_kinds", "two_statements"])
 def test_every_template_reference_passes_and_stub_fails(config):

@@ -16,7 +16,9 @@ import torch
 from composer_mesh.configs.sections.env import DemoTaskConfig
 from composer_mesh.configs.sections.model import ModelConfig
 from composer_mesh.envs import demo
-from composer_mesh.titan_ext.warmstart import WarmStartConfig, warm_start_dir
+from composer_mesh.titan_ext.build import build_model
+from composer_mesh.titan_ext.platform import detect_platform
+from composer_mesh.titan_ext.warmstart import WarmStartConfig, sft, sft_rows, warm_start_dir
 
 CFG = DemoTaskConfig(max_operand=9)
 
@@ -68,3 +70,22 @@ def test_warm_start_rejects_empty_inputs(tiny_assets, tmp_path):
     with pytest.raises(ValueError, match="no assistant tokens"):
         warm_start_dir(model, [[{"role": "user", "content": "1+1"}]], WarmStartConfig(steps=1), tmp_path)
     assert not list(tmp_path.glob("warm-*"))  # nothing half-built is left behind
+
+
+def test_warm_start_decay_scales_each_step_by_the_remaining_share(tiny_assets):
+    from transformers import AutoTokenizer
+
+    model_cfg = ModelConfig(flavour="tiny", device="cpu", hf_path=str(tiny_assets.dense_dir))
+    rows = sft_rows(AutoTokenizer.from_pretrained(tiny_assets.dense_dir), demo.format_examples(CFG, 8, seed=0))
+    platform = detect_platform("cpu")
+
+    def run(decay: bool) -> tuple[list[float], list[torch.Tensor]]:
+        torch.manual_seed(0)
+        model = build_model(model_cfg, device="cpu", platform=platform)
+        losses = sft(model, rows, WarmStartConfig(steps=3, batch_size=4, lr=1e-2, seed=0, decay=decay))
+        return losses, [p.detach().clone() for p in model.parameters()]
+
+    (constant, p_constant), (decayed, p_decayed) = run(False), run(True)
+    # the first update runs at the full rate (same second loss); later ones at lr x (1 - k / steps)
+    assert constant[:2] == decayed[:2] and constant[2] != decayed[2]
+    assert any(not torch.equal(a, b) for a, b in zip(p_constant, p_decayed))
