@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from composer_mesh.configs.records import ErrorKind, ErrorSite
-from composer_mesh.configs.sections.loss import DistillLossConfig
+from composer_mesh.configs.sections.loss import HINT_KINDS, DistillLossConfig
 from composer_mesh.configs.sections.teachers import TeachersConfig
 from composer_mesh.replay.teachers import SyncTeacherClient
 
@@ -298,9 +298,6 @@ def hint_token_spans(
         )
     spans = HintSpans(prefix, len(with_hint) - suffix, len(student), len(with_hint))
     return student, with_hint, spans
-
-
-HINT_KINDS = ("template", "feedback", "reference", "llm")
 
 
 def make_hint_generator(cfg: DistillLossConfig, teachers: TeachersConfig) -> HintGenerator:

@@ -74,6 +74,10 @@ class PolicyLossConfig:
             raise ValueError(f"adv_tau ({self.adv_tau}) applies to kind = 'prime_dppo' only")
 
 
+# `[loss.distill] hint_kind` values (`replay.hints.make_hint_generator` builds each)
+HINT_KINDS = ("template", "feedback", "reference", "llm")
+
+
 @dataclass(frozen=True)
 class DistillLossConfig:
     kind: Literal["jsd", "taid", "eopd"] = option(
@@ -93,7 +97,7 @@ class DistillLossConfig:
         "template",
         doc="what the teacher's hint holds: a template per error kind, the environment's feedback on the failure "
         "(SDPO), the task's reference solution (OPSD), or a teacher model's advice (hint_teacher)",
-        choices=("template", "feedback", "reference", "llm"),
+        choices=HINT_KINDS,
     )
     hint_max_chars: int = option(2000, doc="cap on the privileged text (feedback or reference) of one hint", ge=1)
     hint_teacher: str = option("", doc="hint_kind = 'llm': the [[teachers.models]] name that writes the hints")
