@@ -16,12 +16,15 @@ code the task wants is left for RL.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import re
 from typing import Any, Callable
 
+from composer_mesh.configs.sections.env import EnvConfig
 from composer_mesh.envs.base import Environment
+from composer_mesh.envs.micro_ops import KINDS
 
 CLOSING = "Done."
 _MODULES = ("util", "helpers", "core", "main", "lib", "tools", "common", "mathx", "text", "funcs")
@@ -51,6 +54,18 @@ def random_edit(prompt: str, rng: random.Random) -> tuple[str, dict[str, str]] |
     params = [p.split(":")[0].split("=")[0].strip() for p in stub.group(1).split(",") if p.strip()]
     a, b = (params + params)[:2] if params else ("0", "1")
     return path.group(1), {"path": path.group(1), "old": "pass", "new": "return " + rng.choice(EXPRESSIONS).format(a=a, b=b)}
+
+
+def warm_start_env(env: EnvConfig) -> EnvConfig:
+    """The environment the warm start's episode starts come from: the task's, widened to every operation of
+    `env.coding.warm_start_kinds` when set (the held-out split is by template hash, so it stays unseen)."""
+    kinds = env.coding.warm_start_kinds
+    if not kinds:
+        return env
+    unknown = sorted(set(kinds) - set(KINDS))
+    if unknown:
+        raise ValueError(f"env.coding.warm_start_kinds: unknown kinds {unknown}; choose from {', '.join(KINDS)}")
+    return dataclasses.replace(env, coding=dataclasses.replace(env.coding, kinds=kinds, ops_per_kind=0))
 
 
 def tool_format_examples(make_env: Callable[[str], Environment], n: int, seed: int

@@ -25,7 +25,7 @@ from composer_mesh.actors.teacher_replay import ReplaySpec
 from composer_mesh.configs.schema import JobConfig
 from composer_mesh.envs.demo import format_examples
 from composer_mesh.envs.factory import check_task, env_factory
-from composer_mesh.envs.tool_format import tool_format_examples
+from composer_mesh.envs.tool_format import tool_format_examples, warm_start_env
 from composer_mesh.envs.plugin import add_python_path
 from composer_mesh.mesh.controller import TOOL_TASKS, Controller, ControllerConfig, StepRecord
 from composer_mesh.mesh.memory import check as memory_check
@@ -243,7 +243,8 @@ def model_dir(job: JobConfig) -> str:
         raise ValueError(f"model.flavour = {job.model.flavour!r} needs model.hf_path (generators load HF weights)")
     demo, tl = job.env.demo, job.env.tool_loop
     if job.env.task in TOOL_TASKS and tl.warm_start_steps > 0:
-        conversations, tools = tool_format_examples(env_factory(job.env), tl.warm_start_examples, tl.warm_start_seed)
+        conversations, tools = tool_format_examples(env_factory(warm_start_env(job.env)), tl.warm_start_examples,
+                                                    tl.warm_start_seed)
         ws = WarmStartConfig(steps=tl.warm_start_steps, batch_size=tl.warm_start_batch_size, lr=tl.warm_start_lr,
                              seed=tl.warm_start_seed, decay=tl.warm_start_decay)
         weights = warm_start_dir(dataclasses.replace(job.model, hf_path=str(weights)), conversations, ws,

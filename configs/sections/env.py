@@ -139,6 +139,10 @@ class CodingConfig:
     heldout_fraction: float = option(
         0.2, doc="micro: share of task templates (by a hash of the template id) kept for evaluation", ge=0.0, lt=1.0
     )
+    warm_start_kinds: tuple[str, ...] = option(
+        (), doc="micro: the tool-loop warm start's prompts draw every operation of these kinds (train templates "
+        "only: the held-out templates stay unseen); empty = the task's own operations"
+    )
 
 
 @dataclass(frozen=True)

@@ -28,9 +28,9 @@ from composer_mesh.actors.teacher_replay import rollout_states
 from composer_mesh.configs.records import ErrorKind
 from composer_mesh.configs.sections.env import CodingConfig, EnvConfig, SandboxConfig, ToolLoopConfig
 from composer_mesh.envs.factory import env_factory
-from composer_mesh.envs.micro import make_task
+from composer_mesh.envs.micro import make_task, templates
 from composer_mesh.envs.sandbox import Sandbox
-from composer_mesh.envs.tool_format import CLOSING, EXPRESSIONS, tool_format_examples
+from composer_mesh.envs.tool_format import CLOSING, EXPRESSIONS, tool_format_examples, warm_start_env
 from composer_mesh.envs.tool_loop import ToolLoopEnv, offered_tools
 from composer_mesh.mesh.episode_metrics import episode_metrics, eval_pass_rates
 from composer_mesh.mesh.packing import make_hint, pair_tokens
@@ -211,6 +211,20 @@ def test_warm_start_examples_teach_the_format_not_the_task(tok, sandbox):
     # the same seed gives the same examples; another seed others
     assert tool_format_examples(make, 40, seed=3)[0] == conversations
     assert tool_format_examples(make, 40, seed=4)[0] != conversations
+
+
+def test_warm_start_env_widens_the_ops_and_keeps_heldout_unseen(sandbox):
+    env = EnvConfig(task="coding", coding=CodingConfig(namings=(2,), heldout_fraction=0.25,
+                                                       warm_start_kinds=("arithmetic", "strings")))
+    wide = warm_start_env(env)
+    assert wide.coding.kinds == ("arithmetic", "strings") and wide.coding.ops_per_kind == 0
+    assert warm_start_env(EnvConfig(task="coding")) == EnvConfig(task="coding")
+    held = {t.id for t in templates(env.coding, "heldout")}
+    seen = {t.id for t in templates(wide.coding, "train")}
+    assert held and not held & seen
+    assert {t.id for t in templates(env.coding, "train")} < seen
+    with pytest.raises(ValueError, match="env.coding.warm_start_kinds"):
+        warm_start_env(EnvConfig(task="coding", coding=CodingConfig(warm_start_kinds=("arithmetic", "poetry"))))
 
 
 def test_micro_teachers_edit_passes_and_slip_fails(sandbox):

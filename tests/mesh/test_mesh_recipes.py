@@ -119,7 +119,7 @@ def _local_mesh(job: JobConfig) -> dict[str, Any]:
 
 
 def _one_short_step(job: JobConfig) -> dict[str, Any]:
-    """One step of two prompts (one per DiLoCo group at least), groups of two, short turns."""
+    """One step of two prompts (one per DiLoCo group at least), groups of two, short turns, a short warm start."""
     trainer, gen = job.trainer, job.generator
     prompts = max(min(trainer.prompts_per_step, 2), job.diloco.replica_groups if job.diloco.enabled else 1)
     overrides: dict[str, Any] = {
@@ -131,6 +131,9 @@ def _one_short_step(job: JobConfig) -> dict[str, Any]:
     }
     if trainer.eval_every > 0:
         overrides["trainer.eval_samples"] = min(trainer.eval_samples, 2)
+    # the warm start's path runs; its length is the recipe's learning, not what this test checks
+    if job.env.tool_loop.warm_start_steps > 0:
+        overrides["env.tool_loop.warm_start_steps"] = min(job.env.tool_loop.warm_start_steps, 8)
     return overrides
 
 
