@@ -40,8 +40,8 @@ from composer_mesh.titan_ext.trainer import TrainerSpec
 logger = logging.getLogger(__name__)
 
 GIB = 1 << 30
-# Fitted by `benchmarks/memory_scale.py --quick --override mesh.malloc_mmap_threshold_mib=4` (the default
-# threshold; how, and what the rests hold: docs/cluster.md, "Sizing a node").
+# Fitted by `benchmarks/memory_scale.py --quick --override mesh.malloc_mmap_threshold_mib=4 --override
+# trainer.dpo_reference_storage=memory` (the defaults; how, and what the rests hold: docs/cluster.md, "Sizing a node").
 # Trainer: beyond params, grads, optimizer state and the reference.
 TRAINER_REST_BYTES_PER_PARAM = 4.8
 # Generator: beyond the serving-dtype weights.
