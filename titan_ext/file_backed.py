@@ -37,8 +37,9 @@ def map_parameters_to_file(module: torch.nn.Module, path: str | Path) -> Path:
             f"{sharded[0]} is FSDP-sharded: set trainer.dpo_reference_storage = 'memory'")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    # a new file (new inode) replaced atomically: a mapping of an older copy never sees it change
-    tmp = path.with_name(path.name + ".tmp")
+    # a new file (new inode) replaced atomically: a mapping of an older copy never sees it change; the pid keeps
+    # two processes writing the same name (replicas sharing a run folder) off each other's partial file
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     save_file({name: p.detach().contiguous() for name, p in named.items()}, str(tmp))
     os.replace(tmp, path)
     with path.open("rb") as f:
