@@ -9,7 +9,9 @@ evaluation off) with the memory goal's optimizer, serving dtype and malloc
 threshold (`RECIPE`: AdamW, so the trainer holds fp32 parameters, gradients
 and two moments, plus the frozen DPO reference; bf16 generators, whose dtype
 the reference and the weight-sync slots take; the 1 MiB mmap threshold this
-benchmark chose for memory-bound runs, docs/cluster.md) in its own process;
+benchmark chose for memory-bound runs, docs/cluster.md; the reference as a
+file in the run folder read through mmap, page cache rather than the
+trainer's private memory) in its own process;
 `--override` goes on top (`optimizer.name=muon`, `generator.dtype=float32`,
 `mesh.malloc_mmap_threshold_mib=4` for the debug recipe as is). A sampler reads every process of the run each 0.2 s:
 anonymous RSS (`RssAnon`: private memory; shared-memory slots are counted
@@ -23,7 +25,8 @@ checkpoint, export, exit).
 Prints, per shape and role, the peak anonymous RSS and bytes per parameter,
 and ends with one JSON line: `trainer_bytes_per_param`,
 `generator_bytes_per_param`, `shm_bytes_per_param`, `host_bytes_per_param`
-(peak of everything on the host) for the largest shape run, each actor's own
+(peak of everything on the host), `reference_file_bytes_per_param` (the
+file-backed DPO reference, page cache outside those) for the largest shape run, each actor's own
 peak per phase (`phase_bytes_per_param`: load, first_sync, step,
 checkpoint, export; generator load, first_sync, generate, sync), plus the slope
 and intercept of each role's peak against the parameter count over the
@@ -55,7 +58,8 @@ SHAPES = {
 QUICK = ("tiny", "8M", "0.6B-4L")
 ROLES = ("controller", "trainer", "generator", "replay")
 # overrides of configs/demo_cpu.toml for every run, before --override
-RECIPE = ("optimizer.name=adamw", "generator.dtype=bfloat16", "mesh.malloc_mmap_threshold_mib=1")
+RECIPE = ("optimizer.name=adamw", "generator.dtype=bfloat16", "mesh.malloc_mmap_threshold_mib=1",
+          "trainer.dpo_reference_storage=file")
 
 
 def make_model(root: Path, shape: tuple[int, ...]) -> tuple[Path, int]:
@@ -183,7 +187,10 @@ def run_shape(name: str, shape: tuple[int, ...], tmp: Path, steps: int = 2, over
         raise SystemExit(f"{name}: train exited {proc.returncode}:\n{err[-3000:]}")
     peaks = {role: max(p.get(role, 0) for p in sampler.peaks.values()) for role in (*ROLES, "shm", "host")}
     memory = json.loads((root / "runs" / job / "summary.json").read_text())["memory"]
+    # the file-backed DPO reference (trainer.dpo_reference_storage = "file"): page cache, not counted above
+    reference_file = sum(f.stat().st_size for f in (root / "runs" / job).glob("dpo_reference.rank*.safetensors"))
     return {"params": params, "wall_s": time.perf_counter() - start, "peaks": peaks, "phases": sampler.peaks,
+            "reference_file": reference_file,
             "actor_phases": {"trainer": memory["trainer"][0], "generator": memory["generator"][0]}}
 
 
@@ -235,6 +242,9 @@ def main() -> None:
     print(f"{'role':10} {'bytes/param (slope)':>20} {'fixed GiB (intercept)':>22}")
     for role, (slope, icpt) in fits.items():
         print(f"{role:10} {slope:20.2f} {icpt / gib:22.3f}")
+    per_param["reference_file_bytes_per_param"] = big["reference_file"] / big["params"]
+    print(f"{names[-1]}: the DPO reference's file in the run folder (page cache, not in the trainer's figures): "
+          f"{per_param['reference_file_bytes_per_param']:.2f} B/param")
     print(json.dumps({**per_param, "overrides": [*RECIPE, *a.override], "largest": names[-1], "params": big["params"], "phase_bytes_per_param": phase_bpp,
                       "fit": {role: {"bytes_per_param": s, "fixed_bytes": i} for role, (s, i) in fits.items()}}))
 

@@ -7,7 +7,8 @@ with the per-parameter and fixed costs measured by
 - trainer, per process: its shard (1 / FSDP ranks) of fp32 parameters and
   gradients, the optimizer's state (AdamW: 2 fp32 moments; Muon: 1 momentum
   buffer), the frozen DPO reference when the preference loss needs one (in
-  `trainer.dpo_reference_dtype`, by default the serving dtype), and
+  `trainer.dpo_reference_dtype`, by default the serving dtype; none when
+  `trainer.dpo_reference_storage = "file"` keeps it in the page cache), and
   the measured rest (export and checkpoint buffers, the loss's temporaries);
 - generator, per process: the weights in the serving dtype plus the measured
   rest (the engine, the shadow model it loads through);
@@ -39,8 +40,8 @@ from composer_mesh.titan_ext.trainer import TrainerSpec
 logger = logging.getLogger(__name__)
 
 GIB = 1 << 30
-# Fitted by `benchmarks/memory_scale.py --quick --override mesh.malloc_mmap_threshold_mib=4` (the default
-# threshold; how, and what the rests hold: docs/cluster.md, "Sizing a node").
+# Fitted by `benchmarks/memory_scale.py --quick --override mesh.malloc_mmap_threshold_mib=4 --override
+# trainer.dpo_reference_storage=memory` (the defaults; how, and what the rests hold: docs/cluster.md, "Sizing a node").
 # Trainer: beyond params, grads, optimizer state and the reference.
 TRAINER_REST_BYTES_PER_PARAM = 4.8
 # Generator: beyond the serving-dtype weights.
@@ -88,7 +89,9 @@ def estimate(job: JobConfig, params: int) -> MemoryEstimate:
     replay = job.loss.beta > 0 and mesh.replay_procs > 0
     # the trainer builds the frozen reference only then (mesh.placement.trainer_spec_for, titan_ext.trainer)
     frozen = replay and job.trainer.dpo_reference == "frozen" and job.loss.preference.needs_reference
-    reference = DTYPE_BYTES[TrainerSpec.from_job(job).reference_dtype] if frozen else 0
+    # a file-backed reference is page cache the kernel may evict, not private memory
+    in_memory = frozen and job.trainer.dpo_reference_storage == "memory"
+    reference = DTYPE_BYTES[TrainerSpec.from_job(job).reference_dtype] if in_memory else 0
     optimizer = OPTIMIZER_BYTES_PER_PARAM[job.optimizer.name]
     trainer_bpp = 4 + 4 + optimizer + reference + TRAINER_REST_BYTES_PER_PARAM
     serving = DTYPE_BYTES.get(gen.dtype, 4)

@@ -61,6 +61,7 @@ from composer_mesh.titan_ext.assets import tokenizer_dir_for
 from composer_mesh.titan_ext.attention import attention_masks
 from composer_mesh.titan_ext.batch import TrainBatch
 from composer_mesh.titan_ext.checkpoint import Checkpointer
+from composer_mesh.titan_ext.file_backed import map_parameters_to_file
 from composer_mesh.titan_ext.hf.adapters import HFBucket, iter_hf_buckets
 from composer_mesh.titan_ext.hf.parity import verify_hf_checkpoint
 from composer_mesh.titan_ext.hf.read import load_hf_into_titan
@@ -90,6 +91,8 @@ class TrainerSpec:
     torch_threads: int = 0
     # the recipe's generator.dtype: what trainer.dpo_reference_dtype = "serving" means
     serving_dtype: str = "float32"
+    # the run folder: where trainer.dpo_reference_storage = "file" writes the reference ("" = none)
+    run_dir: str = ""
 
     @property
     def reference_dtype(self) -> str:
@@ -110,6 +113,7 @@ class TrainerSpec:
             checkpoint=job.checkpoint,
             checkpoint_dir=str(folder) if job.checkpoint.enabled else "",
             serving_dtype=job.generator.dtype,
+            run_dir=str(Path(job.job.output_dir) / job.job.name),
         )
 
 
@@ -153,6 +157,11 @@ class Trainer:
         if spec.trainer.dpo_reference == "frozen" and spec.loss.beta > 0 and spec.loss.preference.needs_reference:
             reference_dtype = getattr(torch, spec.reference_dtype)
             self.reference = self._build_model(copy_of=model, dtype=reference_dtype).requires_grad_(False).eval()
+            if spec.trainer.dpo_reference_storage == "file":
+                if not spec.run_dir:
+                    raise ValueError("trainer.dpo_reference_storage = 'file' needs a run folder (TrainerSpec.run_dir)")
+                map_parameters_to_file(self.reference,
+                                       Path(spec.run_dir) / f"dpo_reference.rank{dist.get_rank()}.safetensors")
 
         self.optimizer = build_optimizer(model, spec.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, spec.optimizer, spec.trainer.steps)

@@ -32,6 +32,13 @@ class TrainerConfig:
         doc="dtype the frozen DPO reference is kept and run in: serving = generator.dtype (the weights the "
         "generators started from, 2 bytes/param in bfloat16 instead of 4), or float32 / bfloat16.",
     )
+    dpo_reference_storage: str = option(
+        "memory", choices=("memory", "file"),
+        doc="Where the frozen DPO reference's parameters live: memory = the trainer's private memory; file = a "
+        "safetensors copy in the run folder (<output_dir>/<name>/dpo_reference.rank<R>.safetensors) read through "
+        "mmap, held as page cache the kernel may evict (the same bytes: DPO's numbers are unchanged; one "
+        "unsharded trainer rank only).",
+    )
     export_bucket_mib: float = option(
         256.0, gt=0.0, doc="Weight export for generators: MiB of full (gathered) tensors materialised per bucket."
     )

@@ -43,6 +43,11 @@ def test_estimate_is_the_documented_formula():
                                          "generator.dtype": "bfloat16", "optimizer.name": "adamw",
                                          "trainer.dpo_reference_dtype": "float32"}), params)
     assert pinned.per_process["trainer"] == int(trainer + (4 - reference) * params / 2)
+    # a file-backed reference is page cache, not the trainer's private memory
+    mapped = memory.estimate(job_with(**{"mesh.trainer_procs": 2, "trainer.max_staleness": 1,
+                                         "generator.dtype": "bfloat16", "optimizer.name": "adamw",
+                                         "trainer.dpo_reference_storage": "file"}), params)
+    assert mapped.per_process["trainer"] == int(trainer - reference * params / 2)
 
     muon = memory.estimate(job_with(**{"optimizer.name": "muon", "loss.beta": 0.0}), params)
     assert muon.per_process["trainer"] == int(memory.FIXED_BYTES["trainer"]

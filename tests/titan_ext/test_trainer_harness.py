@@ -238,13 +238,15 @@ def make_spec(args: dict[str, Any], out_dir: Path | None = None):
         parallelism=ParallelismConfig(**args.get("parallelism", {})),
         trainer=TrainerConfig(steps=args.get("steps", 5), microbatches=args.get("microbatches", 2), grad_clip=1.0,
                               export_bucket_mib=args.get("bucket_mib", 256.0),
-                              dpo_reference_dtype=args.get("reference_dtype", "serving")),
+                              dpo_reference_dtype=args.get("reference_dtype", "serving"),
+                              dpo_reference_storage=args.get("reference_storage", "memory")),
         optimizer=OptimizerConfig(name=args.get("optimizer", "muon"), lr=0.02, adamw_lr=3e-3, warmup_steps=1),
         loss=LossConfig(alpha=1.0, beta=1.0, chunk_tokens=16, policy=PolicyLossConfig(**args.get("policy", {})),
                         distill=DistillLossConfig(kind=args.get("distill_kind", "jsd"), taid_alpha=0.5,
                                                   taid_adaptive=args.get("taid_adaptive", True))),
         checkpoint=CheckpointConfig(**ckpt) if ckpt else CheckpointConfig(enabled=False),
         checkpoint_dir=str(out_dir / "ckpt") if ckpt else "",
+        run_dir=str(out_dir) if out_dir else "",
     )
 
 
@@ -544,7 +546,7 @@ def scenario_reference(out_dir: Path, args: dict[str, Any]) -> dict:
                                         labels_BL.reshape(-1), want_entropy=False)
         return stats.logprobs.reshape(labels_BL.shape)[:, :-1].float()
 
-    trainer = Trainer(make_spec(args))
+    trainer = Trainer(make_spec(args, out_dir))
     dtype = getattr(torch, args["reference_dtype"])
     reference = trainer.reference
     # before any forward: FSDP leaves the last group unsharded after one (it does not reshard the head)
@@ -566,7 +568,20 @@ def scenario_reference(out_dir: Path, args: dict[str, Any]) -> dict:
         "policy_moved": any(not torch.equal(p0, full(p)) for p0, p in zip(policy0, trainer.model.parameters())),
         "lp_reference_after_equal": torch.equal(logprobs(reference), lp_reference0),
         "grads_after_step": sum(p.grad is not None for p in trainer.model.parameters()),
+        # the file each parameter's memory maps ("" for anonymous memory), as the kernel lists the mappings
+        "storage_files": sorted({mapped_file((p.to_local() if isinstance(p, DTensor) else p).data_ptr())
+                                 for p in reference.parameters() if p.numel()}),
     }
+
+
+def mapped_file(address: int) -> str:
+    """The file this process maps at `address` (/proc/self/maps), "" for anonymous memory (heap or mmap)."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        start, end = (int(x, 16) for x in fields[0].split("-"))
+        if start <= address < end:
+            return fields[5] if len(fields) > 5 and fields[5].startswith("/") else ""
+    raise ValueError(f"address {address:#x} is not mapped")
 
 
 def export_parity(trainer, out_dir: Path) -> dict:

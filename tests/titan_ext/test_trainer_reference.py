@@ -8,9 +8,14 @@ bytes on every rank, never receives gradients, and its logprobs stay put
 while the policy trains. Its logprobs at init are those of the same weights
 in bf16: close to the fp32 policy's, not equal. The fp32 reference (the
 option's other value, and every recipe serving in fp32) stays bitwise the policy.
+Kept in a file of the run folder read through mmap (`trainer.dpo_reference_storage
+= "file"`), every parameter maps that file and the reference scores bitwise as
+the in-memory one.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +32,8 @@ def runs(tiny_assets):
         ("bfloat16", 1): run_ranks("reference", 1, _scratch("ref_bf16_1"), {**args, "reference_dtype": "bfloat16"}),
         ("bfloat16", 2): run_ranks("reference", 2, _scratch("ref_bf16_2"), {**args, "reference_dtype": "bfloat16"}),
         ("float32", 1): run_ranks("reference", 1, _scratch("ref_fp32_1"), {**args, "reference_dtype": "float32"}),
+        ("bfloat16", "file"): run_ranks("reference", 1, _scratch("ref_bf16_file"),
+                                        {**args, "reference_dtype": "bfloat16", "reference_storage": "file"}),
     }
 
 
@@ -55,3 +62,15 @@ def test_fp32_reference_is_the_policy_bitwise(runs):
     assert r["bytes"]["reference"] == r["bytes"]["policy"]
     assert r["lp_diff_max"] == 0.0
     assert r["reference_unchanged"] and r["policy_moved"] and r["grads_after_step"] == 0
+
+
+def test_file_backed_reference_maps_the_run_folder_and_scores_bitwise_as_in_memory(runs):
+    memory, mapped = runs[("bfloat16", 1)], runs[("bfloat16", "file")]
+    assert memory["storage_files"] == [""]
+    # one file, in the run folder the trainer was given
+    [path] = map(Path, mapped["storage_files"])
+    assert path.name == "dpo_reference.rank0.safetensors" and path.parent.name.startswith("trainer_ref_bf16_file_")
+    assert mapped["dtypes"] == ["torch.bfloat16"] and not mapped["requires_grad"]
+    assert mapped["params_are_cast_policy"] and mapped["buffers_equal"]
+    assert mapped["lp_reference"] == memory["lp_reference"]
+    assert mapped["reference_unchanged"] and mapped["lp_reference_after_equal"] and mapped["policy_moved"]
