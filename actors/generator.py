@@ -213,6 +213,6 @@ class GeneratorActor(Actor):
                      keep: int = 2, bucket_bytes: int = 64 << 20, use_delta: bool = False) -> dict:
         """This host's reader: RDMA-read every remote trainer rank's runs (or, `use_delta`, their deltas against
         the host's copy of the base version) into this host's segment (which the local generators then read);
-        returns {"bytes_remote", "published", "pull_s", "delta", "crc_mismatches"}."""
+        returns {"bytes_remote", "published", "pull_s", "delta", "checksum_mismatches"}."""
         return pull_pieces(root, host_label(), version, token, layout, sources, parties, keep, bucket_bytes,
                            use_delta)

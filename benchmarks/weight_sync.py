@@ -217,7 +217,7 @@ def _codec(root: str, host: str, version: int) -> dict:
     import numpy as np
     import zstandard
 
-    from composer_mesh.actors.weight_sync.delta import encode_run
+    from composer_mesh.actors.weight_sync.delta import encode_run, zstd_level
     from composer_mesh.actors.weight_sync.reader import PinnedSegment
 
     with PinnedSegment.open(root, host, version - 1) as old, PinnedSegment.open(root, host, version) as new:
@@ -233,7 +233,7 @@ def _codec(root: str, host: str, version: int) -> dict:
     index_s = time.perf_counter() - start
     start = time.perf_counter()
     # a becomes b (the sender's base)
-    _, _, packed = encode_run(b, a, 2, zstandard.ZstdCompressor(level=1))
+    _, _, packed = encode_run(b, a, 2, zstandard.ZstdCompressor(level=zstd_level(2)))
     xor_s = time.perf_counter() - start
     return {"xor_zstd": len(packed) / n, "bitmask_values": (bits.nbytes + values.numel() * 2) / n,
             "index_values": (index.numel() * 4 + values.numel() * 2) / n,

@@ -27,7 +27,7 @@ import torch
 from monarch.actor import Actor, endpoint
 
 from composer_mesh.actors.chaos import fail_point
-from composer_mesh.actors.weight_sync.delta import DeltaBase, RunDelta, runs_crc
+from composer_mesh.actors.weight_sync.delta import DeltaBase, RunDelta, runs_checksum
 from composer_mesh.actors.weight_sync.segment import Piece
 
 # input bytes per chunk: small enough to pipeline a shard of a few tens of MB, large enough that one
@@ -55,12 +55,12 @@ class DeltaPlan:
 @dataclass
 class DeltaChunk:
     """One chunk of a rank's delta: its runs' encodings (`at` within `data`, its encoded bytes `[nbytes]`
-    uint8); on the `last` chunk, `crc`, the CRC-32 of all the rank's runs after applying."""
+    uint8); on the `last` chunk, `checksum`, the checksum (`runs_checksum`) of all the rank's runs after applying."""
 
     runs: list[RunDelta]
     data: torch.Tensor
     last: bool
-    crc: int | None
+    checksum: int | None
 
     @property
     def nbytes(self) -> int:
@@ -78,14 +78,14 @@ class EncodeJob:
     plan: DeltaPlan | None
     # the runs of each chunk, in order, their encoded bytes [chunk bytes] uint8, and whether it is the last
     chunks: list[tuple[list[RunDelta], torch.Tensor, bool]] = field(default_factory=list)
-    # CRC-32 of all the runs, set with the last chunk
-    crc: int | None = None
+    # `runs_checksum` of all the runs, set with the last chunk
+    checksum: int | None = None
     error: BaseException | None = None
     finished: bool = False
     cond: threading.Condition = field(default_factory=threading.Condition)
 
     def chunk(self, index: int, timeout_s: float) -> tuple[list[RunDelta], torch.Tensor, bool, int | None]:
-        """Chunk `index` once encoded: (runs, bytes, last, CRC on the last); raises when the encoding failed."""
+        """Chunk `index` once encoded: (runs, bytes, last, checksum on the last); raises when the encoding failed."""
         with self.cond:
             ready = self.cond.wait_for(lambda: len(self.chunks) > index or self.finished, timeout_s)
             if self.error is not None:
@@ -96,7 +96,7 @@ class EncodeJob:
             if index >= len(self.chunks):
                 raise IndexError(f"{self.name()} has {len(self.chunks)} delta chunks, not {index + 1}")
             runs, data, last = self.chunks[index]
-            return runs, data, last, self.crc if last else None
+            return runs, data, last, self.checksum if last else None
 
     def name(self) -> str:
         """The publication it encodes, for errors."""
@@ -150,12 +150,12 @@ class BackgroundEncoder:
             self.base.drop()
 
     @staticmethod
-    def _emit(job: EncodeJob, runs: list[RunDelta], sections: list[torch.Tensor], last: bool, crc: int) -> None:
+    def _emit(job: EncodeJob, runs: list[RunDelta], sections: list[torch.Tensor], last: bool, checksum: int) -> None:
         """Hand a chunk to the readers waiting on `job`."""
         data = torch.cat(sections) if sections else torch.empty(0, dtype=torch.uint8)
         with job.cond:
             if last:
-                job.crc = crc
+                job.checksum = checksum
             job.chunks.append((runs, data, last))
             job.cond.notify_all()
 
@@ -166,19 +166,19 @@ class BackgroundEncoder:
             if job.plan is None:
                 self.base.refresh(payload_U8, runs, version, token)
                 return
-            crc, pending, sections, at, input_bytes = 0, [], [], 0, 0
+            checksum, pending, sections, at, input_bytes = 0, [], [], 0, 0
             for n, (run, encoding, k, section) in enumerate(
                     self.base.encode_runs(payload_U8, runs, version, token, itemsize)):
-                crc = runs_crc(payload_U8, [run], crc)
+                checksum = runs_checksum(payload_U8, [run], checksum)
                 pending.append(RunDelta(run, encoding, k, at, section.numel()))
                 sections.append(section)
                 at += section.numel()
                 input_bytes += run.nbytes
                 if input_bytes >= self.chunk_bytes or n == len(runs) - 1:
-                    self._emit(job, pending, sections, n == len(runs) - 1, crc)
+                    self._emit(job, pending, sections, n == len(runs) - 1, checksum)
                     pending, sections, at, input_bytes = [], [], 0, 0
             if not runs:
-                self._emit(job, [], [], True, crc)
+                self._emit(job, [], [], True, checksum)
         except BaseException as exc:  # noqa: BLE001 - kept for the next publication and the readers
             self.base.drop()
             job.error = exc

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from composer_mesh.actors.weight_sync.delta import Delta, apply_delta, runs_crc
+from composer_mesh.actors.weight_sync.delta import Delta, apply_delta, runs_checksum
 from composer_mesh.actors.weight_sync.encoder import DeltaChunk, DeltaPlan
 from composer_mesh.actors.weight_sync.mapping import one_thread
 from composer_mesh.actors.weight_sync.pull_status import pulling
@@ -45,18 +47,34 @@ def _pin_base(root: str, host: str, layout: SegmentLayout, sources: list[RemoteS
     return base
 
 
+# appliers of the ranks' chunks: one thread per core a host's reader may use (a host reads a few ranks at most)
+_APPLY = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="delta-apply")
+
+
+def _apply_chunk(writer: SegmentWriter, base: PinnedSegment, s: RemoteSource, chunk: DeltaChunk, checksum: int) -> int | None:
+    """Write `chunk`'s runs of source `s` into `writer` as `base` XOR their decoded bits; the source's checksum
+    continued over them, or None when the chunk does not decode."""
+    part = Delta(s.delta.version, s.delta.base_version, s.delta.base_token, s.delta.itemsize, chunk.runs,
+                 chunk.nbytes, 0)
+    try:
+        apply_delta(writer.payload, base.payload, part, chunk.data)
+    except ValueError:
+        return None
+    return runs_checksum(writer.payload, [rd.run for rd in chunk.runs], checksum)
+
+
 def _pull_deltas(writer: SegmentWriter, base: PinnedSegment, sources: list[RemoteSource],
                  timeout_s: float = 600.0) -> tuple[int, list, dict[int, tuple[int, int]]]:
     """Stream every source's delta chunk by chunk (chunk k+1 is asked for before chunk k is applied, so the
     trainer's encoding, the transfer and this host's applying overlap) and write its runs as `base` XOR the
-    delta. Returns (bytes received, the sources to read whole: their CRC after applying did not match, a chunk
+    delta. Returns (bytes received, the sources to read whole: their checksum after applying did not match, a chunk
     did not decode, or their background encoding failed, {rank: (changed, elements)} of the deltas applied)."""
 
     def ask(s: RemoteSource, index: int) -> Any:
         return s.encoder.chunk.call_one(s.delta.version, s.delta.token, index, timeout_s)
 
     transferred, mismatched, counts = 0, [], {}
-    crcs, changed = {s.rank: 0 for s in sources}, {s.rank: 0 for s in sources}
+    checksums, changed = {s.rank: 0 for s in sources}, {s.rank: 0 for s in sources}
     asked, index = {s.rank: ask(s, 0) for s in sources}, 0
     live = {s.rank: s for s in sources}
     while live:
@@ -69,27 +87,28 @@ def _pull_deltas(writer: SegmentWriter, base: PinnedSegment, sources: list[Remot
                 mismatched.append(live.pop(rank))
         index += 1
         asked = {rank: ask(live[rank], index) for rank, chunk in chunks.items() if not chunk.last}
+        # each rank's chunk on its own thread (zstd, torch and zlib release the GIL): the ranks' runs are
+        # disjoint, and the applying is what this host's share of the sync costs
         with one_thread():
-            for rank, chunk in chunks.items():
-                s, runs = live[rank], [rd.run for rd in chunk.runs]
-                transferred += chunk.nbytes
-                part = Delta(s.delta.version, s.delta.base_version, s.delta.base_token, s.delta.itemsize,
-                             chunk.runs, chunk.nbytes, 0)
-                try:
-                    apply_delta(writer.payload, base.payload, part, chunk.data)
-                except ValueError:
-                    # undecodable: counted with the CRC mismatches, read whole
-                    mismatched.append(live.pop(rank))
-                    asked.pop(rank, None)
-                    continue
-                crcs[rank] = runs_crc(writer.payload, runs, crcs[rank])
-                changed[rank] += chunk.changed
-                if chunk.last:
-                    live.pop(rank)
-                    if crcs[rank] != chunk.crc:
-                        mismatched.append(s)
-                    else:
-                        counts[rank] = (changed[rank], s.delta.elements)
+            futures = {rank: _APPLY.submit(_apply_chunk, writer, base, live[rank], chunk, checksums[rank])
+                       for rank, chunk in chunks.items()}
+            applied = {rank: f.result() for rank, f in futures.items()}
+        for rank, chunk in chunks.items():
+            s, checksum = live[rank], applied[rank]
+            transferred += chunk.nbytes
+            if checksum is None:
+                # undecodable: counted with the checksum mismatches, read whole
+                mismatched.append(live.pop(rank))
+                asked.pop(rank, None)
+                continue
+            checksums[rank] = checksum
+            changed[rank] += chunk.changed
+            if chunk.last:
+                live.pop(rank)
+                if checksum != chunk.checksum:
+                    mismatched.append(s)
+                else:
+                    counts[rank] = (changed[rank], s.delta.elements)
     base.verify()
     return transferred, mismatched, counts
 
@@ -100,7 +119,7 @@ def pull_pieces(root: str, host: str, version: int, token: str, layout: SegmentL
     """RDMA-read remote runs into `host`'s segment, in batches of about `bucket_bytes`; count the bytes.
 
     use_delta: apply the sources' deltas to the host's own sealed copy of their base version instead, when the
-    host holds it (else, or for a source whose CRC then disagrees, the full runs are read)."""
+    host holds it (else, or for a source whose checksum then disagrees, the full runs are read)."""
     # lazy: monarch.rdma loads its transport backend; the controller imports this module and never pulls
     from monarch.rdma import RDMAAction
 
@@ -130,5 +149,5 @@ def pull_pieces(root: str, host: str, version: int, token: str, layout: SegmentL
             action.submit(timeout=600).get()
         published = writer.done(parties)
     return {"bytes_remote": transferred, "published": published, "pull_s": time.perf_counter() - start,
-            "delta": delta, "crc_mismatches": mismatched, "changed": counts}
+            "delta": delta, "checksum_mismatches": mismatched, "changed": counts}
 

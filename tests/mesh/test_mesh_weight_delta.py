@@ -9,7 +9,7 @@ sync (sync mode's `sync()`; async mode's publish, then each generator loading
 alone, for two steps) each generator's digest equals the trainer's own export
 rounded to bf16, deltas cross hosts except on anchors, a respawned reader and
 a restarted trainer get anchors, a host two versions behind gets the full
-runs, a flipped bit in the remote host's base is caught by the CRC, and a
+runs, a flipped bit in the remote host's base is caught by the checksum, and a
 trainer rank whose background encoding fails (`COMPOSER_MESH_FAIL_AT`) is read
 whole, then raises at its next publication. The background encoder's own
 tests stream its chunks in-process: every version rebuilt bitwise, a
@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from composer_mesh.actors.chaos import FAIL_ENV, MARKS_ENV
-from composer_mesh.actors.weight_sync.delta import FULL, XOR, Delta, DeltaBase, RunDelta, apply_delta, runs_crc
+from composer_mesh.actors.weight_sync.delta import FULL, XOR, Delta, DeltaBase, RunDelta, apply_delta, runs_checksum
 from composer_mesh.actors.weight_sync.encoder import BackgroundEncoder
 from composer_mesh.actors.weight_sync.segment import Piece
 from composer_mesh.titan_ext.batch import TrainBatch
@@ -60,7 +60,7 @@ def _advance(base: DeltaBase, payload_U8: torch.Tensor, runs: list[Piece], versi
         out.append(RunDelta(run, encoding, k, at, section.numel()))
         at += section.numel()
     buffer = torch.cat(sections) if sections else torch.empty(0, dtype=torch.uint8)
-    return Delta(version, base_version, base_token, itemsize, out, buffer.numel(), runs_crc(payload_U8, runs)), buffer
+    return Delta(version, base_version, base_token, itemsize, out, buffer.numel(), runs_checksum(payload_U8, runs)), buffer
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -112,12 +112,12 @@ def test_delta_rebuilds_every_bit_and_falls_back_to_full(dtype):
     apply_delta(target, old_p, delta, buffer.clone())
     for r in runs:
         assert torch.equal(target[r.offset : r.offset + r.nbytes], new_p[r.offset : r.offset + r.nbytes])
-    assert runs_crc(target, runs) == delta.crc
+    assert runs_checksum(target, runs) == delta.checksum
     stale = old_p.clone()
-    # a receiver whose base differs in one bit: the CRC says so
+    # a receiver whose base differs in one bit: the checksum says so
     stale[runs[2].offset] ^= 1
     apply_delta(target, stale, delta, buffer.clone())
-    assert runs_crc(target, runs) != delta.crc
+    assert runs_checksum(target, runs) != delta.checksum
     # a truncated or foreign section is refused, not half-applied
     with pytest.raises(ValueError, match="expected"):
         apply_delta(target, old_p, delta, torch.cat([buffer[: delta.runs[2].at + 10],
@@ -136,18 +136,18 @@ def test_delta_rebuilds_every_bit_and_falls_back_to_full(dtype):
 
 def _receive(encoder: BackgroundEncoder, base_p: torch.Tensor, timeout_s: float = 60.0) -> tuple[torch.Tensor, int]:
     """What a reader does with the running job's delta: every chunk, in order, applied to a copy of its base
-    `base_p` (fresh bytes elsewhere), the CRC chained chunk by chunk. Returns (the rebuilt payload, chunks)."""
+    `base_p` (fresh bytes elsewhere), the checksum chained chunk by chunk. Returns (the rebuilt payload, chunks)."""
     plan = encoder.job.plan
     target = torch.full_like(base_p, 0x5A)
-    crc, index = 0, 0
+    checksum, index = 0, 0
     while True:
-        runs, data, last, final_crc = encoder.job.chunk(index, timeout_s)
+        runs, data, last, final_checksum = encoder.job.chunk(index, timeout_s)
         part = Delta(plan.version, plan.base_version, plan.base_token, plan.itemsize, runs, data.numel(), 0)
         apply_delta(target, base_p, part, data.clone())
-        crc = runs_crc(target, [rd.run for rd in runs], crc)
+        checksum = runs_checksum(target, [rd.run for rd in runs], checksum)
         index += 1
         if last:
-            assert crc == final_crc, f"v{plan.version}: the chained CRC differs from the trainer's"
+            assert checksum == final_checksum, f"v{plan.version}: the chained checksum differs from the trainer's"
             return target, index
 
 
@@ -208,12 +208,12 @@ def test_a_publication_while_the_previous_encoding_runs_waits_for_it_and_encodes
     assert (plan.base_version, plan.base_token) == (1, "t1")
     # v1's chunks, read late, still rebuild v1; v2's rebuild v2 on top
     rebuilt1 = torch.full_like(v0, 0x5A)
-    crc = 0
+    checksum = 0
     for index in range(len(first.chunks)):
-        runs_i, data, last, final_crc = first.chunk(index, 1.0)
+        runs_i, data, last, final_checksum = first.chunk(index, 1.0)
         apply_delta(rebuilt1, v0, Delta(1, 0, "t0", 2, runs_i, data.numel(), 0), data.clone())
-        crc = runs_crc(rebuilt1, [rd.run for rd in runs_i], crc)
-    assert last and crc == final_crc and _same_runs(rebuilt1, v1, runs)
+        checksum = runs_checksum(rebuilt1, [rd.run for rd in runs_i], checksum)
+    assert last and checksum == final_checksum and _same_runs(rebuilt1, v1, runs)
     rebuilt2, _ = _receive(encoder, v1)
     assert _same_runs(rebuilt2, v2, runs)
 
@@ -376,7 +376,7 @@ def test_deltas_over_20_steps_stay_bitwise_through_respawn_restart_and_lag(delta
             procs, trainer = _trainer(state, spec)
             assert rank0(trainer.policy_version.call().get()) == 10
             sync = TopologySync(trainer, gens, root, keep=2, dtype="bfloat16", anchor_every=ANCHOR_EVERY)
-        # one bit of the remote host's base flips: its CRC fails, that rank's runs come whole
+        # one bit of the remote host's base flips: its checksum fails, that rank's runs come whole
         if step == 15:
             _flip_a_bit(root, remote)
         # one trainer rank's background encoding fails: the reader reads that rank whole (the generators still
