@@ -14,8 +14,11 @@ seed r on both sides. Two workloads, each with its own warm-started model:
 - short: the answer is the sum (2-3 tokens with the end token), reward 1 for
   the exact sum, 0.2 for any digits; 16 new tokens at most.
 - long: the answer is the 136 digits of a, a+b, a+2b, ... mod 10 (one token
-  each, 137 with the end token), reward the fraction of digits right at their
-  position; 144 new tokens at most, so a completion is >= 128 new tokens.
+  each), reward the fraction of digits right at their position; 144 new
+  tokens at most. Its warm start puts the loss on the digits only, not on an
+  end token, so the model does not learn to stop: a completion runs to the
+  144-token cap (truncated, as TRL's and ours treat any completion that hits
+  the cap), which makes the long workload >= 128 new tokens per completion.
 
 Held-out: 20 of the 100 `a+b` problems never appear in the training file;
 the parent scores greedy completions of them (the same HF `generate` and
@@ -89,7 +92,7 @@ class Workload:
     """One task of the head-to-head: prompts `a+b`, its answer, its reward and its warm-start format.
 
     short: the sum (2-3 tokens with the end token); long: the digits of a, a+b, a+2b, ... mod 10
-    (LONG_DIGITS + 1 tokens), so each completion is >= 128 new tokens.
+    (LONG_DIGITS tokens, warm-started without an end token), so each completion is >= 128 new tokens.
     """
 
     name: str
@@ -155,7 +158,9 @@ def warm_start(model, tok, work: Workload) -> None:
             head = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=False)
             full = tok.apply_chat_template(prompt + [{"role": "assistant", "content": work.format_only(rng)}],
                                            tokenize=True, return_dict=False)
-            rows.append((list(full), len(head)))
+            # long: the loss stops after the digits (no end token), so a sampled completion is not cut short
+            end = len(full) if work.name == "short" else len(head) + LONG_DIGITS
+            rows.append((list(full[:end]), len(head)))
         width = max(len(ids) for ids, _ in rows)
         ids = torch.full((batch, width), tok.pad_token_id)
         labels = torch.full((batch, width), -100)
