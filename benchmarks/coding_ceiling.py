@@ -34,7 +34,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from composer_mesh.configs.loader import load_config
 from composer_mesh.envs.factory import env_factory
 from composer_mesh.mesh.launch import model_dir
-from composer_mesh.titan_ext.warmstart import _batch, sft_rows
+from composer_mesh.titan_ext.warmstart import sft_batch, sft_rows
 
 OPS = ("+", "-", "*")
 
@@ -56,18 +56,21 @@ def reference_conversations(job, split: str, n: int, seed: int) -> tuple[list[li
     return out, tools
 
 
+def op_position(tok, ids: list[int], mask: list[bool]) -> int:
+    """The position whose next-token prediction is the answer's operator token (its last one)."""
+    return [t for t in range(len(ids) - 1) if mask[t + 1] and tok.decode([ids[t + 1]]).strip() in OPS][-1]
+
+
 @torch.no_grad()
-def probabilities(model, tok, rows) -> tuple[float, float]:
-    """Mean teacher-forced probability of the answer and of its operator token over `rows`."""
+def probabilities(model, rows, op_at: list[int]) -> tuple[float, float]:
+    """Mean teacher-forced probability of the answer and of its operator token (at `op_at`) over `rows`."""
     model.eval()
     answer, op = [], []
-    for ids, mask in rows:
+    for (ids, mask), at in zip(rows, op_at):
         x = torch.tensor([ids])
         logp_T = F.log_softmax(model(x).logits[0, :-1].float(), -1).gather(1, x[0, 1:, None])[:, 0]  # [T-1]
-        target = torch.tensor(mask[1:])
-        answer.append(logp_T[target].sum().exp().item())
-        at = [t for t in range(len(ids) - 1) if mask[t + 1] and tok.decode([ids[t + 1]]).strip() in OPS]
-        op.append(logp_T[at[-1]].exp().item())
+        answer.append(logp_T[torch.tensor(mask[1:])].sum().exp().item())
+        op.append(logp_T[at].exp().item())
     model.train()
     return sum(answer) / len(answer), sum(op) / len(op)
 
@@ -95,20 +98,25 @@ def main() -> None:
     heldout, _ = reference_conversations(job, "heldout", n_read, 50_000)
     train_rows, heldout_rows = sft_rows(tok, train, tools), sft_rows(tok, heldout, tools)
     read_rows = train_rows[:n_read]
+    # the operator's position in each row read: fixed, so found once
+    read_op, heldout_op = ([op_position(tok, ids, mask) for ids, mask in rows] for rows in (read_rows, heldout_rows))
+
+    def read() -> tuple[float, ...]:
+        return (*probabilities(model, read_rows, read_op), *probabilities(model, heldout_rows, heldout_op))
 
     torch.manual_seed(args.seed)
     gen = torch.Generator().manual_seed(args.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    table = [(0, *probabilities(model, tok, read_rows), *probabilities(model, tok, heldout_rows))]
+    table = [(0, *read())]
     for step in range(1, steps + 1):
         pick = torch.randint(len(train_rows), (args.batch_size,), generator=gen)
-        tokens_BL, labels_BL = _batch([train_rows[int(i)] for i in pick])
+        tokens_BL, labels_BL = sft_batch([train_rows[int(i)] for i in pick])
         loss = F.cross_entropy(model(tokens_BL).logits.flatten(0, 1).float(), labels_BL.flatten(), ignore_index=-100)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         if step % args.every == 0 or step == steps:
-            table.append((step, *probabilities(model, tok, read_rows), *probabilities(model, tok, heldout_rows)))
+            table.append((step, *read()))
             print(f"step {step}: loss {loss.item():.4f}", flush=True)
 
     print(f"\n{args.config}: SFT on reference answers, lr {args.lr}, batch {args.batch_size}, "

@@ -63,7 +63,7 @@ def sft_rows(tokenizer: Any, conversations: Sequence[list[dict]],
     return rows
 
 
-def _batch(rows: Sequence[tuple[list[int], list[bool]]]) -> tuple[torch.Tensor, torch.Tensor]:
+def sft_batch(rows: Sequence[tuple[list[int], list[bool]]]) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded `[B, L]` ids and next-token labels (-100 off the assistant tokens)."""
     L = max(len(ids) for ids, _ in rows)
     tokens_BL = torch.zeros(len(rows), L, dtype=torch.long)
@@ -87,7 +87,7 @@ def sft(model: torch.nn.Module, rows: Sequence[tuple[list[int], list[bool]]], cf
     losses = []
     for _ in range(cfg.steps):
         pick = torch.randint(len(rows), (min(cfg.batch_size, len(rows)),), generator=gen)
-        tokens_BL, labels_BL = _batch([rows[int(i)] for i in pick])
+        tokens_BL, labels_BL = sft_batch([rows[int(i)] for i in pick])
         positions_BL = torch.arange(tokens_BL.shape[1]).expand_as(tokens_BL)
         logits_BLV = model(tokens_BL, positions_BL, attention_masks(model, positions_BL))
         loss = F.cross_entropy(logits_BLV.flatten(0, 1).float(), labels_BL.flatten(), ignore_index=-100)
