@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 import traceback
 from pathlib import Path
 
@@ -74,6 +75,24 @@ def _sharded_checkpoint_round_trip(platform, hf_dir: str, out_dir: str) -> tuple
     return (a - b).abs().max().item(), same
 
 
+def _barrier_after_failed_collective() -> None:
+    """Gloo's barrier first waits on every collective its process group still lists as in flight.
+    The failed reduce-scatter is unlisted by gloo's worker thread only after its error reached the
+    caller, so a barrier issued at once can re-raise that error (a race seen on a loaded 2-core box)
+    before it reaches the wire; the peer is still waiting, so retry until the list is clear."""
+    import torch.distributed as dist
+
+    for _ in range(100):
+        try:
+            dist.barrier()
+            return
+        except RuntimeError as e:
+            if "PREMUL_SUM" not in str(e):
+                raise
+            time.sleep(0.01)
+    raise RuntimeError("gloo kept re-raising the failed reduce-scatter at the barrier")
+
+
 def _worker(rank: int, port: int, out_dir: str, hf_dir: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch.distributed as dist
@@ -98,7 +117,7 @@ def _worker(rank: int, port: int, out_dir: str, hf_dir: str) -> None:
             premul = "ran"
         except RuntimeError as e:
             premul = "PREMUL_SUM" if "PREMUL_SUM" in str(e) else f"other: {e}"
-        dist.barrier()
+        _barrier_after_failed_collective()
 
         model, configured = _sharded(force_sum=True, platform=platform)
         model(_batch(rank)).square().sum().backward()
