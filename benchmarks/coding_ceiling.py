@@ -17,7 +17,10 @@ on train tasks and on held-out tasks (templates never trained on), before the
 SFT and every `--every` steps. The base model (step 0) is the baseline; the
 JSON line has each figure after minus before. A held-out `op` that falls while
 the train `op` rises says the model learns features of the train templates
-that do not carry over (docs/coding.md, "Fifth round").
+that do not carry over (docs/coding.md, fifth round: a split whose held-out
+frames appeared in training only with other ops); one that follows the train
+`op` says the split can be generalised to, and the train rise is then what any
+channel can at most reach at that lr and step count (sixth round).
 Prints a table and ends with one JSON line.
 """
 

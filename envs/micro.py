@@ -8,10 +8,14 @@ the target module forwarded), as feature-deletion tasks are graded.
 
 A *template* is an operation skeleton (one chain of `envs.micro_ops` ops per
 function, plus the op of a buggy function when `failing_visible_test`) with a
-phrasing and a naming variant; the seed then draws the test inputs and
+phrasing (the docstring's frame) and a naming (the parameters' names); the
+seed then draws each op's words, the function names, the test inputs and the
 distractor files. Templates are split into train and held-out by a stable hash
-of their id (`envs.demo.stable_split`), so held-out tasks combine known
-operations, phrasings and names in combinations never trained on. Every task
+(`envs.demo.stable_split`) of their id, so held-out tasks combine known
+operations, phrasings and names in combinations never trained on, or with
+`heldout_by = "surface"` of their phrasing x naming alone: held-out tasks then
+use surfaces never trained on, and no surface in training predicts the
+operation (every train surface carries every operation). Every task
 is checked in-process when it is made (the reference is our own code): the
 reference passes every hidden test, the starting code fails one.
 """
@@ -42,7 +46,9 @@ MODULE = "m"
 VISIBLE_TESTS = f"test_{MODULE}.py"
 HIDDEN_TESTS = "test_hidden.py"
 _PARAMS = (("a", "b", "c", "d", "e", "f", "g"), ("x", "y", "z", "w", "u", "v", "k"), ("m", "n", "p", "q", "s", "t", "h"))
-_FRAMES = ("Return {}.", "Give back {}.", "Compute and return {}.")
+# docstring frames: the template's phrasing (an op's own words and the function's name are drawn per task)
+_FRAMES = ("Return {}.", "Give back {}.", "Compute and return {}.", "The result is {}.", "Evaluate and return {}.",
+           "Answer with {}.")
 _DISTRACTORS = ("util", "helpers", "extra", "misc", "shapes", "common")
 # templates enumerated (then split by hash) when the space is at most this large; else drawn and rejected
 _ENUMERATE_LIMIT = 4096
@@ -58,9 +64,17 @@ class Template:
     naming: int
 
     @property
+    def surface(self) -> str:
+        return f"p{self.phrasing}n{self.naming}"
+
+    @property
     def id(self) -> str:
         body = ";".join("+".join(chain) for chain in self.chains) + (f";bug:{self.bug}" if self.bug else "")
-        return f"{body}/p{self.phrasing}n{self.naming}"
+        return f"{body}/{self.surface}"
+
+    def split(self, config: CodingConfig) -> Split:
+        """Train or held-out: by a hash of the whole id, or of the surface (phrasing x naming) alone."""
+        return stable_split(self.id if config.heldout_by == "template" else self.surface, config.heldout_fraction)
 
 
 @dataclass(frozen=True)
@@ -180,14 +194,15 @@ def templates(config: CodingConfig, split: Split | None = None) -> tuple[Templat
     """Every template of `config` (of one split when given), or None when the space is too large to list."""
     chains, bugs = _space(config)
     k = config.functions_per_task
-    size = len(chains) ** k * len(bugs) * 3 * len(config.namings)
+    size = len(chains) ** k * len(bugs) * len(_FRAMES) * len(config.namings)
     if len(chains) > _ENUMERATE_LIMIT or size > _ENUMERATE_LIMIT:
         return None
     out = tuple(
         Template(tuple(sorted(combo)), bug, p, n)
-        for combo in itertools.combinations(chains, k) for bug in bugs for p in range(3) for n in config.namings
+        for combo in itertools.combinations(chains, k) for bug in bugs for p in range(len(_FRAMES))
+        for n in config.namings
     )
-    return out if split is None else tuple(t for t in out if stable_split(t.id, config.heldout_fraction) == split)
+    return out if split is None else tuple(t for t in out if t.split(config) == split)
 
 
 def draw_template(config: CodingConfig, split: Split, rng: random.Random) -> Template:
@@ -202,8 +217,8 @@ def draw_template(config: CodingConfig, split: Split, rng: random.Random) -> Tem
     for _ in range(10_000):
         chains = tuple(sorted({_random_chain(ops, config.statements_per_body, rng) for _ in range(config.functions_per_task)}))
         bug = rng.choice(ops).id if config.failing_visible_test else None
-        t = Template(chains, bug, rng.randrange(3), rng.choice(config.namings))
-        if len(chains) == config.functions_per_task and stable_split(t.id, config.heldout_fraction) == split:
+        t = Template(chains, bug, rng.randrange(len(_FRAMES)), rng.choice(config.namings))
+        if len(chains) == config.functions_per_task and t.split(config) == split:
             return t
     raise ValueError(f"env.coding: no {split} template found in 10000 draws (heldout_fraction = {config.heldout_fraction})")
 
@@ -236,8 +251,10 @@ class _Fn:
         return f'def {self.name}({sig}):\n    """{self.doc}"""\n' + "".join(f"    {line}\n" for line in lines)
 
 
-def _render(chain: Sequence[str], name: str, phrasing: int, naming: int, bug: bool = False, code: bool = False) -> _Fn:
-    """The function of `chain`; `code`: docstrings state each op's expression instead of its words."""
+def _render(chain: Sequence[str], name: str, phrasing: int, naming: int, rng: random.Random, bug: bool = False,
+            code: bool = False) -> _Fn:
+    """The function of `chain` in frame `phrasing` and parameter names `naming`; each op's words are drawn
+    from `rng`; `code`: docstrings state each op's expression instead of its words."""
     pool = iter(_PARAMS[naming])
     params: list[tuple[str, str]] = []
     body, doc = [], []
@@ -249,7 +266,7 @@ def _render(chain: Sequence[str], name: str, phrasing: int, naming: int, bug: bo
         y = next(pool) if op.y else ""
         if op.y:
             params.append((y, op.y))
-        phrase = (op.expr if code else op.phrases[phrasing]).format(x=cur, y=y)
+        phrase = (op.expr if code else rng.choice(op.phrases)).format(x=cur, y=y)
         if i == len(chain) - 1:
             body.append("return " + op.expr.format(x=cur, y=y))
             doc.append(_FRAMES[phrasing].format(phrase))
@@ -262,8 +279,9 @@ def _render(chain: Sequence[str], name: str, phrasing: int, naming: int, bug: bo
     return _Fn(name, params, " ".join(doc), body, start)
 
 
-def _function_name(chain: Sequence[str], naming: int, taken: set[str]) -> str:
-    base = "_".join(BY_ID[c].names[naming] for c in chain[:2])
+def _function_name(chain: Sequence[str], rng: random.Random, taken: set[str]) -> str:
+    """A name from the first two ops' names, each drawn from `rng` (unique in `taken`)."""
+    base = "_".join(rng.choice(BY_ID[c].names) for c in chain[:2])
     name, n = base, 2
     while name in taken:
         name, n = f"{base}{n}", n + 1
@@ -285,10 +303,10 @@ def build_task(config: CodingConfig, t: Template, rng: random.Random, name: str)
     """The task of template `t` (test inputs and distractors drawn from `rng`), checked in-process."""
     taken: set[str] = set()
     code = config.docstring == "code"
-    fns = [_render(c, _function_name(c, t.naming, taken), t.phrasing, t.naming, code=code) for c in t.chains]
+    fns = [_render(c, _function_name(c, rng, taken), t.phrasing, t.naming, rng, code=code) for c in t.chains]
     if t.bug:
-        bug_name = _function_name((t.bug,), t.naming, taken)
-        fns.append(_render((t.bug,), bug_name, t.phrasing, t.naming, bug=True, code=code))
+        bug_name = _function_name((t.bug,), rng, taken)
+        fns.append(_render((t.bug,), bug_name, t.phrasing, t.naming, rng, bug=True, code=code))
     pkg = f"{config.package}/" if config.package else ""
     module = (config.package + "." if config.package else "") + MODULE
     target = f"{pkg}{MODULE}.py"
@@ -314,7 +332,8 @@ def build_task(config: CodingConfig, t: Template, rng: random.Random, name: str)
         files[f"{pkg}__init__.py"] = ""
     for j in range(config.distractor_files):
         ops = vocabulary(config.kinds, 0)
-        extra = [_render((rng.choice(ops).id,), "", rng.randrange(3), rng.randrange(3)) for _ in range(2)]
+        extra = [_render((rng.choice(ops).id,), "", rng.randrange(len(_FRAMES)), rng.randrange(len(_PARAMS)), rng)
+                 for _ in range(2)]
         for n, fn in enumerate(extra, 1):
             fn.name = f"helper{n}"
         files[f"{pkg}{_DISTRACTORS[j]}.py"] = "\n\n".join(f.source(f.body) for f in extra)

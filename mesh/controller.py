@@ -51,7 +51,7 @@ from composer_mesh.configs.sections.loss import PolicyLossConfig
 from composer_mesh.envs.tool_loop import offered_tools
 from composer_mesh.mesh.errors import phase
 from composer_mesh.mesh.evaluation import EvalConfig, evaluate
-from composer_mesh.mesh.episode_metrics import episode_metrics
+from composer_mesh.mesh.episode_metrics import episode_metrics, rollout_record
 from composer_mesh.mesh.async_workers import AsyncWorkers
 from composer_mesh.mesh.packing import (
     PROMPT_TOO_LONG, PairTokens, drop_reasons, explain_drops, make_hint, pack_batch, pair_rows, pair_tokens,
@@ -107,6 +107,8 @@ class ControllerConfig:
     max_new_tokens: int = 0
     # held-out evaluation (mesh.evaluation); every=0: off
     eval: EvalConfig = field(default_factory=EvalConfig)
+    # a step record carries its episodes' text every this many steps (metrics.rollouts_every); 0 = never
+    rollouts_every: int = 0
 
     @classmethod
     def from_job(cls, job: JobConfig, *, steps: int, weight_dir: str, state_dir: str, replay: bool) -> ControllerConfig:
@@ -125,6 +127,7 @@ class ControllerConfig:
             tokens_per_request=gen.group_size * gen.max_new_tokens * gen.max_turns, max_new_tokens=gen.max_new_tokens,
             eval=EvalConfig(trainer.eval_every, trainer.eval_samples,
                             SamplingParams.from_config(gen, seed=job.job.seed)),
+            rollouts_every=job.metrics.rollouts_every,
         )
 
 
@@ -146,6 +149,8 @@ class StepRecord:
     iteration: int = 0
     # "trace_id#step" of the preference pairs this step trained on
     pair_keys: list[str] = field(default_factory=list)
+    # the step's episodes as `mesh.episode_metrics.rollout_record`s, on the steps `rollouts_every` asks for
+    rollouts: list[dict[str, Any]] = field(default_factory=list)
 
 
 # the run's phases an actor death is reported in (mesh.errors.phase); placement names "setup"
@@ -396,8 +401,11 @@ class Controller:
             "async/max_staleness": float(max(staleness, default=0)), "async/dropped_stale": float(dropped),
             **drops.metrics(), **episode_metrics(all_rollouts),
         })
+        every = self.cfg.rollouts_every
+        records = [rollout_record(r) for r in all_rollouts] if every and self.iteration % every == 0 else []
         return StepRecord(self.version, metrics, metrics["reward/mean"], staleness, dropped, len(groups),
-                          time.perf_counter() - start, [g.seed for g in groups], self.iteration, pair_keys=pair_keys)
+                          time.perf_counter() - start, [g.seed for g in groups], self.iteration, pair_keys=pair_keys,
+                          rollouts=records)
 
     def step(self, *, sync_generators: bool = True) -> StepRecord:
         """One sync-mode step: generate with the generators' current weights, train, then sync them

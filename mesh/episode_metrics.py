@@ -55,6 +55,18 @@ def episode_metrics(rollouts: Sequence[Rollout], prefix: str = "coding/") -> dic
     return out
 
 
+def rollout_record(rollout: Rollout) -> dict[str, Any]:
+    """One episode for `rollouts.jsonl`: its group and sample, reward, finish reason, policy version, the
+    task and grade fields of its info, and its messages after the prompt (assistant turns and tool results)."""
+    first = next((i for i, m in enumerate(rollout.messages) if m.get("role") == "assistant"), len(rollout.messages))
+    info = {k: v for k, v in rollout.info.items() if isinstance(v, (str, int, float, bool)) or k == "violations"}
+    return {
+        "group": rollout.group_id, "sample": rollout.sample, "seed": rollout.seed, "reward": rollout.reward,
+        "finish_reason": rollout.finish_reason, "policy_version": rollout.policy_version, "info": info,
+        "turns": rollout.messages[first:],
+    }
+
+
 def eval_pass_rates(greedy: Sequence[Rollout], sampled: Sequence[Rollout]) -> dict[str, Any]:
     """The held-out pass rates (greedy and sampled) and the sampled episodes' metrics, for coding tasks."""
     if not graded(greedy) and not graded(sampled):

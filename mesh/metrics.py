@@ -2,7 +2,8 @@
 
 `MetricsSink` is the controller's `on_step` callback. Every step's record (the
 trainer's reduced metrics plus reward, staleness and timing) goes to
-`metrics.jsonl` and to TensorBoard event files under the run directory; the
+`metrics.jsonl` and to TensorBoard event files under the run directory (and,
+every `[metrics] rollouts_every` steps, the step's episodes to `rollouts.jsonl`); the
 progress bar shows reward and the three channels' losses. `plot_run` draws
 reward and each loss channel per step from the JSONL file (so it also works on
 a finished or resumed run).
@@ -57,6 +58,9 @@ class MetricsSink:
         """Log one `mesh.controller.StepRecord`."""
         row = {"step": record.step, "seconds": record.seconds, "groups": record.groups,
                "staleness": record.staleness, "pair_keys": record.pair_keys, **record.metrics}
+        if record.rollouts:
+            with open(self.run_dir / "rollouts.jsonl", "a", encoding="utf-8") as f:
+                f.writelines(json.dumps({"step": record.step, **r}, default=str) + "\n" for r in record.rollouts)
         if record.step % self.cfg.log_every == 0:
             if self.jsonl is not None:
                 self.jsonl.write(json.dumps(row) + "\n")

@@ -298,4 +298,5 @@ class ReplicaController:
         reward = sum(r.reward_mean * r.groups for r in records) / max(1, groups)
         metrics["reward/mean"] = reward
         return StepRecord(records[0].step, metrics, reward, [s for r in records for s in r.staleness],
-                          0, groups, max(r.seconds for r in records), pair_keys=[p for r in records for p in r.pair_keys])
+                          0, groups, max(r.seconds for r in records), pair_keys=[p for r in records for p in r.pair_keys],
+                          rollouts=[x for r in records for x in r.rollouts])

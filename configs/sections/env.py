@@ -128,7 +128,7 @@ class CodingConfig:
         4, doc="micro: graded cases per function (reward = share of hidden tests passed)", ge=1, le=16
     )
     namings: tuple[int, ...] = option(
-        (0, 1, 2), doc="micro: naming variants tasks draw (each a set of parameter and function names: 0, 1, 2)"
+        (0, 1, 2), doc="micro: naming variants tasks draw (each a set of parameter names: 0, 1, 2)"
     )
     package: str = option("", doc="micro: put the module in this package ('' = at the repository root)")
     docstring: str = option(
@@ -138,6 +138,11 @@ class CodingConfig:
     show_source: bool = option(True, doc="micro: put the target file's text in the prompt (else the agent reads it)")
     heldout_fraction: float = option(
         0.2, doc="micro: share of task templates (by a hash of the template id) kept for evaluation", ge=0.0, lt=1.0
+    )
+    heldout_by: str = option(
+        "template", doc="micro: what the held-out hash keys on: the whole template (ops x phrasing x naming: unseen "
+        "combinations) or its surface (phrasing x naming for every op: unseen surfaces, no surface predicting the op)",
+        choices=("template", "surface"),
     )
     warm_start_kinds: tuple[str, ...] = option(
         (), doc="micro: the tool-loop warm start's prompts draw every operation of these kinds (train templates "

@@ -14,3 +14,7 @@ class MetricsConfig:
     tensorboard: bool = option(True, doc="Write TensorBoard event files.")
     progress_bar: bool = option(True, doc="Show a rich progress bar on a terminal.")
     plot: bool = option(True, doc="Write a PNG of reward and per-channel losses at the end.")
+    rollouts_every: int = option(
+        0, ge=0, doc="Append every N steps that step's episodes (each turn's text, reward, task, grade) to "
+        "rollouts.jsonl in the run directory; 0 = never."
+    )

@@ -35,8 +35,8 @@ def test_same_seed_same_task_and_seeds_vary():
         assert make_task(config, "train", 7) == make_task(config, "train", 7)
         assert len({make_task(config, "train", s).files[VISIBLE_TESTS] for s in range(8)}) > 1
     # pinned: the seeded draw and the template hash must not depend on the process or the platform
-    assert make_task(EASY, "heldout", 0).template == "add/p1n1"
-    assert make_task(EASY, "train", 0).template == "mul/p2n2"
+    assert make_task(EASY, "heldout", 0).template == "mul/p5n0"
+    assert make_task(EASY, "train", 0).template == "mul/p5n2"
 
 
 def test_easiest_setting_is_one_short_statement():
@@ -92,14 +92,45 @@ def test_split_is_by_template_and_heldout_reuses_the_operations():
 
 def test_namings_knob_keeps_one_set_of_names():
     one = dataclasses.replace(EASY, namings=(2,), heldout_fraction=0.25)
-    assert {t.naming for t in templates(one)} == {2} and len(templates(one)) == 9
+    assert {t.naming for t in templates(one)} == {2} and len(templates(one)) == 18  # 3 ops x 6 phrasings
     assert [t.id for t in templates(one, "heldout")] == ["add/p0n2", "add/p2n2", "sub/p1n2"]
     for seed in range(6):
         assert "(m, n):" in make_task(one, "train", seed).stubbed_source
     # the default draws every naming, as before the knob
-    assert {t.naming for t in templates(EASY)} == {0, 1, 2} and len(templates(EASY)) == 27
+    assert {t.naming for t in templates(EASY)} == {0, 1, 2} and len(templates(EASY)) == 54
     with pytest.raises(ValueError, match=r"env.coding.namings = \[3\]"):
         make_task(dataclasses.replace(EASY, namings=(3,)), "train", 0)
+
+
+def test_surface_split_leaves_no_surface_predicting_the_op():
+    """`heldout_by = "surface"`: held-out tasks use phrasing x naming cells never trained on, each train cell
+    carries every op (so no surface feature predicts the op), and the words and function names held-out tasks
+    use for an op all occur for that op in training (drawn per task, not per template)."""
+    config = dataclasses.replace(EASY, namings=(2,), heldout_by="surface", heldout_fraction=0.3)
+    train, held = templates(config, "train"), templates(config, "heldout")
+    assert {t.surface for t in held} == {"p3n2", "p5n2"} and len(held) == 6  # pinned, as the recipe's split
+    assert {t.surface for t in train}.isdisjoint({t.surface for t in held})
+    ops = {t.chains[0][0] for t in templates(config)}
+    for surface in {t.surface for t in train}:
+        assert {t.chains[0][0] for t in train if t.surface == surface} == ops, surface
+    assert all(stable_split(t.surface, config.heldout_fraction) == "heldout" for t in held)
+
+    def words(split: str) -> dict[str, set[str]]:
+        """op -> the docstring phrases (parameters masked) and function names its tasks of `split` use."""
+        seen: dict[str, set[str]] = {}
+        for seed in range(60):
+            task = make_task(config, split, seed)
+            op = task.template.split("/")[0]
+            doc = ast.get_docstring(ast.parse(task.stubbed_source).body[0])
+            seen.setdefault(op, set()).update({task.functions[0], *(p for p in BY_ID[op].phrases if
+                                                                    p.format(x="m", y="n") in doc)})
+        return seen
+
+    trained, heldout = words("train"), words("heldout")
+    assert set(heldout) == ops and all(heldout[op] <= trained[op] for op in ops), (heldout, trained)
+    # the template split (the default) keys on the whole id: a held-out template's surface also occurs in training
+    by_id = dataclasses.replace(config, heldout_by="template", heldout_fraction=0.25)
+    assert {t.surface for t in templates(by_id, "heldout")} <= {t.surface for t in templates(by_id, "train")}
 
 
 @pytest.mark.parametrize("config", [EASY, ALL_KINDS, CodingConfig(kinds=KINDS, ops_per_kind=2, statements_per_body=2)],

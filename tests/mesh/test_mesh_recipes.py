@@ -127,7 +127,7 @@ def _one_short_step(job: JobConfig) -> dict[str, Any]:
         "trainer.max_seq_len": min(trainer.max_seq_len, TINY_CONTEXT),
         "generator.group_size": min(gen.group_size, 2), "generator.max_new_tokens": min(gen.max_new_tokens, 16),
         "generator.max_turns": min(gen.max_turns, 2),
-        "env.tool_loop.max_turns": min(job.env.tool_loop.max_turns, 2),
+        "env.tool_loop.max_turns": min(job.env.tool_loop.max_turns, 2), "metrics.rollouts_every": 1,
     }
     if trainer.eval_every > 0:
         overrides["trainer.eval_samples"] = min(trainer.eval_samples, 2)
@@ -237,6 +237,12 @@ def test_recipe_trains_one_step_on_cpu(recipe, tmp_path, tiny_assets, swe_instan
     rows = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     [row] = [r for r in rows if r["step"] == 1]
     assert math.isfinite(row["loss"]), row
+    # the step's episodes as rollouts.jsonl has them: one line each, its reward the one the step's mean was of
+    cpu = load_config(REPO / "configs" / recipe, [f"--{k}={toml_literal(v)}" for k, v in overrides.items()])
+    episodes = [json.loads(line) for line in (Path(summary["run_dir"]) / "rollouts.jsonl").read_text().splitlines()]
+    assert len(episodes) == cpu.trainer.prompts_per_step * cpu.generator.group_size, (recipe, len(episodes))
+    assert {e["step"] for e in episodes} == {1} and all(e["turns"][0]["role"] == "assistant" for e in episodes)
+    assert abs(sum(e["reward"] for e in episodes) / len(episodes) - row["reward/mean"]) < 1e-6, recipe
     channels = {"policy": job.loss.policy_weight > 0, "distill": job.loss.alpha > 0,
                 "preference": job.loss.beta > 0 and job.mesh.replay_procs > 0}
     for name, enabled in channels.items():
