@@ -131,7 +131,7 @@ class GeneratorActor(Actor):
                              f"engine; generator.engine = {spec.generator.engine!r} resolved to the HF engine")
         else:
             self.engine = HFEngine(spec.model_dir, stops, device=detect_platform(spec.device).device_type,
-                                   dtype=getattr(torch, spec.generator.dtype))
+                                   dtype=getattr(torch, spec.generator.dtype), decode=spec.generator.hf_decode)
         self.runner = EpisodeRunner(
             self.engine, self.tokenizer, env_factory(spec.env),
             max_turns=spec.generator.max_turns, max_context_tokens=spec.max_context_tokens,

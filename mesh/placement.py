@@ -168,19 +168,31 @@ class Placement:
         return self.replay
 
 
-def torch_threads(cfg: MeshConfig, role: str, cpus: int) -> int:
+def torch_threads(cfg: MeshConfig, role: str, cpus: int, *, turns: bool = False) -> int:
     """Torch threads per `role` ("trainer" | "generator") process: the configured count, else the host's `cpus`
-    shared by the processes placed on it (on `local` every role shares this host; docs/application.md,
-    "Placement", says why). Hosts are taken as alike."""
+    shared by the processes that run at the same time as it (docs/application.md, "Placement", says why).
+
+    On `local` every role shares this host. `turns`: the trainer and the generators take turns (a synchronous
+    loop without DiLoCo groups), so a role shares the host with its own processes and the replay processes
+    only, not with the other role's idle ones. Hosts are taken as alike."""
     configured = cfg.trainer_threads if role == "trainer" else cfg.generator_threads
     if configured:
         return configured
     if cfg.backend == "local":
-        gens = cfg.generator_procs if cfg.placement == "disaggregated" else 0
-        share = cfg.trainer_procs + gens + cfg.replay_procs
+        own = cfg.trainer_procs if role == "trainer" or cfg.placement == "colocated" else cfg.generator_procs
+        if turns:
+            share = own + cfg.replay_procs
+        else:
+            gens = cfg.generator_procs if cfg.placement == "disaggregated" else 0
+            share = cfg.trainer_procs + gens + cfg.replay_procs
     else:
         share = cfg.trainer_procs if role == "trainer" or cfg.placement == "colocated" else cfg.generator_procs
     return max(1, cpus // share)
+
+
+def _take_turns(job: Any) -> bool:
+    """Whether the recipe's trainer and generators never run at once: a synchronous loop, one trainer group."""
+    return job.trainer.mode == "sync" and not job.diloco.enabled
 
 
 def generator_spec(job: Any, weights: str) -> Any:
@@ -188,7 +200,7 @@ def generator_spec(job: Any, weights: str) -> Any:
     (`[model] device`; "auto" resolves in each generator process)."""
     return GeneratorSpec(model_dir=weights, tokenizer_dir=job.model.tokenizer_path, generator=job.generator,
                          env=job.env, max_context_tokens=job.trainer.max_seq_len, device=job.model.device,
-                         seed=job.job.seed, torch_threads=torch_threads(job.mesh, "generator", os.cpu_count() or 1),
+                         seed=job.job.seed, torch_threads=torch_threads(job.mesh, "generator", os.cpu_count() or 1, turns=_take_turns(job)),
                          python_path=job.job.python_path)
 
 
@@ -197,7 +209,7 @@ def trainer_spec_for(job: Any, *, preference_pairs: bool) -> Any:
     frozen DPO reference — one more parameter copy per rank — is not built (`dpo_reference = "policy"`)."""
     if not preference_pairs and job.trainer.dpo_reference == "frozen":
         job = dataclasses.replace(job, trainer=dataclasses.replace(job.trainer, dpo_reference="policy"))
-    threads = torch_threads(job.mesh, "trainer", os.cpu_count() or 1)
+    threads = torch_threads(job.mesh, "trainer", os.cpu_count() or 1, turns=_take_turns(job))
     return dataclasses.replace(TrainerSpec.from_job(job), torch_threads=threads)
 
 

@@ -139,3 +139,27 @@ def test_torch_threads_share_the_host():
     cluster = MeshConfig(backend="slurm", trainer_procs=8, generator_procs=2)
     assert [torch_threads(cluster, r, 64) for r in ("trainer", "generator")] == [8, 32]
     assert torch_threads(MeshConfig(trainer_threads=3, generator_threads=5), "generator", 64) == 5
+    # taking turns (sync loop): a role shares the host with its own and the replay processes only
+    assert [torch_threads(local, r, 12, turns=True) for r in ("trainer", "generator")] == [4, 3]
+    assert [torch_threads(MeshConfig(replay_procs=0), r, 2, turns=True) for r in ("trainer", "generator")] == [2, 2]
+    assert torch_threads(MeshConfig(replay_procs=1), "trainer", 2, turns=True) == 1
+    assert torch_threads(colocated, "generator", 8, turns=True) == 4
+
+
+def test_roles_take_turns_only_in_a_synchronous_loop_without_diloco():
+    """The recipes' thread counts on a 2-core host: grpo (sync, no replay) gives each role both cores; async
+    and DiLoCo recipes keep the shared count."""
+    import dataclasses
+
+    from composer_mesh.configs.loader import load_config
+    from composer_mesh.mesh.placement import generator_spec, trainer_spec_for
+
+    job = load_config(REPO / "configs" / "grpo.toml")
+    counts = lambda j: (trainer_spec_for(j, preference_pairs=False).torch_threads,  # noqa: E731
+                        generator_spec(j, "w").torch_threads)
+    cpus = os.cpu_count() or 1
+    assert counts(job) == (cpus, cpus)
+    asynchronous = dataclasses.replace(job, trainer=dataclasses.replace(job.trainer, mode="async"))
+    assert counts(asynchronous) == (max(1, cpus // 2),) * 2
+    diloco = dataclasses.replace(job, diloco=dataclasses.replace(job.diloco, enabled=True))
+    assert counts(diloco) == (max(1, cpus // 2),) * 2
