@@ -5,7 +5,7 @@ behaves as used:
 - `SupervisionError`: what a call on an actor whose process died raises from `.get()`
   (`mesh.supervision.is_actor_failure`, `mesh.errors.describe_death`).
 - `reload_config_from_env`: makes the `HYPERACTOR_MESH_*` variables set in `os.environ` take
-  effect in this process (`mesh.supervision.configure_supervision`).
+  effect in this process (`mesh.prespawn.configure_supervision`).
 """
 
 from __future__ import annotations

@@ -37,6 +37,7 @@ from composer_mesh.mesh.controller import StepRecord
 from composer_mesh.mesh.evaluation import evaluate
 from composer_mesh.mesh.metrics import plot_run
 from composer_mesh.mesh.packing import Drops, explain_drops
+from composer_mesh.mesh.prespawn import Prespawned
 
 if TYPE_CHECKING:
     from composer_mesh.mesh.launch import Launch
@@ -48,8 +49,12 @@ class Run:
     """One training run of a recipe on Monarch meshes: `start`, `step`, `run`, `generate`, `evaluate`,
     `export_hf`, `stop`; `metrics` holds every step's row as written to metrics.jsonl."""
 
-    def __init__(self, job: JobConfig, *, resume: bool = True, progress: bool = False) -> None:
+    def __init__(self, job: JobConfig, *, resume: bool = True, progress: bool = False,
+                 early: Prespawned | None = None) -> None:
+        """`early`: the recipe's processes started before the caller's heavy imports (`mesh.prespawn.prespawn`
+        of this `job`); the Run places its actors on them and stops them."""
         self.job = job
+        self.early = early
         self.resume = resume
         self.progress = progress
         # the steps this Run took, oldest first
@@ -102,7 +107,8 @@ class Run:
 
             try:
                 self._launch = Launch.start(self.job, self.run_dir, resume=self.resume, progress=self.progress,
-                                            on_step=self._on_step, fault_events=self.fault_events)
+                                            on_step=self._on_step, fault_events=self.fault_events,
+                                            early=self.early)
             except BaseException:
                 self.stop()
                 raise
@@ -125,6 +131,8 @@ class Run:
         self._stopped = True
         if self._launch is not None:
             self._launch.stop()
+        elif self.early is not None:
+            self.early.stop()
 
     def __enter__(self) -> "Run":
         return self

@@ -31,6 +31,7 @@ from composer_mesh.mesh.controller import TOOL_TASKS, Controller, ControllerConf
 from composer_mesh.mesh.memory import check as memory_check
 from composer_mesh.mesh.metrics import MetricsSink, read_metrics
 from composer_mesh.mesh.placement import Placement, generator_spec, place, trainer_spec_for
+from composer_mesh.mesh.prespawn import Prespawned
 from composer_mesh.mesh.replicas import ReplicaController, check_supported, place_replicas
 from composer_mesh.mesh.responders import build_responder
 from composer_mesh.mesh.supervision import ControllerState, Supervisor, install_fault_hook, load_state, state_path
@@ -61,8 +62,8 @@ class Loop:
         """The checkpoint folder `composer-mesh export` rebuilds the model from."""
         return folder
 
-    def place(self, trainer_spec: Any, gen_spec: Any, replay_spec: Any) -> Placement:
-        return place(self.job.mesh, trainer_spec, gen_spec, replay_spec)
+    def place(self, trainer_spec: Any, gen_spec: Any, replay_spec: Any, early: Prespawned | None) -> Placement:
+        return place(self.job.mesh, trainer_spec, gen_spec, replay_spec, early)
 
     def controller(self, cfg: ControllerConfig, placement: Placement, chat: ChatTokens, *,
                    on_step: Callable[[StepRecord], None], supervisor: Supervisor | None, state: ControllerState) -> Any:
@@ -95,7 +96,8 @@ class ReplicaLoop(Loop):
         # each replica group checkpoints under replica_<g>; export group 0's
         return folder / "replica_0"
 
-    def place(self, trainer_spec: Any, gen_spec: Any, replay_spec: Any) -> Placement:
+    def place(self, trainer_spec: Any, gen_spec: Any, replay_spec: Any, early: Prespawned | None) -> Placement:
+        # `mesh.prespawn` starts nothing for replica groups
         check_supported(self.job)
         return place_replicas(self.job.mesh, self.job.diloco, trainer_spec, gen_spec, replay_spec)
 
@@ -123,9 +125,11 @@ def loop_for(job: JobConfig) -> Loop:
 class Launch:
     """What `start` brought up for one run (actors, teacher server, sink, controller); `stop` removes it."""
 
-    def __init__(self, job: JobConfig, run_dir: Path) -> None:
+    def __init__(self, job: JobConfig, run_dir: Path, early: Prespawned | None = None) -> None:
         # the recipe as run: model.hf_path resolved, checkpoint.resume as asked
         self.job = job
+        # processes started before the controller's imports (`mesh.prespawn`), taken by the placement
+        self.early = early
         self.run_dir = run_dir
         self.loop = loop_for(job)
         # mesh.memory.MemoryEstimate of the recipe on this host
@@ -142,9 +146,11 @@ class Launch:
 
     @classmethod
     def start(cls, job: JobConfig, run_dir: Path, *, resume: bool, progress: bool,
-              on_step: Callable[[StepRecord], None], fault_events: list[str]) -> Launch:
-        """Bring the run up; on failure remove what was started and raise."""
-        launch = cls(job, run_dir)
+              on_step: Callable[[StepRecord], None], fault_events: list[str],
+              early: Prespawned | None = None) -> Launch:
+        """Bring the run up (on the processes of `early` when given); on failure remove what was started and
+        raise."""
+        launch = cls(job, run_dir, early)
         try:
             launch._start(resume, progress, on_step, fault_events)
         except BaseException:
@@ -177,7 +183,7 @@ class Launch:
                      if job.checkpoint.enabled and supervised else "")
         # dead actors are handled where their calls fail, not by exiting
         install_fault_hook(fault_events)
-        placement = self.placement = self.loop.place(trainer_spec, gen_spec, replay_spec)
+        placement = self.placement = self.loop.place(trainer_spec, gen_spec, replay_spec, self.early)
         start = placement.trainer_setup[0]["step"]
         if state_dir and job.metrics.jsonl:
             start = resume_at_logged_step(placement.trainer, start, run_dir, job, state_dir)
@@ -227,6 +233,9 @@ class Launch:
                 if self.placement is not None:
                     self.placement.stop()
             finally:
+                # early processes no placement took (a recipe refused before placing)
+                if self.early is not None:
+                    self.early.stop()
                 if self.server is not None:
                     self.server.stop()
                 if self.weight_dir:

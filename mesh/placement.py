@@ -43,12 +43,12 @@ from monarch.job import load_current_job
 from monarch.spmd import setup_torch_elastic_env
 
 from composer_mesh.actors.generator import GeneratorActor, GeneratorSpec
-from composer_mesh.actors.phase_memory import MMAP_THRESHOLD_ENV
 from composer_mesh.actors.teacher_replay import TeacherReplayActor
 from composer_mesh.actors.trainer import TrainerActor
 from composer_mesh.configs.sections.mesh import MeshConfig
 from composer_mesh.mesh.errors import phase
-from composer_mesh.mesh.supervision import configure_supervision, is_alive
+from composer_mesh.mesh.prespawn import Prespawned, process_environment
+from composer_mesh.mesh.supervision import is_alive
 from composer_mesh.titan_ext.trainer import TrainerSpec
 
 
@@ -234,12 +234,14 @@ def _host(hosts: Any, point: dict[str, int]) -> Any:
     return hosts.slice(**dims) if dims else hosts
 
 
-def _start_trainer(cfg: MeshConfig, spec: Any, meshes: list[Any]) -> tuple[Any, Any, Any]:
+def _start_trainer(cfg: MeshConfig, spec: Any, meshes: list[Any], procs: Any = None) -> tuple[Any, Any, Any]:
     """(trainer actor mesh, its proc mesh, its `setup` call in flight): the caller starts the other roles while
-    the trainer processes import and build the model (resumed from a checkpoint if one exists)."""
-    procs = host_meshes(cfg)[0].spawn_procs(per_host={"gpus": cfg.trainer_procs})
-    setup_torch_elastic_env(procs)
-    meshes.append(procs)
+    the trainer processes import and build the model (resumed from a checkpoint if one exists). `procs`: a
+    proc mesh started early (`mesh.prespawn`, already in `meshes`), else a fresh one (added to `meshes`)."""
+    if procs is None:
+        procs = host_meshes(cfg)[0].spawn_procs(per_host={"gpus": cfg.trainer_procs})
+        setup_torch_elastic_env(procs)
+        meshes.append(procs)
     trainer = procs.spawn("trainer", TrainerActor, spec)
     return trainer, procs, trainer.setup.call()
 
@@ -250,11 +252,12 @@ def _spawn_trainer(cfg: MeshConfig, spec: Any, meshes: list[Any]) -> tuple[Any, 
     return trainer, procs, list(setup.get().values())
 
 
-def spawn_generators(cfg: MeshConfig, trainer_procs: list[Any], spec: Any, meshes: list[Any]
-                     ) -> tuple[list[Any], list[Any], list[Any]]:
+def spawn_generators(cfg: MeshConfig, trainer_procs: list[Any], spec: Any, meshes: list[Any],
+                     early: list[Any] | None = None) -> tuple[list[Any], list[Any], list[Any]]:
     """(generator actors, their proc meshes, their hosts' host meshes), one of each per generator process:
     colocated — one in each process of `trainer_procs`; disaggregated — `generator_procs` one-process proc
-    meshes per generator host (added to `meshes`)."""
+    meshes per generator host (added to `meshes`), or those of `early` (started by `mesh.prespawn`, already
+    in `meshes`)."""
     if cfg.placement == "colocated":
         hosts = host_meshes(cfg)[0]
         points = [(tp, p) for tp in trainer_procs for p in _points(tp)]
@@ -263,8 +266,11 @@ def spawn_generators(cfg: MeshConfig, trainer_procs: list[Any], spec: Any, meshe
     else:
         hosts = host_meshes(cfg)[1]
         gen_hosts = [_host(hosts, p) for p in _points(hosts) for _ in range(cfg.generator_procs)]
-        procs = [h.spawn_procs(per_host={"gpus": 1}) for h in gen_hosts]
-        meshes += procs
+        if early:
+            procs = early
+        else:
+            procs = [h.spawn_procs(per_host={"gpus": 1}) for h in gen_hosts]
+            meshes += procs
     return [p.spawn("generator", GeneratorActor, spec) for p in procs], procs, gen_hosts
 
 
@@ -277,21 +283,28 @@ def spawn_replay(cfg: MeshConfig, spec: Any | None, trainer: Any, meshes: list[A
     return procs.spawn("teacher_replay", TeacherReplayActor, spec, trainer)
 
 
-def place(cfg: MeshConfig, trainer_spec: Any, generator_spec: Any, replay_spec: Any | None = None) -> Placement:
+def place(cfg: MeshConfig, trainer_spec: Any, generator_spec: Any, replay_spec: Any | None = None,
+          early: Prespawned | None = None) -> Placement:
     """Spawn the trainer mesh (set up), the generators and the replay actor (on a process of its own), all
-    starting together rather than one after the other (docs/application.md, "Placement")."""
-    # before the first process is spawned
-    configure_supervision(cfg.supervision_poll_s, cfg.state_query_s)
-    # the actors inherit it
-    os.environ[MMAP_THRESHOLD_ENV] = str(int(cfg.malloc_mmap_threshold_mib * (1 << 20)))
+    starting together rather than one after the other (docs/application.md, "Placement"); on the processes of
+    `early` (`mesh.prespawn`, started before the controller's imports) when given."""
+    if early is None:
+        # before the first process is spawned
+        process_environment(cfg)
+        early = Prespawned()
     meshes: list[Any] = []
     try:
         # every role's processes start (import, build, load) at once
         with phase("setup"):
-            trainer, trainer_procs, setup_call = _start_trainer(cfg, trainer_spec, meshes)
+            # the early processes are ours to stop from here on, whatever fails
+            early_trainer, early_generators = early.take()
+            meshes += [p for p in [early_trainer, *early_generators] if p is not None]
+            early.wait()
+            trainer, trainer_procs, setup_call = _start_trainer(cfg, trainer_spec, meshes, early_trainer)
             # colocated generators share the trainer's processes: its setup finishes first
             setup = list(setup_call.get().values()) if cfg.placement == "colocated" else None
-            generators, procs, gen_hosts = spawn_generators(cfg, [trainer_procs], generator_spec, meshes)
+            generators, procs, gen_hosts = spawn_generators(cfg, [trainer_procs], generator_spec, meshes,
+                                                            early_generators)
             replay = spawn_replay(cfg, replay_spec, trainer, meshes)
             setup = setup or list(setup_call.get().values())
             pids = [g.info.call_one().get()["pid"] for g in generators]

@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterator
 
 import monarch.actor
 
-from composer_mesh.actors.monarch_compat import SupervisionError, reload_config_from_env
+from composer_mesh.actors.monarch_compat import SupervisionError
 from composer_mesh.actors.rollout import EpisodeRequest, RolloutGroup
 from composer_mesh.configs.sections.checkpoint import CheckpointConfig
 from composer_mesh.titan_ext.checkpoint import Checkpointer
@@ -92,17 +92,6 @@ def install_fault_hook(events: list[str]) -> None:
         events.append(str(failure))
 
     monarch.actor.unhandled_fault_hook = record
-
-
-def configure_supervision(poll_s: float, state_query_s: float) -> None:
-    """Monarch's supervision poll period and state-query timeout for this process and the processes it spawns
-    (they inherit the environment): `[mesh] supervision_poll_s` and `state_query_s`.
-
-    A dead process is reported when a poll finds it gone, or when its process agent does not answer the poll's
-    state query within `state_query_s`; how often each path is taken: docs/supervision.md."""
-    os.environ["HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY"] = f"{round(poll_s * 1000)}ms"
-    os.environ["HYPERACTOR_MESH_GET_ACTOR_STATE_MAX_IDLE"] = f"{round(state_query_s * 1000)}ms"
-    reload_config_from_env()
 
 
 def is_alive(call: Any, timeout_s: float = 30.0, retry_s: float = 2.0) -> bool:

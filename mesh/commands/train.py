@@ -4,8 +4,9 @@ A thin caller of the public API (`mesh.api.Run`): it loads the recipe with
 the command line's overrides, runs it and prints the summary. What a run does
 and writes (resume, supervision, metrics.jsonl, TensorBoard, processes.json,
 summary.json, plot.png, hf/, the shared-memory weight folder) is documented
-there. Exit codes: 0 done; 2 a recipe refused before any actor started
-(one line naming the key or file); 1 an actor failed or the run broke (one
+there. Exit codes: 0 done; 2 a recipe refused before any role's actor started
+(one line naming the key or file; the processes `mesh.prespawn` started are
+stopped); 1 an actor failed or the run broke (one
 line naming the actor; `--debug` raises with the full remote traceback); 3 the
 run finished but no step trained (every group dropped: one line naming the
 reasons and the key to change; summary.json has `trained_steps` and
@@ -19,7 +20,6 @@ import json
 import sys
 
 from composer_mesh.mesh.commands import load_job
-from composer_mesh.mesh.errors import describe
 
 NAME = "train"
 HELP = "Run RL post-training: generators, teacher replay and the trainer on Monarch meshes."
@@ -46,27 +46,38 @@ def heldout_line(heldout: dict[str, dict[str, float]]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    # lazy: start-up time: every command module loads to build the CLI; torch and the mesh stack load only here
-    from composer_mesh.mesh.api import Run
-
     job = load_job(args)
     if job is None:
         return 2
+    # the role processes start (and import torch) before the controller's own heavy imports below
+    # lazy: start-up time: Monarch loads only for train, not to build the CLI
+    from composer_mesh.mesh.prespawn import prespawn
+
+    early = prespawn(job)
     try:
-        with Run(job, resume=not args.no_resume, progress=not args.no_progress) as run_:
-            summary = run_.run()
-    # a recipe the controller refused before placing actors
-    except (FileNotFoundError, ValueError) as e:
-        if args.debug:
-            raise
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    # an actor failed (Monarch ActorError) or the run broke: one line, --debug for all
-    except Exception as e:
-        if args.debug:
-            raise
-        print(f"error: {describe(e)}", file=sys.stderr)
-        return 1
+        # lazy: start-up time: every command module loads to build the CLI; torch and the mesh stack load only here
+        from composer_mesh.mesh.api import Run
+        from composer_mesh.mesh.errors import describe
+
+        try:
+            with Run(job, resume=not args.no_resume, progress=not args.no_progress, early=early) as run_:
+                summary = run_.run()
+        # a recipe the controller refused before placing actors
+        except (FileNotFoundError, ValueError) as e:
+            if args.debug:
+                raise
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        # an actor failed (Monarch ActorError) or the run broke: one line, --debug for all
+        except Exception as e:
+            if args.debug:
+                raise
+            print(f"error: {describe(e)}", file=sys.stderr)
+            return 1
+    finally:
+        # processes started early that no run took (idempotent after the run stopped them)
+        if early is not None:
+            early.stop()
     if "heldout" in summary:
         print(heldout_line(summary["heldout"]), file=sys.stderr)
     print(json.dumps(summary))

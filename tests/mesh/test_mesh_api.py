@@ -2,7 +2,8 @@
 evaluation in between trains exactly as `run()` does, and a Run cleans up after itself.
 
 Two in-process runs of the same shortened demo_cpu recipe and seed: A steps by hand and calls
-`generate` and `evaluate` between the steps, B calls `run()`. Their training metrics and final
+`generate` and `evaluate` between the steps, B calls `run()` on processes `mesh.prespawn` started
+before it (as `composer-mesh train` does): its roles run on those processes. Their training metrics and final
 weights must be bitwise equal (sampling and evaluation draw from their own seeded streams). A's
 `export_hf` output loads with transformers and equals B's final `hf/` weights; after `stop()`
 no actor process is alive and the shared-memory weight folder is gone.
@@ -34,7 +35,9 @@ def _trained(rows: list[dict]) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_assets):
+    from composer_mesh.configs.loader import load_config
     from composer_mesh.mesh.api import Run
+    from composer_mesh.mesh.prespawn import prespawn
 
     os.environ["COMPOSER_MESH_CACHE"] = str(tiny_assets.root.parents[1])  # the suite's assets: no rebuild
     overrides = {"trainer.steps": STEPS, "trainer.eval_every": 0, "checkpoint.every_steps": STEPS}
@@ -54,9 +57,13 @@ def runs(tmp_path_factory, tiny_assets):
         pids = json.loads((a.run_dir / "processes.json").read_text())
         weight_dir = a._launch.weight_dir
     out["pids"], out["weight_dir"] = pids, weight_dir
-    with Run.from_toml(_recipe(tmp_b), overrides, resume=False) as b:
+    # B on processes started before the Run, as `composer-mesh train` does (mesh.prespawn)
+    early = prespawn(load_config(_recipe(tmp_b), overrides))
+    out["early_pids"] = list(early.wait())
+    with Run(load_config(_recipe(tmp_b), overrides), resume=False, early=early) as b:
         out["summary_b"] = b.run()
         out["b_metrics"] = b.metrics
+        out["pids_b"] = json.loads((b.run_dir / "processes.json").read_text())
     return out
 
 
@@ -73,6 +80,14 @@ def test_stepping_with_generate_and_evaluate_trains_as_run(runs):
         assert runs["summary_a"][key] == runs["summary_b"][key] == STEPS
     rows = [json.loads(x) for x in (Path(runs["summary_a"]["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     assert _trained(rows) == _trained(runs["a_metrics"])  # the API's metrics are the log's rows
+
+
+@pytest.mark.slow
+def test_prespawned_processes_run_the_roles(runs):
+    # B's trainer and generator are the processes prespawn started, and it trained as A did (the first test)
+    pids = runs["pids_b"]
+    assert len(runs["early_pids"]) == 2
+    assert sorted(pids["trainer"] + pids["generator"]) == sorted(runs["early_pids"])
 
 
 @pytest.mark.slow

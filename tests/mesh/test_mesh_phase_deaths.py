@@ -144,7 +144,8 @@ RACE = """
 import json, os, signal, sys, time
 sys.path.insert(0, {repo!r})
 from composer_mesh.mesh.errors import describe_death, phase
-from composer_mesh.mesh.supervision import configure_supervision, install_fault_hook
+from composer_mesh.mesh.prespawn import configure_supervision
+from composer_mesh.mesh.supervision import install_fault_hook
 configure_supervision(1.0, 5.0)
 install_fault_hook([])
 from monarch.actor import Actor, endpoint, this_host

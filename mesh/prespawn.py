@@ -1,0 +1,120 @@
+"""Processes started before the controller's own heavy imports (torch, transformers, TorchTitan).
+
+`composer-mesh train` reads the recipe, then spawns the trainer's process mesh
+and the disaggregated generators' one-process meshes here and has each import
+its role's modules (a `Preload` actor), and only then imports the launch
+stack; `mesh.placement.place` spawns the role actors on these warm processes
+instead of fresh ones. The controller's imports and the actors' imports so run
+side by side instead of one after the other (docs/application.md, "Placement").
+
+This module imports Monarch and the config schema only, nothing that pulls in
+torch. Only the local backend without DiLoCo replicas is started early; the
+other layouts place their processes as before.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import importlib
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from monarch.actor import Actor, endpoint, this_host
+from monarch.spmd import setup_torch_elastic_env
+
+from composer_mesh.actors.monarch_compat import reload_config_from_env
+from composer_mesh.actors.phase_memory import MMAP_THRESHOLD_ENV
+from composer_mesh.configs.schema import JobConfig
+from composer_mesh.configs.sections.mesh import MeshConfig
+
+# what each role's process imports while the controller imports its own stack
+ROLE_MODULES = {"trainer": ("composer_mesh.actors.trainer",), "generator": ("composer_mesh.actors.generator",)}
+
+
+def configure_supervision(poll_s: float, state_query_s: float) -> None:
+    """Monarch's supervision poll period and state-query timeout for this process and the processes it spawns
+    (they inherit the environment): `[mesh] supervision_poll_s` and `state_query_s`.
+
+    A dead process is reported when a poll finds it gone, or when its process agent does not answer the poll's
+    state query within `state_query_s`; how often each path is taken: docs/supervision.md."""
+    os.environ["HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY"] = f"{round(poll_s * 1000)}ms"
+    os.environ["HYPERACTOR_MESH_GET_ACTOR_STATE_MAX_IDLE"] = f"{round(state_query_s * 1000)}ms"
+    reload_config_from_env()
+
+
+def process_environment(cfg: MeshConfig) -> None:
+    """What every spawned process inherits, set before the first spawn: the supervision timings and the malloc
+    threshold (`actors.phase_memory`)."""
+    configure_supervision(cfg.supervision_poll_s, cfg.state_query_s)
+    os.environ[MMAP_THRESHOLD_ENV] = str(int(cfg.malloc_mmap_threshold_mib * (1 << 20)))
+
+
+class Preload(Actor):
+    """Imports a role's modules in its process, so the role's actor spawns on a process that has them."""
+
+    @endpoint
+    def load(self, modules: tuple[str, ...]) -> int:
+        """Import `modules`; returns this process's pid."""
+        for name in modules:
+            importlib.import_module(name)
+        return os.getpid()
+
+
+@dataclass
+class Prespawned:
+    """Process meshes started early: the trainer's (torch-elastic environment set) and one per disaggregated
+    generator, each with its imports in flight. `place` takes them; `stop` stops what was not taken."""
+
+    trainer: Any = None
+    generators: list[Any] = field(default_factory=list)
+    # (proc mesh, its Preload.load call in flight)
+    loads: list[tuple[Any, Any]] = field(default_factory=list)
+    # the processes' pids, filled by `wait`
+    pids: list[int] = field(default_factory=list)
+
+    def take(self) -> tuple[Any, list[Any]]:
+        """(the trainer's proc mesh or None, the generators' proc meshes): handed over once, to be stopped by
+        the taker from then on."""
+        taken = (self.trainer, self.generators)
+        self.trainer, self.generators = None, []
+        return taken
+
+    def wait(self) -> list[int]:
+        """The early processes' pids, the trainer's first, once each has imported its modules (an import error
+        is raised here)."""
+        self.pids += [pid for _, call in self.loads for pid in call.get().values()]
+        self.loads = []
+        return self.pids
+
+    def stop(self) -> None:
+        """Stop the process meshes nobody took (a recipe refused after they started), each on its own thread."""
+        left = [p for p in [self.trainer, *self.generators] if p is not None]
+        self.trainer, self.generators = None, []
+        with concurrent.futures.ThreadPoolExecutor(max(1, len(left))) as pool:
+            for stopped in [pool.submit(lambda p: p.stop().get(), procs) for procs in left]:
+                stopped.result()
+
+
+def prespawn(job: JobConfig) -> Prespawned | None:
+    """Start the trainer's and the disaggregated generators' processes of `job` and their imports; None for a
+    layout placed otherwise (a cluster backend, DiLoCo replicas)."""
+    cfg = job.mesh
+    if cfg.backend != "local" or job.diloco.enabled:
+        return None
+    process_environment(cfg)
+    early = Prespawned()
+    try:
+        early.trainer = this_host().spawn_procs(per_host={"gpus": cfg.trainer_procs})
+        setup_torch_elastic_env(early.trainer)
+        modules = ROLE_MODULES["trainer"]
+        if cfg.placement == "colocated":
+            modules += ROLE_MODULES["generator"]
+        else:
+            early.generators = [this_host().spawn_procs(per_host={"gpus": 1}) for _ in range(cfg.generator_procs)]
+        for procs, mods in [(early.trainer, modules), *((g, ROLE_MODULES["generator"]) for g in early.generators)]:
+            early.loads.append((procs, procs.spawn("preload", Preload).load.call(mods)))
+    except BaseException:
+        early.stop()
+        raise
+    return early
