@@ -28,7 +28,10 @@ pytestmark = pytest.mark.slow
 
 STEPS = 30
 MARGIN_SHORT = 0.02  # reward units (0 malformed .. 1 exact); see docs/application.md
-HELDOUT_MARGIN_SHORT = 0.08  # held-out sampled reward, step 0 -> STEPS (measured +0.140 for seed 0)
+# held-out sampled reward, step 0 -> STEPS: over seeds 0-4 with both samplers (torch.multinomial before
+# 2026-11-27, inverse CDF since) +0.083 +- 0.052, seed 0 now +0.060 (docs/application.md); below mean - 1 sd,
+# so a recipe that stops learning fails, and one seed's draw does not decide
+HELDOUT_MARGIN_SHORT = 0.03
 
 
 def test_debug_recipe_reward_rises_with_three_live_channels(tmp_path, tiny_assets):
