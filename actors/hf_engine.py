@@ -31,7 +31,7 @@ from typing import Iterable, Literal
 import torch
 
 from composer_mesh.actors.rollout import SamplingParams
-from composer_mesh.actors.static_decode import StaticKVDecoder, fuse_projections, support_reason
+from composer_mesh.actors.static_decode import StaticKVDecoder, support_reason
 from composer_mesh.actors.weight_sync.digest import check_coverage, first_names, weights_digest
 
 logger = logging.getLogger(__name__)
@@ -112,8 +112,6 @@ class HFEngine:
         if reason and decode == "auto":
             logger.info("HF engine: transformers' forward, not the static-cache decode: %s", reason)
         self.static = not reason
-        if self.static:
-            fuse_projections(self.model)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Completion]:

@@ -6,9 +6,9 @@ building and its growing cache (measured in docs/tasks.md); this decoder runs
 the same arithmetic on the live HF parameters with one preallocated cache per
 batch, about 20 torch calls per layer and token:
 
-- q/k/v and gate/up are one matmul each: `fuse_projections` re-homes those
-  parameters once as row views of one tensor (no extra memory; in-place weight
-  loads keep working);
+- q/k/v and gate/up are one matmul each: `fuse_projections` re-homes the
+  projections once as transposed views of one `[in, sum out]` tensor per group
+  (no extra memory; in-place weight loads keep working);
 - Qwen3's per-head q/k norms and RoPE are applied to q and k together;
 - keys are cached transposed (`[N*Hkv, D, T]`) so decode attention is two
   `bmm`s over the filled prefix, with grouped-query heads folded into rows.
@@ -36,15 +36,12 @@ def support_reason(model: torch.nn.Module) -> str:
     layer_types = getattr(config, "layer_types", None) or []
     if any(t != "full_attention" for t in layer_types) or getattr(config, "use_sliding_window", False):
         return "sliding-window attention layers"
-    for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        if not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
-            return f"layer {attn.layer_idx} has no gated dense MLP (gate_proj, up_proj, down_proj)"
-        if (attn.q_proj.bias is None) != (attn.k_proj.bias is None) or (attn.k_proj.bias is None) != (
-                attn.v_proj.bias is None):
-            return f"layer {attn.layer_idx}: q/k/v projections differ in having a bias"
-        if (mlp.gate_proj.bias is None) != (mlp.up_proj.bias is None):
-            return f"layer {attn.layer_idx}: gate/up projections differ in having a bias"
+    for i, layer in enumerate(model.model.layers):
+        if not all(hasattr(layer.mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+            return f"layer {i} has no gated dense MLP (gate_proj, up_proj, down_proj)"
+        for name, group in _groups(layer).items():
+            if len({lin.bias is None for lin in group}) > 1:
+                return f"layer {i}: the {name} projections differ in having a bias"
     return ""
 
 
@@ -52,12 +49,14 @@ def support_reason(model: torch.nn.Module) -> str:
 _FUSED = "_static_decode_fused"
 
 
-def _fuse(linears: list[torch.nn.Linear]) -> None:
-    """Re-home `linears`' weights as column blocks of one `[in, sum out]` tensor (each parameter its
-    transposed view) and their biases as one vector: x @ W_t is several times faster than F.linear's
-    x @ W.T on CPU at decode shapes (docs/tasks.md), and no memory is added."""
-    if _fused(linears) is not None:
-        return
+def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`(weight [in, sum out], bias [sum out])` behind `linears`: their weights re-homed as column blocks of
+    one tensor (each parameter its transposed view) and their biases as one vector, unless they already
+    are. x @ W_t is several times faster than F.linear's x @ W.T on CPU at decode shapes (docs/tasks.md),
+    and no memory is added."""
+    fused = _fused(linears)
+    if fused is not None:
+        return fused
     weight_IO = torch.cat([lin.weight.detach() for lin in linears]).t().contiguous()
     bias_O = None if linears[0].bias is None else torch.cat([lin.bias.detach() for lin in linears])
     start = 0
@@ -68,6 +67,7 @@ def _fuse(linears: list[torch.nn.Linear]) -> None:
             lin.bias = torch.nn.Parameter(bias_O[start : start + rows], requires_grad=False)
         start += rows
     object.__setattr__(linears[0], _FUSED, (weight_IO, bias_O))
+    return weight_IO, bias_O
 
 
 def _fused(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -92,12 +92,10 @@ def _groups(layer: torch.nn.Module) -> dict[str, list[torch.nn.Linear]]:
             "gate_up": [mlp.gate_proj, mlp.up_proj], "down": [mlp.down_proj]}
 
 
-def fuse_projections(model: torch.nn.Module) -> None:
-    """Store every layer's projections as `_fuse` does: q/k/v as one tensor, gate/up as one, o and
-    down each transposed (idempotent)."""
-    for layer in model.model.layers:
-        for group in _groups(layer).values():
-            _fuse(group)
+def fuse_projections(model: torch.nn.Module) -> list[dict[str, tuple[torch.Tensor, torch.Tensor | None]]]:
+    """Store every layer's projections as `_fuse` does (q/k/v as one tensor, gate/up as one, o and down each
+    transposed; idempotent) and return, per layer, each group's fused weight and bias."""
+    return [{name: _fuse(group) for name, group in _groups(layer).items()} for layer in model.model.layers]
 
 
 def _linear(x: torch.Tensor, fused: tuple[torch.Tensor, torch.Tensor | None],
@@ -126,7 +124,7 @@ class StaticKVDecoder:
 
     def __init__(self, model: torch.nn.Module, valid_NW: torch.Tensor, max_new_tokens: int) -> None:
         # a parameter replaced since the last call (not loaded in place) is fused again here
-        fuse_projections(model)
+        fused = fuse_projections(model)
         self.model = model
         config = model.config
         first = model.model.layers[0].self_attn
@@ -136,7 +134,7 @@ class StaticKVDecoder:
         N, W = valid_NW.shape
         T = W + max_new_tokens
         p = first.q_proj.weight
-        self.N, self.T, self.end = N, T, 0
+        self.T, self.end = T, 0
         layers = len(model.model.layers)
         # keys transposed: decode attention is q [N*Hkv, G*S, D] @ kT [N*Hkv, D, t]
         self.kT = torch.zeros((layers, N * self.Hkv, self.D, T), dtype=p.dtype, device=p.device)
@@ -144,13 +142,11 @@ class StaticKVDecoder:
         # additive key mask [N, T]: 0 for real tokens, -inf for left padding
         self.key_bias_NT = torch.zeros((N, T), dtype=p.dtype, device=p.device)
         self.key_bias_NT[:, :W].masked_fill_(~valid_NW.to(p.device), float("-inf"))
-        self.layers = [self._layer_weights(layer) for layer in model.model.layers]
+        self.layers = [self._layer_weights(layer, f) for layer, f in zip(model.model.layers, fused)]
 
     @staticmethod
-    def _layer_weights(layer: torch.nn.Module) -> dict:
+    def _layer_weights(layer: torch.nn.Module, fused: dict) -> dict:
         attn, mlp = layer.self_attn, layer.mlp
-        # fuse_projections (in __init__) left every group fused
-        fused = {name: _fused(group) for name, group in _groups(layer).items()}
         qk_norm = None
         if getattr(attn, "q_norm", None) is not None:
             H, Hkv = attn.config.num_attention_heads, attn.config.num_key_value_heads

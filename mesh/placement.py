@@ -178,15 +178,14 @@ def torch_threads(cfg: MeshConfig, role: str, cpus: int, *, turns: bool = False)
     configured = cfg.trainer_threads if role == "trainer" else cfg.generator_threads
     if configured:
         return configured
-    if cfg.backend == "local":
-        own = cfg.trainer_procs if role == "trainer" or cfg.placement == "colocated" else cfg.generator_procs
-        if turns:
-            share = own + cfg.replay_procs
-        else:
-            gens = cfg.generator_procs if cfg.placement == "disaggregated" else 0
-            share = cfg.trainer_procs + gens + cfg.replay_procs
+    own = cfg.trainer_procs if role == "trainer" or cfg.placement == "colocated" else cfg.generator_procs
+    if cfg.backend != "local":
+        share = own
+    elif turns:
+        share = own + cfg.replay_procs
     else:
-        share = cfg.trainer_procs if role == "trainer" or cfg.placement == "colocated" else cfg.generator_procs
+        gens = cfg.generator_procs if cfg.placement == "disaggregated" else 0
+        share = cfg.trainer_procs + gens + cfg.replay_procs
     return max(1, cpus // share)
 
 
@@ -200,8 +199,8 @@ def generator_spec(job: Any, weights: str) -> Any:
     (`[model] device`; "auto" resolves in each generator process)."""
     return GeneratorSpec(model_dir=weights, tokenizer_dir=job.model.tokenizer_path, generator=job.generator,
                          env=job.env, max_context_tokens=job.trainer.max_seq_len, device=job.model.device,
-                         seed=job.job.seed, torch_threads=torch_threads(job.mesh, "generator", os.cpu_count() or 1, turns=_take_turns(job)),
-                         python_path=job.job.python_path)
+                         seed=job.job.seed, python_path=job.job.python_path,
+                         torch_threads=torch_threads(job.mesh, "generator", os.cpu_count() or 1, turns=_take_turns(job)))
 
 
 def trainer_spec_for(job: Any, *, preference_pairs: bool) -> Any:
