@@ -229,12 +229,6 @@ class TrainerActor(Actor):
         buffers: list = []
         plan, encoder = None, None
         if exposed:
-            # the sealed version stays unchanged here: its slot is reused only `keep` versions later
-            plan = self._delta(writer.payload, runs, t.step, token, getattr(torch, dtype).itemsize, delta)
-            if plan is not None:
-                if self._encoder_actor is None:
-                    self._encoder_actor = this_proc().spawn("delta_encoder", DeltaEncoderActor)
-                encoder = self._encoder_actor
             buffers = [RDMABuffer(writer.payload[p.offset : p.offset + p.nbytes]) for p in pieces]
             # a version published again (a covering publication) replaces its buffers; its pulls are done
             stale = self._exposed.pop(t.step, (None, []))[1]
@@ -243,20 +237,29 @@ class TrainerActor(Actor):
                 stale += self._exposed.pop(old)[1]
             for buf in stale:
                 buf.drop().get()
+            # last, so the encoding thread does not slow the above, which the next step waits for; the sealed
+            # version stays unchanged while it runs: its slot is reused only `keep` versions later
+            plan = self._delta(writer, runs, t.step, token, getattr(torch, dtype).itemsize, delta)
+            if plan is not None:
+                if self._encoder_actor is None:
+                    self._encoder_actor = this_proc().spawn("delta_encoder", DeltaEncoderActor)
+                encoder = self._encoder_actor
         self.memory.end(self.memory.first_or("first_sync", "sync"))
         return ShardReport(dist.get_rank(), host_label(), t.step, writer.layout, pieces, buffers, published,
                            time.perf_counter() - start, plan, encoder)
 
-    def _delta(self, payload_U8: torch.Tensor, runs: list[Piece], version: int, token: str, itemsize: int,
+    def _delta(self, writer: SegmentWriter, runs: list[Piece], version: int, token: str, itemsize: int,
                mode: str) -> DeltaPlan | None:
         """Start this rank's delta against its base in the background (mode "delta", when it has one; its plan),
-        making this version the next base."""
+        making this version the next base; the encoding waits for the host's seal, so it never slows another
+        rank's copy."""
         if mode == "off":
             self._encoder.drop()
             return None
         if mode not in ("anchor", "delta"):
             raise ValueError(f"delta must be 'off', 'anchor' or 'delta', got {mode!r}")
-        return self._encoder.submit(payload_U8, runs, version, token, itemsize, encode=mode == "delta")
+        return self._encoder.submit(writer.payload, runs, version, token, itemsize, encode=mode == "delta",
+                                    ready=writer.sealed)
 
     @endpoint
     def train_step_shard(self, shard: TrainBatch) -> dict[str, float]:

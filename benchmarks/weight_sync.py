@@ -26,12 +26,14 @@ median over the repetitions, all measured in this run:
 Delta sync (`actors.weight_sync.delta`), on two Monarch `ProcessJob` fake hosts
 (trainer mesh on one, a bf16 generator on the other, so every byte it gets
 crosses hosts): the tiny model trained with AdamW at lr 1e-6, 1e-5 and 1e-4
-(`--quick`: 1e-6 only) for `--delta-steps` steps, each step synced with deltas (after one anchor),
-then as many steps synced whole. Per lr: the fraction of bf16 elements that
+(`--quick`: 1e-6 only) for `--delta-steps` steps, each step synced with deltas (after one anchor
+and `KEEP` untimed delta syncs, so every slot of the ring has been written once, as in a run past its
+first syncs), then as many steps synced whole (after the same warm-up). Per lr: the fraction of bf16 elements that
 changed per step, bytes crossing hosts with deltas ÷ without (also with an
 anchor every 10 syncs, the default), sync time with ÷ without, and the
 encodings' sizes on those very versions (read back from the fake host's
-slots): XOR + zstd (used) against bitmask + values and int32 index + values.
+slots): XOR + LZ4 blocks (used) against XOR + zstd (the encoding before), bitmask + values and int32
+index + values.
 Two times per sync, each with ÷ without deltas: the publish (what the next
 training step waits for: the trainer ranks' copy into the segment; the delta
 encoding runs in the background after it) and the end-to-end sync (from the
@@ -209,15 +211,18 @@ class RawShm:
 # ---- delta sync on two fake hosts ----------------------------------------------------------------
 
 DELTA_LRS = (1e-6, 1e-5, 1e-4)
+# sealed versions each delta-run sync keeps (a ring of KEEP + 1 slots per host)
+KEEP = 2
 
 
 def _codec(root: str, host: str, version: int) -> dict:
-    """Sizes (÷ the bf16 bytes) and encode rates (GB/s of input) of three delta encodings between `host`'s sealed
-    slots of `version` − 1 and `version` (the whole payload as one run)."""
+    """Sizes (÷ the bf16 bytes) and encode rates (GB/s of input) of four delta encodings between `host`'s sealed
+    slots of `version` − 1 and `version` (the whole payload as one run): XOR + LZ4 blocks (used), XOR + zstd
+    (level −1, the encoding before), bitmask + values, int32 index + values."""
     import numpy as np
     import zstandard
 
-    from composer_mesh.actors.weight_sync.delta import encode_run, zstd_level
+    from composer_mesh.actors.weight_sync.delta import BLOCK_BYTES, encode_run
     from composer_mesh.actors.weight_sync.reader import PinnedSegment
 
     with PinnedSegment.open(root, host, version - 1) as old, PinnedSegment.open(root, host, version) as new:
@@ -232,12 +237,16 @@ def _codec(root: str, host: str, version: int) -> dict:
     index, values = torch.nonzero(changed).flatten().to(torch.int32), b.view(torch.int16)[changed]
     index_s = time.perf_counter() - start
     start = time.perf_counter()
+    xor = (a.view(torch.int16) ^ b.view(torch.int16)).numpy()
+    zstd = zstandard.ZstdCompressor(level=-1).compress(xor)
+    zstd_s = time.perf_counter() - start
+    start = time.perf_counter()
     # a becomes b (the sender's base)
-    _, _, packed = encode_run(b, a, 2, zstandard.ZstdCompressor(level=zstd_level(2)))
+    _, _, packed, _ = encode_run(b, a, 2, torch.empty(BLOCK_BYTES, dtype=torch.uint8))
     xor_s = time.perf_counter() - start
-    return {"xor_zstd": len(packed) / n, "bitmask_values": (bits.nbytes + values.numel() * 2) / n,
-            "index_values": (index.numel() * 4 + values.numel() * 2) / n,
-            "xor_zstd_gbps": n / xor_s / 1e9, "bitmask_gbps": n / mask_s / 1e9, "index_gbps": n / index_s / 1e9}
+    return {"xor_lz4": len(packed) / n, "xor_zstd": len(zstd) / n, "bitmask_values": (bits.nbytes + values.numel() * 2) / n,
+            "index_values": (index.numel() * 4 + values.numel() * 2) / n, "xor_lz4_gbps": n / xor_s / 1e9,
+            "xor_zstd_gbps": n / zstd_s / 1e9, "bitmask_gbps": n / mask_s / 1e9, "index_gbps": n / index_s / 1e9}
 
 
 def delta_run(state, trainer_cls, trainer_args: tuple, gen_cls, gen_args: tuple, work: Path, steps: int,
@@ -260,11 +269,16 @@ def delta_run(state, trainer_cls, trainer_args: tuple, gen_cls, gen_args: tuple,
     trainer.setup.call().get()
     try:
         root = str(work / "delta")
-        sync = TopologySync(trainer, [gen], root, keep=2, dtype="bfloat16", anchor_every=10**9, verify=False)
+        sync = TopologySync(trainer, [gen], root, keep=KEEP, dtype="bfloat16", anchor_every=10**9, verify=False)
         host = next(r.host for r in sync.plan.routes if r.reader is not None)
         model_bytes = sync.sync().model_bytes  # the anchor
+        # untimed: the rest of the ring's first writes (a slot's first write faults its pages in; a run's syncs
+        # after its first KEEP + 1 reuse faulted slots), on both hosts
+        for step in range(1, KEEP + 1):
+            trainer.train_step.call(TrainBatch.synthetic(step, vocab)).get()
+            sync.sync()
         delta_bytes, changed, delta_s, publish_s, codecs, parts = [], [], [], [], [], []
-        for step in range(1, steps + 1):
+        for step in range(KEEP + 1, KEEP + steps + 1):
             trainer.train_step.call(TrainBatch.synthetic(step, vocab)).get()
             report = sync.sync()
             if not report.delta.get(host):
@@ -276,10 +290,13 @@ def delta_run(state, trainer_cls, trainer_args: tuple, gen_cls, gen_args: tuple,
             parts.append((report.write_s, report.pull_s[host], report.load_s))
             if codec:
                 codecs.append(_codec(root, host, report.version))
-        full = TopologySync(trainer, [gen], str(work / "full"), keep=2, dtype="bfloat16", verify=False)
-        full.sync()
+        full = TopologySync(trainer, [gen], str(work / "full"), keep=KEEP, dtype="bfloat16", verify=False)
+        for step in range(KEEP + steps + 1, 2 * KEEP + steps + 2):
+            if step > KEEP + steps + 1:
+                trainer.train_step.call(TrainBatch.synthetic(step, vocab)).get()
+            full.sync()
         full_s, full_publish_s = [], []
-        for step in range(steps + 1, 2 * steps + 1):
+        for step in range(2 * KEEP + steps + 2, 2 * KEEP + 2 * steps + 2):
             trainer.train_step.call(TrainBatch.synthetic(step, vocab)).get()
             report = full.sync()
             full_s.append(report.total_s)
@@ -368,12 +385,12 @@ def print_delta_table(deltas: dict) -> None:
               f"{row['full_sync_s']:8.4f} {row['delta_publish_s']:7.4f}/{row['full_publish_s']:.4f} "
               f"{row['publish_ratio']:13.3f}")
     print("\nencodings on the same versions (bytes ÷ bf16 bytes; encode GB/s, one thread)")
-    print(f"{'lr':8s} {'xor+zstd':>9s} {'bitmask+v':>10s} {'index+v':>8s} {'xor GB/s':>9s} {'mask GB/s':>10s} "
-          f"{'index GB/s':>10s}")
+    print(f"{'lr':8s} {'xor+lz4':>8s} {'xor+zstd':>9s} {'bitmask+v':>10s} {'index+v':>8s} {'lz4 GB/s':>9s} "
+          f"{'zstd GB/s':>10s} {'mask GB/s':>10s} {'index GB/s':>10s}")
     for lr, row in deltas["tiny"].items():
         c = row["codec"]
-        print(f"{lr:8s} {c['xor_zstd']:9.4f} {c['bitmask_values']:10.4f} {c['index_values']:8.4f} "
-              f"{c['xor_zstd_gbps']:9.2f} {c['bitmask_gbps']:10.2f} {c['index_gbps']:10.2f}")
+        print(f"{lr:8s} {c['xor_lz4']:8.4f} {c['xor_zstd']:9.4f} {c['bitmask_values']:10.4f} {c['index_values']:8.4f} "
+              f"{c['xor_lz4_gbps']:9.2f} {c['xor_zstd_gbps']:10.2f} {c['bitmask_gbps']:10.2f} {c['index_gbps']:10.2f}")
 
 
 def main() -> None:

@@ -2,7 +2,9 @@
 
 `TrainerActor.publish_shards` writes and seals its shards (what the next
 `train_step` waits for), then hands the sealed version to its process's
-`BackgroundEncoder` and returns. The encoder's thread XORs and compresses the
+`BackgroundEncoder` and returns. The encoder's thread waits for the host's
+seal (the other ranks' copies, which the step also waits for, run without
+it), then XORs and compresses the
 runs against the rank's `DeltaBase` (`actors.weight_sync.delta`) and cuts
 the result into chunks of about `chunk_bytes` of input. A `DeltaEncoderActor`
 on the same process serves them to the readers (`chunk`), each as soon as it
@@ -20,8 +22,11 @@ never see it as a delta (`chunk` raises, and they read that rank whole).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
+import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from monarch.actor import Actor, endpoint
@@ -30,9 +35,13 @@ from composer_mesh.actors.chaos import fail_point
 from composer_mesh.actors.weight_sync.delta import DeltaBase, RunDelta, runs_checksum
 from composer_mesh.actors.weight_sync.segment import Piece
 
-# input bytes per chunk: small enough to pipeline a shard of a few tens of MB, large enough that one
-# chunk's round trip is small against its encoding
-CHUNK_BYTES = 16 << 20
+# input bytes per chunk: small enough to pipeline a shard of a few tens of MB, large enough that the chunks'
+# round trips are small against their encoding (bench shape, 73 MB a rank: end-to-end ratio 0.65 at 4 MiB,
+# 0.56-0.60 at 16, 0.53-0.56 at 32; docs/weight_sync.md)
+CHUNK_BYTES = 32 << 20
+# how often, and how long, an encoding waits for its `ready` (the host's seal: the other ranks' copies, milliseconds)
+READY_POLL_S = 0.0005
+READY_TIMEOUT_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -71,6 +80,11 @@ class DeltaChunk:
         return sum(r.changed for r in self.runs)
 
 
+class Superseded(RuntimeError):
+    """A publication whose host was never sealed (another rank failed it) before this rank published again:
+    nothing was read or changed, so the base stays and nobody pulls it."""
+
+
 @dataclass
 class EncodeJob:
     """One publication's encoding (or, with no `plan`, the base's refresh) on the encoder's thread."""
@@ -83,6 +97,8 @@ class EncodeJob:
     error: BaseException | None = None
     finished: bool = False
     cond: threading.Condition = field(default_factory=threading.Condition)
+    # set by the next publication: a job still waiting for its host's seal then gives up (`Superseded`)
+    cancel: threading.Event = field(default_factory=threading.Event)
 
     def chunk(self, index: int, timeout_s: float) -> tuple[list[RunDelta], torch.Tensor, bool, int | None]:
         """Chunk `index` once encoded: (runs, bytes, last, checksum on the last); raises when the encoding failed."""
@@ -114,29 +130,37 @@ class BackgroundEncoder:
 
     def finish(self) -> None:
         """Wait for the running encoding; raise, once, when it failed (the base is then gone: the next delta
-        publication is an anchor)."""
+        publication is an anchor). An encoding still waiting for its host's seal is dropped instead: every
+        rank returns from a publication only after writing it, so a version unsealed now never will be."""
+        job = self.job
+        if job is not None:
+            job.cancel.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        job = self.job
-        if job is not None and job.error is not None:
+        if job is not None and isinstance(job.error, Superseded):
+            self.job = None
+        elif job is not None and job.error is not None:
             self.job = None
             raise RuntimeError(f"{job.name()}: the background delta encode failed, so that version reached "
                                f"other hosts whole; the base is dropped and the next publication is an anchor "
                                f"({type(job.error).__name__}: {job.error})") from job.error
 
     def submit(self, payload_U8: torch.Tensor, runs: list[Piece], version: int, token: str, itemsize: int,
-               encode: bool) -> DeltaPlan | None:
+               encode: bool, ready: Callable[[], bool] | None = None) -> DeltaPlan | None:
         """Start making `runs` of `payload_U8` (this rank's sealed version `version` of sync `token`) the base,
         in the background; with `encode` and a base of the same runs, as a delta against it (its plan is
-        returned; chunks come from `job.chunk`). `payload_U8` must stay unchanged until the next `finish`."""
+        returned; chunks come from `job.chunk`). `payload_U8` must stay unchanged until the next `finish`.
+        With `ready`, the thread starts once it returns True (the trainer's: every rank on the host has written
+        its shards, so the encoding never slows another rank's copy, which the training step waits for)."""
         self.finish()
         plan = None
         if encode and self.base.matches(runs):
             plan = DeltaPlan(version, token, self.base.version, self.base.token, itemsize, list(runs))
         job = EncodeJob(plan)
         self.job = job
-        self._thread = threading.Thread(target=self._run, args=(job, payload_U8, runs, version, token, itemsize),
+        self._thread = threading.Thread(target=self._run,
+                                        args=(job, payload_U8, runs, version, token, itemsize, ready),
                                         name=f"delta-encode-v{version}", daemon=True)
         self._thread.start()
         return plan
@@ -160,27 +184,35 @@ class BackgroundEncoder:
             job.cond.notify_all()
 
     def _run(self, job: EncodeJob, payload_U8: torch.Tensor, runs: list[Piece], version: int, token: str,
-             itemsize: int) -> None:
+             itemsize: int, ready: Callable[[], bool] | None) -> None:
         try:
+            deadline = time.monotonic() + READY_TIMEOUT_S
+            # `ready` first: a seal that came before the cancel still counts
+            while ready is not None and not ready():
+                if job.cancel.is_set():
+                    raise Superseded(f"v{version}: published again before its host was sealed")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"v{version}: the host's segment was not sealed within {READY_TIMEOUT_S} s")
+                time.sleep(READY_POLL_S)
             fail_point("trainer", "delta_encode")
             if job.plan is None:
                 self.base.refresh(payload_U8, runs, version, token)
                 return
             checksum, pending, sections, at, input_bytes = 0, [], [], 0, 0
-            for n, (run, encoding, k, section) in enumerate(
-                    self.base.encode_runs(payload_U8, runs, version, token, itemsize)):
-                checksum = runs_checksum(payload_U8, [run], checksum)
-                pending.append(RunDelta(run, encoding, k, at, section.numel()))
+            for n, (rd, section) in enumerate(self.base.encode_runs(payload_U8, runs, version, token, itemsize)):
+                checksum = runs_checksum(payload_U8, [rd.run], checksum)
+                pending.append(dataclasses.replace(rd, at=at))
                 sections.append(section)
                 at += section.numel()
-                input_bytes += run.nbytes
+                input_bytes += rd.run.nbytes
                 if input_bytes >= self.chunk_bytes or n == len(runs) - 1:
                     self._emit(job, pending, sections, n == len(runs) - 1, checksum)
                     pending, sections, at, input_bytes = [], [], 0, 0
             if not runs:
                 self._emit(job, [], [], True, checksum)
         except BaseException as exc:  # noqa: BLE001 - kept for the next publication and the readers
-            self.base.drop()
+            if not isinstance(exc, Superseded):
+                self.base.drop()
             job.error = exc
         finally:
             with job.cond:

@@ -115,6 +115,16 @@ class SegmentWriter(SlotHold):
             self.release()
 
 
+    def sealed(self) -> bool:
+        """Whether this version is sealed in its slot (every party is done); callable after `done()` too."""
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            header = Header.read(fd)
+        finally:
+            os.close(fd)
+        return header is not None and header.complete and header.version == self.version and header.token == self.token
+
+
 def local_shard(param: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]] | None:
     """This rank's piece of `param` and where it sits in the full tensor; None when another rank writes it.
 

@@ -48,7 +48,7 @@ class MeshConfig:
     )
     weight_sync_anchor_every: int = option(
         10, ge=1,
-        doc="Weights crossing hosts go as deltas (XOR + zstd of the serving-dtype bits) with a full anchor every "
+        doc="Weights crossing hosts go as deltas (XOR + LZ4 of the serving-dtype bits) with a full anchor every "
             "this many syncs, after any restart and for a new reader; 1 = always full. Each trainer rank read "
             "from another host keeps one serving-dtype copy of its shard for it (docs/weight_sync.md).",
     )

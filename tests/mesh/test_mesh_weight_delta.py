@@ -1,4 +1,4 @@
-"""Delta weight sync: what crosses hosts is XOR + zstd of the changed serving-dtype bits, bitwise exact.
+"""Delta weight sync: what crosses hosts is XOR + LZ4 of the changed serving-dtype bits, bitwise exact.
 
 The codec is checked against a reference written here (a run rebuilt as base
 XOR the decoded bits, element by element), on random bf16/fp32 data with
@@ -25,12 +25,14 @@ import pytest
 import torch
 
 from composer_mesh.actors.chaos import FAIL_ENV, MARKS_ENV
-from composer_mesh.actors.weight_sync.delta import FULL, XOR, Delta, DeltaBase, RunDelta, apply_delta, runs_checksum
+from composer_mesh.actors.weight_sync.delta import FULL, XOR, Delta, DeltaBase, apply_delta, runs_checksum
 from composer_mesh.actors.weight_sync.encoder import BackgroundEncoder
 from composer_mesh.actors.weight_sync.segment import Piece
 from composer_mesh.titan_ext.batch import TrainBatch
 
 VOCAB = 2048  # the tiny models' vocabulary
+# the codec test's LZ4 block (input bytes): its runs span several
+BLOCK = 4096
 
 # ---- the codec against a reference ----------------------------------------------------------------
 
@@ -55,9 +57,9 @@ def _advance(base: DeltaBase, payload_U8: torch.Tensor, runs: list[Piece], versi
         return None
     sections, out, at = [], [], 0
     base_version, base_token = base.version, base.token
-    for run, encoding, k, section in base.encode_runs(payload_U8, runs, version, token, itemsize):
+    for rd, section in base.encode_runs(payload_U8, runs, version, token, itemsize):
         sections.append(section)
-        out.append(RunDelta(run, encoding, k, at, section.numel()))
+        out.append(dataclasses.replace(rd, at=at))
         at += section.numel()
     buffer = torch.cat(sections) if sections else torch.empty(0, dtype=torch.uint8)
     return Delta(version, base_version, base_token, itemsize, out, buffer.numel(), runs_checksum(payload_U8, runs)), buffer
@@ -86,15 +88,17 @@ def test_delta_rebuilds_every_bit_and_falls_back_to_full(dtype):
     new_p[noise.offset : noise.offset + noise.nbytes] = torch.randint(0, 256, (noise.nbytes,), generator=g,
                                                                       dtype=torch.uint8)
 
-    base = DeltaBase()
+    # blocks smaller than the runs, so a run spans several and ends in a partial one
+    base = DeltaBase(block_bytes=BLOCK)
     assert _advance(base, new_p, runs, 1, "tok1", size, encode=True) is None  # no base yet: an anchor
     _advance(base, old_p, runs, 0, "tok0", size, encode=False)
     delta, buffer = _advance(base, new_p, runs, 1, "tok1", size, encode=True)
     assert (delta.version, delta.base_version, delta.base_token) == (1, 0, "tok0")
     assert [rd.encoding for rd in delta.runs][1] == FULL and delta.runs[2].encoding == XOR
 
-    # reference: every element of the rebuilt run is base XOR decoded, equal to the new bits
-    import zstandard
+    # reference: every element of the rebuilt run is base XOR decoded, equal to the new bits; an XOR section is
+    # LZ4 blocks of BLOCK input bytes each (the last shorter), sizes in `blocks`
+    import lz4.block
 
     bits = {2: np.int16, 4: np.int32}[size]
     for rd, _k in zip(delta.runs, n):
@@ -102,11 +106,20 @@ def test_delta_rebuilds_every_bit_and_falls_back_to_full(dtype):
         new_bits = new_p[rd.run.offset : rd.run.offset + rd.run.nbytes].numpy().view(bits)
         assert rd.changed == int((old_bits != new_bits).sum())
         section = buffer[rd.at : rd.at + rd.size].numpy().tobytes()
-        decoded = section if rd.encoding == FULL else zstandard.ZstdDecompressor().decompress(section)
+        if rd.encoding == FULL:
+            decoded = section
+        else:
+            assert rd.block_bytes == BLOCK and len(rd.blocks) == -(-rd.run.nbytes // BLOCK) > 1
+            ends = np.cumsum((0, *rd.blocks))
+            blocks = [np.frombuffer(lz4.block.decompress(section[a:b], uncompressed_size=min(BLOCK, rd.run.nbytes - i * BLOCK)), np.uint8)
+                      for i, (a, b) in enumerate(zip(ends[:-1], ends[1:]))]
+            # fp32: each block is its elements' byte 0s, then byte 1s, ... (byte planes)
+            decoded = b"".join(blk.reshape(size, -1).T.tobytes() if size == 4 else blk.tobytes() for blk in blocks)
         rebuilt = np.frombuffer(decoded, dtype=bits) if rd.encoding == FULL else old_bits ^ np.frombuffer(decoded, bits)
         assert np.array_equal(rebuilt, new_bits)
-    # the noise run dominates what is sent
-    assert delta.nbytes < 0.6 * sum(r.nbytes for r in runs)
+    # bf16: the noise run dominates what is sent; fp32: every element changes in its two low bytes, which LZ4
+    # (no entropy coder) sends as they are, the two high byte planes compress away
+    assert delta.nbytes < {2: 0.6, 4: 0.75}[size] * sum(r.nbytes for r in runs)
 
     target = torch.full_like(old_p, 7)
     apply_delta(target, old_p, delta, buffer.clone())
@@ -129,7 +142,8 @@ def test_delta_rebuilds_every_bit_and_falls_back_to_full(dtype):
     _advance(base, new_p, runs, 3, "tok3", size, encode=False)
     # the next delta is against v3
     same, _ = _advance(base, new_p, runs, 4, "tok4", size, encode=True)
-    assert (same.base_version, same.changed) == (3, 0) and same.nbytes < 100
+    # nothing changed: LZ4's floor (one byte per 255 of a zero run, plus each block's few bytes of framing)
+    assert (same.base_version, same.changed) == (3, 0) and same.nbytes < sum(r.nbytes for r in runs) / 100
 
 # ---- the background encoder: streamed chunks, overlap, failures ------------------------------------
 
@@ -216,6 +230,51 @@ def test_a_publication_while_the_previous_encoding_runs_waits_for_it_and_encodes
     assert last and checksum == final_checksum and _same_runs(rebuilt1, v1, runs)
     rebuilt2, _ = _receive(encoder, v1)
     assert _same_runs(rebuilt2, v2, runs)
+
+
+def test_the_encoding_starts_only_once_the_host_is_sealed_and_a_seal_that_never_comes_fails_it(monkeypatch):
+    import threading
+    import time
+
+    import composer_mesh.actors.weight_sync.encoder as encoder_mod
+
+    g = torch.Generator().manual_seed(8)
+    runs = [Piece(0, 2 * 50_000)]
+    values, v0 = _bf16_payload(g, runs, 50_000)
+    v1 = _payload((values + 1e-3).to(torch.bfloat16), runs)
+    encoder = BackgroundEncoder()
+    encoder.submit(v0, runs, 0, "t0", 2, encode=True)
+    sealed = threading.Event()
+    encoder.submit(v1, runs, 1, "t1", 2, encode=True, ready=sealed.is_set)
+    # the other ranks are still copying: no chunk, and the base is still v0
+    with pytest.raises(TimeoutError, match="not encoded"):
+        encoder.job.chunk(0, 0.3)
+    assert encoder.base.version == 0
+    sealed.set()
+    rebuilt, _ = _receive(encoder, v0)
+    assert _same_runs(rebuilt, v1, runs)
+    # published again before the host sealed (another rank failed the publication): dropped without an
+    # error, the base untouched, so the next publication is still a delta against v1
+    encoder.submit(v0, runs, 2, "t2", 2, encode=True, ready=lambda: False)
+    time.sleep(0.05)
+    plan = encoder.submit(v0, runs, 3, "t3", 2, encode=True)
+    assert (plan.base_version, plan.base_token) == (1, "t1")
+    rebuilt, _ = _receive(encoder, v1)
+    assert _same_runs(rebuilt, v0, runs)
+    # a seal that came just before the next publication still counts: that version is encoded
+    late = threading.Event()
+    encoder.submit(v1, runs, 4, "t4", 2, encode=True, ready=late.is_set)
+    late.set()
+    plan = encoder.submit(v0, runs, 5, "t5", 2, encode=True)
+    assert (plan.base_version, plan.base_token) == (4, "t4")
+    # a host that never seals while nobody publishes again: the encoding fails, is never served, and is raised
+    monkeypatch.setattr(encoder_mod, "READY_TIMEOUT_S", 0.2)
+    encoder.finish()
+    encoder.submit(v1, runs, 6, "t6", 2, encode=True, ready=lambda: False)
+    with pytest.raises(RuntimeError, match="failed: TimeoutError.*not sealed"):
+        encoder.job.chunk(0, 10.0)
+    with pytest.raises(RuntimeError, match=r"v6 \(sync t6\): the background delta encode failed"):
+        encoder.finish()
 
 
 def test_a_failed_background_encoding_is_raised_at_the_next_publication_and_never_served():
