@@ -26,7 +26,7 @@ from composer_mesh.actors.trainer import TrainerActor
 from composer_mesh.configs.sections.diloco import DiLoCoConfig
 from composer_mesh.titan_ext.diloco import DiLoCoReplica, ReplicaAssignment, parameters_digest
 from composer_mesh.titan_ext.torchft_compat import LighthouseServer
-from composer_mesh.titan_ext.trainer import TrainerSpec
+from composer_mesh.titan_ext.spec import TrainerSpec
 
 
 class DiLoCoManagerActor(Actor):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -34,7 +34,10 @@ from composer_mesh.actors.weight_sync.segment import Piece, SegmentLayout, coale
 from composer_mesh.actors.weight_sync.writer import SegmentWriter, write_shards
 from composer_mesh.losses.logprobs import chunked_token_stats
 from composer_mesh.titan_ext.batch import IGNORE_INDEX, TrainBatch
-from composer_mesh.titan_ext.trainer import Trainer, TrainerSpec
+from composer_mesh.titan_ext.spec import TrainerSpec
+
+if TYPE_CHECKING:
+    from composer_mesh.titan_ext.trainer import Trainer
 
 
 @dataclass
@@ -113,6 +116,9 @@ class TrainerActor(Actor):
         if self.trainer is None:
             if self.spec.torch_threads:
                 torch.set_num_threads(self.spec.torch_threads)
+            # lazy: the controller imports this module to spawn the actor (titan_ext.spec)
+            from composer_mesh.titan_ext.trainer import Trainer
+
             with self.memory.phase("load"):
                 self.trainer = Trainer(self.spec)
             # a checkpoint inside a step is a phase of its own

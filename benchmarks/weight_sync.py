@@ -338,7 +338,7 @@ def delta_figures(work: Path, tiny, bench_hf: Path, bench_model, shape: dict, st
     from composer_mesh.configs.sections.model import ModelConfig
     from composer_mesh.configs.sections.optimizer import OptimizerConfig
     from composer_mesh.configs.sections.trainer import TrainerConfig
-    from composer_mesh.titan_ext.trainer import TrainerSpec
+    from composer_mesh.titan_ext.spec import TrainerSpec
 
     def spec(model, lr: float, folder: str) -> TrainerSpec:
         return TrainerSpec(model=model, trainer=TrainerConfig(steps=10_000, microbatches=1),
@@ -421,7 +421,7 @@ def main() -> None:
     from composer_mesh.configs.sections.model import ModelConfig
     from composer_mesh.titan_ext.assets import build_assets
     from composer_mesh.titan_ext.models import resolve_model
-    from composer_mesh.titan_ext.trainer import TrainerSpec
+    from composer_mesh.titan_ext.spec import TrainerSpec
 
     t0 = time.perf_counter()
     raw_shm = None

@@ -35,7 +35,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from composer_mesh.actors.weight_sync.sync import sync_keep
 from composer_mesh.configs.schema import JobConfig
-from composer_mesh.titan_ext.trainer import TrainerSpec
+from composer_mesh.titan_ext.spec import TrainerSpec
 
 logger = logging.getLogger(__name__)
 

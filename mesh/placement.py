@@ -49,7 +49,7 @@ from composer_mesh.configs.sections.mesh import MeshConfig
 from composer_mesh.mesh.errors import phase
 from composer_mesh.mesh.prespawn import Prespawned, process_environment
 from composer_mesh.mesh.supervision import is_alive
-from composer_mesh.titan_ext.trainer import TrainerSpec
+from composer_mesh.titan_ext.spec import TrainerSpec
 
 
 @dataclass

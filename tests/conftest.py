@@ -46,7 +46,7 @@ def tiny_trainer_spec(tiny_assets):
     from composer_mesh.configs.sections.model import ModelConfig
     from composer_mesh.configs.sections.optimizer import OptimizerConfig
     from composer_mesh.configs.sections.trainer import TrainerConfig
-    from composer_mesh.titan_ext.trainer import TrainerSpec
+    from composer_mesh.titan_ext.spec import TrainerSpec
 
     def make(checkpoint_dir: Path):
         return TrainerSpec(

@@ -44,10 +44,6 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 from transformers import PreTrainedTokenizerFast
 
 from composer_mesh.configs.sections.model import ModelConfig
-from composer_mesh.titan_ext.build import build_model
-from composer_mesh.titan_ext.hf.write import save_hf_dir
-from composer_mesh.titan_ext.models import resolve_model
-from composer_mesh.titan_ext.platform import detect_platform
 from composer_mesh.titan_ext.tiny import SPECIAL_TOKENS, TINY_MAX_SEQ_LEN, TINY_VOCAB_SIZE, TOOL_TOKENS
 
 # Bumped when the files' format changes (docs/models.md lists the formats).
@@ -191,6 +187,12 @@ def _file_lock(path: Path) -> Iterator[None]:
 
 
 def _write_model(out_dir: Path, flavour: str, seed: int, tokenizer_dir: Path) -> None:
+    # lazy: the controller reads the assets' paths and never builds a model (titan_ext.spec)
+    from composer_mesh.titan_ext.build import build_model
+    from composer_mesh.titan_ext.hf.write import save_hf_dir
+    from composer_mesh.titan_ext.models import resolve_model
+    from composer_mesh.titan_ext.platform import detect_platform
+
     cfg = ModelConfig(flavour=flavour, seed=seed, device="cpu")
     platform = detect_platform("cpu")
     model = build_model(cfg, device="cpu", platform=platform)

@@ -30,10 +30,6 @@ from transformers import AutoTokenizer
 
 from composer_mesh.configs.sections.model import ModelConfig
 from composer_mesh.titan_ext.assets import build_once
-from composer_mesh.titan_ext.attention import attention_masks
-from composer_mesh.titan_ext.build import build_model
-from composer_mesh.titan_ext.hf.write import save_hf_weights
-from composer_mesh.titan_ext.models import resolve_model
 from composer_mesh.titan_ext.platform import detect_platform
 
 
@@ -80,6 +76,9 @@ def sft(model: torch.nn.Module, rows: Sequence[tuple[list[int], list[bool]]], cf
 
     `model` is a TorchTitan model whose forward returns `[B, L, V]` logits.
     """
+    # lazy: TorchTitan's attention (titan_ext.spec says why)
+    from composer_mesh.titan_ext.attention import attention_masks
+
     gen = torch.Generator().manual_seed(cfg.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 - k / cfg.steps if cfg.decay else 1.0)
@@ -125,6 +124,11 @@ def warm_start_dir(
     stamp = _stamp(model_cfg, src_dir, conversations, cfg, tools)
 
     def write(tmp: Path) -> None:
+        # lazy: a cached warm start is only a path to the controller (titan_ext.spec)
+        from composer_mesh.titan_ext.build import build_model
+        from composer_mesh.titan_ext.hf.write import save_hf_weights
+        from composer_mesh.titan_ext.models import resolve_model
+
         platform = detect_platform("cpu")
         torch.manual_seed(cfg.seed)
         model = build_model(dataclasses.replace(model_cfg, device="cpu"), device="cpu", platform=platform)

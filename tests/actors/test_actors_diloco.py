@@ -45,7 +45,7 @@ def replicas(tiny_assets):
     from monarch.spmd import setup_torch_elastic_env
 
     from composer_mesh.actors.diloco import DiLoCoManagerActor, DiLoCoTrainerActor
-    from composer_mesh.titan_ext.trainer import TrainerSpec
+    from composer_mesh.titan_ext.spec import TrainerSpec
 
     cfg = DiLoCoConfig(enabled=True, replica_groups=2, min_replicas=2, inner_steps=H, timeout_s=60, quorum_timeout_s=120)
     spec = TrainerSpec(

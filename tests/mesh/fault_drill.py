@@ -61,7 +61,7 @@ def main() -> None:
     from composer_mesh.mesh.supervision import Deadline, Supervisor, install_fault_hook
     from composer_mesh.actors.mesh_utils import rank0
     from composer_mesh.replay.hints import TemplateHintGenerator
-    from composer_mesh.titan_ext.trainer import TrainerSpec
+    from composer_mesh.titan_ext.spec import TrainerSpec
 
     run = Path(args.run)
     events: list[str] = []

@@ -71,7 +71,7 @@ def colocated(tiny_assets, gen_spec):
     """Colocated placement on one process: the trainer and a generator actor share it."""
     from composer_mesh.configs.sections.mesh import MeshConfig
     from composer_mesh.mesh.placement import place
-    from composer_mesh.titan_ext.trainer import TrainerSpec
+    from composer_mesh.titan_ext.spec import TrainerSpec
 
     spec = TrainerSpec(
         model=ModelConfig(flavour="tiny", device="cpu", hf_path=str(tiny_assets.dense_dir)),

@@ -230,7 +230,7 @@ def make_spec(args: dict[str, Any], out_dir: Path | None = None):
     from composer_mesh.configs.sections.optimizer import OptimizerConfig
     from composer_mesh.configs.sections.parallelism import ParallelismConfig
     from composer_mesh.configs.sections.trainer import TrainerConfig
-    from composer_mesh.titan_ext.trainer import TrainerSpec
+    from composer_mesh.titan_ext.spec import TrainerSpec
 
     ckpt = args.get("checkpoint")
     return TrainerSpec(

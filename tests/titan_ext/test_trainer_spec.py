@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from composer_mesh.configs.loader import load_config
-from composer_mesh.titan_ext.trainer import TrainerSpec
+from composer_mesh.titan_ext.spec import TrainerSpec
 
 
 def test_spec_from_recipe_sections_and_checkpoint_folder():

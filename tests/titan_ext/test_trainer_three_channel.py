@@ -158,7 +158,8 @@ def test_bf16_master_weights_are_refused_naming_the_key():
     """`[model] dtype` is not the trainer's master-weight dtype: bfloat16 there is refused before anything is built,
     with the key to use instead (its masters stay float32; FSDP computes in `parallelism.param_dtype`)."""
     from composer_mesh.configs.sections.model import ModelConfig
-    from composer_mesh.titan_ext.trainer import Trainer, TrainerSpec
+    from composer_mesh.titan_ext.spec import TrainerSpec
+    from composer_mesh.titan_ext.trainer import Trainer
 
     with pytest.raises(ValueError, match=r"model\.dtype = 'bfloat16'.*parallelism\.param_dtype"):
         Trainer(TrainerSpec(model=ModelConfig(flavour="tiny", device="cpu", dtype="bfloat16")))

@@ -17,8 +17,6 @@ import torch.distributed.checkpoint as dcp
 from composer_mesh.configs.sections.checkpoint import CheckpointConfig
 from composer_mesh.configs.sections.model import ModelConfig
 from composer_mesh.titan_ext.checkpoint import COMPLETE, Checkpointer, step_dir_name
-from composer_mesh.titan_ext.hf.write import save_hf_dir
-from composer_mesh.titan_ext.models import init_model, resolve_model
 from composer_mesh.titan_ext.platform import detect_platform
 
 RUN_MODEL_FILE = "model.json"
@@ -61,6 +59,10 @@ def export_run(run_dir: str | Path, out_dir: str | Path, step: int | None = None
     path = checkpoint_dir / step_dir_name(step)
     if not (path / COMPLETE).is_file():
         raise FileNotFoundError(f"no complete checkpoint of step {step} in {checkpoint_dir} (complete steps: {steps})")
+
+    # lazy: the controller records the run's model through this module (titan_ext.spec)
+    from composer_mesh.titan_ext.hf.write import save_hf_dir
+    from composer_mesh.titan_ext.models import init_model, resolve_model
 
     model_cfg = dataclasses.replace(model_cfg, device="cpu")
     resolved = resolve_model(model_cfg, detect_platform("cpu"))

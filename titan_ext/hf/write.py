@@ -138,7 +138,11 @@ def save_hf_dir(
             return out_dir
         staging.chmod(0o755)
         _generation_config(hf_config, Path(generation_from) if generation_from else None).save_pretrained(staging)
-        AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(staging)
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        # transformers records HF_HUB_OFFLINE's `local_files_only` in the saved config: the files would depend on
+        # the environment they were written in
+        tokenizer.init_kwargs.pop("local_files_only", None)
+        tokenizer.save_pretrained(staging)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(staging, out_dir)
