@@ -133,7 +133,9 @@ class ContainerBackend:
         fired = threading.Event()
         start = time.perf_counter()
         with open(stdin_path, "rb") as fin, open(out_path, "wb") as fout, open(err_path, "wb") as ferr:
-            proc = subprocess.Popen(cmd, stdin=fin, stdout=fout, stderr=ferr, start_new_session=True)
+            # cwd: podman's conmon (before containers/conmon#514) creates an empty `oom` file in its working
+            # directory when the container is OOM-killed; in the workspace's host scratch, not the caller's
+            proc = subprocess.Popen(cmd, stdin=fin, stdout=fout, stderr=ferr, start_new_session=True, cwd=ws.scratch)
 
         def kill() -> None:
             fired.set()

@@ -173,7 +173,9 @@ def test_graded_through_the_container_backend(tmp_path, instance, image):
     _check_instance(task, backend)
 
 
-def test_container_containment(image):
+def test_container_containment(image, tmp_path, monkeypatch):
+    # the caller's working directory: nothing of a run may land there (conmon's `oom` file did)
+    monkeypatch.chdir(tmp_path)
     backend = ContainerBackend(SweConfig(image=image, memory_mb=128, max_processes=16, tmpfs_mb=8, cpu_cores=0.5))
     with backend.workspace() as ws:
         def py(code: str, timeout_s: float = 20.0):
@@ -204,6 +206,7 @@ def test_container_containment(image):
         assert "No space left on device" in tmp_cap.stderr, tmp_cap
         memory = py("x = bytearray(400 << 20); print('allocated')")
         assert memory.exit_code == 137 and "memory_limit" in memory.violations and "allocated" not in memory.stdout
+        assert list(tmp_path.iterdir()) == [], "the container runtime wrote into the caller's working directory"
         forks = py("import os, time\nfor _ in range(40):\n    if os.fork() == 0:\n        time.sleep(5); os._exit(0)")
         assert "process_limit" in forks.violations, forks
         hostile = py("import os, signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nos.fork()\n"
