@@ -54,6 +54,7 @@ on the benchmark shape; per-lr figures under "delta").
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import mmap
 import multiprocessing as mp
@@ -271,18 +272,23 @@ def delta_run(state, trainer_cls, trainer_args: tuple, gen_cls, gen_args: tuple,
         root = str(work / "delta")
         sync = TopologySync(trainer, [gen], root, keep=KEEP, dtype="bfloat16", anchor_every=10**9, verify=False)
         host = next(r.host for r in sync.plan.routes if r.reader is not None)
+        steps_taken = itertools.count(1)
+
+        def step_then_sync(s: TopologySync):
+            """One training step, then `s`'s sync of it (its report)."""
+            trainer.train_step.call(TrainBatch.synthetic(next(steps_taken), vocab)).get()
+            return s.sync()
+
         model_bytes = sync.sync().model_bytes  # the anchor
         # untimed: the rest of the ring's first writes (a slot's first write faults its pages in; a run's syncs
         # after its first KEEP + 1 reuse faulted slots), on both hosts
-        for step in range(1, KEEP + 1):
-            trainer.train_step.call(TrainBatch.synthetic(step, vocab)).get()
-            sync.sync()
+        for _ in range(KEEP):
+            step_then_sync(sync)
         delta_bytes, changed, delta_s, publish_s, codecs, parts = [], [], [], [], [], []
-        for step in range(KEEP + 1, KEEP + steps + 1):
-            trainer.train_step.call(TrainBatch.synthetic(step, vocab)).get()
-            report = sync.sync()
+        for _ in range(steps):
+            report = step_then_sync(sync)
             if not report.delta.get(host):
-                raise SystemExit(f"step {step}: the generator host got full weights, not a delta")
+                raise SystemExit(f"v{report.version}: the generator host got full weights, not a delta")
             delta_bytes.append(report.cross_host_bytes)
             changed.append(report.changed / report.elements)
             delta_s.append(report.total_s)
@@ -291,14 +297,12 @@ def delta_run(state, trainer_cls, trainer_args: tuple, gen_cls, gen_args: tuple,
             if codec:
                 codecs.append(_codec(root, host, report.version))
         full = TopologySync(trainer, [gen], str(work / "full"), keep=KEEP, dtype="bfloat16", verify=False)
-        for step in range(KEEP + steps + 1, 2 * KEEP + steps + 2):
-            if step > KEEP + steps + 1:
-                trainer.train_step.call(TrainBatch.synthetic(step, vocab)).get()
-            full.sync()
+        full.sync()
+        for _ in range(KEEP):
+            step_then_sync(full)
         full_s, full_publish_s = [], []
-        for step in range(2 * KEEP + steps + 2, 2 * KEEP + 2 * steps + 2):
-            trainer.train_step.call(TrainBatch.synthetic(step, vocab)).get()
-            report = full.sync()
+        for _ in range(steps):
+            report = step_then_sync(full)
             full_s.append(report.total_s)
             full_publish_s.append(report.publish_s)
             parts.append((report.write_s, report.pull_s[host], report.load_s))

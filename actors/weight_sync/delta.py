@@ -27,9 +27,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator
 
+import lz4.block
 import numpy as np
 import torch
-import lz4.block
 import xxhash
 
 from composer_mesh.actors.weight_sync.segment import Piece

@@ -114,15 +114,12 @@ class SegmentWriter(SlotHold):
         finally:
             self.release()
 
-
     def sealed(self) -> bool:
         """Whether this version is sealed in its slot (every party is done); callable after `done()` too."""
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            header = Header.read(fd)
-        finally:
-            os.close(fd)
-        return header is not None and header.complete and header.version == self.version and header.token == self.token
+        with open(self.path, "rb") as f:
+            header = Header.read(f.fileno())
+        # `holds` takes the sync token unpacked; the writer keeps it packed
+        return header is not None and header.holds(self.version, None) and header.token == self.token
 
 
 def local_shard(param: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]] | None:
