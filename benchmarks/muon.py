@@ -74,6 +74,9 @@ def _time_interleaved(makers: dict, shapes, mesh, steps: int, warmup: int) -> tu
 def _time_ns(shapes: list[tuple[int, int]], reps: int) -> tuple[dict, dict, dict]:
     """Newton–Schulz alone on one thread, over every matrix of the stack, variant after variant per round.
 
+    Each variant gets the update as `ShardedMuon` hands it over: in its NS dtype (the momentum pass
+    writes a bf16 update directly), and returns its result in that dtype.
+
     Returns the median seconds per (variant, distinct shape), the median seconds
     of the whole stack per variant, and per variant the median over rounds of
     its stack time / fp32's in the same round (paired, so load drift cancels;
@@ -85,13 +88,14 @@ def _time_ns(shapes: list[tuple[int, int]], reps: int) -> tuple[dict, dict, dict
                 "bf16 native": dict(dtype=torch.bfloat16, kernel="native")}
     gen = torch.Generator().manual_seed(0)
     updates = [torch.randn(s, generator=gen) for s in shapes]
+    handed = {v: [u.to(kw["dtype"]) for u in updates] for v, kw in variants.items()}
     per_shape: dict[str, dict[tuple[int, int], list[float]]] = {v: {s: [] for s in shapes} for v in variants}
     stack: dict[str, list[float]] = {v: [] for v in variants}
     # round 0 warms kernels and the allocator up and is not counted
     for rnd in range(reps + 1):
         for v in (list(variants) if rnd % 2 else list(variants)[::-1]):
             total = 0.0
-            for u in updates:
+            for u in handed[v]:
                 t0 = time.perf_counter()
                 zeropower_via_newtonschulz(u, **variants[v])
                 elapsed = time.perf_counter() - t0
@@ -139,7 +143,7 @@ def main() -> None:
     )
     shapes = _shapes(args.dim, args.ffn, args.layers)
     kernel = resolve_ns_kernel("auto", torch.bfloat16, torch.device("cpu"))
-    reps = 7 if args.quick else 9
+    reps = 15 if args.quick else 21
     ns, ns_step, ns_ratio = _time_ns(shapes, reps)
     print(f"Newton–Schulz alone, 1 thread, median of {reps} rounds; bf16 auto kernel here: {kernel}")
     print(f"{'shape':<14}{'count':>6}" + "".join(f"{v + ' ms':>18}" for v in ns) + f"{'auto / fp32':>13}")

@@ -77,18 +77,22 @@ def zeropower_via_newtonschulz(
 ) -> torch.Tensor:
     """Quintic Newton–Schulz approximation of the polar factor U·Vᵀ of each matrix.
 
-    update: [m, n] or a batch [E, m, n] of independent matrices. Each matrix is
-    divided by its Frobenius norm (floored at eps), then X ← aX + (bA + cA²)X
-    with A = XXᵀ, on the wide orientation (m ≤ n), in `dtype` as `kernel`
-    (`resolve_ns_kernel`) says; `native` uses the same kernels as
-    `torch.optim.Muon`. Returns a tensor of update's dtype and shape.
+    update: [m, n] or a batch [E, m, n] of independent matrices, in any float
+    dtype (`ShardedMuon` hands it over in `dtype`, rounded once where it is
+    made). Each matrix is divided by its Frobenius norm (floored at eps), then
+    X ← aX + (bA + cA²)X with A = XXᵀ, on the wide orientation (m ≤ n), in
+    `dtype` as `kernel` (`resolve_ns_kernel`) says; `native` uses the same
+    kernels as `torch.optim.Muon`. Returns a tensor of update's shape in
+    `dtype`, as `torch.optim.Muon`'s Newton–Schulz does: the step adds it to the
+    parameters in their dtype (a mixed-dtype `add_`, no copy).
     """
     a, b, c = coefficients
-    x = update.to(dtype=dtype, copy=True)
-    kernel = resolve_ns_kernel(kernel, dtype, x.device)
-    if kernel != "native":
-        # `dtype` values in fp32 buffers, for fp32 GEMMs
-        x = x.float()
+    kernel = resolve_ns_kernel(kernel, dtype, update.device)
+    if kernel == "native":
+        x = update.to(dtype=dtype, copy=True)
+    else:
+        # `dtype` values in fp32 buffers, for fp32 GEMMs (one copy for an update already in `dtype`)
+        x = update.to(dtype).float()
     each_result = kernel == "emulated"
 
     def held(t: torch.Tensor) -> torch.Tensor:
@@ -112,7 +116,7 @@ def zeropower_via_newtonschulz(
             x = held(torch.baddbmm(x, poly, x, beta=a))
     if transposed:
         x = x.transpose(-2, -1)
-    return x.to(dtype).to(update.dtype)
+    return x.to(dtype)
 
 
 def adjusted_lr(lr: float, lr_adjust: str, rows: int, cols: int) -> float:
@@ -210,8 +214,9 @@ class MuonStepStats:
     orthogonalized: int = 0
     orthogonalized_numel: int = 0
     collectives: int = 0
-    # elements this rank sent in collectives
+    # elements this rank sent in collectives, and their bytes (2 an element for a bf16 update)
     comm_numel: int = 0
+    comm_bytes: int = 0
 
 
 # ---------------------------------------------------------------------------
@@ -301,7 +306,12 @@ class ShardedMuon(Optimizer):
         return loss
 
     def _momentum(self, p: torch.Tensor, group: dict) -> torch.Tensor:
-        """Shard-local momentum (elementwise, so no communication): returns the local update U."""
+        """Shard-local momentum (elementwise, so no communication): returns the local update U in the NS dtype.
+
+        U is written in `ns_dtype` by the pass that makes it (what `torch.optim.Muon` gets by rounding
+        its fp32 U on the way into Newton–Schulz, bit for bit), so a bf16 update is exchanged, held
+        and orthogonalised at 2 bytes an element and never rounded in a pass of its own.
+        """
         state = self.state[p]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p)
@@ -311,7 +321,10 @@ class ShardedMuon(Optimizer):
             grad = grad.redistribute(p.device_mesh, p.placements)
         grad = _local(grad)
         buf.lerp_(grad, 1 - group["momentum"])
-        return grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf.clone()
+        dtype = _NS_DTYPES[group["ns_dtype"]]
+        if not group["nesterov"]:
+            return buf.to(dtype, copy=True)
+        return torch.lerp(grad, buf, group["momentum"], out=torch.empty_like(grad, dtype=dtype))
 
     def _orthogonalize_and_apply(self, pending: list[tuple[torch.Tensor, dict]]) -> None:
         """NS every update once, then θ ← θ(1 − lr·wd) − adjusted_lr·O on the local shard.
@@ -346,6 +359,7 @@ class ShardedMuon(Optimizer):
                 self._apply(*pending[i], result)
             self.stats.collectives += 2
             self.stats.comm_numel += ex.sent_numel
+            self.stats.comm_bytes += ex.sent_bytes
 
     @staticmethod
     def _apply(p: torch.Tensor, group: dict, ortho: torch.Tensor) -> None:
@@ -434,7 +448,7 @@ class _Exchange:
             self.send_splits[self.layouts[i].owner] += math.prod(self.layouts[i].shard_shape(me))
         self.recv_splits = [sum(math.prod(self.layouts[i].shard_shape(src)) for i, _, _, _ in self.mine)
                             for src in range(self.world)]
-        self.sent_numel = 0
+        self.sent_numel = self.sent_bytes = 0
 
     def send_to_owners(self) -> None:
         self.send = torch.cat([u.reshape(-1) for _, _, _, u in self.items])
@@ -464,6 +478,7 @@ class _Exchange:
         self.work = dist.all_to_all_single(self.result_flat, self.back, self.send_splits, self.recv_splits,
                                            group=self.pg, async_op=True)
         self.sent_numel = self.send.numel() + self.back.numel()
+        self.sent_bytes = self.sent_numel * self.send.element_size()
         # the owner's full slabs live only in this call
         del self.send, self.recv
 

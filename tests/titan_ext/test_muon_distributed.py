@@ -89,7 +89,7 @@ class ReferenceRun:
 
 
 def _muon_group(params, **muon_kwargs) -> list[dict]:
-    return [dict(params=list(params), lr=LR, weight_decay=WD, momentum=MU, ns_dtype="float32", **muon_kwargs)]
+    return [dict(params=list(params), lr=LR, weight_decay=WD, momentum=MU, **{"ns_dtype": "float32", **muon_kwargs})]
 
 
 def _gather_stats(opt: ShardedMuon, world: int) -> list[tuple[int, int, int]]:
@@ -225,6 +225,25 @@ def _four_rank_case(rank: int, world: int) -> None:
     # HSDP [63] then [144] (63 → shard rank 0, 144 → shard rank 1); 2 + 2 + 1 rounds.
     assert [s[1] for s in stats[1]] == [c + w for c, w in zip(common, [60 + 63, 24 + 144, 65 + 63, 144])], stats
     assert all(s[2] == 2 * 5 + 1 for s in stats[1]), stats
+
+    # bf16 Newton–Schulz with torch's kernels: the 2-D matrices (FSDP, uneven HSDP, 2-D sharded) end bit for
+    # bit where torch.optim.Muon leaves full copies of them, and the update crosses the exchange in bf16.
+    matrices = [nn.Parameter(distribute_tensor(torch.randn(shape, generator=torch.Generator().manual_seed(7 + i)),
+                                               mesh, pl))
+                for i, (shape, mesh, pl) in enumerate(specs) if len(shape) == 2]
+    full = [nn.Parameter(_full(p).detach().clone()) for p in matrices]
+    theirs = torch.optim.Muon(full, lr=LR, weight_decay=WD, momentum=MU)
+    ours = ShardedMuon(_muon_group(matrices, ns_dtype="bfloat16", ns_kernel="native", lr_adjust="original"))
+    for step in range(2):
+        gen = torch.Generator().manual_seed(50 + step)
+        for p, w in zip(matrices, full):
+            w.grad = torch.randn(p.shape, generator=gen)
+            p.grad = distribute_tensor(w.grad, p.device_mesh, p.placements)
+        theirs.step()
+        ours.step()
+    for p, w in zip(matrices, full):
+        assert torch.equal(_full(p.detach()), w.detach()), (rank, tuple(w.shape), p.placements)
+    assert ours.stats.comm_bytes == 2 * ours.stats.comm_numel > 0, ours.stats
 
 
 def test_sharded_muon_hsdp_uneven_and_2d_sharded_match_reference_on_4_ranks(free_port):
