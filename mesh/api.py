@@ -23,9 +23,11 @@ shared-memory weight folder. Dead actors are replaced under
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import os
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
@@ -35,7 +37,7 @@ from composer_mesh.configs.loader import load_config
 from composer_mesh.configs.schema import JobConfig
 from composer_mesh.mesh.controller import StepRecord
 from composer_mesh.mesh.evaluation import evaluate
-from composer_mesh.mesh.metrics import plot_run
+from composer_mesh.mesh.metrics import plot_run, pyplot
 from composer_mesh.mesh.packing import Drops, explain_drops
 from composer_mesh.mesh.prespawn import Prespawned
 
@@ -168,6 +170,10 @@ class Run:
         if self.summary is not None:
             return self.summary
         job, placement, loop = self.job, launch.placement, launch.loop
+        plotting = job.metrics.jsonl and job.metrics.plot
+        if plotting:
+            # matplotlib loads while the steps run (the controller mostly waits on its actors then)
+            warm = _in_thread(pyplot)
         if loop.steppable:
             while launch.controller.iteration < launch.end:
                 self.step()
@@ -179,6 +185,11 @@ class Run:
             launch.sink.scalars(*evals[0])
         # flushes metrics.jsonl and TensorBoard before the plot reads them
         launch.sink.close()
+        plotted = None
+        if plotting and (self.run_dir / "metrics.jsonl").exists():
+            warm.result()
+            # drawn while the trainer saves and exports (matplotlib's Agg, no display: safe off the main thread)
+            plotted = _in_thread(plot_run, self.run_dir / "metrics.jsonl", self.run_dir / "plot.png")
         last = self.history[-1].step if self.history else launch.start_step
         if job.checkpoint.enabled and self.history and last % job.checkpoint.every_steps:
             for trainer in loop.trainers(placement):
@@ -202,8 +213,8 @@ class Run:
         if evals:
             summary["heldout"] = {"before": {"step": evals[0][0], **evals[0][1]},
                                   "after": {"step": evals[-1][0], **evals[-1][1]}}
-        if job.metrics.jsonl and job.metrics.plot and (self.run_dir / "metrics.jsonl").exists():
-            summary["plot"] = str(plot_run(self.run_dir / "metrics.jsonl", self.run_dir / "plot.png"))
+        if plotted is not None:
+            summary["plot"] = str(plotted.result())
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         self.summary = summary
         return summary
@@ -239,6 +250,20 @@ class Run:
         `architectures`, generation config, tokenizer) that transformers loads and vLLM serves."""
         launch = self.start()._launch
         return Path(rank0(launch.placement.trainer.save_hf.call(str(out_dir)).get()))
+
+
+def _in_thread(fn: Any, *args: Any) -> concurrent.futures.Future:
+    """`fn(*args)` on a daemon thread of its own; its result (or exception) from the future."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name=f"run-{fn.__name__}", daemon=True).start()
+    return future
 
 
 def trained_summary(history: list[StepRecord], job: JobConfig) -> dict[str, Any]:
