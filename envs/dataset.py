@@ -26,6 +26,7 @@ endless stream of epochs over the train rows: `sequential` keeps file order,
 from __future__ import annotations
 
 import inspect
+import json
 import math
 import random
 from dataclasses import dataclass
@@ -49,18 +50,13 @@ def load_rows(path: str, key: str, prompt_column: str) -> list[dict[str, Any]]:
     builder = _BUILDERS.get(file.suffix.lower())
     if builder is None:
         raise ValueError(f"{key} = {path!r}: unknown format {file.suffix!r}; use one of {sorted(_BUILDERS)}")
-    # lazy: HF datasets is heavy and only the dataset task reads files with it
-    import datasets
-
     try:
-        table = datasets.load_dataset(builder, data_files=str(file), split="train")
+        rows = _json_rows(file) if builder == "json" else _table_rows(builder, file)
     except Exception as e:  # datasets wraps parse errors in several types
         raise ValueError(f"{key} = {path!r}: cannot read it as {builder}: {str(e).splitlines()[0][:200]}") from None
-    if prompt_column not in table.column_names:
-        raise ValueError(
-            f"{path}: no column {prompt_column!r} (env.dataset.prompt_column); columns: {table.column_names}"
-        )
-    rows = table.to_list()
+    columns = list(rows[0]) if rows else []
+    if rows and prompt_column not in columns:
+        raise ValueError(f"{path}: no column {prompt_column!r} (env.dataset.prompt_column); columns: {columns}")
     if not rows:
         raise ValueError(f"{key} = {path!r}: no rows")
     for line, row in enumerate(rows, 1):
@@ -68,6 +64,37 @@ def load_rows(path: str, key: str, prompt_column: str) -> list[dict[str, Any]]:
         if not (isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt))):
             raise ValueError(f"{path}: row {line}: {prompt_column!r} is neither a string nor a list of messages")
     return rows
+
+
+def _json_rows(file: Path) -> list[dict[str, Any]]:
+    """A .json/.jsonl file's rows, read with the standard library (HF datasets' import alone is ≈ 1 s on the
+    run's critical path): a JSON array of objects, or one object per line (equal to datasets' rows where it reads
+    the file); every row gets every column, None where it lacks one (which datasets refuses)."""
+    text = file.read_text(encoding="utf-8")
+    try:
+        doc = json.loads(text)
+        objects = doc if isinstance(doc, list) else [doc]
+    except json.JSONDecodeError:
+        objects = []
+        for number, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    objects.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"line {number}: {e}") from None
+    for number, row in enumerate(objects, 1):
+        if not isinstance(row, dict):
+            raise ValueError(f"row {number} is a {type(row).__name__}, not an object")
+    columns = dict.fromkeys(k for row in objects for k in row)
+    return [{k: row.get(k) for k in columns} for row in objects]
+
+
+def _table_rows(builder: str, file: Path) -> list[dict[str, Any]]:
+    """A .parquet/.csv file's rows, through HF datasets."""
+    # lazy: HF datasets is heavy and only parquet and csv files need it
+    import datasets
+
+    return datasets.load_dataset(builder, data_files=str(file), split="train").to_list()
 
 
 @dataclass(frozen=True)

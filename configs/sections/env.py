@@ -190,7 +190,7 @@ class ToolLoopConfig:
 class DatasetTaskConfig:
     """Single-turn task from a prompt file and reward functions with TRL GRPOTrainer's signature."""
 
-    train_file: str = option("", doc="prompt rows: a local .jsonl/.json/.parquet/.csv file (HF `datasets`)")
+    train_file: str = option("", doc="prompt rows: a local .jsonl/.json (standard library) or .parquet/.csv (HF `datasets`) file")
     heldout_file: str = option("", doc="held-out rows from their own file ('' = split off heldout_fraction)")
     heldout_fraction: float = option(
         0.0, doc="share of train_file rows held out (the last rows after the seeded shuffle)", ge=0.0, lt=1.0

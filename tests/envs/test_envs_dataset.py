@@ -258,3 +258,33 @@ def test_plugin_entry_point(files):
         check_task(EnvConfig(task="plugin", plugin=PluginConfig("task_user_mod:make_wrong")))
     with pytest.raises(ValueError, match="needs env.plugin.entry_point"):
         check_task(EnvConfig(task="plugin"))
+
+
+def test_json_rows_are_what_hf_datasets_reads(tmp_path):
+    """.json/.jsonl files are read with the standard library; the rows equal HF datasets' `to_list()` of the
+    same file (JSON lines and a JSON array; strings, ints, floats, bools, chat message lists); a key missing
+    from some rows is None there (datasets refuses such a file), and a bad line is named."""
+    import datasets
+
+    from composer_mesh.envs.dataset import load_rows
+
+    # (quarters: datasets reads an array through pandas, which keeps 10 digits of a float)
+    rows = [{"prompt": [{"role": "user", "content": f"q{i}"}], "answer": str(i), "level": i, "score": i / 4,
+             "ok": i % 2 == 0} for i in range(7)]
+    lines, array = tmp_path / "rows.jsonl", tmp_path / "rows.json"
+    lines.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    array.write_text(json.dumps(rows, indent=1))
+    for file in (lines, array):
+        ours = load_rows(str(file), "env.dataset.train_file", "prompt")
+        theirs = datasets.load_dataset("json", data_files=str(file), split="train").to_list()
+        assert ours == theirs and len(ours) == 7, file.name
+    ragged = tmp_path / "ragged.jsonl"
+    ragged.write_text('{"prompt": "a", "extra": 1}\n{"prompt": "b"}\n')
+    assert load_rows(str(ragged), "k", "prompt") == [{"prompt": "a", "extra": 1}, {"prompt": "b", "extra": None}]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a"}\n\n{"prompt": "b"\n')
+    with pytest.raises(ValueError, match=r"cannot read it as json: line 3: "):
+        load_rows(str(bad), "env.dataset.train_file", "prompt")
+    (tmp_path / "list.jsonl").write_text('{"prompt": "a"}\n["b"]\n')
+    with pytest.raises(ValueError, match="row 2 is a list, not an object"):
+        load_rows(str(tmp_path / "list.jsonl"), "env.dataset.train_file", "prompt")
