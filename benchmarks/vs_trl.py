@@ -9,7 +9,10 @@ step 1; conversational prompts `a+b` from one JSONL file in file order, one
 reward function (TRL's signature, called by both sides once per generate call
 over all its completions), G completions per prompt, DAPO token-mean loss,
 clip 0.2, beta 0, T = 1, AdamW at a constant LR, fp32 on CPU. Repeat r uses
-seed r on both sides. Two workloads, each with its own warm-started model:
+seed r on both sides. Ours runs grpo.toml's placement, the trainer and the
+generator in processes of their own beside the controller's;
+`--placement colocated` runs both actors in one process, as TRL generates
+in its training process (figures of both: docs/tasks.md). Two workloads, each with its own warm-started model:
 
 - short: the answer is the sum (2-3 tokens with the end token), reward 1 for
   the exact sum, 0.2 for any digits; 16 new tokens at most.
@@ -238,8 +241,10 @@ def run_trl(root: Path, work: Workload, steps: int, prompts: int, group: int, lr
             "gen_tokens_per_step": prompts * group * work.new_tokens, "final": str(root / "trl_final")}
 
 
-def run_ours(root: Path, work: Workload, steps: int, prompts: int, group: int, lr: float, seed: int) -> dict:
-    """`composer-mesh train` on the same task (called in a child by `--side ours`)."""
+def run_ours(root: Path, work: Workload, steps: int, prompts: int, group: int, lr: float, seed: int, *,
+             placement: str = "disaggregated") -> dict:
+    """`composer-mesh train` on the same task (called in a child by `--side ours`); `placement`: `[mesh]
+    placement` (colocated: one process holds the trainer and the generator actor, as TRL's does)."""
     recipe = root / "ours.toml"
     recipe.write_text(f'''
 base = "{REPO}/configs/grpo.toml"
@@ -263,6 +268,8 @@ decay_type = "linear"
 decay_ratio = 0.0
 [checkpoint]
 enabled = false
+[mesh]
+placement = "{placement}"
 [env]
 task = "dataset"
 [env.dataset]
@@ -283,14 +290,14 @@ rewards = ["bench_reward:{work.reward}"]
 
 
 def child(side: str, root: Path, work: Workload, steps: int, prompts: int, group: int, lr: float,
-          seed: int) -> dict:
+          seed: int, placement: str) -> dict:
     """Run one side in a fresh process; its wall is start to exit."""
     # the child imports composer_mesh from where this process does (a worktree on PYTHONPATH or the install)
     path = os.pathsep.join(x for x in (os.environ.get("PYTHONPATH"), str(REPO)) if x)
     env = dict(os.environ, PYTHONPATH=path, HF_HUB_OFFLINE="1")
     cmd = [sys.executable, __file__, "--side", side, "--root", str(root), "--workload", work.name,
            "--steps", str(steps), "--prompts", str(prompts), "--group", str(group), "--lr", str(lr),
-           "--seed", str(seed)]
+           "--seed", str(seed), "--placement", placement]
     start = time.perf_counter()
     out = subprocess.run(cmd, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - start
@@ -317,7 +324,7 @@ def summary(runs: list[dict]) -> dict:
     return out
 
 
-def head_to_head(work: Workload, shape: tuple, repeats: int, tmp: Path) -> tuple[dict, float]:
+def head_to_head(work: Workload, shape: tuple, repeats: int, tmp: Path, placement: str) -> tuple[dict, float]:
     """Both sides on `work`, interleaved, repeat r with seed r; each side's summary and the held-out
     reward of the warm-started model."""
     root = tmp / work.name
@@ -329,7 +336,7 @@ def head_to_head(work: Workload, shape: tuple, repeats: int, tmp: Path) -> tuple
     runs: dict[str, list[dict]] = {"trl": [], "ours": []}
     for seed in range(repeats):
         for side in ("trl", "ours"):
-            result = child(side, root, work, *shape, seed)
+            result = child(side, root, work, *shape, seed, placement)
             result["heldout_gain"] = heldout_reward(Path(result["final"]), root, work) - before
             runs[side].append(result)
     return {side: summary(r) for side, r in runs.items()}, before
@@ -371,6 +378,8 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=2e-4)
     p.add_argument("--workloads", default="short,long", help="comma-separated: short (2-3 token answers), "
                    f"long ({LONG_DIGITS + 1}-token answers)")
+    p.add_argument("--placement", choices=("colocated", "disaggregated"), default="disaggregated",
+                   help="ours: [mesh] placement (colocated: trainer and generator in one process, as TRL)")
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--side", choices=("trl", "ours"), help=argparse.SUPPRESS)
     p.add_argument("--workload", choices=tuple(WORKLOADS), help=argparse.SUPPRESS)
@@ -380,14 +389,15 @@ def main() -> None:
         a.steps, a.repeats, a.prompts, a.group = 10, 2, 4, 4
     shape = (a.steps, a.prompts, a.group, a.lr)
     if a.side:
-        result = (run_trl if a.side == "trl" else run_ours)(Path(a.root), WORKLOADS[a.workload], *shape, a.seed)
+        args = (Path(a.root), WORKLOADS[a.workload], *shape, a.seed)
+        result = run_trl(*args) if a.side == "trl" else run_ours(*args, placement=a.placement)
         print(json.dumps(result))
         return
-    figures = {"steps": a.steps, "repeats": a.repeats}
+    figures = {"steps": a.steps, "repeats": a.repeats, "placement": a.placement}
     with tempfile.TemporaryDirectory(prefix="vs_trl-") as tmp:
         for name in a.workloads.split(","):
             work = WORKLOADS[name]
-            figures |= report(work, *head_to_head(work, shape, a.repeats, Path(tmp)), a.repeats)
+            figures |= report(work, *head_to_head(work, shape, a.repeats, Path(tmp), a.placement), a.repeats)
     print(json.dumps(figures))
 
 

@@ -35,6 +35,7 @@ from composer_mesh.mesh.prespawn import ROLE_MODULES
 for name in ROLE_MODULES[sys.argv[1]]:
     importlib.import_module(name)
 before = set(sys.modules)
+from torchtitan.trainer import Trainer  # TorchTitan's update_from_config, under prepare_model_config (both)
 if sys.argv[1] == "trainer":
     from composer_mesh.titan_ext.trainer import Trainer  # TrainerActor.setup
 else:
