@@ -37,7 +37,7 @@ from composer_mesh.configs.loader import load_config
 from composer_mesh.configs.schema import JobConfig
 from composer_mesh.mesh.controller import StepRecord
 from composer_mesh.mesh.evaluation import evaluate
-from composer_mesh.mesh.metrics import plot_run, pyplot
+from composer_mesh.mesh.metrics import plot_run, process_age_s, pyplot
 from composer_mesh.mesh.packing import Drops, explain_drops
 from composer_mesh.mesh.prespawn import Prespawned
 
@@ -177,8 +177,11 @@ class Run:
         if loop.steppable:
             while launch.controller.iteration < launch.end:
                 self.step()
+                # the first step holds the first weight sync and every warm-up
+                launch.timeline.setdefault("first_step", process_age_s())
         else:
             launch.controller.run()
+        launch.timeline["steps"] = process_age_s()
         evals = loop.evals(launch.controller)  # (step, metrics), oldest first
         if evals:
             # the baseline (the later ones are in their steps' rows)
@@ -215,6 +218,9 @@ class Run:
                                   "after": {"step": evals[-1][0], **evals[-1][1]}}
         if plotted is not None:
             summary["plot"] = str(plotted.result())
+        # the final checkpoint, export and plot (stopping the actors comes after)
+        launch.timeline["final"] = process_age_s()
+        summary["timeline_s"] = dict(launch.timeline)
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         self.summary = summary
         return summary

@@ -29,7 +29,7 @@ from composer_mesh.envs.tool_format import tool_format_examples, warm_start_env
 from composer_mesh.envs.plugin import add_python_path
 from composer_mesh.mesh.controller import TOOL_TASKS, Controller, ControllerConfig, StepRecord
 from composer_mesh.mesh.memory import check as memory_check
-from composer_mesh.mesh.metrics import MetricsSink, read_metrics
+from composer_mesh.mesh.metrics import MetricsSink, process_age_s, read_metrics
 from composer_mesh.mesh.placement import Placement, generator_spec, place, trainer_spec_for
 from composer_mesh.mesh.prespawn import Prespawned
 from composer_mesh.mesh.replicas import ReplicaController, check_supported, place_replicas
@@ -143,6 +143,8 @@ class Launch:
         self.start_step = 0
         # the iteration the run ends at (trainer.steps, or where a resumed run already is)
         self.end = 0
+        # summary.json's `timeline_s`: this process's age (`mesh.metrics.process_age_s`) at each phase's end
+        self.timeline: dict[str, float] = {}
 
     @classmethod
     def start(cls, job: JobConfig, run_dir: Path, *, resume: bool, progress: bool,
@@ -161,6 +163,8 @@ class Launch:
     def _start(self, resume: bool, progress: bool, on_step: Callable[[StepRecord], None],
                fault_events: list[str]) -> None:
         job, run_dir = self.job, self.run_dir
+        # the controller's interpreter start and imports
+        self.timeline["imports"] = process_age_s()
         add_python_path(job.job.python_path)
         # a plugin or dataset that cannot load, or a bad coding section, fails here, before any actor starts
         check_task(job.env)
@@ -183,7 +187,10 @@ class Launch:
                      if job.checkpoint.enabled and supervised else "")
         # dead actors are handled where their calls fail, not by exiting
         install_fault_hook(fault_events)
+        self.timeline["checks"] = process_age_s()
         placement = self.placement = self.loop.place(trainer_spec, gen_spec, replay_spec, self.early)
+        # every role's processes up, set up and built
+        self.timeline["placed"] = process_age_s()
         start = placement.trainer_setup[0]["step"]
         if state_dir and job.metrics.jsonl:
             start = resume_at_logged_step(placement.trainer, start, run_dir, job, state_dir)
@@ -205,6 +212,7 @@ class Launch:
         self.sink = MetricsSink(metrics_cfg, run_dir, job.trainer.steps, start)
         self.controller = self.loop.controller(cfg, placement, chat, on_step=on_step, supervisor=self.supervisor,
                                                state=state)
+        self.timeline["ready"] = process_age_s()
 
     def _replay_spec(self, weights: str) -> ReplaySpec | None:
         """The teacher-replay actor's spec (and the local teacher server started), or None without channel 3."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -123,6 +124,19 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
                 break
             raise ValueError(f"{path}:{number}: not a metrics row ({exc})") from None
     return [rows[s] for s in sorted(rows)]
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (the kernel's start time, 10 ms ticks), for summary.json's
+    `timeline_s`: it counts the interpreter's start and imports before any run code; NaN without /proc."""
+    try:
+        stat = Path("/proc/self/stat").read_text()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except OSError:
+        return math.nan
+    # field 22, counted after the parenthesised command name (which may hold spaces)
+    start_ticks = int(stat[stat.rfind(")") + 2:].split()[19])
+    return round(uptime - start_ticks / os.sysconf("SC_CLK_TCK"), 2)
 
 
 def pyplot() -> Any:

@@ -135,3 +135,15 @@ def test_overrides_name_the_key(tmp_path):
     run = Run.from_toml(recipe, ["--trainer.steps=3", "--generator.max_new_tokens=4"])
     assert (run.job.trainer.steps, run.job.generator.max_new_tokens) == (3, 4)
     assert Run.from_toml(recipe, {"job.name": "x y", "loss.alpha": 0.5}).job.job.name == "x y"
+
+
+@pytest.mark.slow
+def test_summary_timeline_is_the_run_in_order(runs):
+    """summary.json's `timeline_s`: this process's age at the end of each phase, in order; A's steps ran
+    through `step()`, before its `run()`, so its timeline has no step marks."""
+    b = runs["summary_b"]["timeline_s"]
+    assert list(b) == ["imports", "checks", "placed", "ready", "first_step", "steps", "final"], b
+    assert all(0 < x <= y for x, y in zip(list(b.values()), list(b.values())[1:])), b
+    a = runs["summary_a"]["timeline_s"]
+    assert list(a) == ["imports", "checks", "placed", "ready", "steps", "final"], a
+    assert a["final"] < b["imports"]  # one test process: B's run started after A's ended
