@@ -19,6 +19,7 @@ import concurrent.futures
 import importlib
 import os
 import sys
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,28 +63,51 @@ def process_environment(cfg: MeshConfig) -> None:
     os.environ[MMAP_THRESHOLD_ENV] = str(int(cfg.malloc_mmap_threshold_mib * (1 << 20)))
 
 
-def _exit_without_teardown() -> None:
-    """End the process once the exit handlers registered after this one have run, skipping the interpreter's
-    module teardown."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+def exit_without_teardown() -> None:
+    """At this process's exit, once the exit handlers registered after this call have run, end it with
+    `os._exit`: the interpreter's module-by-module teardown is skipped, the exit status kept (what
+    `sys.exit` was last called with on the main thread, as Monarch's bootstrap passes its runtime's; 1 after
+    an uncaught exception)."""
+    status: list[Any] = [None]
+    sys_exit = sys.exit
+
+    def recording_exit(arg: Any = None) -> None:
+        if threading.current_thread() is threading.main_thread():
+            status[0] = arg
+        sys_exit(arg)
+
+    def end() -> None:
+        code = status[0]
+        if hasattr(sys, "last_value"):
+            # an uncaught exception, already printed
+            code = 1
+        elif code is None:
+            code = 0
+        elif not isinstance(code, int):
+            # sys.exit("message") printed the message
+            code = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+    sys.exit = recording_exit
+    atexit.register(end)
 
 
 class Preload(Actor):
     """Imports a role's modules in its process, so the role's actor spawns on a process that has them.
 
-    Before them it registers `_exit_without_teardown` with atexit: handlers run last-registered first, so
-    every handler the role's imports register (torch's compile workers and multiprocessing children, file
-    locks, weakref finalizers) still runs at stop, and then the process ends without tearing down the
-    modules of torch, TorchTitan and transformers one by one: a stop of such a process took 1.78 s, 0.55 s
-    with this (docs/tasks.md, "Job wall").
+    Before them it calls `exit_without_teardown`: exit handlers run last-registered first, so every handler
+    the role's imports register (torch's compile workers and multiprocessing children, file locks, weakref
+    finalizers) still runs at stop, and then the process ends without tearing down the modules of torch,
+    TorchTitan and transformers one by one: a stop of such a process took 1.78 s, 0.55 s with this
+    (docs/tasks.md, "The job's timeline").
     """
 
     @endpoint
     def load(self, modules: tuple[str, ...]) -> int:
         """Import `modules`; returns this process's pid."""
-        atexit.register(_exit_without_teardown)
+        exit_without_teardown()
         for name in modules:
             importlib.import_module(name)
         return os.getpid()

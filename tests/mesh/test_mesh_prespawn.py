@@ -11,10 +11,14 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from test_mesh_train import REPO
 
 PROBE = """
 import sys
+
+import pytest
 from composer_mesh.mesh.cli import build_parser
 build_parser()
 import composer_mesh.mesh.prespawn
@@ -58,3 +62,37 @@ def test_preload_covers_what_each_role_imports_at_set_up():
                              timeout=300)
         assert out.returncode == 0, out.stderr[-2000:]
         assert out.stdout.strip().splitlines()[-1] == "[]", (role, out.stdout[-2000:])
+
+
+EXIT_PROBE = """
+import atexit, sys, threading
+atexit.register(print, "before: skipped")
+from composer_mesh.mesh.prespawn import exit_without_teardown
+exit_without_teardown()
+atexit.register(print, "after: ran")
+print("body", flush=False)
+case = sys.argv[1]
+if case == "exit3":
+    sys.exit(3)
+if case == "thread_exit":
+    t = threading.Thread(target=sys.exit, args=(5,))
+    t.start(); t.join()
+if case == "message":
+    sys.exit("bye")
+if case == "raise":
+    raise RuntimeError("boom")
+"""
+
+
+@pytest.mark.parametrize(("case", "code"), [("end", 0), ("exit3", 3), ("thread_exit", 0), ("message", 1),
+                                            ("raise", 1)])
+def test_exit_without_teardown_keeps_status_and_later_handlers(case, code):
+    """The early processes' fast exit: the handlers registered after it run, those before it do not (the
+    teardown it skips comes after them), buffered output is flushed, and the exit status is the process's:
+    `sys.exit`'s on the main thread (Monarch's bootstrap passes its runtime's this way), 1 after an uncaught
+    exception or an exit message."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(x for x in (os.environ.get("PYTHONPATH"), str(REPO)) if x))
+    out = subprocess.run([sys.executable, "-c", EXIT_PROBE, case], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == code, (out.returncode, out.stderr[-2000:])
+    assert out.stdout.splitlines() == ["body", "after: ran"], out.stdout
