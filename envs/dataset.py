@@ -54,11 +54,11 @@ def load_rows(path: str, key: str, prompt_column: str) -> list[dict[str, Any]]:
         rows = _json_rows(file) if builder == "json" else _table_rows(builder, file)
     except Exception as e:  # datasets wraps parse errors in several types
         raise ValueError(f"{key} = {path!r}: cannot read it as {builder}: {str(e).splitlines()[0][:200]}") from None
-    columns = list(rows[0]) if rows else []
-    if rows and prompt_column not in columns:
-        raise ValueError(f"{path}: no column {prompt_column!r} (env.dataset.prompt_column); columns: {columns}")
     if not rows:
         raise ValueError(f"{key} = {path!r}: no rows")
+    # every row has every column (both readers fill them)
+    if prompt_column not in rows[0]:
+        raise ValueError(f"{path}: no column {prompt_column!r} (env.dataset.prompt_column); columns: {list(rows[0])}")
     for line, row in enumerate(rows, 1):
         prompt = row[prompt_column]
         if not (isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt))):

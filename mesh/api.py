@@ -177,8 +177,9 @@ class Run:
         if loop.steppable:
             while launch.controller.iteration < launch.end:
                 self.step()
-                # the first step holds the first weight sync and every warm-up
-                launch.timeline.setdefault("first_step", process_age_s())
+                if "first_step" not in launch.timeline:
+                    # the first step holds the first weight sync and every warm-up
+                    launch.timeline["first_step"] = process_age_s()
         else:
             launch.controller.run()
         launch.timeline["steps"] = process_age_s()
