@@ -46,7 +46,7 @@ class EpisodeRequest:
 
     group_id: int
     seed: int
-    split: Literal["train", "heldout"] = "train"
+    split: Literal["train", "validation", "heldout"] = "train"
 
 
 @dataclass
@@ -77,7 +77,7 @@ class Rollout:
     error_sites: list[ErrorSite] = field(default_factory=list)
     info: dict[str, Any] = field(default_factory=dict)
     # the environment split `seed` was drawn from (a verifier replays the episode from both)
-    split: Literal["train", "heldout"] = "train"
+    split: Literal["train", "validation", "heldout"] = "train"
 
     @property
     def completion_tokens(self) -> int:

@@ -24,6 +24,8 @@ within the policy-only runs' mean training time.
     python benchmarks/ablation.py --quick --task coding   # the coding recipe, 10 steps, pass rates
     python benchmarks/ablation.py           # the recipe's steps (90), 3 seeds, all six configurations
     python benchmarks/ablation.py --config my.toml --override=--optimizer.lr=3e-3 --only policy all
+    python benchmarks/ablation.py --split validation --seeds 2 --only policy+distill \
+        --override=--loss.distill.hint_kind=reference   # choosing a setting: never on the held-out split
 
 Prints the table of docs/recipe.md, writes a PNG of the held-out curves
 (`--plot`), and ends with one JSON line: all_vs_policy_heldout_gain (gain of
@@ -67,6 +69,12 @@ CONFIGS: dict[str, tuple[str, ...]] = {
 TASKS: dict[str, tuple[str, str, str]] = {
     "demo": ("configs/demo_cpu.toml", "eval/heldout_sampled", "eval/heldout_greedy"),
     "coding": ("configs/coding_cpu.toml", "eval/heldout_sampled_pass", "eval/heldout_greedy_pass"),
+}
+# `--split validation`: the task's validation split, carved out of train, for choosing settings without
+# looking at the held-out split (the figures keep their held-out names; the JSON line says which split)
+VALIDATION: dict[str, tuple[str, ...]] = {
+    "demo": ("--trainer.eval_split=validation", "--env.demo.validation_fraction=0.2"),
+    "coding": ("--trainer.eval_split=validation", "--env.coding.validation_fraction=0.2"),
 }
 # the configurations the JSON line's keys compare (--quick runs only these)
 KEYED = ("policy", "policy+distill", "policy+replay", "all")
@@ -144,8 +152,8 @@ class Row:
         return _mean_sd([f(r) for r in self.runs])
 
 
-def plot(rows: list[Row], path: Path) -> None:
-    """Mean held-out sampled reward per evaluated step, one line per configuration (seeds shaded min-max)."""
+def plot(rows: list[Row], path: Path, split: str = "held-out") -> None:
+    """Mean `split` sampled reward per evaluated step, one line per configuration (seeds shaded min-max)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -158,8 +166,8 @@ def plot(rows: list[Row], path: Path) -> None:
         ax.plot(steps, [statistics.fmean(v) for v in per_step], marker="o", label=row.name)
         ax.fill_between(steps, [min(v) for v in per_step], [max(v) for v in per_step], alpha=0.12)
     ax.set_xlabel("step")
-    ax.set_ylabel("held-out reward (sampled)")
-    ax.set_title(f"held-out reward per configuration ({len(rows[0].runs)} seeds, min-max shaded)")
+    ax.set_ylabel(f"{split} reward (sampled)")
+    ax.set_title(f"{split} reward per configuration ({len(rows[0].runs)} seeds, min-max shaded)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -183,30 +191,36 @@ def main() -> None:
                         "held-out split)")
     parser.add_argument("--override", action="append", default=[], metavar="--SECTION.KEY=VALUE",
                         help="applied to every configuration, before its channel switches (repeatable)")
+    parser.add_argument("--split", choices=("heldout", "validation"), default="heldout",
+                        help="evaluate on the held-out split (reporting) or on a validation split carved out of "
+                        "train (choosing settings; the held-out problems stay unseen)")
     args = parser.parse_args()
     config = args.config or REPO / TASKS[args.task][0]
-    recipe = load_config(config, args.override)  # a bad override fails here, before any run
+    overrides = [*(VALIDATION[args.task] if args.split == "validation" else ()), *args.override]
+    recipe = load_config(config, overrides)  # a bad override fails here, before any run
     steps = args.steps or ((20 if args.task == "demo" else 10) if args.quick else recipe.trainer.steps)
     seeds = args.seeds or (2 if args.quick else 3)
     eval_every = max(1, steps // 6)
     names = args.only or list(KEYED if args.quick else CONFIGS)
     rows = [Row(n) for n in names]
+    split = "held-out" if args.split == "heldout" else "validation"
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="ablation-") as tmp:
         for seed in range(seeds):  # seed-major: a partial run still compares every configuration
             for row in rows:
-                result = run_one(config, args.override, Path(tmp) / f"{row.name.replace(' ', '_')}-s{seed}",
+                result = run_one(config, overrides, Path(tmp) / f"{row.name.replace(' ', '_')}-s{seed}",
                                  row.name, seed, steps, eval_every, args.task)
                 if row.name.endswith("only") and result.policy_rollouts:
                     raise RuntimeError(f"{row.name}: the policy channel trained {result.policy_rollouts:.0f} rollouts")
                 row.runs.append(result)
-                print(f"  {row.name:<15} seed {seed}: held-out sampled {result.heldout[0][2]:.3f} -> "
+                print(f"  {row.name:<15} seed {seed}: {split} sampled {result.heldout[0][2]:.3f} -> "
                       f"{result.heldout[-1][2]:.3f}, train gain {result.train_gain:+.3f}, {result.wall_s:.0f} s",
                       file=sys.stderr, flush=True)
     by = {r.name: r for r in rows}
     budget = by["policy"].figure(lambda r: r.train_s)[0] if "policy" in by else None
-    print(f"\n{args.task} task, {steps} steps, seeds 0..{seeds - 1}, held-out evaluated every {eval_every} steps; mean ± sd over seeds")
-    head = (f"{'configuration':<16}{'held-out sampled':>18}{'held-out greedy':>17}{'train gain':>16}"
+    print(f"\n{args.task} task, {steps} steps, seeds 0..{seeds - 1}, {args.split} split evaluated every {eval_every} "
+          "steps; mean ± sd over seeds")
+    head = (f"{'configuration':<16}{split + ' sampled':>20}{split + ' greedy':>19}{'train gain':>16}"
             f"{'at equal time':>15}{'train s':>9}{'wall s':>8}{'tokens':>9}{'teacher $':>11}{'hinted':>8}{'pairs':>7}"
             f"{'replayed':>10}{'pair rate':>11}")
     print(head)
@@ -220,7 +234,7 @@ def main() -> None:
         hinted, pairs = row.figure(lambda r: r.hinted)[0], row.figure(lambda r: r.pairs)[0]
         replayed, pair_rate = row.figure(lambda r: r.replayed)[0], row.figure(lambda r: r.pair_rate)[0]
         at_budget = f"{eq[0]:+.3f}" if eq else "-"
-        print(f"{row.name:<16}{f'{g[0]:+.3f} ± {g[1]:.3f}':>18}{f'{gg[0]:+.3f} ± {gg[1]:.3f}':>17}"
+        print(f"{row.name:<16}{f'{g[0]:+.3f} ± {g[1]:.3f}':>20}{f'{gg[0]:+.3f} ± {gg[1]:.3f}':>19}"
               f"{f'{tg[0]:+.3f} ± {tg[1]:.3f}':>16}{at_budget:>15}{train_s:>9.0f}{wall:>8.0f}{tokens:>9.0f}"
               f"{spend:>11.4f}{hinted:>8.0f}{pairs:>7.0f}{replayed:>10.0f}{pair_rate:>11.2f}")
         figures[row.name] = {"heldout_gain": round(g[0], 4), "heldout_gain_sd": round(g[1], 4),
@@ -228,8 +242,8 @@ def main() -> None:
                              "heldout_gain_equal_time": round(eq[0], 4) if eq else None, "train_s": round(train_s, 1),
                              "wall_s": round(wall, 1), "tokens": round(tokens, 1), "teacher_usd": round(spend, 5),
                              "replayed": round(replayed, 1), "pair_rate": round(pair_rate, 4)}
-    plot(rows, Path(args.plot))
-    print(f"held-out curves: {args.plot}; {time.perf_counter() - start:.0f} s in all")
+    plot(rows, Path(args.plot), split)
+    print(f"{split} curves: {args.plot}; {time.perf_counter() - start:.0f} s in all")
 
     def gain(name: str) -> float | None:
         return figures[name]["heldout_gain"] if name in figures else None
@@ -245,7 +259,8 @@ def main() -> None:
         "greedy_gain_all": figures["all"]["heldout_greedy_gain"] if "all" in figures else None,
         "overhead_ratio": (round(figures["all"]["train_s"] / figures["policy"]["train_s"], 4)
                            if "all" in figures and "policy" in figures else None),
-        "task": args.task, "steps": steps, "seeds": seeds, "configs": figures,
+        "task": args.task, "split": args.split, "steps": steps, "seeds": seeds, "overrides": args.override,
+        "configs": figures,
     }
     print(json.dumps(out))
 

@@ -51,9 +51,24 @@ class JobConfig:
                 and ds.heldout_fraction == 0):
             raise ValueError("trainer.eval_every > 0 needs held-out rows: set env.dataset.heldout_file or "
                              "env.dataset.heldout_fraction (or trainer.eval_every = 0)")
+        if self.trainer.eval_split == "validation":
+            self._check_validation_split()
         hinting = self.loss.distill
         if hinting.hint_kind == "llm" and hinting.hint_teacher not in [t.name for t in self.teachers.models]:
             raise ValueError(f"loss.distill.hint_teacher = {hinting.hint_teacher!r} names no [[teachers.models]] entry")
         if self.diloco.enabled and self.trainer.eval_every > 0:
             raise ValueError("trainer.eval_every > 0 is not supported with diloco.enabled (the replica loop has no "
                              "held-out evaluation yet); set trainer.eval_every = 0")
+
+    def _check_validation_split(self) -> None:
+        """`trainer.eval_split = "validation"` needs a task that carves one out of train (demo, micro coding)."""
+        env = self.env
+        if env.task == "demo":
+            fraction, key = env.demo.validation_fraction, "env.demo.validation_fraction"
+        elif env.task == "coding" and tuple(env.coding.sources) == ("micro",):
+            fraction, key = env.coding.validation_fraction, "env.coding.validation_fraction"
+        else:
+            raise ValueError(f"trainer.eval_split = 'validation' needs env.task = 'demo' or 'coding' with "
+                             f"env.coding.sources = ['micro'] (env.task is {env.task!r})")
+        if fraction <= 0:
+            raise ValueError(f"trainer.eval_split = 'validation' needs {key} > 0")

@@ -34,7 +34,7 @@ _OPS = {"add": "+", "sub": "-", "mul": "*"}
 OPS = (*_OPS, "max", "reverse")
 _PROBLEM = re.compile(r"^\s*(?:(\d+)\s*([+\-*])\s*(\d+)|reverse ([a-z]+)|max\((\d+),(\d+)\))\s*$")
 _ANSWER = re.compile(r"^\s*ANSWER: (\S+)\s*$", re.MULTILINE)  # one space after the colon
-Split = Literal["train", "heldout"]
+Split = Literal["train", "validation", "heldout"]
 
 
 @dataclass(frozen=True)
@@ -72,14 +72,18 @@ class Problem:
         return cls(op, int(m.group(1)), int(m.group(3)))
 
 
-def stable_split(key: str, heldout_fraction: float) -> Split:
-    """Split by a hash of `key` (independent of seeds, config order and process)."""
+def stable_split(key: str, heldout_fraction: float, validation_fraction: float = 0.0) -> Split:
+    """Split by a hash `h` of `key` in [0, 1) (independent of seeds, config order and process): held-out below
+    `heldout_fraction`, validation in the next `validation_fraction`, train above. Carving a validation split
+    out of train never moves a held-out key."""
     h = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") / 2**64
-    return "heldout" if h < heldout_fraction else "train"
+    if h < heldout_fraction:
+        return "heldout"
+    return "validation" if h < heldout_fraction + validation_fraction else "train"
 
 
-def split_of(p: Problem, heldout_fraction: float) -> Split:
-    return stable_split(p.text, heldout_fraction)
+def split_of(p: Problem, config: DemoTaskConfig) -> Split:
+    return stable_split(p.text, config.heldout_fraction, config.validation_fraction)
 
 
 def make_problem(seed: int, config: DemoTaskConfig, split: Split = "train") -> Problem:
@@ -94,9 +98,10 @@ def make_problem(seed: int, config: DemoTaskConfig, split: Split = "train") -> P
             p = Problem(op, word="".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(config.word_length)))
         else:
             p = Problem(op, rng.randint(0, config.max_operand), rng.randint(0, config.max_operand))
-        if split_of(p, config.heldout_fraction) == split:
+        if split_of(p, config) == split:
             return p
-    raise ValueError(f"no {split} problem found; heldout_fraction={config.heldout_fraction} leaves it empty")
+    raise ValueError(f"no {split} problem found; heldout_fraction={config.heldout_fraction}, validation_fraction="
+                     f"{config.validation_fraction} leave it empty")
 
 
 def prompt_messages(p: Problem) -> list[dict[str, Any]]:

@@ -79,6 +79,8 @@ def repository_tasks(config: EnvConfig, sandbox: Sandbox, store: TaskStore | Non
 def coding_pools(config: EnvConfig, sandbox: Sandbox, store: TaskStore | None) -> dict[Split, TaskPool]:
     """The union of `coding.sources` per split; an unknown or empty source is an error naming its key."""
     pools: dict[Split, list[TaskPool]] = {"train": [], "heldout": []}
+    if config.coding.validation_fraction:  # micro only ([trainer] eval_split = "validation" checks the sources)
+        pools["validation"] = []
     for source in coding_sources(config):
         if source == "micro":
             for split in pools:

@@ -73,8 +73,9 @@ class Template:
         return f"{body}/{self.surface}"
 
     def split(self, config: CodingConfig) -> Split:
-        """Train or held-out: by a hash of the whole id, or of the surface (phrasing x naming) alone."""
-        return stable_split(self.id if config.heldout_by == "template" else self.surface, config.heldout_fraction)
+        """Train, validation or held-out: by a hash of the whole id, or of the surface (phrasing x naming) alone."""
+        return stable_split(self.id if config.heldout_by == "template" else self.surface, config.heldout_fraction,
+                            config.validation_fraction)
 
 
 @dataclass(frozen=True)
@@ -210,7 +211,8 @@ def draw_template(config: CodingConfig, split: Split, rng: random.Random) -> Tem
     listed = templates(config, split)
     if listed is not None:
         if not listed:
-            raise ValueError(f"env.coding.heldout_fraction = {config.heldout_fraction}: no {split} template "
+            raise ValueError(f"env.coding.heldout_fraction = {config.heldout_fraction}, validation_fraction = "
+                             f"{config.validation_fraction}: no {split} template "
                              f"among {len(templates(config))}; change the fraction or widen the knobs")
         return rng.choice(listed)
     ops = vocabulary(config.kinds, config.ops_per_kind)
@@ -220,7 +222,8 @@ def draw_template(config: CodingConfig, split: Split, rng: random.Random) -> Tem
         t = Template(chains, bug, rng.randrange(len(_FRAMES)), rng.choice(config.namings))
         if len(chains) == config.functions_per_task and t.split(config) == split:
             return t
-    raise ValueError(f"env.coding: no {split} template found in 10000 draws (heldout_fraction = {config.heldout_fraction})")
+    raise ValueError(f"env.coding: no {split} template found in 10000 draws (heldout_fraction = "
+                     f"{config.heldout_fraction}, validation_fraction = {config.validation_fraction})")
 
 
 def _random_chain(ops: Sequence[Op], length: int, rng: random.Random) -> tuple[str, ...]:

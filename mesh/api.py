@@ -215,7 +215,8 @@ class Run:
         summary.update(loop.summary(placement))
         summary.update(trained_summary(self.history, job))
         if evals:
-            summary["heldout"] = {"before": {"step": evals[0][0], **evals[0][1]},
+            summary["heldout"] = {"split": job.trainer.eval_split,
+                                  "before": {"step": evals[0][0], **evals[0][1]},
                                   "after": {"step": evals[-1][0], **evals[-1][1]}}
         if plotted is not None:
             summary["plot"] = str(plotted.result())

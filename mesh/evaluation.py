@@ -1,7 +1,8 @@
 """Held-out evaluation during training (as TRL's `eval_steps`, verl's validation).
 
 Every `every` steps (and once before the first) the controller rolls out a
-fixed set of `samples` problems from the environment's *held-out* split on its
+fixed set of `samples` problems from the environment's *held-out* split (or,
+to choose settings without looking at it, its validation split: `split`) on its
 generators, twice: greedy (temperature 0, one rollout per problem) and sampled
 (the recipe's sampling, `group_size` rollouts per problem, one fixed seed, so
 two evaluations differ only by the weights). The rollouts are never trained on,
@@ -16,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence
 
 from composer_mesh.actors.rollout import EpisodeRequest, RolloutGroup, SamplingParams
 from composer_mesh.mesh.episode_metrics import eval_pass_rates
@@ -30,12 +31,14 @@ class EvalConfig:
     samples: int = 8
     # the sampled evaluation's params (seed fixed for the run)
     sampling: SamplingParams = SamplingParams()
+    # the environment split the problems come from; the metrics keep their `eval/heldout_*` names
+    split: Literal["heldout", "validation"] = "heldout"
 
 
-def heldout_requests(samples: int) -> list[EpisodeRequest]:
-    """The fixed evaluation set: held-out problem seeds 0..samples-1 (the same for every job seed, so runs
+def heldout_requests(samples: int, split: Literal["heldout", "validation"] = "heldout") -> list[EpisodeRequest]:
+    """The fixed evaluation set: problem seeds 0..samples-1 of `split` (the same for every job seed, so runs
     of different seeds are scored on the same problems); negative group ids, never a training group's."""
-    return [EpisodeRequest(group_id=-(i + 1), seed=i, split="heldout") for i in range(samples)]
+    return [EpisodeRequest(group_id=-(i + 1), seed=i, split=split) for i in range(samples)]
 
 
 def _rollout(generators: Sequence[Any], requests: list[EpisodeRequest], sampling: SamplingParams,
@@ -54,7 +57,7 @@ def _rollout(generators: Sequence[Any], requests: list[EpisodeRequest], sampling
 def evaluate(generators: Sequence[Any], cfg: EvalConfig) -> dict[str, float]:
     """Greedy and sampled mean reward on the held-out set with the generators' current weights."""
     start = time.perf_counter()
-    requests = heldout_requests(cfg.samples)
+    requests = heldout_requests(cfg.samples, cfg.split)
     greedy = _rollout(generators, requests, dataclasses.replace(cfg.sampling, temperature=0.0), 1)
     sampled = _rollout(generators, requests, cfg.sampling, None)
     greedy_rollouts = [r for grp in greedy for r in grp.rollouts]

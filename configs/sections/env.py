@@ -67,6 +67,10 @@ class DemoTaskConfig:
     max_operand: int = option(9, doc="operands are drawn from 0..max_operand", ge=1, le=999)
     word_length: int = option(3, doc="letters in a reverse problem", ge=1, le=12)
     heldout_fraction: float = option(0.2, doc="share of the problem space kept for evaluation", ge=0.0, lt=1.0)
+    validation_fraction: float = option(
+        0.0, doc="share of the problem space carved out of train for choosing settings ([trainer] eval_split)",
+        ge=0.0, lt=1.0,
+    )
     max_turns: int = option(2, doc="assistant attempts per episode (feedback after a failed attempt)", ge=1)
     episode_reward: Literal["last", "mean"] = option(
         "last",
@@ -86,6 +90,11 @@ class DemoTaskConfig:
     )
     warm_start_examples: int = option(512, doc="format-only conversations the warm start draws from", ge=1)
     warm_start_lr: float = option(3e-3, doc="AdamW learning rate of the warm start", gt=0.0)
+
+    def __post_init__(self) -> None:
+        if self.heldout_fraction + self.validation_fraction >= 1.0:
+            raise ValueError(f"env.demo.heldout_fraction + validation_fraction = "
+                             f"{self.heldout_fraction + self.validation_fraction:g} leaves no train split")
 
 
 @dataclass(frozen=True)
@@ -139,6 +148,10 @@ class CodingConfig:
     heldout_fraction: float = option(
         0.2, doc="micro: share of task templates (by a hash of the template id) kept for evaluation", ge=0.0, lt=1.0
     )
+    validation_fraction: float = option(
+        0.0, doc="micro: share of templates (next in the same hash) carved out of train for choosing settings "
+        "([trainer] eval_split)", ge=0.0, lt=1.0,
+    )
     heldout_by: str = option(
         "template", doc="micro: what the held-out hash keys on: the whole template (ops x phrasing x naming: unseen "
         "combinations) or its surface (phrasing x naming for every op: unseen surfaces, no surface predicting the op)",
@@ -148,6 +161,11 @@ class CodingConfig:
         (), doc="micro: the tool-loop warm start's prompts draw every operation of these kinds (train templates "
         "only: the held-out templates stay unseen); empty = the task's own operations"
     )
+
+    def __post_init__(self) -> None:
+        if self.heldout_fraction + self.validation_fraction >= 1.0:
+            raise ValueError(f"env.coding.heldout_fraction + validation_fraction = "
+                             f"{self.heldout_fraction + self.validation_fraction:g} leaves no train split")
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,11 @@ class TrainerConfig:
         "on the environment's held-out split; never trained on); 0 = off.",
     )
     eval_samples: int = option(8, ge=1, doc="Held-out problems per evaluation (the same fixed set every time).")
+    eval_split: str = option(
+        "heldout", choices=("heldout", "validation"),
+        doc="The split evaluations draw from: heldout (for reporting), or validation (for choosing settings: "
+        "env.demo / env.coding validation_fraction carves it out of train, so the held-out split stays unseen).",
+    )
     dpo_reference: str = option(
         "frozen", choices=("frozen", "policy"),
         doc="DPO's reference π_ref: frozen = the initial weights, kept by the trainer (one more parameter copy, "

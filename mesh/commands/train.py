@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
 from composer_mesh.mesh.commands import load_job
 
@@ -34,10 +35,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="on failure, raise with the full (remote) traceback (put it before CONFIG)")
 
 
-def heldout_line(heldout: dict[str, dict[str, float]]) -> str:
-    """The summary's one-line held-out before/after."""
+def heldout_line(heldout: dict[str, Any]) -> str:
+    """The summary's one-line held-out (or validation: `[trainer] eval_split`) before/after."""
     b, a = heldout["before"], heldout["after"]
-    return (f"held-out reward: greedy {b['eval/heldout_greedy']:.3f} -> {a['eval/heldout_greedy']:.3f}, "
+    label = "validation" if heldout.get("split") == "validation" else "held-out"
+    return (f"{label} reward: greedy {b['eval/heldout_greedy']:.3f} -> {a['eval/heldout_greedy']:.3f}, "
             f"sampled {b['eval/heldout_sampled']:.3f} -> {a['eval/heldout_sampled']:.3f} "
             f"(step {b['step']} -> {a['step']})"
             + (f"; pass rate: greedy {b['eval/heldout_greedy_pass']:.3f} -> {a['eval/heldout_greedy_pass']:.3f}, "

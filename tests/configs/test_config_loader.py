@@ -220,3 +220,23 @@ def test_typed_overrides_are_validated_like_recipe_values():
                              ({"steps": 3}, r"override 'steps': expected --section\.key=value")):
         with pytest.raises(ConfigError, match=words):
             load_config(None, overrides)
+
+
+def test_validation_split_needs_a_task_that_carves_one():
+    """`[trainer] eval_split = "validation"` is for choosing settings without the held-out split: the loader
+    refuses it, naming the key, where the task has no validation split (none carved, or a task kind without
+    one), and the evaluation then reads that split."""
+    with pytest.raises(ConfigError, match=r"needs env\.demo\.validation_fraction > 0"):
+        load_config("configs/demo_cpu.toml", ["--trainer.eval_split=validation"])
+    with pytest.raises(ConfigError, match=r"needs env\.coding\.validation_fraction > 0"):
+        load_config("configs/coding_cpu.toml", ["--trainer.eval_split=validation"])
+    with pytest.raises(ConfigError, match=r"eval_split = 'validation' needs env\.task = 'demo' or 'coding'"):
+        load_config("configs/coding_cpu.toml", ["--trainer.eval_split=validation", "--env.coding.validation_fraction=0.2",
+                                                "--env.coding.sources=[\"micro\",\"repos\"]"])
+    with pytest.raises(ConfigError, match=r"leaves no train split"):
+        load_config("configs/demo_cpu.toml", ["--env.demo.validation_fraction=0.8"])
+    cfg = load_config("configs/demo_cpu.toml", ["--trainer.eval_split=validation", "--env.demo.validation_fraction=0.2"])
+    from composer_mesh.mesh.controller import ControllerConfig
+
+    loop = ControllerConfig.from_job(cfg, steps=1, weight_dir="", state_dir="", replay=False)
+    assert cfg.trainer.eval_split == "validation" and loop.eval.split == "validation"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import random
 
 import pytest
@@ -72,13 +73,37 @@ def test_splits_are_disjoint_deterministic_and_cover_the_space():
     train = {make_problem(s, CONFIG, "train").text for s in range(3000)}
     held = {make_problem(s, CONFIG, "heldout").text for s in range(3000)}
     assert train.isdisjoint(held)
-    assert all(split_of(Problem.parse(t), CONFIG.heldout_fraction) == "heldout" for t in held)
+    assert all(split_of(Problem.parse(t), CONFIG) == "heldout" for t in held)
     assert [make_problem(s, CONFIG).text for s in range(50)] == [make_problem(s, CONFIG).text for s in range(50)]
     numeric = DemoTaskConfig(ops=("add",), max_operand=9, heldout_fraction=0.2)
     all_train = {make_problem(s, numeric, "train").text for s in range(5000)}
     all_held = {make_problem(s, numeric, "heldout").text for s in range(5000)}
     assert len(all_train) + len(all_held) == 100  # every a+b with a, b in 0..9, each in one split
     assert 10 <= len(all_held) <= 30
+
+
+def _reference_bin(key: str, heldout: float, validation: float) -> str:
+    """The split rule written out: the first 8 bytes of sha256(key), big-endian, as a fraction of 2**64."""
+    u = int(hashlib.sha256(key.encode()).hexdigest()[:16], 16) / float(1 << 64)
+    return "heldout" if u < heldout else ("validation" if u < heldout + validation else "train")
+
+
+def test_validation_split_is_carved_out_of_train_and_never_moves_a_heldout_problem():
+    base = DemoTaskConfig(ops=("add",), max_operand=9, heldout_fraction=0.2)
+    carved = dataclasses.replace(base, validation_fraction=0.25)
+    space = [Problem("add", a, b) for a in range(10) for b in range(10)]
+    for p in space:
+        assert split_of(p, carved) == _reference_bin(p.text, 0.2, 0.25)
+        assert split_of(p, base) == _reference_bin(p.text, 0.2, 0.0)
+        assert (split_of(p, carved) == "heldout") == (split_of(p, base) == "heldout")
+    by_split = {s: {make_problem(i, carved, s).text for i in range(3000)} for s in ("train", "validation", "heldout")}
+    assert by_split["heldout"] == {make_problem(i, base, "heldout").text for i in range(3000)}
+    assert sum(map(len, by_split.values())) == 100 and all(by_split.values())  # disjoint, covering, none empty
+    assert 10 <= len(by_split["validation"]) <= 40
+    with pytest.raises(ValueError, match="no validation problem"):
+        make_problem(0, base, "validation")
+    with pytest.raises(ValueError, match="env.demo.heldout_fraction \\+ validation_fraction"):
+        DemoTaskConfig(heldout_fraction=0.5, validation_fraction=0.5)
 
 
 def test_max_problems_read_answer_and_split_like_the_others():
@@ -216,7 +241,7 @@ def test_format_examples_teach_the_format_not_the_answers():
     exact = 0
     for messages in examples:
         p = Problem.parse(messages[1]["content"])
-        assert messages[:2] == prompt_messages(p) and split_of(p, cfg.heldout_fraction) == "train"
+        assert messages[:2] == prompt_messages(p) and split_of(p, cfg) == "train"
         env = DemoEnv(cfg)
         env.problem = p
         replies = [m for m in messages[2:] if m["role"] == "assistant"]

@@ -133,6 +133,23 @@ def test_surface_split_leaves_no_surface_predicting_the_op():
     assert {t.surface for t in templates(by_id, "heldout")} <= {t.surface for t in templates(by_id, "train")}
 
 
+def test_validation_split_takes_templates_from_train_only():
+    """`validation_fraction` carves validation templates out of train by the next band of the same hash: the
+    held-out templates are the same with or without it, and tasks of each split use that split's templates."""
+    for base in (dataclasses.replace(EASY, namings=(2,), heldout_by="surface", heldout_fraction=0.3), EASY):
+        carved = dataclasses.replace(base, validation_fraction=0.25)
+        held, val, train = (templates(carved, s) for s in ("heldout", "validation", "train"))
+        assert held == templates(base, "heldout") and val and train
+        assert set(val) | set(train) == set(templates(base, "train")) and set(val).isdisjoint(train)
+        key = (lambda t: t.surface) if base.heldout_by == "surface" else (lambda t: t.id)
+        assert all(stable_split(key(t), 0.3 if base.heldout_by == "surface" else base.heldout_fraction, 0.25)
+                   == "validation" for t in val)
+        ids = {t.id for t in val}
+        assert all(make_task(carved, "validation", seed).template in ids for seed in range(20))
+    with pytest.raises(ValueError, match="env.coding.heldout_fraction \\+ validation_fraction"):
+        CodingConfig(heldout_fraction=0.6, validation_fraction=0.4)
+
+
 @pytest.mark.parametrize("config", [EASY, ALL_KINDS, CodingConfig(kinds=KINDS, ops_per_kind=2, statements_per_body=2)],
                          ids=["easy", "all_kinds", "two_statements"])
 def test_every_template_reference_passes_and_stub_fails(config):

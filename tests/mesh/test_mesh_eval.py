@@ -105,4 +105,32 @@ def test_eval_set_is_heldout_and_disjoint_from_training():
         evaluated = {make_problem(r.seed, cfg, r.split).text for r in requests}
         trained = {make_problem(s * 1_000_003 + i, cfg).text for s in range(3) for i in range(200)}
         assert evaluated and not evaluated & trained
-        assert all(split_of(make_problem(r.seed, cfg, r.split), cfg.heldout_fraction) == "heldout" for r in requests)
+        assert all(split_of(make_problem(r.seed, cfg, r.split), cfg) == "heldout" for r in requests)
+
+
+def test_validation_evaluation_draws_the_validation_split_through_the_env_factory():
+    """`[trainer] eval_split = "validation"`: the requests name the split and the run's environment factory
+    serves its problems, disjoint from both the problems trained on and the held-out ones."""
+    from composer_mesh.configs.loader import load_config
+    from composer_mesh.envs.demo import split_of
+    from composer_mesh.envs.factory import env_factory
+    from composer_mesh.mesh.evaluation import heldout_requests
+
+    job = load_config(REPO / "configs" / "demo_cpu.toml",
+                      ["--trainer.eval_split=validation", "--env.demo.validation_fraction=0.2"])
+    make = env_factory(job.env)
+    requests = heldout_requests(16, job.trainer.eval_split)
+    assert all(r.split == "validation" and r.group_id < 0 for r in requests)
+
+    def problems(split: str, seeds: range) -> set:
+        out = set()
+        for seed in seeds:
+            env = make(split)
+            env.reset(seed)
+            out.add(env.problem)
+        return out
+
+    validation = problems("validation", range(16))
+    trained, held = problems("train", range(400)), problems("heldout", range(400))
+    assert validation and validation.isdisjoint(trained) and validation.isdisjoint(held)
+    assert all(split_of(p, job.env.demo) == "validation" for p in validation)
