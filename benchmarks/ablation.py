@@ -23,6 +23,7 @@ within the policy-only runs' mean training time.
     python benchmarks/ablation.py --quick   # 20 steps, 2 seeds, the four keyed configurations
     python benchmarks/ablation.py --quick --task coding   # the coding recipe, 10 steps, pass rates
     python benchmarks/ablation.py           # the recipe's steps (90), 3 seeds, all six configurations
+    python benchmarks/ablation.py --jobs 2  # the same, two runs at a time (2 cores: about 0.6 of the wall)
     python benchmarks/ablation.py --config my.toml --override=--optimizer.lr=3e-3 --only policy all
     python benchmarks/ablation.py --split validation --seeds 2 --only policy+distill \
         --override=--loss.distill.hint_kind=reference   # choosing a setting: never on the held-out split
@@ -46,6 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -191,6 +193,9 @@ def main() -> None:
                         "held-out split)")
     parser.add_argument("--override", action="append", default=[], metavar="--SECTION.KEY=VALUE",
                         help="applied to every configuration, before its channel switches (repeatable)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="runs at once (a run's trainer and generator alternate, so 2 on 2 cores finish sooner; "
+                        "the time columns then include the contention)")
     parser.add_argument("--split", choices=("heldout", "validation"), default="heldout",
                         help="evaluate on the held-out split (reporting) or on a validation split carved out of "
                         "train (choosing settings; the held-out problems stay unseen)")
@@ -206,16 +211,26 @@ def main() -> None:
     split = "held-out" if args.split == "heldout" else "validation"
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="ablation-") as tmp:
-        for seed in range(seeds):  # seed-major: a partial run still compares every configuration
-            for row in rows:
-                result = run_one(config, overrides, Path(tmp) / f"{row.name.replace(' ', '_')}-s{seed}",
-                                 row.name, seed, steps, eval_every, args.task)
-                if row.name.endswith("only") and result.policy_rollouts:
-                    raise RuntimeError(f"{row.name}: the policy channel trained {result.policy_rollouts:.0f} rollouts")
-                row.runs.append(result)
-                print(f"  {row.name:<15} seed {seed}: {split} sampled {result.heldout[0][2]:.3f} -> "
-                      f"{result.heldout[-1][2]:.3f}, train gain {result.train_gain:+.3f}, {result.wall_s:.0f} s",
-                      file=sys.stderr, flush=True)
+
+        def one(seed: int, row: Row) -> RunResult:
+            result = run_one(config, overrides, Path(tmp) / f"{row.name.replace(' ', '_')}-s{seed}",
+                             row.name, seed, steps, eval_every, args.task)
+            if row.name.endswith("only") and result.policy_rollouts:
+                raise RuntimeError(f"{row.name}: the policy channel trained {result.policy_rollouts:.0f} rollouts")
+            print(f"  {row.name:<15} seed {seed}: {split} sampled {result.heldout[0][2]:.3f} -> "
+                  f"{result.heldout[-1][2]:.3f}, train gain {result.train_gain:+.3f}, {result.wall_s:.0f} s",
+                  file=sys.stderr, flush=True)
+            return result
+
+        # seed-major: a partial run still compares every configuration; each run is a process of its own
+        with ThreadPoolExecutor(args.jobs) as pool:
+            runs = [(row, pool.submit(one, seed, row)) for seed in range(seeds) for row in rows]
+            try:
+                for row, future in runs:
+                    row.runs.append(future.result())
+            except BaseException:
+                pool.shutdown(cancel_futures=True)  # a failed run stops the ones not yet started
+                raise
     by = {r.name: r for r in rows}
     budget = by["policy"].figure(lambda r: r.train_s)[0] if "policy" in by else None
     print(f"\n{args.task} task, {steps} steps, seeds 0..{seeds - 1}, {args.split} split evaluated every {eval_every} "

@@ -34,8 +34,10 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim import Optimizer
 from torch.optim.adam import adam
 
+from composer_mesh.titan_ext.low_precision import stochastic_round_to_bf16_
+
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
-_NS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 NS_KERNELS = ("auto", "native", "fp32_accumulate", "emulated")
 
 
@@ -227,7 +229,9 @@ class ShardedMuon(Optimizer):
 
     Muon group keys: lr, weight_decay, momentum, nesterov, ns_steps,
     ns_coefficients, eps (NS norm floor), ns_dtype, ns_kernel, lr_adjust.
-    AdamW group keys: lr, weight_decay, betas, eps.
+    AdamW group keys: lr, weight_decay, betas, eps, moments_dtype ("float32", or
+    "bfloat16": the moments stored in 2 bytes, updated in float32 one parameter
+    at a time and stored back by stochastic rounding, `titan_ext.low_precision`).
     Per matrix: B ← μB + (1−μ)g; U = (1−μ)g + μB (Nesterov) or B;
     O = NS(U); θ ← θ(1 − lr·wd) − adjusted_lr·O — the update of
     `torch.optim.Muon`. Params may be plain tensors or DTensors (FSDP2, HSDP,
@@ -239,7 +243,7 @@ class ShardedMuon(Optimizer):
         defaults = dict(
             lr=1e-3, weight_decay=0.1, use_muon=True, momentum=0.95, nesterov=True, ns_steps=5,
             ns_coefficients=NS_COEFFICIENTS, eps=1e-7, ns_dtype="bfloat16", ns_kernel="auto",
-            lr_adjust="match_rms_adamw", betas=(0.9, 0.95),
+            lr_adjust="match_rms_adamw", betas=(0.9, 0.95), moments_dtype="float32",
         )
         param_groups = list(param_groups)
         if param_groups and isinstance(param_groups[0], torch.Tensor):
@@ -251,12 +255,14 @@ class ShardedMuon(Optimizer):
                 g.setdefault("eps", 1e-8)
         super().__init__(param_groups, defaults)
         for group in self.param_groups:
+            if group["moments_dtype"] not in _DTYPES:
+                raise ValueError(f"moments_dtype must be one of {sorted(_DTYPES)}, got {group['moments_dtype']!r}")
             if group["use_muon"]:
                 for p in group["params"]:
                     if p.ndim not in (2, 3):
                         raise ValueError(f"Muon needs 2-D or stacked 3-D [E, m, n] params, got shape {tuple(p.shape)}")
-                if group["ns_dtype"] not in _NS_DTYPES:
-                    raise ValueError(f"ns_dtype must be one of {sorted(_NS_DTYPES)}, got {group['ns_dtype']!r}")
+                if group["ns_dtype"] not in _DTYPES:
+                    raise ValueError(f"ns_dtype must be one of {sorted(_DTYPES)}, got {group['ns_dtype']!r}")
                 resolve_ns_kernel(group["ns_kernel"], torch.float32, torch.device("cpu"))
                 adjusted_lr(1.0, group["lr_adjust"], 1, 1)
         self._layouts: dict[torch.Tensor, _Layout] = {}
@@ -291,6 +297,21 @@ class ShardedMuon(Optimizer):
                 for p, owner in zip(bucket, owners):
                     self._layouts[p] = dataclasses.replace(self._layouts[p], owner=owner, bucket=k)
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's loading casts every floating state tensor to its param's dtype (float32): cast AdamW's moments
+        back to the configured `moments_dtype`, which stays this optimizer's, not the checkpoint's."""
+        configured = [g["moments_dtype"] for g in self.param_groups]
+        super().load_state_dict(state_dict)
+        for group, moments in zip(self.param_groups, configured):
+            group["moments_dtype"] = moments
+            if group["use_muon"]:
+                continue
+            for p in group["params"]:
+                state = self.state.get(p, {})
+                for key in ("exp_avg", "exp_avg_sq"):
+                    if key in state:
+                        state[key] = state[key].to(_DTYPES[moments])
+
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
         loss = run_closure(closure)
@@ -321,7 +342,7 @@ class ShardedMuon(Optimizer):
             grad = grad.redistribute(p.device_mesh, p.placements)
         grad = _local(grad)
         buf.lerp_(grad, 1 - group["momentum"])
-        dtype = _NS_DTYPES[group["ns_dtype"]]
+        dtype = _DTYPES[group["ns_dtype"]]
         if not group["nesterov"]:
             return buf.to(dtype, copy=True)
         return torch.lerp(grad, buf, group["momentum"], out=torch.empty_like(grad, dtype=dtype))
@@ -375,7 +396,7 @@ class ShardedMuon(Optimizer):
         self.stats.orthogonalized_numel += update.numel()
         return zeropower_via_newtonschulz(
             update, coefficients=tuple(group["ns_coefficients"]), steps=group["ns_steps"], eps=group["eps"],
-            dtype=_NS_DTYPES[group["ns_dtype"]], kernel=group["ns_kernel"],
+            dtype=_DTYPES[group["ns_dtype"]], kernel=group["ns_kernel"],
         )
 
     def _gather_ns(self, p: DTensor, update: torch.Tensor, group: dict) -> torch.Tensor:
@@ -404,6 +425,7 @@ class ShardedMuon(Optimizer):
         return out
 
     def _adamw(self, group: dict) -> None:
+        moments_dtype = _DTYPES[group["moments_dtype"]]
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
         for p in group["params"]:
             if p.grad is None:
@@ -411,8 +433,8 @@ class ShardedMuon(Optimizer):
             state = self.state[p]
             if not state:
                 state["step"] = torch.tensor(0.0)
-                state["exp_avg"] = torch.zeros_like(p)
-                state["exp_avg_sq"] = torch.zeros_like(p)
+                state["exp_avg"] = torch.zeros_like(p, dtype=moments_dtype)
+                state["exp_avg_sq"] = torch.zeros_like(p, dtype=moments_dtype)
             params.append(p)
             grads.append(p.grad)
             exp_avgs.append(state["exp_avg"])
@@ -421,11 +443,22 @@ class ShardedMuon(Optimizer):
         if not params:
             return
         beta1, beta2 = group["betas"]
-        adam(
-            params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=None, decoupled_weight_decay=True,
-            amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
-            eps=group["eps"], maximize=False,
+        update = functools.partial(
+            adam, foreach=None, decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+            weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
         )
+        if moments_dtype == torch.float32:
+            update(params, grads, exp_avgs, exp_avg_sqs, [], steps)
+            return
+        # bfloat16 moments: float32 math one parameter at a time (transients of one parameter), stored back by
+        # stochastic rounding; the noise is seeded by (rank, step, position), so a resumed run draws the same
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        for i, (p, g, m, v, step) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, steps)):
+            m32, v32 = m.float(), v.float()
+            update([p], [g], [m32], [v32], [], [step])
+            gen = torch.Generator(device=_local(m).device).manual_seed(hash((rank, int(step.item()), i)) & (2**63 - 1))
+            stochastic_round_to_bf16_(_local(m), _local(m32), gen)
+            stochastic_round_to_bf16_(_local(v), _local(v32), gen)
 
 
 class _Exchange:

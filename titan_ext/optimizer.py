@@ -54,7 +54,8 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> Optimizer:
     owner path, or TorchTitan's DistMuon per `cfg.backend`) on the matrices
     `split_muon_params` picks, AdamW on the rest.
     """
-    adamw_keys = dict(weight_decay=cfg.weight_decay, betas=tuple(cfg.betas), eps=cfg.eps, use_muon=False)
+    adamw_keys = dict(weight_decay=cfg.weight_decay, betas=tuple(cfg.betas), eps=cfg.eps, use_muon=False,
+                      moments_dtype=cfg.moments_dtype)
     if cfg.name == "adamw":
         params = [p for p in model.parameters() if p.requires_grad]
         return ShardedMuon([dict(params=params, lr=cfg.lr, **adamw_keys)])
@@ -66,7 +67,8 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> Optimizer:
     )
     backend = cfg.backend
     if backend == "auto":
-        fits = cfg.ns_dtype == "bfloat16" and cfg.ns_kernel in ("auto", "native") and _dist_muon_applicable([p for _, p in muon])
+        fits = (cfg.ns_dtype == "bfloat16" and cfg.ns_kernel in ("auto", "native") and cfg.moments_dtype == "float32"
+                and _dist_muon_applicable([p for _, p in muon]))
         backend = "dist_muon" if fits else "owner"
     if backend == "dist_muon":
         return _build_dist_muon(muon, adamw, cfg)
@@ -152,6 +154,9 @@ def _build_dist_muon(muon: list[tuple[str, nn.Parameter]], adamw: list[tuple[str
     if cfg.ns_kernel not in ("auto", "native"):
         raise ValueError("backend='dist_muon' runs Newton–Schulz with torch's bf16 matmuls; set optimizer.ns_kernel = 'auto' or "
                          "'native', or use backend='owner'")
+    if cfg.moments_dtype != "float32":
+        raise ValueError("backend='dist_muon' chains torch's AdamW, whose moments are float32; set "
+                         "optimizer.moments_dtype = 'float32' or use backend='owner'")
     if not _dist_muon_applicable([p for _, p in muon]):
         raise ValueError("backend='dist_muon' needs CUDA DTensor params on named meshes, 2-D sharded on one axis or 3-D on dim 0")
     names = [canonical_fqn(name) for name, _ in muon]

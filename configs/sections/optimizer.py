@@ -31,6 +31,11 @@ class OptimizerConfig:
     weight_decay: float = option(0.1, doc="decoupled weight decay, both groups (θ ← θ·(1 − lr·wd))", ge=0.0)
     betas: tuple[float, float] = option((0.9, 0.95), doc="AdamW (β1, β2)")
     eps: float = option(1e-8, doc="AdamW denominator epsilon", gt=0.0)
+    moments_dtype: Literal["float32", "bfloat16"] = option(
+        "float32", doc="dtype AdamW keeps its two moments in: bfloat16 halves them (4 bytes/param less; float32 math, "
+        "stored back by unbiased stochastic rounding, titan_ext.low_precision); parameters stay float32",
+        choices=("float32", "bfloat16"),
+    )
     momentum: float = option(0.95, doc="Muon momentum μ (EMA form: B ← μ·B + (1 − μ)·g)", ge=0.0, lt=1.0)
     nesterov: bool = option(True, doc="Muon Nesterov: orthogonalise (1 − μ)·g + μ·B instead of B")
     ns_steps: int = option(5, doc="quintic Newton–Schulz iterations", ge=1, lt=100)

@@ -176,6 +176,23 @@ def _fsdp_ep_case(rank: int, world: int) -> None:
     assert sum(s[0] for s in stats) == n_matrices, stats
     assert all(s[2] == 2 for s in stats), stats
 
+    # bfloat16 AdamW moments on the FSDP shards: kept as bf16 DTensors like their params, through a DCP round trip
+    cfg16 = OptimizerConfig(lr=LR, adamw_lr=LR, weight_decay=WD, momentum=MU, ns_dtype="float32",
+                            moments_dtype="bfloat16")
+    opt = build_optimizer(model, cfg16)
+    before = [p.detach().full_tensor().clone() for p in adamw_params]
+    one_step(3)
+    assert all(not torch.equal(b, p.detach().full_tensor()) for b, p in zip(before, adamw_params))
+    for p in adamw_params:
+        for key in ("exp_avg", "exp_avg_sq"):
+            m = opt.state[p][key]
+            assert isinstance(m, DTensor) and m.dtype == torch.bfloat16 and m.placements == p.placements, key
+    saved = get_optimizer_state_dict(model, opt)
+    opt = build_optimizer(model, cfg16)
+    set_optimizer_state_dict(model, opt, saved)
+    assert all(opt.state[p]["exp_avg_sq"].dtype == torch.bfloat16 for p in adamw_params)
+    one_step(4)
+
 
 def test_sharded_muon_fsdp_and_ep_match_full_matrix_reference_on_2_ranks(free_port):
     spawn("_fsdp_ep_case", 2, free_port())
