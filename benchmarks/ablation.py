@@ -23,7 +23,7 @@ within the policy-only runs' mean training time.
     python benchmarks/ablation.py --quick   # 20 steps, 2 seeds, the four keyed configurations
     python benchmarks/ablation.py --quick --task coding   # the coding recipe, 10 steps, pass rates
     python benchmarks/ablation.py           # the recipe's steps (90), 3 seeds, all six configurations
-    python benchmarks/ablation.py --jobs 2  # the same, two runs at a time (2 cores: about 0.6 of the wall)
+    python benchmarks/ablation.py --jobs 2  # the same, two runs at a time (time columns then share the cores)
     python benchmarks/ablation.py --config my.toml --override=--optimizer.lr=3e-3 --only policy all
     python benchmarks/ablation.py --split validation --seeds 2 --only policy+distill \
         --override=--loss.distill.hint_kind=reference   # choosing a setting: never on the held-out split
