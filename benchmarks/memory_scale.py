@@ -6,8 +6,10 @@ hold nearly all parameters), run for 2 steps of the main recipe
 (`configs/demo_cpu.toml`: all three loss channels, fp32 master weights,
 checkpoint at the last step, final `hf/` export; warm start and held-out
 evaluation off) with the memory goal's optimizer, serving dtype and malloc
-threshold (`RECIPE`: AdamW, so the trainer holds fp32 parameters, gradients
-and two moments, plus the frozen DPO reference; bf16 generators, whose dtype
+threshold (`RECIPE`: AdamW, so the trainer holds fp32 parameters and
+gradients and AdamW's two moments, kept in bf16 with stochastic rounding
+(`optimizer.moments_dtype=float32` for the float32 moments' figure), plus the
+frozen DPO reference; bf16 generators, whose dtype
 the reference and the weight-sync slots take; the 1 MiB mmap threshold this
 benchmark chose for memory-bound runs, docs/cluster.md; the reference as a
 file in the run folder read through mmap, page cache rather than the
@@ -58,8 +60,8 @@ SHAPES = {
 QUICK = ("tiny", "8M", "0.6B-4L")
 ROLES = ("controller", "trainer", "generator", "replay")
 # overrides of configs/demo_cpu.toml for every run, before --override
-RECIPE = ("optimizer.name=adamw", "generator.dtype=bfloat16", "mesh.malloc_mmap_threshold_mib=1",
-          "trainer.dpo_reference_storage=file")
+RECIPE = ("optimizer.name=adamw", "optimizer.moments_dtype=bfloat16", "generator.dtype=bfloat16",
+          "mesh.malloc_mmap_threshold_mib=1", "trainer.dpo_reference_storage=file")
 
 
 def make_model(root: Path, shape: tuple[int, ...]) -> tuple[Path, int]:
