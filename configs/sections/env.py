@@ -59,6 +59,13 @@ class SandboxConfig:
     )
 
 
+def _check_train_left(section: str, heldout_fraction: float, validation_fraction: float) -> None:
+    """The held-out and validation shares of one split hash must leave a train share."""
+    if heldout_fraction + validation_fraction >= 1.0:
+        raise ValueError(f"{section}.heldout_fraction + validation_fraction = "
+                         f"{heldout_fraction + validation_fraction:g} leaves no train split")
+
+
 @dataclass(frozen=True)
 class DemoTaskConfig:
     """The fast CPU demo task: tiny problems, answer as `ANSWER: <result>`."""
@@ -92,9 +99,7 @@ class DemoTaskConfig:
     warm_start_lr: float = option(3e-3, doc="AdamW learning rate of the warm start", gt=0.0)
 
     def __post_init__(self) -> None:
-        if self.heldout_fraction + self.validation_fraction >= 1.0:
-            raise ValueError(f"env.demo.heldout_fraction + validation_fraction = "
-                             f"{self.heldout_fraction + self.validation_fraction:g} leaves no train split")
+        _check_train_left("env.demo", self.heldout_fraction, self.validation_fraction)
 
 
 @dataclass(frozen=True)
@@ -163,9 +168,7 @@ class CodingConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.heldout_fraction + self.validation_fraction >= 1.0:
-            raise ValueError(f"env.coding.heldout_fraction + validation_fraction = "
-                             f"{self.heldout_fraction + self.validation_fraction:g} leaves no train split")
+        _check_train_left("env.coding", self.heldout_fraction, self.validation_fraction)
 
 
 @dataclass(frozen=True)
