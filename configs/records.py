@@ -12,6 +12,10 @@ import enum
 from dataclasses import dataclass
 
 
+# how a tool result says `[env.tool_loop] check_edits = "revert"` undid its edit (a teacher replaying the
+# context must not count that edit: envs.tool_loop writes it, replay.reference_teacher reads it)
+EDIT_UNDONE = "; edit undone"
+
 class ErrorKind(str, enum.Enum):
     """What went wrong at an error turn (the hint templates are keyed by it)."""
 

@@ -132,18 +132,28 @@ class MicroTask:
         self, backend: Sandbox, ws: Workspace, start_manifest: dict[str, str], violations: Sequence[tuple[str, str]] = ()
     ) -> Grade:
         """Grade `ws` against the pristine tree (made for this grade, root-only); partial credit per hidden test."""
+        grade = self._judge(backend, ws, start_manifest, violations, self.hidden, self.expected_tests)
+        return dataclasses.replace(grade, reward=partial_reward(grade))
+
+    def check(self, backend: Sandbox, ws: Workspace, start_manifest: dict[str, str]) -> Grade:
+        """The visible tests' verdict on `ws` now (what running them would tell the agent), judged as `grade`
+        judges: the pristine test file against the submission, never the workspace's own copy."""
+        visible = tuple(f"{VISIBLE_TESTS}::test_{name}" for name in self.functions)
+        return self._judge(backend, ws, start_manifest, (), {}, visible)
+
+    def _judge(self, backend: Sandbox, ws: Workspace, start_manifest: dict[str, str],
+               violations: Sequence[tuple[str, str]], tests: dict[str, str], expected: Sequence[str]) -> Grade:
         root = Path(tempfile.mkdtemp(prefix="micro-", dir=getattr(backend, "root", None)))
         root.chmod(0o700)
         try:
             pristine = root / "repo"
-            write_tree(pristine, {**self.files, **self.reference, **self.hidden})
-            grade = grade_workspace(
-                backend, pristine, start_manifest, ws, self.expected_tests,
+            write_tree(pristine, {**self.files, **self.reference, **tests})
+            return grade_workspace(
+                backend, pristine, start_manifest, ws, expected,
                 targets={self.target: self.stubbed_source}, episode_violations=violations, plain=True,
             )
         finally:
             shutil.rmtree(root, ignore_errors=True)
-        return dataclasses.replace(grade, reward=partial_reward(grade))
 
 
 def partial_reward(grade: Grade) -> float:

@@ -25,6 +25,7 @@ from typing import Any, Callable
 from composer_mesh.configs.sections.env import EnvConfig
 from composer_mesh.envs.base import Environment
 from composer_mesh.envs.micro_ops import KINDS
+from composer_mesh.envs.tool_loop import check_verdict
 
 CLOSING = "Done."
 _MODULES = ("util", "helpers", "core", "main", "lib", "tools", "common", "mathx", "text", "funcs")
@@ -56,6 +57,25 @@ def random_edit(prompt: str, rng: random.Random) -> tuple[str, dict[str, str]] |
     return path.group(1), {"path": path.group(1), "old": "pass", "new": "return " + rng.choice(EXPRESSIONS).format(a=a, b=b)}
 
 
+def writes_reference(edit: dict[str, str], reference: str) -> bool:
+    """Whether the edit's new line is a line of the reference file (what the visible tests would pass)."""
+    return edit["new"].strip() in {line.strip() for line in reference.splitlines()}
+
+
+def retried_edits(prompt: str, reference: str, attempts: int, rng: random.Random, undone: bool = False
+                  ) -> list[dict[str, str]]:
+    """`check_edits` episodes: random edits (each drawn as `random_edit` draws, independent of the ones before and
+    of the task) until one writes the reference's return line or `attempts` are made; each later edit replaces the
+    line the one before wrote, or the stub again when a failed edit was `undone`. Whether an edit passes is read off
+    the reference, so no test runs here."""
+    edits: list[dict[str, str]] = []
+    while len(edits) < attempts and not (edits and writes_reference(edits[-1], reference)):
+        edit = random_edit(prompt, rng)
+        assert edit is not None
+        edits.append(edit[1] if undone or not edits else {**edit[1], "old": edits[-1]["new"]})
+    return edits
+
+
 def warm_start_env(env: EnvConfig) -> EnvConfig:
     """The environment the warm start's episode starts come from: the task's, widened to every operation of
     `env.coding.warm_start_kinds` when set (the held-out split is by template hash, so it stays unseen)."""
@@ -66,6 +86,13 @@ def warm_start_env(env: EnvConfig) -> EnvConfig:
     if unknown:
         raise ValueError(f"env.coding.warm_start_kinds: unknown kinds {unknown}; choose from {', '.join(KINDS)}")
     return dataclasses.replace(env, coding=dataclasses.replace(env.coding, kinds=kinds, ops_per_kind=0))
+
+
+def _turn(k: int, name: str, args: dict[str, str], answer: str) -> list[dict[str, Any]]:
+    """One assistant tool call and the tool's answer."""
+    call = {"id": f"call_{k}", "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
+    return [{"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": f"call_{k}", "content": answer}]
 
 
 def tool_format_examples(make_env: Callable[[str], Environment], n: int, seed: int
@@ -81,20 +108,21 @@ def tool_format_examples(make_env: Callable[[str], Environment], n: int, seed: i
             tools = tools or obs.info.get("tools")
             names = {t["function"]["name"] for t in tools or ()}
             prompt = next(str(m["content"]) for m in env.state.messages if m["role"] == "user")
+            tail: list[dict[str, Any]] = []
             edit = random_edit(prompt, rng) if "edit_file" in names else None
-            if edit is not None:
-                path, args = edit
-                name, answer = "edit_file", f"edited {path}"
+            mode = env.config.check_edits
+            if edit is not None and mode != "off" and hasattr(env.task, "check"):
+                reference = env.task.reference_files()[edit[0]]
+                attempts = max(1, env.config.max_turns - 1)  # the last turn closes
+                for k, args in enumerate(retried_edits(prompt, reference, attempts, rng, undone=mode == "revert")):
+                    ok = writes_reference(args, reference)
+                    tail += _turn(k, "edit_file", args, f"edited {edit[0]}" + check_verdict(ok, undone=not ok and mode == "revert"))
+            elif edit is not None:
+                tail = _turn(0, "edit_file", edit[1], f"edited {edit[0]}")
             else:
                 path, text = random_function(rng)
-                name, args, answer = "write_file", {"path": path, "content": text}, f"wrote {len(text)} characters to {path}"
-            call = {"id": "call_0", "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
-            out.append([
-                *env.state.messages,
-                {"role": "assistant", "content": "", "tool_calls": [call]},
-                {"role": "tool", "tool_call_id": "call_0", "content": answer},
-                {"role": "assistant", "content": CLOSING},
-            ])
+                tail = _turn(0, "write_file", {"path": path, "content": text}, f"wrote {len(text)} characters to {path}")
+            out.append([*env.state.messages, *tail, {"role": "assistant", "content": CLOSING}])
     finally:
         env.close()
     return out, tools

@@ -28,7 +28,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from composer_mesh.configs.records import ErrorKind, ErrorSite
+from composer_mesh.configs.records import EDIT_UNDONE, ErrorKind, ErrorSite
 from composer_mesh.configs.sections.env import ToolLoopConfig
 from composer_mesh.envs.backend import SandboxBackend
 from composer_mesh.envs.base import Environment, Observation
@@ -40,6 +40,8 @@ _MAX_WRITE = 1 << 20
 # privileged feedback kept per failure (the tail: test runners end with the failing assertion)
 _FEEDBACK_CHARS = 4000
 _SHELL_META = "|;&<>()"
+# tools whose applied call `check_edits` follows with the visible tests
+_EDITS = ("edit_file", "write_file")
 
 
 def _fn(name: str, doc: str, **params: str) -> dict[str, Any]:
@@ -78,6 +80,11 @@ def offered_tools(names: Sequence[str]) -> list[dict[str, Any]]:
         raise ValueError(f"env.tool_loop.tools: {unknown or 'empty'}; tools: {', '.join(TOOL_NAMES)}")
     by_name = {t["function"]["name"]: t for t in TOOLS}
     return [by_name[n] for n in dict.fromkeys(names)]
+
+
+def check_verdict(passed: bool, undone: bool = False) -> str:
+    """What `[env.tool_loop] check_edits` appends to an applied edit's result."""
+    return f"\nvisible tests: {'passed' if passed else 'failed'}" + (EDIT_UNDONE if undone else "")
 
 
 def system_prompt(names: Sequence[str]) -> str:
@@ -134,11 +141,22 @@ class ToolLoopEnv(Environment):
         calls = action.get("tool_calls") or []
         messages, sites = [], []
         for call in calls:
+            checked = self.config.check_edits != "off" and hasattr(self.task, "check")
+            before = self._before(call) if checked and self.config.check_edits == "revert" else None
             name, text, kind = self._call(call)
+            # the whole result is privileged feedback for the teacher; the model saw it in the tool message
+            feedback = text
+            if kind is None and name in _EDITS and checked:
+                check = self.task.check(self.sandbox, self.ws, self._start_manifest)
+                passed = check.reason == "passed"
+                if not passed and before is not None:
+                    self._restore(*before)
+                text += check_verdict(passed, undone=not passed and before is not None)
+                # the model sees the verdict only; the teacher also reads what failed
+                kind, feedback = (None, text) if passed else (ErrorKind.TEST_FAILURE, check.output)
             messages.append({"role": "tool", "tool_call_id": str(call.get("id", "")), "content": text})
             if kind is not None:
-                # the whole result is privileged feedback for the teacher; the model saw it in the tool message
-                sites.append(ErrorSite(turn=turn, kind=kind, message=text[:500], tool=name, feedback=text[-_FEEDBACK_CHARS:]))
+                sites.append(ErrorSite(turn=turn, kind=kind, message=text[:500], tool=name, feedback=feedback[-_FEEDBACK_CHARS:]))
         if calls and self.state.step_count < self.config.max_turns:
             return Observation(messages, error_sites=sites)
         return self._finish(messages, sites)
@@ -159,6 +177,27 @@ class ToolLoopEnv(Environment):
             # and the reference solution, as text; nothing of it enters the workspace or the policy's messages
             info |= {"feedback": grade.output[-_FEEDBACK_CHARS:], "reference": render_reference(self.task.reference_files())}
         return Observation(messages, reward=grade.reward, done=True, error_sites=sites, info=info)
+
+    def _before(self, call: dict[str, Any]) -> tuple[Path, str | None] | None:
+        """(file an edit call names, its text now or None when absent), to undo the edit; None: nothing to undo."""
+        try:
+            args = json.loads((call.get("function") or {}).get("arguments") or "{}")
+            real = self._resolve(args["path"]) if isinstance(args, dict) else None
+        except (json.JSONDecodeError, TypeError, KeyError, ToolError):
+            return None
+        if real is None or (real.exists() and not stat.S_ISREG(real.stat().st_mode)):
+            return None
+        return real, real.read_text(errors="replace") if real.exists() else None
+
+    def _restore(self, real: Path, text: str | None) -> None:
+        """Put an edited file back as `_before` found it (as the workspace's uid; a file the edit made is removed)."""
+        assert self.ws is not None
+        if text is None:
+            real.unlink(missing_ok=True)
+            return
+        fd = os.open(real, os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
 
     def _call(self, call: dict[str, Any]) -> tuple[str, str, ErrorKind | None]:
         """(tool name, result text, error kind or None) for one tool call."""

@@ -4,9 +4,10 @@
 way a good agent would: the change from the task's starting files to its
 reference solution (`lookup(first user message) -> (start, reference)`, each
 {path: full text}) as tool calls of the run's editing tool (`edit_file`: the
-smallest differing line range per file; `write_file`: whole files), and once
-the context holds those calls, a closing message without tool calls (which ends
-a tool-loop episode). Like the demo's solver teachers, each model slips on a
+smallest differing line range per file; `write_file`: whole files), made from
+the files as the context's own calls left them (a wrong edit is edited again),
+and once they match the reference, a closing message without tool calls (which
+ends a tool-loop episode). Like the demo's solver teachers, each model slips on a
 share `noise` of states (chosen by a hash of model and context, so a repeated
 request repeats): it writes a near miss (an operator swapped, else the last
 digit moved by one, else the last line dropped). Two slipping teachers mostly slip on different states, so
@@ -21,6 +22,7 @@ import json
 import re
 from typing import Callable
 
+from composer_mesh.configs.records import EDIT_UNDONE
 from composer_mesh.replay.server import departs
 
 # prompt text of an episode -> (starting files, reference files), or None for an unknown task
@@ -89,10 +91,15 @@ def change_calls(start: dict[str, str], reference: dict[str, str], tool: str) ->
 
 
 def _calls_made(messages: list[dict]) -> list[tuple[str, dict]]:
-    """(name, arguments) of every tool call in the context's assistant messages."""
+    """(name, arguments) of the context's tool calls that the loop did not undo (a call's result is the tool
+    message in its place after the call's assistant message: ids repeat across turns, so order pairs them)."""
     out = []
-    for m in messages:
-        for call in m.get("tool_calls") or ():
+    for i, m in enumerate(messages):
+        calls = m.get("tool_calls") or () if m.get("role") == "assistant" else ()
+        results = [str(r.get("content")) for r in messages[i + 1 : i + 1 + len(calls)] if r.get("role") == "tool"]
+        for k, call in enumerate(calls):
+            if k < len(results) and EDIT_UNDONE in results[k]:
+                continue
             fn = call.get("function") or {}
             try:
                 args = json.loads(fn.get("arguments") or "{}")
@@ -100,6 +107,21 @@ def _calls_made(messages: list[dict]) -> list[tuple[str, dict]]:
                 continue
             out.append((str(fn.get("name")), args))
     return out
+
+
+def files_after(start: dict[str, str], calls: list[tuple[str, dict]]) -> dict[str, str]:
+    """`start` with the context's `edit_file` / `write_file` calls applied as the tool loop applies them (an edit
+    whose `old` is missing or not unique changes nothing), so a teacher answers from the files as they are now."""
+    files = dict(start)
+    for name, args in calls:
+        path = args.get("path")
+        if name == "write_file" and isinstance(path, str) and isinstance(args.get("content"), str):
+            files[path] = args["content"]
+        elif name == "edit_file" and isinstance(path, str) and path in files:
+            old, new = args.get("old"), args.get("new")
+            if isinstance(old, str) and isinstance(new, str) and old and files[path].count(old) == 1:
+                files[path] = files[path].replace(old, new, 1)
+    return files
 
 
 class ReferenceResponder:
@@ -116,10 +138,10 @@ class ReferenceResponder:
             # worded per model, so teachers never agree on it and it never becomes a pair
             return {"content": f"{model}: no reference solution for this task."}
         start, reference = found
-        calls = change_calls(start, reference, self.tool)
-        made = _calls_made(messages)
-        if all((c["function"]["name"], json.loads(c["function"]["arguments"])) in made for c in calls):
+        now = files_after(start, _calls_made(messages))
+        if all(now.get(path) == text for path, text in reference.items()):
             return {"content": DONE_TEXT}
         if departs(model, json.dumps(messages, sort_keys=True), self.noise):
-            calls = change_calls(start, {p: near_miss(t) for p, t in reference.items()}, self.tool)
-        return {"content": "", "tool_calls": calls}
+            reference = {p: near_miss(t) for p, t in reference.items()}
+        calls = change_calls(now, reference, self.tool)
+        return {"content": "", "tool_calls": calls} if calls else {"content": DONE_TEXT}

@@ -177,6 +177,12 @@ class ToolLoopConfig:
 
     max_turns: int = option(12, doc="assistant messages per episode before it is graded as is", ge=1)
     tool_output_chars: int = option(2000, doc="characters of a tool result shown to the model", ge=64)
+    check_edits: Literal["off", "report", "revert"] = option(
+        "off", choices=("off", "report", "revert"),
+        doc="after each applied edit_file/write_file, run the task's visible tests (tasks that have them: micro): "
+        "'report' ends the result with 'visible tests: passed' or 'failed'; 'revert' also undoes an edit they fail "
+        "('failed; edit undone': each attempt starts from the same file); a failure is a test_failure error site",
+    )
     shell_commands: tuple[str, ...] = option(
         ("ls", "cat", "head", "tail", "grep", "wc", "find", "diff", "echo", "python"),
         doc="programs the restricted shell tool may run (no pipes, redirection or chaining)",
