@@ -16,13 +16,11 @@ tie-breaking teacher asked on some states, some states without a pair).
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 
 import pytest
 
-from test_mesh_train import REPO, train
+from test_mesh_train import heldout_gain, train_shipped
 
 pytestmark = pytest.mark.slow
 
@@ -35,16 +33,8 @@ HELDOUT_MARGIN_SHORT = 0.03
 
 
 def test_debug_recipe_reward_rises_with_three_live_channels(tmp_path, tiny_assets):
-    recipe = tmp_path / "demo.toml"
-    recipe.write_text(f'base = "{REPO}/configs/demo_cpu.toml"\n\n[job]\noutput_dir = "{tmp_path / "runs"}"\n')
-    summary = train(recipe, STEPS, tiny_assets.root.parents[1], timeout=1200)
-    rows = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
-
-    before, after = summary["heldout"]["before"], summary["heldout"]["after"]
-    assert (before["step"], after["step"]) == (0, STEPS)
-    gain = after["eval/heldout_sampled"] - before["eval/heldout_sampled"]
-    assert gain >= HELDOUT_MARGIN_SHORT, (before, after)
+    summary, rows = train_shipped(tmp_path, "demo_cpu", STEPS, tiny_assets.root.parents[1], timeout=1200)
+    assert heldout_gain(summary, "eval/heldout_sampled") >= HELDOUT_MARGIN_SHORT, summary["heldout"]
 
     k = STEPS // 5
     first = sum(r["reward/mean"] for r in rows[:k]) / k

@@ -67,6 +67,23 @@ def train(recipe: Path, steps: int, cache: Path, timeout: float = 500) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def train_shipped(tmp_path: Path, name: str, steps: int, cache: Path, timeout: float) -> tuple[dict, list[dict]]:
+    """`configs/<name>.toml` as shipped (output under `tmp_path`) for `steps`: the summary and every metrics row,
+    with the evaluations before step 1 and after the last checked."""
+    recipe = tmp_path / f"{name}.toml"
+    recipe.write_text(f'base = "{REPO}/configs/{name}.toml"\n\n[job]\noutput_dir = "{tmp_path / "runs"}"\n')
+    summary = train(recipe, steps, cache, timeout=timeout)
+    rows = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert (summary["heldout"]["before"]["step"], summary["heldout"]["after"]["step"]) == (0, steps)
+    return summary, rows
+
+
+def heldout_gain(summary: dict, key: str) -> float:
+    """The run's held-out figure `key` after its last step minus before its first."""
+    return summary["heldout"]["after"][key] - summary["heldout"]["before"][key]
+
+
 @pytest.mark.slow
 def test_train_command_runs_and_resumes(tmp_path, tiny_assets):
     recipe = tmp_path / "demo.toml"
