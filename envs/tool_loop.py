@@ -140,9 +140,10 @@ class ToolLoopEnv(Environment):
     def _answer(self, action: dict[str, Any], turn: int) -> Observation:
         calls = action.get("tool_calls") or []
         messages, sites = [], []
+        checked = self.config.check_edits != "off" and hasattr(self.task, "check")
         for call in calls:
-            checked = self.config.check_edits != "off" and hasattr(self.task, "check")
-            before = self._before(call) if checked and self.config.check_edits == "revert" else None
+            reverts = checked and self.config.check_edits == "revert" and (call.get("function") or {}).get("name") in _EDITS
+            before = self._before(call) if reverts else None
             name, text, kind = self._call(call)
             # the whole result is privileged feedback for the teacher; the model saw it in the tool message
             feedback = text
