@@ -163,8 +163,9 @@ def plot(rows: list[Row], path: Path, split: str = "held-out") -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for row in rows:
-        steps = [p[0] for p in row.runs[0].heldout]
-        per_step = list(zip(*[[p[2] for p in r.heldout] for r in row.runs]))
+        # the steps every seed evaluated (a seed's series can miss one: plot what all of them have)
+        steps = sorted(set.intersection(*({p[0] for p in r.heldout} for r in row.runs)))
+        per_step = [[next(p[2] for p in r.heldout if p[0] == step) for r in row.runs] for step in steps]
         ax.plot(steps, [statistics.fmean(v) for v in per_step], marker="o", label=row.name)
         ax.fill_between(steps, [min(v) for v in per_step], [max(v) for v in per_step], alpha=0.12)
     ax.set_xlabel("step")
