@@ -296,3 +296,11 @@ class EnvConfig:
     dataset: DatasetTaskConfig = option(default_factory=DatasetTaskConfig, doc="prompt dataset + reward functions")
     plugin: PluginConfig = option(default_factory=PluginConfig, doc="a user's environment factory")
     swe: SweConfig = option(default_factory=SweConfig, doc="SWE-style instances and their container runtime")
+
+    def __post_init__(self) -> None:
+        # only micro tasks have visible tests to check an edit against; elsewhere the key would do nothing
+        if self.tool_loop.check_edits != "off" and not (self.task == "coding" and "micro" in self.coding.sources):
+            raise ValueError(
+                f"env.tool_loop.check_edits = {self.tool_loop.check_edits!r} needs tasks with visible tests: "
+                f"[env] task = \"coding\" with \"micro\" in env.coding.sources (task is {self.task!r})"
+            )

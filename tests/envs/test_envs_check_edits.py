@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from composer_mesh.configs.records import ErrorKind
-from composer_mesh.configs.sections.env import CodingConfig, SandboxConfig, ToolLoopConfig
+from composer_mesh.configs.sections.env import CodingConfig, EnvConfig, SandboxConfig, ToolLoopConfig
 from composer_mesh.envs.micro import VISIBLE_TESTS, make_task
 from composer_mesh.envs.safeguards import manifest
 from composer_mesh.envs.sandbox import Sandbox
@@ -188,3 +188,11 @@ def test_reference_teachers_answer_from_the_edited_file(sandbox):
         r = httpx.post(f"{server.url}/chat/completions", json={"model": "local-a", "messages": undone}, timeout=30)
     again = json.loads(r.json()["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"])
     assert again["old"] == "pass" and again["new"].strip() == ref_line(task)
+
+
+def test_check_edits_is_refused_where_no_task_has_visible_tests():
+    for env in (dict(task="tool_loop"), dict(task="coding", coding=CodingConfig(sources=("repos",)))):
+        with pytest.raises(ValueError, match="env.tool_loop.check_edits"):
+            EnvConfig(tool_loop=CHECKED, **env)
+    assert EnvConfig(task="coding", tool_loop=REVERT).tool_loop.check_edits == "revert"
+    assert EnvConfig(task="tool_loop").tool_loop.check_edits == "off"
