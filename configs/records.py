@@ -16,6 +16,7 @@ from dataclasses import dataclass
 # context must not count that edit: envs.tool_loop writes it, replay.reference_teacher reads it)
 EDIT_UNDONE = "; edit undone"
 
+
 class ErrorKind(str, enum.Enum):
     """What went wrong at an error turn (the hint templates are keyed by it)."""
 

@@ -196,9 +196,7 @@ class ToolLoopEnv(Environment):
         if text is None:
             real.unlink(missing_ok=True)
             return
-        fd = os.open(real, os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        _write_text(real, text)
 
     def _call(self, call: dict[str, Any]) -> tuple[str, str, ErrorKind | None]:
         """(tool name, result text, error kind or None) for one tool call."""
@@ -264,9 +262,7 @@ class ToolLoopEnv(Environment):
             raise ToolError(ErrorKind.BAD_TOOL_CALL, f"{path}: not a regular file")
         new_dirs = [d for d in [real.parent, *real.parent.parents] if not d.exists()]
         real.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(real, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
-        with os.fdopen(fd, "w") as f:
-            f.write(content)
+        _write_text(real, content)
         for p in [real, *new_dirs]:  # the sandbox uid owns what the agent writes
             os.lchown(p, self.ws.uid, self.ws.uid)
         return f"wrote {len(content)} characters to {path}"
@@ -326,6 +322,13 @@ class ToolLoopEnv(Environment):
         if result.exit_code == 0 and not result.violations:
             return text or "(no output)"
         raise ToolError(_result_kind(result, default=ErrorKind.OTHER), text or f"exit {result.exit_code}")
+
+
+def _write_text(real: Path, text: str) -> None:
+    """Write `text` to `real` without following a symlink there (a new file gets mode 0644)."""
+    fd = os.open(real, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
 
 
 def _result_kind(result: SandboxResult, default: ErrorKind, file_errors: bool = True) -> ErrorKind:

@@ -13,7 +13,6 @@ sandbox, and the grader's violations must be counted.
 
 from __future__ import annotations
 
-
 import pytest
 
 from test_mesh_train import heldout_gain, train_shipped
