@@ -14,6 +14,16 @@ pairs, counters) through the controller's state checkpoint, so a respawned
 actor or a resumed run continues where the saved step left; the response cache
 and budget ledger persist on disk themselves (`replay.cache`).
 
+Working ahead: `work_ahead(n)` starts, in the background, the replay the next
+`next_pairs(n)` would do on the states queued now, so the teachers and the pair
+verification run while the generators sample and the trainer steps. Every
+other endpoint first waits for it (`_settle`), so what is replayed, and in what
+order, depends only on the calls made, never on timing: a run replays the same
+states with or without working ahead, save for states the queue's bound evicts.
+The controller works ahead right after saving its state, and again after
+restoring one, so a resumed run does what the original did. Not with gating:
+the gate scores states with the trainer's weights, which change under it.
+
 Gating with the trainer's own policy: when `[replay.gating] enabled`, a state
 is sent to teachers only if the current policy is uncertain about its recorded
 action — mean token entropy from `TrainerActor.score` ≥ `min_entropy`. (The
@@ -30,6 +40,7 @@ import asyncio
 import os
 import threading
 from collections import Counter, deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -116,7 +127,8 @@ class ReplaySnapshot:
 
 
 class TeacherReplayActor(Actor):
-    """Endpoints: add_states, add_rollouts, next_pairs, status, info, snapshot, restore, set_trainer."""
+    """Endpoints: add_states, add_rollouts, next_pairs, work_ahead, status, info, snapshot, restore,
+    set_trainer."""
 
     def __init__(self, spec: ReplaySpec, trainer: Any = None) -> None:
         self.spec = spec
@@ -146,6 +158,8 @@ class TeacherReplayActor(Actor):
         if spec.replay.verify_pairs and spec.env is not None:
             add_python_path(spec.python_path)
             self.verifier = PairVerifier(partial(env_factory, spec.env))
+        self.ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="replay-ahead")
+        self.ahead: Future | None = None
 
     async def _make_client(self, cls: Any) -> Any:  # built on the loop that will use it
         return cls(self.spec.teachers, self.cache)
@@ -153,15 +167,23 @@ class TeacherReplayActor(Actor):
     def _on_loop(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
+    def _settle(self) -> None:
+        """Wait for the work started by `work_ahead` (re-raising what it raised)."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None:
+            ahead.result()
+
     @endpoint
     def add_states(self, states: Sequence[TraceState]) -> int:
         """Queue states for replay; returns the queue length."""
+        self._settle()
         self.queue.extend(states)
         return len(self.queue)
 
     @endpoint
     def add_rollouts(self, rollouts: Sequence[Rollout]) -> int:
         """Queue the failed turns of rollouts; returns the queue length."""
+        self._settle()
         for r in rollouts:
             self.queue.extend(rollout_states(r))
         return len(self.queue)
@@ -169,6 +191,21 @@ class TeacherReplayActor(Actor):
     @endpoint
     def next_pairs(self, n: int) -> list[PreferencePair]:
         """Up to `n` pairs: from those ready, then by replaying queued states (a chunk at a time)."""
+        self._settle()
+        self._fill(n)
+        return [self.ready.popleft() for _ in range(min(n, len(self.ready)))]
+
+    @endpoint
+    def work_ahead(self, n: int) -> bool:
+        """Start filling the ready pairs up to `n` in the background; False (nothing started) with gating."""
+        self._settle()
+        if self.gate is not None:
+            return False
+        self.ahead = self.ahead_pool.submit(self._fill, n)
+        return True
+
+    def _fill(self, n: int) -> None:
+        """Replay queued states, a chunk at a time, until `n` pairs are ready or no state is left."""
         while len(self.ready) < n and self.queue:
             chunk = [self.queue.popleft() for _ in range(min(self.spec.replay.concurrency, len(self.queue)))]
             results = self._on_loop(replay_states(chunk, self.client, self.spec.replay, gate=self.gate))
@@ -179,7 +216,6 @@ class TeacherReplayActor(Actor):
                     if self.verifier is None or self.verifier.keep(r.pair):
                         self.ready.append(r.pair)
             self.states_done += len(chunk)
-        return [self.ready.popleft() for _ in range(min(n, len(self.ready)))]
 
     @endpoint
     def info(self) -> dict:
@@ -187,12 +223,14 @@ class TeacherReplayActor(Actor):
 
     @endpoint
     def snapshot(self) -> ReplaySnapshot:
+        self._settle()
         return ReplaySnapshot(list(self.queue), list(self.ready), dict(self.outcomes), self.states_done,
                               self.pairs_made, dict(self.verifier.counts) if self.verifier is not None else {})
 
     @endpoint
     def restore(self, snap: ReplaySnapshot) -> int:
         """Replace the in-memory state with `snap`; returns the queue length."""
+        self._settle()
         self.queue = deque(snap.queue, maxlen=self.spec.max_queue)
         self.ready = deque(snap.ready)
         self.outcomes = Counter(snap.outcomes)
@@ -205,11 +243,13 @@ class TeacherReplayActor(Actor):
     @endpoint
     def set_trainer(self, trainer: Any) -> None:
         """Score with a restarted trainer mesh (gating)."""
+        self._settle()
         if self.gate is not None:
             self.scorer.trainer = trainer
 
     @endpoint
     def status(self) -> dict:
+        self._settle()
         budget = self.client.budget
         return {
             "budget_usd": budget.cap_usd, "spend_usd": budget.spent_usd, "left_usd": budget.cap_usd - budget.spent_usd,

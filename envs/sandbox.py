@@ -448,8 +448,13 @@ def kill_stray(uid: int, grace_s: float = 2.0) -> bool:
     When the namespace's PID 1 exits the kernel kills the rest, but that takes a
     moment; only a process still alive after the grace period counts as an escape.
     """
+    return kill_until_gone(lambda: processes_of(uid), grace_s)
+
+
+def kill_until_gone(alive: Callable[[], list[int]], grace_s: float = 2.0) -> bool:
+    """SIGKILL the pids `alive()` lists until it lists none; True when some outlived `grace_s`."""
     deadline = time.monotonic() + grace_s
-    while pids := processes_of(uid):
+    while pids := alive():
         if time.monotonic() > deadline:
             return True
         for pid in pids:

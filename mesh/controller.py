@@ -209,6 +209,8 @@ class Controller:
         # (trainer version, held-out metrics), oldest first
         self.evals: list[tuple[int, dict[str, float]]] = []
         self._begun = False  # sync mode: begin() ran
+        # the iteration the current run() / advance() stops at (None: not known yet)
+        self._end: int | None = None
         if state is not None:
             if state.version != self.version:
                 raise ValueError(f"controller state is for version {state.version}, the trainer is at {self.version}")
@@ -223,12 +225,22 @@ class Controller:
             return ControllerState(version, iteration, cursor, pending, list(self.buffer), replay)
 
     def _save_state(self, version: int, iteration: int) -> None:
-        """Remember (and, with `state_dir`, write atomically) the state a checkpoint at `version` resumes with."""
+        """Remember (and, with `state_dir`, write atomically) the state a checkpoint at `version` resumes with;
+        then the replay actor works ahead from it."""
         self._last_state = self._snapshot(version, iteration)
         if self.cfg.state_dir:
             # older states can never be resumed
             keep_from = oldest_checkpoint(Path(self.cfg.state_dir).parent)
             save_state(self.cfg.state_dir, self._last_state, keep_from=keep_from)
+        self._work_ahead(iteration)
+
+    def _work_ahead(self, iteration: int) -> None:
+        """Have the replay actor make the next step's pairs in the background (actors.teacher_replay) from the
+        state just saved or restored, unless `iteration` is the run's last (no step would take them)."""
+        if self.replay is None or self.cfg.pairs_per_step == 0:
+            return
+        if self._end is None or iteration < self._end:
+            self.replay.work_ahead.call_one(self.cfg.pairs_per_step).get()
 
     def _restore(self, state: ControllerState) -> None:
         with self._arrived:
@@ -237,6 +249,8 @@ class Controller:
         self.iteration = state.iteration
         if self.replay is not None and state.replay is not None:
             self.replay.restore.call_one(state.replay).get()
+            # as the run that saved the state did next
+            self._work_ahead(state.iteration)
         self._last_state = state
 
     def _replace_generator(self, index: int, exc: BaseException) -> None:
@@ -359,6 +373,7 @@ class Controller:
         return pairs, (refs[0], refs[1]), keys
 
     def _train(self, groups: list[RolloutGroup], staleness: list[int], dropped: int, start: float) -> StepRecord:
+        start_train = time.perf_counter()
         all_rollouts = [r for g in groups for r in g.rollouts]
         selection = select_rollouts(groups, self.cfg.policy)
         drops = drop_reasons(groups, selection, dropped)
@@ -371,9 +386,11 @@ class Controller:
                 if hint is not None:
                     hints[i] = hint
         # channel 3 live: the run's own failed turns go to the teachers
+        replay_start = time.perf_counter()
         if self.replay is not None:
             self.replay.add_rollouts.call_one(all_rollouts).get()
         pairs, ref, pair_keys = self._pairs()
+        replay_s = time.perf_counter() - replay_start
         rewards = [r.reward for r in all_rollouts]
         trains = bool(selection.policy_rollouts or hints or pairs)
         # a checkpoint of this step resumes with it
@@ -389,7 +406,9 @@ class Controller:
             if self._shards is None:
                 self._shards = shard_points(self.trainer)
             # each rank receives only its shard
+            train_start = time.perf_counter()
             metrics = train_step_sharded(self.trainer, batch, self._shards)
+            metrics["time/train_call_s"] = time.perf_counter() - train_start
             self.version = int(metrics["step"])
         self.iteration += 1
         metrics.update({
@@ -398,6 +417,7 @@ class Controller:
             "rollouts/turns": sum(len(r.turn_spans) for r in all_rollouts) / max(1, len(all_rollouts)),
             "rollouts/policy": float(selection.policy_rollouts), "rollouts/dropped_groups": float(selection.dropped_groups),
             "distill/hinted": float(len(hints)), "preference/pairs_in_batch": float(len(pairs)),
+            "time/generate_s": start_train - start, "time/replay_s": replay_s,
             "async/max_staleness": float(max(staleness, default=0)), "async/dropped_stale": float(dropped),
             **drops.metrics(), **episode_metrics(all_rollouts),
         })
@@ -444,7 +464,7 @@ class Controller:
             self._save_state(self.version, self.iteration)
             return self._run_async()
         history: list[StepRecord] = []
-        end = self.iteration + self.cfg.steps
+        end = self._end = self.iteration + self.cfg.steps
         self.begin()
         while self.iteration < end:
             record = self.advance(end)
@@ -480,6 +500,7 @@ class Controller:
         """One sync-mode step: generate, train, sync the generators, evaluate when due (`end`: the run's last
         iteration, evaluated after), replacing dead actors on the way. None when a recovery rolled the step
         back (the caller runs it again); `begin()` must have run."""
+        self._end = end
         start = time.perf_counter()
         record = None
         try:
@@ -548,7 +569,7 @@ class Controller:
 
     def _run_async(self) -> list[StepRecord]:
         history: list[StepRecord] = []
-        end = self.iteration + self.cfg.steps
+        end = self._end = self.iteration + self.cfg.steps
         try:
             # the workers load the trainer's current weights before their first call
             self._publish()

@@ -173,16 +173,15 @@ def torch_threads(cfg: MeshConfig, role: str, cpus: int, *, turns: bool = False)
     shared by the processes that run at the same time as it (docs/application.md, "Placement", says why).
 
     On `local` every role shares this host. `turns`: the trainer and the generators take turns (a synchronous
-    loop without DiLoCo groups), so a role shares the host with its own processes and the replay processes
-    only, not with the other role's idle ones. Hosts are taken as alike."""
+    loop without DiLoCo groups), so a role shares the host with its own processes only: not with the other
+    role's idle ones, nor with the replay processes, which run no torch (teachers over HTTP, pair verification
+    in the sandbox). Hosts are taken as alike."""
     configured = cfg.trainer_threads if role == "trainer" else cfg.generator_threads
     if configured:
         return configured
     own = cfg.trainer_procs if role == "trainer" or cfg.placement == "colocated" else cfg.generator_procs
-    if cfg.backend != "local":
+    if cfg.backend != "local" or turns:
         share = own
-    elif turns:
-        share = own + cfg.replay_procs
     else:
         gens = cfg.generator_procs if cfg.placement == "disaggregated" else 0
         share = cfg.trainer_procs + gens + cfg.replay_procs

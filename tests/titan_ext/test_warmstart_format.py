@@ -89,3 +89,29 @@ def test_warm_start_decay_scales_each_step_by_the_remaining_share(tiny_assets):
     # the first update runs at the full rate (same second loss); later ones at lr x (1 - k / steps)
     assert constant[:2] == decayed[:2] and constant[2] != decayed[2]
     assert any(not torch.equal(a, b) for a, b in zip(p_constant, p_decayed))
+
+
+def test_sft_loss_is_cross_entropy_on_assistant_tokens_of_the_full_logits(tiny_assets):
+    """The SFT loss of the first step is the token-mean cross entropy over the assistant tokens of the
+    batch the seeded draw picks, as an independent HF model loaded from the same weights computes it
+    (padding and prompt tokens carry none), and a second step moves the weights."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from composer_mesh.titan_ext.warmstart import sft_batch
+
+    model_cfg = ModelConfig(flavour="tiny", device="cpu", hf_path=str(tiny_assets.dense_dir))
+    rows = sft_rows(AutoTokenizer.from_pretrained(tiny_assets.dense_dir), demo.format_examples(CFG, 6, seed=3))
+    torch.manual_seed(0)
+    model = build_model(model_cfg, device="cpu", platform=detect_platform("cpu"))
+    # the batch the first step draws (same seeded generator as sft)
+    pick = torch.randint(len(rows), (4,), generator=torch.Generator().manual_seed(0))
+    tokens_BL, labels_BL = sft_batch([rows[int(i)] for i in pick])
+    hf = AutoModelForCausalLM.from_pretrained(tiny_assets.dense_dir).eval()
+    with torch.no_grad():
+        logits_BLV = hf(input_ids=tokens_BL).logits.double()
+    logp_BLV = torch.log_softmax(logits_BLV, dim=-1)
+    keep_BL = labels_BL != -100
+    want = -logp_BLV[keep_BL].gather(-1, labels_BL[keep_BL][:, None]).mean()
+    losses = sft(model, rows, WarmStartConfig(steps=2, batch_size=4, lr=1e-2, seed=0))
+    assert abs(losses[0] - float(want)) < 1e-4 * max(1.0, float(want))
+    assert losses[1] != losses[0]
