@@ -97,7 +97,10 @@ UNIX_LISTENERS = [_UnixListener(UNIX_PATH), _UnixListener(f"\0{MARKER}")]
 # Host files holding the secret: a run must not be able to read them (the transcript is checked for it).
 _SECRET_NAME = "cmsecret" + uuid.uuid4().hex[:12]
 HOST_SECRETS = [Path("/root") / f".{_SECRET_NAME}", REPO_ROOT / f".{_SECRET_NAME}-eval.jsonl"]
-_DUMP_FDS = "\nimport os\nfor _fd in range(3, 64):\n    try:\n        os.write(_fd, {payload})\n    except OSError:\n        pass\n"
+# every open descriptor but stdio, whatever its number (the host's fd numbering, which a channel keeps, grows
+# with what the test process has open)
+_DUMP_FDS = ("\nimport os\nfor _fd in sorted(int(_f) for _f in os.listdir('/proc/self/fd')):\n    if _fd > 2:\n"
+             "        try:\n            os.write(_fd, {payload})\n        except OSError:\n            pass\n")
 
 # name -> (actions(task, env), allowed reasons)
 CASES = {
