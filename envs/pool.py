@@ -49,8 +49,8 @@ from typing import Callable, Mapping, Sequence
 from composer_mesh.configs.sections.env import SandboxConfig
 from composer_mesh.envs.containment import RunCgroup, seccomp_fd
 from composer_mesh.envs.sandbox import (
-    Sandbox, SandboxResult, SandboxUnavailable, Workspace, _classify, _tail, copy_tree, interpreter, kill_until_gone,
-    processes_of,
+    Sandbox, SandboxResult, SandboxUnavailable, Workspace, _classify, _tail, copy_tree, interpreter, kill_stray,
+    kill_until_gone, processes_of,
 )
 
 _ENVS = Path(__file__).resolve().parent
@@ -415,7 +415,7 @@ class SandboxPool:
         worker.cgroup.destroy()
         if worker.placed is not None:
             worker.placed.destroy()
-        _kill_others(worker.uid, 0)
+        kill_stray(worker.uid)
         shutil.rmtree(worker.path, ignore_errors=True)
         shutil.rmtree(worker.scratch, ignore_errors=True)
         worker.lock.unlink(missing_ok=True)
@@ -477,7 +477,7 @@ class SandboxPool:
         violations += cgroup.limits_hit() if cgroup is not None else []
         # the job's cgroup, then the slot's: every process of the slot's uid is in one of them (only root moves
         # a process between cgroups), so no scan of /proc is needed here; without a job cgroup, scan the uid
-        stray = cgroup.destroy() or _kill_strays(worker) if cgroup is not None else _kill_others(ws.uid, worker.zygote)
+        stray = cgroup.destroy() or _kill_strays(worker) if cgroup is not None else kill_stray(ws.uid, worker.zygote)
         if stray:
             violations.append("stray_process")
         n = cfg.output_tail_chars if tail_chars is None else tail_chars
@@ -503,11 +503,6 @@ def _kill_strays(worker: _Worker, grace_s: float = 2.0) -> bool:
     """Kill the processes in the slot's cgroup that were not there while it was idle (a job's process that
     had the zygote fork it, say); True when one survived `grace_s` of SIGKILLs."""
     return kill_until_gone(lambda: [p for p in worker.cgroup.pids() if p not in worker.idle], grace_s)
-
-
-def _kill_others(uid: int, keep: int, grace_s: float = 2.0) -> bool:
-    """Kill every process of `uid` but `keep` (the zygote); True when one survived `grace_s` of SIGKILLs."""
-    return kill_until_gone(lambda: [p for p in processes_of(uid) if p != keep], grace_s)
 
 
 def _wipe(area: Path, keep: set[Path]) -> None:

@@ -442,13 +442,14 @@ def processes_with(marker: str) -> list[int]:
     return pids
 
 
-def kill_stray(uid: int, grace_s: float = 2.0) -> bool:
-    """Kill what is left of a sandbox uid; True when something survived `grace_s` of SIGKILLs.
+def kill_stray(uid: int, keep: int | None = None, grace_s: float = 2.0) -> bool:
+    """Kill what is left of a sandbox uid but `keep` (a pool worker's zygote); True when something survived
+    `grace_s` of SIGKILLs.
 
     When the namespace's PID 1 exits the kernel kills the rest, but that takes a
     moment; only a process still alive after the grace period counts as an escape.
     """
-    return kill_until_gone(lambda: processes_of(uid), grace_s)
+    return kill_until_gone(lambda: [p for p in processes_of(uid) if p != keep], grace_s)
 
 
 def kill_until_gone(alive: Callable[[], list[int]], grace_s: float = 2.0) -> bool:

@@ -17,7 +17,7 @@ import pytest
 
 from test_mesh_train import heldout_gain, train_shipped
 
-# one 30-step coding run: about 10 minutes on a quiet 2-core box (docs/coding.md, seventh round)
+# one 30-step coding run: 337 s in the full suite on a 2-core box (docs/coding.md, eighth round); loaded boxes take longer
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 
 STEPS = 30
