@@ -277,7 +277,10 @@ train_file = "{root / "train.jsonl"}"
 rewards = ["bench_reward:{work.reward}"]
 ''')
     from composer_mesh.mesh.cli import main
+    from composer_mesh.mesh.process_exit import exit_without_teardown
 
+    # this child ends as `composer-mesh train` (`mesh.cli.entry`) does: without tearing its modules down
+    exit_without_teardown()
     rc = main(["train", "--no-resume", "--no-progress", str(recipe)])
     if rc:
         raise SystemExit(rc)

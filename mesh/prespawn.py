@@ -14,12 +14,9 @@ other layouts place their processes as before.
 
 from __future__ import annotations
 
-import atexit
 import concurrent.futures
 import importlib
 import os
-import sys
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +27,7 @@ from composer_mesh.actors.monarch_compat import reload_config_from_env
 from composer_mesh.actors.phase_memory import MMAP_THRESHOLD_ENV
 from composer_mesh.configs.schema import JobConfig
 from composer_mesh.configs.sections.mesh import MeshConfig
+from composer_mesh.mesh.process_exit import exit_without_teardown
 
 # what each role's process imports while the controller imports its own stack: the actor's module and what it
 # imports lazily at set-up and first sync (the trainer's model stack, TorchTitan and transformers; the
@@ -61,37 +59,6 @@ def process_environment(cfg: MeshConfig) -> None:
     threshold (`actors.phase_memory`)."""
     configure_supervision(cfg.supervision_poll_s, cfg.state_query_s)
     os.environ[MMAP_THRESHOLD_ENV] = str(int(cfg.malloc_mmap_threshold_mib * (1 << 20)))
-
-
-def exit_without_teardown() -> None:
-    """At this process's exit, once the exit handlers registered after this call have run, end it with
-    `os._exit`: the interpreter's module-by-module teardown is skipped, the exit status kept (what
-    `sys.exit` was last called with on the main thread, as Monarch's bootstrap passes its runtime's; 1 after
-    an uncaught exception)."""
-    status: list[Any] = [None]
-    sys_exit = sys.exit
-
-    def recording_exit(arg: Any = None) -> None:
-        if threading.current_thread() is threading.main_thread():
-            status[0] = arg
-        sys_exit(arg)
-
-    def end() -> None:
-        code = status[0]
-        if hasattr(sys, "last_value"):
-            # an uncaught exception, already printed
-            code = 1
-        elif code is None:
-            code = 0
-        elif not isinstance(code, int):
-            # sys.exit("message") printed the message
-            code = 1
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-
-    sys.exit = recording_exit
-    atexit.register(end)
 
 
 class Preload(Actor):

@@ -67,7 +67,7 @@ def test_preload_covers_what_each_role_imports_at_set_up():
 EXIT_PROBE = """
 import atexit, sys, threading
 atexit.register(print, "before: skipped")
-from composer_mesh.mesh.prespawn import exit_without_teardown
+from composer_mesh.mesh.process_exit import exit_without_teardown
 exit_without_teardown()
 atexit.register(print, "after: ran")
 print("body", flush=False)
@@ -81,18 +81,35 @@ if case == "message":
     sys.exit("bye")
 if case == "raise":
     raise RuntimeError("boom")
+if case == "interrupt":
+    raise KeyboardInterrupt
 """
 
 
 @pytest.mark.parametrize(("case", "code"), [("end", 0), ("exit3", 3), ("thread_exit", 0), ("message", 1),
-                                            ("raise", 1)])
+                                            ("raise", 1), ("interrupt", 130)])
 def test_exit_without_teardown_keeps_status_and_later_handlers(case, code):
     """The early processes' fast exit: the handlers registered after it run, those before it do not (the
     teardown it skips comes after them), buffered output is flushed, and the exit status is the process's:
     `sys.exit`'s on the main thread (Monarch's bootstrap passes its runtime's this way), 1 after an uncaught
-    exception or an exit message."""
+    exception or an exit message, 130 after Ctrl-C (as a shell reports it)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(x for x in (os.environ.get("PYTHONPATH"), str(REPO)) if x))
     out = subprocess.run([sys.executable, "-c", EXIT_PROBE, case], env=env, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == code, (out.returncode, out.stderr[-2000:])
     assert out.stdout.splitlines() == ["body", "after: ran"], out.stdout
+
+
+def test_the_cli_program_ends_with_main_status_and_all_its_output():
+    """`composer-mesh` (`mesh.cli.entry`, also `python -m composer_mesh.mesh.cli`) skips the module teardown
+    at exit: its exit status is still the command's and a long stdout arrives whole."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(x for x in (os.environ.get("PYTHONPATH"), str(REPO)) if x))
+    cli = [sys.executable, "-m", "composer_mesh.mesh.cli"]
+    shown = subprocess.run([*cli, "config", "show", "coding_cpu.toml"], env=env, capture_output=True, text=True,
+                           timeout=120)
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    assert shown.stdout.startswith("[job]") and "[checkpoint]" in shown.stdout and shown.stdout.endswith("\n")
+    assert len(shown.stdout) > 4096  # held in the stdout buffer (8 KiB on a pipe) until the exit flushes it
+    missing = subprocess.run([*cli, "train", "no_such_recipe.toml"], env=env, capture_output=True, text=True,
+                             timeout=120)
+    assert missing.returncode == 2 and "no such config file" in missing.stderr, missing.stderr[-2000:]
