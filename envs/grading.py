@@ -11,6 +11,7 @@ report, and every expected test passed.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from composer_mesh.envs.grade_cache import content_key
 from composer_mesh.envs.safeguards import (
     change_violations, diff_tree, is_bytecode, is_test_config, is_test_path, manifest, scan_source,
 )
@@ -218,12 +220,43 @@ def grade_workspace(
     name the test runner, its plugins, the standard library or site-packages
     provide is `shadows_module`. A grade slower than `slow_answer_s` is
     `slow_answer`. `plain`: the judge runs only the expected tests' files, without
-    pytest (generated tests that are plain functions: `envs.micro`).
+    pytest (generated tests that are plain functions: `envs.micro`). A sandbox with a grade cache
+    (`[env.sandbox] grade_cache`) judges a key once: the key hashes everything the grade reads (the
+    pristine tree, the agent's files and directories, the start manifest, the expected tests, the
+    stubs, the episode's violations, `plain` and the sandbox's limits), and a hit's `grade_s` is the
+    lookup's own time.
     """
     began = time.perf_counter()
     agent = manifest(agent_ws.path)
-    violations = list(episode_violations) + change_violations(diff_tree(start, agent))
     original = _pristine_manifest(pristine)
+    grades = getattr(sandbox, "grades", None)
+    if grades is None:
+        return _judge_workspace(sandbox, pristine, original, start, agent_ws, agent, expected_tests, targets,
+                                episode_violations, plain, began)
+    key = content_key(original, agent, _directories(agent_ws.path), start, list(expected_tests), dict(targets),
+                      [list(v) for v in episode_violations], plain, sandbox.config)
+    grade, cached = grades.get_or_make(key, lambda: _judge_workspace(
+        sandbox, pristine, original, start, agent_ws, agent, expected_tests, targets, episode_violations, plain,
+        began))
+    return dataclasses.replace(grade, grade_s=round(time.perf_counter() - began, 3)) if cached else grade
+
+
+def _directories(root: Path) -> list[str]:
+    """Every directory under `root` (symlinked ones left out, as copies leave them out): empty ones too."""
+    out = []
+    for dirpath, dirs, _ in os.walk(root):
+        dirs[:] = [d for d in dirs if not os.path.islink(os.path.join(dirpath, d))]
+        out += sorted(os.path.relpath(os.path.join(dirpath, d), root) for d in dirs)
+    return out
+
+
+def _judge_workspace(
+    sandbox: Sandbox, pristine: Path, original: dict[str, str], start: dict[str, str], agent_ws: Workspace,
+    agent: dict[str, str], expected_tests: Sequence[str], targets: Mapping[str, str],
+    episode_violations: Sequence[tuple[str, str]], plain: bool, began: float,
+) -> Grade:
+    """`grade_workspace`'s judging, given the agent's and the pristine tree's manifests."""
+    violations = list(episode_violations) + change_violations(diff_tree(start, agent))
     sources = [rel for rel in agent if _is_source(rel)]
     changed = [rel for rel in sources if original.get(rel) != agent[rel]]
     violations += [("shadows_module", rel) for rel in shadowing(sources, original)]

@@ -107,6 +107,7 @@ class SandboxPool:
         self.config = self.sandbox.config
         self.root = self.sandbox.root
         self.tag = self.sandbox.tag
+        self.grades = self.sandbox.grades
         self.dir = Path(tempfile.mkdtemp(prefix="pool-", dir=self.root))
         self._free: list[_Worker] = []
         # per thread: slots it holds, and the second slot reserved for its grade's next lease

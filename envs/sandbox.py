@@ -41,6 +41,7 @@ from typing import Callable, Mapping, Sequence
 
 from composer_mesh.configs.sections.env import SandboxConfig
 from composer_mesh.envs.containment import ContainmentUnavailable, RunCgroup, probe_cgroups, seccomp_fd, seccomp_filter
+from composer_mesh.envs.grade_cache import GradeCache
 
 _SETPRIV = "/usr/bin/setpriv"
 _ROOT_LINKS = ("/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32")
@@ -165,6 +166,8 @@ class Sandbox:
         self.uid_locks.mkdir(mode=0o700, exist_ok=True)
         # names this sandbox's cgroups, so a check can tell them from another grader's
         self.tag = uuid.uuid4().hex[:8]
+        # grades by content (envs.grading.grade_workspace), shared by every task graded here
+        self.grades = GradeCache(self.config.grade_cache) if self.config.grade_cache else None
 
     def workspace(
         self, copy_from: str | os.PathLike | None = None, skip: Callable[[str], bool] | None = None

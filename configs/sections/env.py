@@ -57,6 +57,13 @@ class SandboxConfig:
     pool_wait_s: float = option(
         1.0, doc="how long a grade waits for a free warm worker before it runs cold instead", ge=0.0
     )
+    grade_cache: int = option(
+        4096,
+        doc="grades kept per process by the content of everything a grade reads (the task's tree, the agent's "
+        "files, the tests, these limits): an identical submission of the same task is judged once "
+        "(envs.grade_cache); 0 = judge every time",
+        ge=0,
+    )
 
 
 def _check_train_left(section: str, heldout_fraction: float, validation_fraction: float) -> None:
