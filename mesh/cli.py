@@ -3,8 +3,8 @@
 Each command module defines `NAME`, `HELP`, `add_arguments(parser)` and
 `run(args) -> int`; it imports its heavy dependencies inside `run` so that
 `composer-mesh --help` stays fast. `entry` is the program (the console script
-and `python -m composer_mesh.mesh.cli`); `main` is for callers in a process of
-their own (tests, notebooks, benchmarks).
+and `python -m composer_mesh.mesh.cli`); `main` runs a command inside its
+caller's process (tests, notebooks, benchmarks).
 """
 
 from __future__ import annotations

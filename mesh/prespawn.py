@@ -35,6 +35,8 @@ from composer_mesh.mesh.process_exit import exit_without_teardown
 # binds the segment with), so that set-up only builds and the first sync only copies. `torchtitan.trainer`:
 # TorchTitan's `update_from_config` (`titan_ext.parallelize.prepare_model_config`, both roles) imports it,
 # and with it HF datasets and pandas (1.3 s)
+# how long a stop waits for an early process's imports (a few seconds on 2 cores)
+_IMPORTS_S = 120.0
 ROLE_MODULES = {
     "trainer": ("composer_mesh.actors.trainer", "composer_mesh.titan_ext.trainer", "torchtitan.trainer"),
     "generator": ("composer_mesh.actors.generator", "transformers.models.auto.tokenization_auto",
@@ -107,9 +109,19 @@ class Prespawned:
         return self.pids
 
     def stop(self) -> None:
-        """Stop the process meshes nobody took (a recipe refused after they started), each on its own thread."""
+        """Stop the process meshes nobody took (a recipe refused after they started), each on its own thread,
+        once their imports in flight have ended: a process stopped mid-import (a recipe refused in the first
+        seconds, on a loaded box) missed Monarch's cleanup deadline, and the root actor's failure then
+        interrupted the controller (exit 130 instead of the refusal's 2)."""
         left = [p for p in [self.trainer, *self.generators] if p is not None]
         self.trainer, self.generators = None, []
+        for _, call in self.loads:
+            try:
+                call.get(timeout=_IMPORTS_S)
+            # an import that failed or hangs: the process is stopped all the same
+            except Exception:
+                pass
+        self.loads = []
         with concurrent.futures.ThreadPoolExecutor(max(1, len(left))) as pool:
             for stopped in [pool.submit(lambda p: p.stop().get(), procs) for procs in left]:
                 stopped.result()
