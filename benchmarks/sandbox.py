@@ -229,9 +229,10 @@ def main() -> None:
     args = parser.parse_args()
     reps, tasks_per_repo, demo_eps = (6, 2, 2000) if args.quick else (30, 8, 20000)
 
-    # a root of its own: the containment check lists it, and other graders on the box use the default one
+    # a root of its own: the containment check lists it, and other graders on the box use the default one;
+    # no grade cache: every figure here is a judge's cost (repeated submissions would be lookups)
     root = tempfile.mkdtemp(prefix="sandbox-bench-")
-    sandbox = Sandbox(SandboxConfig(root_dir=root))
+    sandbox = Sandbox(SandboxConfig(root_dir=root, grade_cache=0))
     pool = SandboxPool(replace(sandbox.config, pool_size=4))
     demo = demo_rate(demo_eps)
     code = coding(sandbox, pool, *((24, 4) if args.quick else (60, 12)))
