@@ -229,15 +229,16 @@ def grade_workspace(
     began = time.perf_counter()
     agent = manifest(agent_ws.path)
     original = _pristine_manifest(pristine)
-    grades = getattr(sandbox, "grades", None)
-    if grades is None:
+    def judge() -> Grade:
         return _judge_workspace(sandbox, pristine, original, start, agent_ws, agent, expected_tests, targets,
                                 episode_violations, plain, began)
+
+    grades = getattr(sandbox, "grades", None)
+    if grades is None:
+        return judge()
     key = content_key(original, agent, _directories(agent_ws.path), start, list(expected_tests), dict(targets),
                       [list(v) for v in episode_violations], plain, sandbox.config)
-    grade, cached = grades.get_or_make(key, lambda: _judge_workspace(
-        sandbox, pristine, original, start, agent_ws, agent, expected_tests, targets, episode_violations, plain,
-        began))
+    grade, cached = grades.get_or_make(key, judge)
     return dataclasses.replace(grade, grade_s=round(time.perf_counter() - began, 3)) if cached else grade
 
 

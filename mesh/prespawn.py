@@ -35,14 +35,14 @@ from composer_mesh.mesh.process_exit import exit_without_teardown
 # binds the segment with), so that set-up only builds and the first sync only copies. `torchtitan.trainer`:
 # TorchTitan's `update_from_config` (`titan_ext.parallelize.prepare_model_config`, both roles) imports it,
 # and with it HF datasets and pandas (1.3 s)
-# how long a stop waits for an early process's imports (a few seconds on 2 cores)
-_IMPORTS_S = 120.0
 ROLE_MODULES = {
     "trainer": ("composer_mesh.actors.trainer", "composer_mesh.titan_ext.trainer", "torchtitan.trainer"),
     "generator": ("composer_mesh.actors.generator", "transformers.models.auto.tokenization_auto",
                   "transformers.models.auto.modeling_auto", "composer_mesh.titan_ext.hf.adapters",
                   "composer_mesh.titan_ext.models", "composer_mesh.titan_ext.parallelize", "torchtitan.trainer"),
 }
+# how long a stop waits for an early process's imports in flight (a few seconds on 2 cores)
+_IMPORTS_S = 120.0
 
 
 def configure_supervision(poll_s: float, state_query_s: float) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 
 import pytest
 
@@ -59,8 +60,10 @@ def test_concurrent_callers_of_one_key_wait_for_one_judge():
     threads = [threading.Thread(target=lambda: out.append(cache.get_or_make("k", judge))) for _ in range(4)]
     for t in threads:
         t.start()
-    while cache.hits + cache.misses < 4:  # all four have asked
-        threading.Event().wait(0.01)
+    deadline = time.monotonic() + 10
+    while cache.hits + cache.misses < 4 and time.monotonic() < deadline:  # all four have asked
+        time.sleep(0.01)
+    assert cache.hits + cache.misses == 4
     release.set()
     for t in threads:
         t.join(10)
