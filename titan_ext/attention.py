@@ -110,10 +110,15 @@ def use_masked_sdpa(model_config: Module.Config) -> int:
 def attention_masks(model: torch.nn.Module, positions_BL: torch.Tensor) -> Any:
     """The masks `model(tokens, positions, masks)` needs for packed documents.
 
-    `MaskedSDPA` models get a `DenseAttentionMask`; Flex/varlen models get what
+    `MaskedSDPA` models get a `DenseAttentionMask`, or None when every row is one
+    document (positions 0..L-1): SDPA's own causal path, which skips the key blocks
+    above the diagonal instead of masking them (on CPU the same values bit for bit,
+    tests/titan_ext/test_platform_attention.py); Flex/varlen models get what
     TorchTitan builds (`model.get_attention_masks`).
     """
     attn_config = model.config.first_attention
     if attn_config is not None and isinstance(attn_config.inner_attention, MaskedSDPA.Config):
+        if torch.equal(positions_BL, torch.arange(positions_BL.shape[1], device=positions_BL.device).expand_as(positions_BL)):
+            return None
         return block_causal_mask(positions_BL)
     return model.get_attention_masks(positions_BL)

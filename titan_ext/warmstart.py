@@ -71,30 +71,65 @@ def sft_batch(rows: Sequence[tuple[list[int], list[bool]]]) -> tuple[torch.Tenso
     return tokens_BL, labels_BL
 
 
+class _HeadOnRows(torch.autograd.Function):
+    """The LM head on the rows `keep_BL` selects (logits `[N, V]`), with the gradients of the head over every row
+    (the others' are zero) bit for bit on CPU (tests/titan_ext/test_warmstart_format.py): the hidden states'
+    through the same per-row product, the weight's through the same `[D, B*L] @ [B*L, V]` product over the
+    zero-padded logit gradient (a product over the kept rows alone sums in another order). Saves the head's
+    forward and input-gradient products on the prompt rows."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden_BLD: torch.Tensor, weight_VD: torch.Tensor, keep_BL: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(hidden_BLD, weight_VD, keep_BL)
+        return F.linear(hidden_BLD[keep_BL], weight_VD)
+
+    @staticmethod
+    def backward(ctx: Any, grad_NV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        hidden_BLD, weight_VD, keep_BL = ctx.saved_tensors
+        (B, L, D), V = hidden_BLD.shape, weight_VD.shape[0]
+        grad_hidden_BLD = hidden_BLD.new_zeros(B, L, D)
+        grad_hidden_BLD[keep_BL] = grad_NV @ weight_VD
+        grad_BLV = grad_NV.new_zeros(B, L, V)
+        grad_BLV[keep_BL] = grad_NV
+        grad_weight_VD = torch.mm(hidden_BLD.reshape(-1, D).t(), grad_BLV.reshape(-1, V)).t()
+        return grad_hidden_BLD, grad_weight_VD, None
+
+
 def sft(model: torch.nn.Module, rows: Sequence[tuple[list[int], list[bool]]], cfg: WarmStartConfig) -> list[float]:
     """`cfg.steps` AdamW steps on batches drawn (seeded) from `rows`; returns the loss per step.
 
-    `model` is a TorchTitan model whose forward returns `[B, L, V]` logits.
+    `model` is a TorchTitan decoder. The loss is the token-mean cross entropy of the assistant tokens, with the
+    very gradients of that loss over full `[B, L, V]` logits: log-softmax is per row, so only the assistant rows
+    get logits (`_HeadOnRows`; a sixth of a tool-loop row, the rest is prompt). Each row is one conversation, so
+    attention takes SDPA's causal path (`titan_ext.attention.attention_masks`).
     """
     # lazy: TorchTitan's attention (titan_ext.spec says why)
     from composer_mesh.titan_ext.attention import attention_masks
+    from composer_mesh.titan_ext.torchtitan_compat import skip_lm_head
 
     gen = torch.Generator().manual_seed(cfg.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 - k / cfg.steps if cfg.decay else 1.0)
+    skipped = model._skip_lm_head
+    skip_lm_head(model)
     model.train()
     losses = []
-    for _ in range(cfg.steps):
-        pick = torch.randint(len(rows), (min(cfg.batch_size, len(rows)),), generator=gen)
-        tokens_BL, labels_BL = sft_batch([rows[int(i)] for i in pick])
-        positions_BL = torch.arange(tokens_BL.shape[1]).expand_as(tokens_BL)
-        logits_BLV = model(tokens_BL, positions_BL, attention_masks(model, positions_BL))
-        loss = F.cross_entropy(logits_BLV.flatten(0, 1).float(), labels_BL.flatten(), ignore_index=-100)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        decay.step()
-        losses.append(float(loss.detach()))
+    try:
+        for _ in range(cfg.steps):
+            pick = torch.randint(len(rows), (min(cfg.batch_size, len(rows)),), generator=gen)
+            tokens_BL, labels_BL = sft_batch([rows[int(i)] for i in pick])
+            positions_BL = torch.arange(tokens_BL.shape[1]).expand_as(tokens_BL)
+            hidden_BLD = model(tokens_BL, positions_BL, attention_masks(model, positions_BL))
+            keep_BL = labels_BL != -100
+            logits_NV = _HeadOnRows.apply(hidden_BLD, model.lm_head.weight, keep_BL)
+            loss = F.cross_entropy(logits_NV.float(), labels_BL[keep_BL])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            decay.step()
+            losses.append(float(loss.detach()))
+    finally:
+        model._skip_lm_head = skipped
     return losses
 
 

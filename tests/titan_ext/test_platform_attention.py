@@ -106,3 +106,29 @@ def test_packed_documents_equal_separate_sequences():
         alone = model(tokens[:, start : start + n])
         torch.testing.assert_close(packed[:, start : start + n], alone, atol=1e-4, rtol=1e-4)
         start += n
+
+
+def test_single_document_rows_take_sdpa_causal_path_with_the_dense_masks_values():
+    """Rows that are one document each (positions 0..L-1) get no dense mask (SDPA's causal path), and the
+    model's logits and every gradient equal, bit for bit, those under the explicit block-causal mask; a packed
+    row still gets the dense mask."""
+    model = build_model(ModelConfig(flavour="tiny", device="cpu"), platform=detect_platform("cpu"))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.1)
+    # long enough that the flash kernel skips whole key blocks above the diagonal
+    tokens_BL = torch.randint(0, 2048, (3, 300), generator=torch.Generator().manual_seed(5))
+    positions_BL = torch.arange(300).expand(3, 300)
+    assert attention_masks(model, positions_BL) is None
+    assert isinstance(attention_masks(model, _positions()), DenseAttentionMask)
+
+    def run(masks):
+        model.zero_grad(set_to_none=True)
+        logits = model(tokens_BL, positions_BL, masks)
+        logits.square().mean().backward()
+        return logits.detach(), [p.grad.clone() for p in model.parameters()]
+
+    causal, causal_grads = run(attention_masks(model, positions_BL))
+    dense, dense_grads = run(block_causal_mask(positions_BL))
+    assert torch.equal(causal, dense)
+    assert all(torch.equal(a, b) for a, b in zip(causal_grads, dense_grads))

@@ -115,3 +115,39 @@ def test_sft_loss_is_cross_entropy_on_assistant_tokens_of_the_full_logits(tiny_a
     losses = sft(model, rows, WarmStartConfig(steps=2, batch_size=4, lr=1e-2, seed=0))
     assert abs(losses[0] - float(want)) < 1e-4 * max(1.0, float(want))
     assert losses[1] != losses[0]
+
+
+def test_sft_weights_equal_full_logits_cross_entropy_under_the_dense_mask_bit_for_bit(tiny_assets):
+    """`sft` (cross entropy on the assistant rows only, SDPA's causal path) leaves the very weights that the
+    plain formulation does: token-mean cross entropy over all `[B, L, V]` logits with ignored labels, under
+    the explicit block-causal mask, same seeded draws and AdamW."""
+    import torch.nn.functional as F
+    from transformers import AutoTokenizer
+
+    from composer_mesh.titan_ext.attention import block_causal_mask
+    from composer_mesh.titan_ext.warmstart import sft_batch
+
+    model_cfg = ModelConfig(flavour="tiny", device="cpu", hf_path=str(tiny_assets.dense_dir))
+    rows = sft_rows(AutoTokenizer.from_pretrained(tiny_assets.dense_dir), demo.format_examples(CFG, 12, seed=1))
+    cfg = WarmStartConfig(steps=4, batch_size=4, lr=1e-2, seed=0, decay=True)
+    platform = detect_platform("cpu")
+    torch.manual_seed(0)
+    model = build_model(model_cfg, device="cpu", platform=platform)
+    sft(model, rows, cfg)
+
+    torch.manual_seed(0)
+    ref = build_model(model_cfg, device="cpu", platform=platform)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    opt = torch.optim.AdamW(ref.parameters(), lr=cfg.lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 - k / cfg.steps)
+    for _ in range(cfg.steps):
+        pick = torch.randint(len(rows), (cfg.batch_size,), generator=gen)
+        tokens_BL, labels_BL = sft_batch([rows[int(i)] for i in pick])
+        positions_BL = torch.arange(tokens_BL.shape[1]).expand_as(tokens_BL)
+        logits_BLV = ref(tokens_BL, positions_BL, block_causal_mask(positions_BL))
+        loss = F.cross_entropy(logits_BLV.flatten(0, 1), labels_BL.flatten(), ignore_index=-100)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters(), strict=True))
