@@ -13,6 +13,12 @@ class MeshConfig:
     placement: str = option(
         "disaggregated", choices=("colocated", "disaggregated"), doc="Trainer and generators on the same or separate processes."
     )
+    fork_server: bool = option(
+        True,
+        doc="Local backend: the trainer's and generators' processes are forked from one process that imported "
+            "torch, transformers and TorchTitan once, instead of each importing them (mesh.forkserver; the "
+            "job's start on a small box); false = fresh interpreters.",
+    )
     trainer_procs: int = option(1, ge=1, doc="Trainer processes per host (one per GPU on clusters).")
     generator_procs: int = option(1, ge=1, doc="Generator processes per host.")
     replay_procs: int = option(1, ge=0, doc="Teacher-replay processes (0 disables the replay actor).")

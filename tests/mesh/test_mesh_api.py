@@ -60,6 +60,10 @@ def runs(tmp_path_factory, tiny_assets):
     # B on processes started before the Run, as `composer-mesh train` does (mesh.prespawn)
     early = prespawn(load_config(_recipe(tmp_b), overrides))
     out["early_pids"] = list(early.wait())
+    # forked by the fork server ([mesh] fork_server, the default), which lives until the run's stop
+    out["server_pid"] = early.server.proc.pid
+    out["early_parents"] = [int(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1])
+                            for p in out["early_pids"]]
     with Run(load_config(_recipe(tmp_b), overrides), resume=False, early=early) as b:
         out["summary_b"] = b.run()
         out["b_metrics"] = b.metrics
@@ -84,9 +88,11 @@ def test_stepping_with_generate_and_evaluate_trains_as_run(runs):
 
 @pytest.mark.slow
 def test_prespawned_processes_run_the_roles(runs):
-    # B's trainer and generator are the processes prespawn started, and it trained as A did (the first test)
+    # B's trainer and generator are the processes prespawn started, forked by the fork server, and it trained as
+    # A did on fresh interpreters (the first test)
     pids = runs["pids_b"]
     assert len(runs["early_pids"]) == 2
+    assert runs["early_parents"] == [runs["server_pid"]] * 2
     assert sorted(pids["trainer"] + pids["generator"]) == sorted(runs["early_pids"])
 
 

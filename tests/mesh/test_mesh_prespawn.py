@@ -64,6 +64,26 @@ def test_preload_covers_what_each_role_imports_at_set_up():
         assert out.stdout.strip().splitlines()[-1] == "[]", (role, out.stdout[-2000:])
 
 
+def test_the_fork_server_forks_with_the_roles_preloads(tmp_path, monkeypatch):
+    """The fork server forks only an interpreter without Monarch's runtime (its threads would not survive the
+    fork): the preloads the roles get (`FORK_SERVER_MODULES`) must not pull Monarch in, else every role
+    process would start cold. A real server with them forks a probe."""
+    from composer_mesh.mesh.forkserver import SOCKET_ENV, ForkServer
+    from composer_mesh.mesh.prespawn import FORK_SERVER_MODULES
+
+    (tmp_path / "parent_probe.py").write_text("import os, sys\nprint(os.getppid(), 'torch' in sys.modules)\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(x for x in (str(tmp_path), str(REPO),
+                                                                  os.environ.get("PYTHONPATH")) if x))
+    server = ForkServer.start(FORK_SERVER_MODULES)
+    try:
+        out = subprocess.run(["env", f"{SOCKET_ENV}={server.path}", *server.command("parent_probe")],
+                             capture_output=True, text=True, timeout=300)
+    finally:
+        server.close()
+    assert out.returncode == 0 and out.stderr == "", out.stderr[-2000:]
+    assert out.stdout.split() == [str(server.proc.pid), "True"]
+
+
 EXIT_PROBE = """
 import atexit, sys, threading
 atexit.register(print, "before: skipped")
