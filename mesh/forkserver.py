@@ -56,6 +56,12 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
+def _kill(pid: int, sig: int) -> None:
+    """Send `sig` to `pid` unless it is already gone."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, sig)
+
+
 def differing_env(served: dict[str, str], asked: dict[str, str]) -> list[str]:
     """The variables (sorted) whose values differ between the server's start and a request, Monarch's
     per-process ones (`PER_PROCESS_ENV` prefixes) aside: a process asking with any of these starts cold."""
@@ -73,8 +79,8 @@ class ForkServer:
     @classmethod
     def start(cls, modules: tuple[str, ...]) -> "ForkServer":
         """Start a server that imports `modules` and then forks processes on request. It inherits this
-        process's environment as it is now (the C library's, as Monarch's spawns do), and ends when this process ends (its stdin is our pipe) or at
-        `close`. Returns at once: requests wait for the imports."""
+        process's environment as it is now (the C library's, as Monarch's spawns do), and ends when this
+        process ends (its stdin is our pipe) or at `close`. Returns at once: requests wait for the imports."""
         path = Path(tempfile.mkdtemp(prefix="cm-forkserver-")) / "socket"
         # bound and listening before this returns: a client that connects before the server runs waits in the
         # backlog instead of starting cold
@@ -108,10 +114,8 @@ class ForkServer:
             self.proc.kill()
             self.proc.wait()
         self.path.unlink(missing_ok=True)
-        try:
+        with contextlib.suppress(OSError):
             self.path.parent.rmdir()
-        except OSError:
-            pass
 
 
 class _Server:
@@ -156,7 +160,7 @@ class _Server:
                     self._request(conn=data)
                 elif kind == "client":
                     # the client of a running child closed: it was killed, so is its child
-                    self._signal(data, signal.SIGKILL)
+                    _kill(data, signal.SIGKILL)
                     self.sel.unregister(self.children[data][0])
                 elif kind == "exit":
                     self._reap(data)
@@ -212,7 +216,7 @@ class _Server:
             conn.send(json.dumps({"pid": pid}).encode())
         # the client is already gone
         except OSError:
-            self._signal(pid, signal.SIGKILL)
+            _kill(pid, signal.SIGKILL)
             return
         self.sel.register(conn, selectors.EVENT_READ, ("client", pid))
 
@@ -230,12 +234,6 @@ class _Server:
             pass
         self._close(conn)
 
-    def _signal(self, pid: int, sig: int) -> None:
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
-
     def _stop(self) -> None:
         """The controller is gone or closed us: no new children; SIGTERM the rest, SIGKILL what outlives the
         grace period."""
@@ -247,14 +245,14 @@ class _Server:
             with contextlib.suppress(KeyError):
                 self.sel.unregister(conn)
         for pid in list(self.children):
-            self._signal(pid, signal.SIGTERM)
+            _kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + _STOP_GRACE_S
         while self.children and time.monotonic() < deadline:
             for key, _ in self.sel.select(timeout=max(0.0, deadline - time.monotonic())):
                 if key.data[0] == "exit":
                     self._reap(key.data[1])
         for pid in list(self.children):
-            self._signal(pid, signal.SIGKILL)
+            _kill(pid, signal.SIGKILL)
             self._reap(pid)
 
 
@@ -315,14 +313,8 @@ def _client(module: str, args: list[str]) -> None:
         os.execv(sys.executable, [sys.executable, "-m", module, *args])
     pid = reply["pid"]
 
-    def forward(sig: int, _frame: Any) -> None:
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
-
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
-        signal.signal(sig, forward)
+        signal.signal(sig, lambda sig, _frame: _kill(pid, sig))
     msg = sock.recv(_MAX_REQUEST)
     # the server ended without a status: its children died with it
     code = json.loads(msg)["status"] if msg else 1

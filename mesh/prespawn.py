@@ -47,14 +47,12 @@ ROLE_MODULES = {
                   "transformers.models.auto.modeling_auto", "composer_mesh.titan_ext.hf.adapters",
                   "composer_mesh.titan_ext.models", "composer_mesh.titan_ext.parallelize", "torchtitan.trainer"),
 }
-# what the fork server imports for every role: the roles' heavy modules that import no Monarch (its runtime's
-# threads would not survive the fork); a role process then imports Monarch and its actor module (≈ 0.5 s of CPU
-# against ≈ 10 s for the whole list, measured on the 2-core box)
-FORK_SERVER_MODULES = (
-    "torch", "transformers.models.auto.tokenization_auto", "transformers.models.auto.modeling_auto",
-    "composer_mesh.titan_ext.models", "composer_mesh.titan_ext.parallelize", "composer_mesh.titan_ext.hf.adapters",
-    "composer_mesh.titan_ext.trainer", "torchtitan.trainer",
-)
+# what the fork server imports for every role: each role's modules but its actor's, which imports Monarch (its
+# runtime's threads would not survive the fork; the server checks none came in); a role process then imports
+# Monarch and its actor module (≈ 0.5 s of CPU against ≈ 10 s for the whole list, measured on the 2-core box)
+FORK_SERVER_MODULES = tuple(dict.fromkeys(
+    name for modules in ROLE_MODULES.values() for name in modules if not name.startswith("composer_mesh.actors.")
+))
 # how long a stop waits for an early process's imports in flight (a few seconds on 2 cores)
 _IMPORTS_S = 120.0
 
