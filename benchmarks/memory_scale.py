@@ -16,15 +16,17 @@ file in the run folder read through mmap, page cache rather than the
 trainer's private memory) in its own process;
 `--override` goes on top (`optimizer.name=muon`, `generator.dtype=float32`,
 `mesh.malloc_mmap_threshold_mib=4` for the debug recipe as is). A sampler reads every process of the run each 0.2 s:
-anonymous RSS (`RssAnon`: private memory; shared-memory slots are counted
-once, as /dev/shm use) and the bytes the run holds in /dev/shm. Phases are
+anonymous memory as its proportional share (`Pss_Anon`: pages a forked role
+process shares copy-on-write with the fork server are divided among them, so
+the processes sum to the host's use; shared-memory slots are counted once, as
+/dev/shm use) and the bytes the run holds in /dev/shm. Phases are
 told apart by the files the run writes: `load` (spawn and setup, until
 processes.json), `steps` (until the last metrics row), `finish` (final
 checkpoint, export, exit).
 
     python benchmarks/memory_scale.py --quick    # tiny, 8M and a 4-layer cut of the 0.6B shape
 
-Prints, per shape and role, the peak anonymous RSS and bytes per parameter,
+Prints, per shape and role, the peak anonymous memory and bytes per parameter,
 and ends with one JSON line: `trainer_bytes_per_param`,
 `generator_bytes_per_param`, `shm_bytes_per_param`, `host_bytes_per_param`
 (peak of everything on the host), `reference_file_bytes_per_param` (the
@@ -103,10 +105,13 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
-def _rss_anon(pid: int) -> int:
+def _pss_anon(pid: int) -> int:
+    """The process's share of anonymous memory: pages it shares with others (a process forked from the fork
+    server, `mesh.forkserver`, shares the server's imported modules copy-on-write) divided among them, so the
+    sum over the run's processes is the host's anonymous use (`RssAnon` counts shared pages once per process)."""
     try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("RssAnon:"):
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss_Anon:"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
@@ -125,7 +130,7 @@ def _shm_bytes(name: str) -> int:
 
 
 class Sampler(threading.Thread):
-    """Peak anonymous RSS per role and /dev/shm bytes per phase of one run (every 0.2 s)."""
+    """Peak anonymous memory (proportional share) per role and /dev/shm bytes per phase of one run (every 0.2 s)."""
 
     def __init__(self, proc: subprocess.Popen, run_dir: Path, name: str, steps: int) -> None:
         super().__init__(daemon=True)
@@ -154,7 +159,7 @@ class Sampler(threading.Thread):
             every = _descendants(self.proc.pid)
             for pid in every:
                 role = named.get(pid, "controller" if pid == self.proc.pid else "other")
-                roles[role] = roles.get(role, 0) + _rss_anon(pid)
+                roles[role] = roles.get(role, 0) + _pss_anon(pid)
             roles["shm"] = _shm_bytes(self.name)
             roles["host"] = sum(roles.values())
             peak = self.peaks.setdefault(phase, {})
@@ -223,7 +228,7 @@ def main() -> None:
             print(f"{name}: {r['params'] / 1e6:.1f}M params, {r['wall_s']:.0f} s", file=sys.stderr)
     gib = 1 << 30
     print(f"{'shape':10} {'params':>8} {'phase':7} " + " ".join(f"{r:>10}" for r in (*ROLES, "shm", "host"))
-          + "   (peak anonymous RSS / shm, GiB)")
+          + "   (peak anonymous memory (Pss_Anon) / shm, GiB)")
     for name, r in results.items():
         for phase, peak in r["phases"].items():
             print(f"{name:10} {r['params'] / 1e6:7.1f}M {phase:7} "

@@ -8,9 +8,10 @@ forks a child that runs Monarch's bootstrap in the preloaded interpreter. Toward
 in for the child: it forwards signals and exits with the child's status; the server kills a child whose
 client is gone, and a child dies with the server (`PR_SET_PDEATHSIG`).
 
-Whatever the server cannot serve starts cold, as without it: no server, a server that failed to import, or an
-environment that differs from the server's in a variable other than Monarch's own (the preloaded modules read
-theirs at import): the client then `exec`s Monarch's bootstrap itself. Standard library only, so that the
+Whatever the server cannot serve starts cold, as without it: no server, a server that failed to import, a
+server still importing after `READY_WAIT_S` (a loaded box: Monarch times a spawn out, `process_environment`),
+or an environment that differs from the server's in a variable other than Monarch's own (the preloaded modules
+read theirs at import): the client then `exec`s Monarch's bootstrap itself. Standard library only, so that the
 client starts in milliseconds. The server preloads no Monarch module (its runtime's threads would not survive
 a fork) and checks that none came in with the preloads.
 """
@@ -38,6 +39,11 @@ from typing import Any
 
 # the client finds its server here (set in the bootstrap command's environment)
 SOCKET_ENV = "COMPOSER_MESH_FORKSERVER"
+# how long a client waits for the server's imports before it starts cold (seconds), where not `READY_WAIT_S`
+WAIT_ENV = "COMPOSER_MESH_FORKSERVER_WAIT_S"
+# the default wait: the imports take 10-12 s on a quiet 2-core box; a cold start after the wait still has
+# Monarch's proc spawn timeout minus this to bootstrap (`mesh.prespawn.PROC_SPAWN_TIMEOUT_S`)
+READY_WAIT_S = 25.0
 # Monarch's proc bootstrap, run in the forked child (or exec'd by a client that starts cold); a private module
 # (actors.monarch_compat lists it)
 BOOTSTRAP_MAIN = "monarch._src.actor.bootstrap_main"
@@ -80,7 +86,8 @@ class ForkServer:
     def start(cls, modules: tuple[str, ...]) -> "ForkServer":
         """Start a server that imports `modules` and then forks processes on request. It inherits this
         process's environment as it is now (the C library's, as Monarch's spawns do), and ends when this
-        process ends (its stdin is our pipe) or at `close`. Returns at once: requests wait for the imports."""
+        process ends (its stdin is our pipe) or at `close`. Returns at once: requests wait for the imports
+        (each at most `READY_WAIT_S`, or `$COMPOSER_MESH_FORKSERVER_WAIT_S`, then it starts cold)."""
         path = Path(tempfile.mkdtemp(prefix="cm-forkserver-")) / "socket"
         # bound and listening before this returns: a client that connects before the server runs waits in the
         # backlog instead of starting cold
@@ -153,9 +160,7 @@ class _Server:
             for key, _ in self.sel.select():
                 kind, data = key.data
                 if kind == "listener":
-                    conn, _ = self.listener.accept()
-                    self.conns.add(conn)
-                    self.sel.register(conn, selectors.EVENT_READ, ("request", conn))
+                    self._accept()
                 elif kind == "request":
                     self._request(conn=data)
                 elif kind == "client":
@@ -167,6 +172,18 @@ class _Server:
                 elif kind == "parent":
                     self._stop()
                     return
+
+    def _accept(self) -> None:
+        """Tell a waiting client that the imports are done; it sends its request only then (a client that gave
+        up waiting has closed, and is dropped here or at its empty request)."""
+        conn, _ = self.listener.accept()
+        self.conns.add(conn)
+        try:
+            conn.send(b'{"ready": true}')
+        except OSError:
+            self._close(conn)
+            return
+        self.sel.register(conn, selectors.EVENT_READ, ("request", conn))
 
     def _close(self, conn: socket.socket) -> None:
         self.conns.discard(conn)
@@ -299,12 +316,22 @@ def _client(module: str, args: list[str]) -> None:
     """Have the server (at `$COMPOSER_MESH_FORKSERVER`) fork a child that runs `module`, and stand in for it;
     or, where it cannot, become `python -m module` (exec)."""
     path = os.environ.get(SOCKET_ENV, "")
+    wait_s = float(os.environ.get(WAIT_ENV, READY_WAIT_S))
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    closed = b'{"cold": "the fork server closed"}'
     try:
         sock.connect(path)
-        req = {"module": module, "env": dict(os.environ), "cwd": os.getcwd(), "argv": [sys.argv[0], *args]}
-        socket.send_fds(sock, [json.dumps(req).encode()], [0, 1, 2])
-        reply = json.loads(sock.recv(_MAX_REQUEST) or b'{"cold": "the fork server closed"}')
+        # the server accepts once its imports are done; past the wait this process starts cold instead
+        sock.settimeout(wait_s)
+        try:
+            reply = json.loads(sock.recv(_MAX_REQUEST) or closed)
+        except TimeoutError:
+            reply = {"cold": f"the fork server's imports took over {wait_s:g} s"}
+        sock.settimeout(None)
+        if "ready" in reply:
+            req = {"module": module, "env": dict(os.environ), "cwd": os.getcwd(), "argv": [sys.argv[0], *args]}
+            socket.send_fds(sock, [json.dumps(req).encode()], [0, 1, 2])
+            reply = json.loads(sock.recv(_MAX_REQUEST) or closed)
     except OSError as e:
         reply = {"cold": f"no fork server at {path!r} ({e.strerror})"}
     if "cold" in reply:

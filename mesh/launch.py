@@ -263,7 +263,8 @@ def model_dir(job: JobConfig) -> str:
         conversations, tools = tool_format_examples(env_factory(warm_start_env(job.env)), tl.warm_start_examples,
                                                     tl.warm_start_seed)
         ws = WarmStartConfig(steps=tl.warm_start_steps, batch_size=tl.warm_start_batch_size, lr=tl.warm_start_lr,
-                             seed=tl.warm_start_seed, decay=tl.warm_start_decay)
+                             seed=tl.warm_start_seed, decay=tl.warm_start_decay,
+                             max_grad_norm=tl.warm_start_max_grad_norm)
         weights = warm_start_dir(dataclasses.replace(job.model, hf_path=str(weights)), conversations, ws,
                                  cache_dir_for(job.model), tools)
     if job.env.task == "demo" and demo.warm_start_steps > 0:

@@ -32,7 +32,7 @@ from composer_mesh.actors.monarch_compat import reload_config_from_env
 from composer_mesh.actors.phase_memory import MMAP_THRESHOLD_ENV
 from composer_mesh.configs.schema import JobConfig
 from composer_mesh.configs.sections.mesh import MeshConfig
-from composer_mesh.mesh.forkserver import ForkServer
+from composer_mesh.mesh.forkserver import READY_WAIT_S, ForkServer
 from composer_mesh.mesh.process_exit import exit_without_teardown
 
 # what each role's process imports while the controller imports its own stack: the actor's module and what it
@@ -55,6 +55,11 @@ FORK_SERVER_MODULES = tuple(dict.fromkeys(
 ))
 # how long a stop waits for an early process's imports in flight (a few seconds on 2 cores)
 _IMPORTS_S = 120.0
+# Monarch's limit on a proc's bootstrap (30 s by default), raised where a fork server starts the processes: a
+# client waits up to `forkserver.READY_WAIT_S` for the server's imports (on a loaded box they took over 30 s,
+# and the spawn timed out), and one that then starts cold still needs the time a fresh process needs
+PROC_SPAWN_TIMEOUT_ENV = "HYPERACTOR_MESH_PROC_SPAWN_MAX_IDLE"
+PROC_SPAWN_TIMEOUT_S = READY_WAIT_S + 35.0
 
 
 def configure_supervision(poll_s: float, state_query_s: float) -> None:
@@ -69,8 +74,10 @@ def configure_supervision(poll_s: float, state_query_s: float) -> None:
 
 
 def process_environment(cfg: MeshConfig) -> None:
-    """What every spawned process inherits, set before the first spawn: the supervision timings and the malloc
-    threshold (`actors.phase_memory`)."""
+    """What every spawned process inherits, set before the first spawn: the supervision timings, the malloc
+    threshold (`actors.phase_memory`) and, with a fork server, Monarch's proc spawn timeout (unless set)."""
+    if cfg.fork_server:
+        os.environ.setdefault(PROC_SPAWN_TIMEOUT_ENV, f"{round(PROC_SPAWN_TIMEOUT_S * 1000)}ms")
     configure_supervision(cfg.supervision_poll_s, cfg.state_query_s)
     os.environ[MMAP_THRESHOLD_ENV] = str(int(cfg.malloc_mmap_threshold_mib * (1 << 20)))
 

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from composer_mesh.mesh.forkserver import SOCKET_ENV, ForkServer, differing_env
+from composer_mesh.mesh.forkserver import SOCKET_ENV, WAIT_ENV, ForkServer, differing_env
 
 from test_mesh_train import REPO
 
@@ -176,6 +176,22 @@ def test_what_the_server_cannot_serve_starts_cold_in_the_clients_process(server,
     nothing = _client(None, **{SOCKET_ENV: str(probe_env / "no-socket")})
     assert _first_line(nothing)["pid"] == nothing.pid and nothing.wait(timeout=120) == 0
     assert "starting cold: no fork server" in nothing.stderr.read()
+
+
+def test_a_client_that_waits_past_its_limit_starts_cold_and_the_server_serves_the_next(server, probe_env):
+    """On a loaded box the server's imports can outlast Monarch's spawn timeout: a client waits for them at most
+    its limit, then starts cold; the server drops it (it gave up before asking) and forks the next one."""
+    (probe_env / "probe_slow.py").write_text("import time\ntime.sleep(6)\n")
+    server = server(("probe_preload", "probe_slow"))
+    impatient = _client(server, **{WAIT_ENV: "1"})
+    patient = _client(server)
+    seen = _first_line(impatient)
+    assert impatient.wait(timeout=120) == 0
+    assert seen["pid"] == impatient.pid and not seen["preloaded"]
+    assert "starting cold: the fork server's imports took over 1 s" in impatient.stderr.read()
+    served = _first_line(patient)
+    assert patient.wait(timeout=120) == 0
+    assert served["ppid"] == server.proc.pid and served["preloaded"] and patient.stderr.read() == ""
 
 
 def test_preloads_that_import_monarch_make_every_process_cold(server):

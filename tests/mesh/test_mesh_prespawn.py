@@ -84,6 +84,64 @@ def test_the_fork_server_forks_with_the_roles_preloads(tmp_path, monkeypatch):
     assert out.stdout.split() == [str(server.proc.pid), "True"]
 
 
+SPAWN_LIMIT_PROBE = """
+import os, sys
+from composer_mesh.actors.monarch_compat import BootstrapCommand, reload_config_from_env
+from composer_mesh.configs.sections.mesh import MeshConfig
+from composer_mesh.mesh.prespawn import PROC_SPAWN_TIMEOUT_ENV, PROC_SPAWN_TIMEOUT_S, process_environment
+from monarch.actor import Actor, endpoint, this_host
+
+
+class Pid(Actor):
+    @endpoint
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def spawn() -> str:
+    # a bootstrap as slow as a client waiting for a busy fork server: 4 s, then Monarch's own
+    slow = ["-c", "import os, sys, time; time.sleep(4); "
+            "os.execv(sys.executable, [sys.executable, '-m', 'monarch._src.actor.bootstrap_main', *sys.argv[1:]])"]
+    try:
+        procs = this_host().spawn_procs(per_host={"gpus": 1}, bootstrap_command=BootstrapCommand(
+            sys.executable, None, slow, {}))
+        return f"pid {procs.spawn('p', Pid).pid.call_one().get()}"
+    except Exception as e:
+        return str(e).splitlines()[0]
+
+
+os.environ[PROC_SPAWN_TIMEOUT_ENV] = "2s"
+reload_config_from_env()
+print(spawn())
+process_environment(MeshConfig(fork_server=True))  # a value the user set is kept
+print(os.environ[PROC_SPAWN_TIMEOUT_ENV])
+del os.environ[PROC_SPAWN_TIMEOUT_ENV]
+process_environment(MeshConfig(fork_server=True))
+print(os.environ[PROC_SPAWN_TIMEOUT_ENV] == f"{round(PROC_SPAWN_TIMEOUT_S * 1000)}ms")
+print(spawn(), flush=True)
+os._exit(0)
+"""
+
+
+def test_the_proc_spawn_limit_leaves_time_to_wait_for_the_fork_server():
+    """Monarch fails a spawn whose process does not come up within `HYPERACTOR_MESH_PROC_SPAWN_MAX_IDLE` (30 s
+    by default). A client waits up to `READY_WAIT_S` for the fork server's imports, which took over 30 s on a
+    loaded box: `process_environment` raises the limit past that wait plus a cold start (unless the user set
+    it). Checked on Monarch itself: a 4 s bootstrap fails under a 2 s limit and comes up under the job's."""
+    from composer_mesh.mesh.forkserver import READY_WAIT_S
+    from composer_mesh.mesh.prespawn import PROC_SPAWN_TIMEOUT_S
+
+    assert PROC_SPAWN_TIMEOUT_S >= READY_WAIT_S + 30
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(x for x in (os.environ.get("PYTHONPATH"), str(REPO)) if x))
+    out = subprocess.run([sys.executable, "-c", SPAWN_LIMIT_PROBE], env=env, capture_output=True, text=True,
+                         timeout=300)
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 4, (out.stdout, out.stderr[-3000:])
+    assert lines[0].startswith("error spawning proc mesh") and "Timeout" in lines[0], lines[0]
+    assert lines[1:3] == ["2s", "True"]
+    assert lines[3].startswith("pid "), lines[3]
+
+
 EXIT_PROBE = """
 import atexit, sys, threading
 atexit.register(print, "before: skipped")
