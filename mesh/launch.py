@@ -264,7 +264,7 @@ def model_dir(job: JobConfig) -> str:
                                                     tl.warm_start_seed)
         ws = WarmStartConfig(steps=tl.warm_start_steps, batch_size=tl.warm_start_batch_size, lr=tl.warm_start_lr,
                              seed=tl.warm_start_seed, decay=tl.warm_start_decay,
-                             max_grad_norm=tl.warm_start_max_grad_norm)
+                             grad_clip=tl.warm_start_grad_clip)
         weights = warm_start_dir(dataclasses.replace(job.model, hf_path=str(weights)), conversations, ws,
                                  cache_dir_for(job.model), tools)
     if job.env.task == "demo" and demo.warm_start_steps > 0:

@@ -62,14 +62,19 @@ PROC_SPAWN_TIMEOUT_ENV = "HYPERACTOR_MESH_PROC_SPAWN_MAX_IDLE"
 PROC_SPAWN_TIMEOUT_S = READY_WAIT_S + 35.0
 
 
+def _duration(seconds: float) -> str:
+    """A duration as Monarch's configuration variables take it (whole milliseconds)."""
+    return f"{round(seconds * 1000)}ms"
+
+
 def configure_supervision(poll_s: float, state_query_s: float) -> None:
     """Monarch's supervision poll period and state-query timeout for this process and the processes it spawns
     (they inherit the environment): `[mesh] supervision_poll_s` and `state_query_s`.
 
     A dead process is reported when a poll finds it gone, or when its process agent does not answer the poll's
     state query within `state_query_s`; how often each path is taken: docs/supervision.md."""
-    os.environ["HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY"] = f"{round(poll_s * 1000)}ms"
-    os.environ["HYPERACTOR_MESH_GET_ACTOR_STATE_MAX_IDLE"] = f"{round(state_query_s * 1000)}ms"
+    os.environ["HYPERACTOR_MESH_SUPERVISION_POLL_FREQUENCY"] = _duration(poll_s)
+    os.environ["HYPERACTOR_MESH_GET_ACTOR_STATE_MAX_IDLE"] = _duration(state_query_s)
     reload_config_from_env()
 
 
@@ -77,7 +82,7 @@ def process_environment(cfg: MeshConfig) -> None:
     """What every spawned process inherits, set before the first spawn: the supervision timings, the malloc
     threshold (`actors.phase_memory`) and, with a fork server, Monarch's proc spawn timeout (unless set)."""
     if cfg.fork_server:
-        os.environ.setdefault(PROC_SPAWN_TIMEOUT_ENV, f"{round(PROC_SPAWN_TIMEOUT_S * 1000)}ms")
+        os.environ.setdefault(PROC_SPAWN_TIMEOUT_ENV, _duration(PROC_SPAWN_TIMEOUT_S))
     configure_supervision(cfg.supervision_poll_s, cfg.state_query_s)
     os.environ[MMAP_THRESHOLD_ENV] = str(int(cfg.malloc_mmap_threshold_mib * (1 << 20)))
 

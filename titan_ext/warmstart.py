@@ -44,7 +44,7 @@ class WarmStartConfig:
     # linear decay of the learning rate to 0 over `steps` (else constant)
     decay: bool = False
     # clip the gradient's global L2 norm to this before each step; 0 = no clipping
-    max_grad_norm: float = 0.0
+    grad_clip: float = 0.0
 
 
 def sft_rows(tokenizer: Any, conversations: Sequence[list[dict]],
@@ -127,8 +127,8 @@ def sft(model: torch.nn.Module, rows: Sequence[tuple[list[int], list[bool]]], cf
             loss = F.cross_entropy(logits_NV.float(), labels_BL[keep_BL])
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            if cfg.max_grad_norm > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            if cfg.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             opt.step()
             decay.step()
             losses.append(float(loss.detach()))

@@ -218,7 +218,7 @@ class ToolLoopConfig:
     warm_start_decay: bool = option(
         False, doc="decay the warm start's learning rate linearly to 0 over its steps (else constant)"
     )
-    warm_start_max_grad_norm: float = option(
+    warm_start_grad_clip: float = option(
         0.0, doc="clip the warm start's gradient norm to this before each step (0 = off); without it a "
         "different set of examples can diverge at a high rate (docs/coding.md)", ge=0.0,
     )

@@ -119,11 +119,11 @@ def test_sft_loss_is_cross_entropy_on_assistant_tokens_of_the_full_logits(tiny_a
     assert losses[1] != losses[0]
 
 
-@pytest.mark.parametrize("max_grad_norm", [0.0, 0.05])
-def test_sft_weights_equal_full_logits_cross_entropy_under_the_dense_mask_bit_for_bit(tiny_assets, max_grad_norm):
+@pytest.mark.parametrize("grad_clip", [0.0, 0.05])
+def test_sft_weights_equal_full_logits_cross_entropy_under_the_dense_mask_bit_for_bit(tiny_assets, grad_clip):
     """`sft` (cross entropy on the assistant rows only, SDPA's causal path) leaves the very weights that the
     plain formulation does: token-mean cross entropy over all `[B, L, V]` logits with ignored labels, under
-    the explicit block-causal mask, same seeded draws and AdamW. With `max_grad_norm`, every step's gradient
+    the explicit block-causal mask, same seeded draws and AdamW. With `grad_clip`, every step's gradient
     is first scaled by min(1, c / ||g||), ||g|| the L2 norm over all parameters (written here, not torch's
     `clip_grad_norm_`; equal to float rounding), and the clip must have changed the result."""
     import torch.nn.functional as F
@@ -134,7 +134,7 @@ def test_sft_weights_equal_full_logits_cross_entropy_under_the_dense_mask_bit_fo
 
     model_cfg = ModelConfig(flavour="tiny", device="cpu", hf_path=str(tiny_assets.dense_dir))
     rows = sft_rows(AutoTokenizer.from_pretrained(tiny_assets.dense_dir), demo.format_examples(CFG, 12, seed=1))
-    cfg = WarmStartConfig(steps=4, batch_size=4, lr=1e-2, seed=0, decay=True, max_grad_norm=max_grad_norm)
+    cfg = WarmStartConfig(steps=4, batch_size=4, lr=1e-2, seed=0, decay=True, grad_clip=grad_clip)
     platform = detect_platform("cpu")
     torch.manual_seed(0)
     model = build_model(model_cfg, device="cpu", platform=platform)
@@ -153,19 +153,19 @@ def test_sft_weights_equal_full_logits_cross_entropy_under_the_dense_mask_bit_fo
         loss = F.cross_entropy(logits_BLV.flatten(0, 1), labels_BL.flatten(), ignore_index=-100)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        if max_grad_norm:
+        if grad_clip:
             norm = sum(float(p.grad.double().pow(2).sum()) for p in ref.parameters()) ** 0.5
             for p in ref.parameters():
-                p.grad.mul_(min(1.0, max_grad_norm / norm))
+                p.grad.mul_(min(1.0, grad_clip / norm))
         opt.step()
         sched.step()
-    if not max_grad_norm:
+    if not grad_clip:
         assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters(), strict=True))
         return
     for a, b in zip(model.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     torch.manual_seed(0)
     unclipped = build_model(model_cfg, device="cpu", platform=platform)
-    sft(unclipped, rows, dataclasses.replace(cfg, max_grad_norm=0.0))
+    sft(unclipped, rows, dataclasses.replace(cfg, grad_clip=0.0))
     assert any(not torch.allclose(a, b, rtol=1e-3, atol=1e-4) for a, b in zip(model.parameters(),
                                                                                 unclipped.parameters()))
