@@ -239,7 +239,7 @@ def grade_workspace(
     key = content_key(original, agent, _directories(agent_ws.path), start, list(expected_tests), dict(targets),
                       [list(v) for v in episode_violations], plain, sandbox.config)
     grade, cached = grades.get_or_make(key, judge)
-    return dataclasses.replace(grade, grade_s=round(time.perf_counter() - began, 3)) if cached else grade
+    return dataclasses.replace(grade, grade_s=round(time.perf_counter() - began, 6)) if cached else grade
 
 
 def _directories(root: Path) -> list[str]:
@@ -284,7 +284,7 @@ def _judge_workspace(
     else:
         reason = "passed"
     reward = 1.0 if reason == "passed" else 0.0
-    return Grade(reward, reason, passed, total, tuple(dict.fromkeys(violations)), run.output, round(grade_s, 3))
+    return Grade(reward, reason, passed, total, tuple(dict.fromkeys(violations)), run.output, round(grade_s, 6))
 
 
 @functools.lru_cache(maxsize=256)

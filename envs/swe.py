@@ -135,7 +135,7 @@ class SweTask:
         total = len(self.tests)
         if found:
             # reward 0 whatever the tests say: spare the run
-            return Grade(0.0, found[0][0], 0, total, tuple(dict.fromkeys(found)), "", round(time.perf_counter() - began, 3))
+            return Grade(0.0, found[0][0], 0, total, tuple(dict.fromkeys(found)), "", round(time.perf_counter() - began, 6))
         hidden = patched_files(self.test_patch, self.snapshot())
         with backend.workspace(copy_from=ws.path, skip=lambda rel: rel in hidden or is_bytecode(rel)) as judge:
             write_files(judge.path, hidden)
@@ -156,7 +156,7 @@ class SweTask:
             reason = "passed"
         return Grade(
             1.0 if reason == "passed" else 0.0, reason, passed, total, tuple(dict.fromkeys(found)),
-            result.stdout[-4000:] + result.stderr[-2000:], round(time.perf_counter() - began, 3),
+            result.stdout[-4000:] + result.stderr[-2000:], round(time.perf_counter() - began, 6),
         )
 
 

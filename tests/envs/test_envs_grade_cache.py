@@ -110,6 +110,8 @@ def test_a_cached_grade_is_the_fresh_judges_grade(sandbox, config):
         judged = _grade(task, fresh, sources)
         first, again = _grade(task, caching, sources), _grade(task, caching, sources)
         assert _verdict(first) == _verdict(again) == _verdict(judged), (i, judged, first, again)
+        # a hit's cost is its own lookup: positive (a sub-millisecond time is not rounded to 0) and below the judge's
+        assert 0 < again.grade_s < first.grade_s, (i, first.grade_s, again.grade_s)
         assert (caching.grades.hits, caching.grades.misses) == (i + 1, i + 1)
     assert {_verdict(_grade(task, caching, s))[0] for s in _submissions(task)} > {0.0}
 
