@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -105,6 +106,11 @@ class RunResult:
         return points[-1][key] - self.heldout[0][key]
 
 
+# the runs in flight, stopped when the benchmark stops early (a failed run, Ctrl-C, SIGTERM): a killed
+# benchmark leaves no training running on the box
+_LIVE: set[subprocess.Popen] = set()
+
+
 def run_one(recipe: Path, overrides: list[str], out: Path, name: str, seed: int, steps: int,
             eval_every: int, task: str) -> RunResult:
     """`composer-mesh train` of `recipe` in configuration `name` at `seed`; its figures from summary.json and
@@ -114,11 +120,16 @@ def run_one(recipe: Path, overrides: list[str], out: Path, name: str, seed: int,
            f"--trainer.eval_every={eval_every}", f"--checkpoint.every_steps={steps}", *overrides, *CONFIGS[name]]
     env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
     start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _LIVE.add(proc)
+    try:
+        stdout, stderr = proc.communicate()
+    finally:
+        _LIVE.discard(proc)
     wall = time.perf_counter() - start
     if proc.returncode != 0:
-        raise RuntimeError(f"{name} seed {seed} failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+        raise RuntimeError(f"{name} seed {seed} failed (exit {proc.returncode}): {stderr[-2000:]}")
+    summary = json.loads(stdout.strip().splitlines()[-1])
     _, sampled, greedy = TASKS[task]
     rows = read_metrics(Path(summary["run_dir"]) / "metrics.jsonl")
     before = summary["heldout"]["before"]
@@ -201,6 +212,7 @@ def main() -> None:
                         help="evaluate on the held-out split (reporting) or on a validation split carved out of "
                         "train (choosing settings; the held-out problems stay unseen)")
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(128 + signum))  # unwinds, so the runs are stopped
     config = args.config or REPO / TASKS[args.task][0]
     overrides = [*(VALIDATION[args.task] if args.split == "validation" else ()), *args.override]
     recipe = load_config(config, overrides)  # a bad override fails here, before any run
@@ -219,7 +231,8 @@ def main() -> None:
             if row.name.endswith("only") and result.policy_rollouts:
                 raise RuntimeError(f"{row.name}: the policy channel trained {result.policy_rollouts:.0f} rollouts")
             print(f"  {row.name:<15} seed {seed}: {split} sampled {result.heldout[0][2]:.3f} -> "
-                  f"{result.heldout[-1][2]:.3f}, train gain {result.train_gain:+.3f}, {result.wall_s:.0f} s",
+                  f"{result.heldout[-1][2]:.3f}, greedy {result.heldout[0][3]:.3f} -> {result.heldout[-1][3]:.3f}, "
+                  f"train gain {result.train_gain:+.3f}, {result.wall_s:.0f} s",
                   file=sys.stderr, flush=True)
             return result
 
@@ -230,7 +243,9 @@ def main() -> None:
                 for row, future in runs:
                     row.runs.append(future.result())
             except BaseException:
-                pool.shutdown(cancel_futures=True)  # a failed run stops the ones not yet started
+                pool.shutdown(wait=False, cancel_futures=True)  # a failed run stops the ones not yet started
+                for proc in list(_LIVE):  # and the ones running (each stops its own actors on SIGTERM)
+                    proc.terminate()
                 raise
     by = {r.name: r for r in rows}
     budget = by["policy"].figure(lambda r: r.train_s)[0] if "policy" in by else None

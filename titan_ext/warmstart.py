@@ -5,10 +5,12 @@ writes a task's answer format, so every group has equal rewards and GRPO has
 nothing to learn from. `warm_start_dir` turns an HF directory (e.g. the tiny
 assets) into a base model that knows the chat template and a format, by a
 short, deterministic SFT run on given conversations (loss on assistant tokens
-only, AdamW, one CPU process, a few seconds for the tiny model). What the base
-model learns is exactly what the conversations teach: the demo feeds it
-format-only examples whose answers are independent of the problem
-(`envs.demo.format_examples`), so the task itself is left for RL.
+only, AdamW, one CPU process at a fixed thread count, a few seconds for the
+tiny model). What the base model learns is exactly what the conversations
+teach: the demo feeds it format-only examples whose answers are independent
+of the problem (`envs.demo.format_examples`), so the task itself is left for
+RL. The floats still depend on the CPU's kernels (AVX2, AVX-512, AMX): the
+same inputs give the same base on machines of one CPU type.
 
 The result is cached under `root/<hash of source weights, conversations and
 config>` (same inputs → the same directory, built once; `assets.build_once`).
@@ -45,6 +47,10 @@ class WarmStartConfig:
     decay: bool = False
     # clip the gradient's global L2 norm to this before each step; 0 = no clipping
     grad_clip: float = 0.0
+    # torch's intra-op threads for the run, whatever the machine's cores: how a matmul or a reduction splits
+    # over threads changes its float rounding, and 300 steps at a high rate grow that into another base
+    # (docs/coding.md, "Eleventh round"); fixed, every machine of one CPU type builds the same base
+    threads: int = 2
 
 
 def sft_rows(tokenizer: Any, conversations: Sequence[list[dict]],
@@ -98,7 +104,8 @@ class _HeadOnRows(torch.autograd.Function):
 
 
 def sft(model: torch.nn.Module, rows: Sequence[tuple[list[int], list[bool]]], cfg: WarmStartConfig) -> list[float]:
-    """`cfg.steps` AdamW steps on batches drawn (seeded) from `rows`; returns the loss per step.
+    """`cfg.steps` AdamW steps on batches drawn (seeded) from `rows`, on `cfg.threads` torch threads;
+    returns the loss per step.
 
     `model` is a TorchTitan decoder. The loss is the token-mean cross entropy of the assistant tokens, with the
     very gradients of that loss over full `[B, L, V]` logits: log-softmax is per row, so only the assistant rows
@@ -112,9 +119,10 @@ def sft(model: torch.nn.Module, rows: Sequence[tuple[list[int], list[bool]]], cf
     gen = torch.Generator().manual_seed(cfg.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 - k / cfg.steps if cfg.decay else 1.0)
-    skipped = model._skip_lm_head
+    skipped, threads = model._skip_lm_head, torch.get_num_threads()
     skip_lm_head(model)
     model.train()
+    torch.set_num_threads(cfg.threads)
     losses = []
     try:
         for _ in range(cfg.steps):
@@ -134,6 +142,7 @@ def sft(model: torch.nn.Module, rows: Sequence[tuple[list[int], list[bool]]], cf
             losses.append(float(loss.detach()))
     finally:
         model._skip_lm_head = skipped
+        torch.set_num_threads(threads)
     return losses
 
 

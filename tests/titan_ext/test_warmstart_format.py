@@ -143,6 +143,8 @@ def test_sft_weights_equal_full_logits_cross_entropy_under_the_dense_mask_bit_fo
     torch.manual_seed(0)
     ref = build_model(model_cfg, device="cpu", platform=platform)
     gen = torch.Generator().manual_seed(cfg.seed)
+    ambient = torch.get_num_threads()
+    torch.set_num_threads(cfg.threads)  # the rounding `sft` gets (test_sft_runs_on_its_own_thread_count)
     opt = torch.optim.AdamW(ref.parameters(), lr=cfg.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 - k / cfg.steps)
     for _ in range(cfg.steps):
@@ -159,6 +161,7 @@ def test_sft_weights_equal_full_logits_cross_entropy_under_the_dense_mask_bit_fo
                 p.grad.mul_(min(1.0, grad_clip / norm))
         opt.step()
         sched.step()
+    torch.set_num_threads(ambient)
     if not grad_clip:
         assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters(), strict=True))
         return
@@ -169,3 +172,31 @@ def test_sft_weights_equal_full_logits_cross_entropy_under_the_dense_mask_bit_fo
     sft(unclipped, rows, dataclasses.replace(cfg, grad_clip=0.0))
     assert any(not torch.allclose(a, b, rtol=1e-3, atol=1e-4) for a, b in zip(model.parameters(),
                                                                                 unclipped.parameters()))
+
+
+def test_sft_runs_on_its_own_thread_count_whatever_the_process_has(tiny_assets):
+    """How a kernel splits over threads changes its rounding (1 and 2 threads give other weights within 8
+    steps), so `sft` runs on `cfg.threads`: from a process on 1 thread and on 3, the same weights bit for bit,
+    and the caller's thread count is back afterwards."""
+    from transformers import AutoTokenizer
+
+    model_cfg = ModelConfig(flavour="tiny", device="cpu", hf_path=str(tiny_assets.dense_dir))
+    rows = sft_rows(AutoTokenizer.from_pretrained(tiny_assets.dense_dir), demo.format_examples(CFG, 24, seed=1))
+    cfg = WarmStartConfig(steps=8, batch_size=8, lr=1e-2, seed=0)
+    ambient = torch.get_num_threads()
+
+    def weights(process_threads: int, run_threads: int) -> list[torch.Tensor]:
+        torch.set_num_threads(process_threads)
+        torch.manual_seed(0)
+        model = build_model(model_cfg, device="cpu", platform=detect_platform("cpu"))
+        try:
+            sft(model, rows, dataclasses.replace(cfg, threads=run_threads))
+            assert torch.get_num_threads() == process_threads
+        finally:
+            torch.set_num_threads(ambient)
+        return [p.detach().clone() for p in model.parameters()]
+
+    pinned = weights(1, 2)
+    assert all(torch.equal(a, b) for a, b in zip(pinned, weights(3, 2), strict=True))
+    # the pin is what makes them equal: another thread count for the run is another base
+    assert not all(torch.equal(a, b) for a, b in zip(pinned, weights(1, 1), strict=True))
