@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import datetime
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Literal
+from typing import Iterator, Literal
 
 import torch
 import torch.distributed as dist
@@ -125,3 +126,14 @@ def configure_fsdp_comms(model: torch.nn.Module, platform: Platform) -> int:
             module.set_force_sum_reduction_for_comms(True)
             count += 1
     return count
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """Torch's intra-op thread count set to `n` inside the block, the caller's restored after it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

@@ -32,7 +32,7 @@ from transformers import AutoTokenizer
 
 from composer_mesh.configs.sections.model import ModelConfig
 from composer_mesh.titan_ext.assets import build_once
-from composer_mesh.titan_ext.platform import detect_platform
+from composer_mesh.titan_ext.platform import detect_platform, torch_threads
 
 
 @dataclass(frozen=True)
@@ -119,30 +119,29 @@ def sft(model: torch.nn.Module, rows: Sequence[tuple[list[int], list[bool]]], cf
     gen = torch.Generator().manual_seed(cfg.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 - k / cfg.steps if cfg.decay else 1.0)
-    skipped, threads = model._skip_lm_head, torch.get_num_threads()
+    skipped = model._skip_lm_head
     skip_lm_head(model)
     model.train()
-    torch.set_num_threads(cfg.threads)
     losses = []
     try:
-        for _ in range(cfg.steps):
-            pick = torch.randint(len(rows), (min(cfg.batch_size, len(rows)),), generator=gen)
-            tokens_BL, labels_BL = sft_batch([rows[int(i)] for i in pick])
-            positions_BL = torch.arange(tokens_BL.shape[1]).expand_as(tokens_BL)
-            hidden_BLD = model(tokens_BL, positions_BL, attention_masks(model, positions_BL))
-            keep_BL = labels_BL != -100
-            logits_NV = _HeadOnRows.apply(hidden_BLD, model.lm_head.weight, keep_BL)
-            loss = F.cross_entropy(logits_NV.float(), labels_BL[keep_BL])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            if cfg.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            opt.step()
-            decay.step()
-            losses.append(float(loss.detach()))
+        with torch_threads(cfg.threads):
+            for _ in range(cfg.steps):
+                pick = torch.randint(len(rows), (min(cfg.batch_size, len(rows)),), generator=gen)
+                tokens_BL, labels_BL = sft_batch([rows[int(i)] for i in pick])
+                positions_BL = torch.arange(tokens_BL.shape[1]).expand_as(tokens_BL)
+                hidden_BLD = model(tokens_BL, positions_BL, attention_masks(model, positions_BL))
+                keep_BL = labels_BL != -100
+                logits_NV = _HeadOnRows.apply(hidden_BLD, model.lm_head.weight, keep_BL)
+                loss = F.cross_entropy(logits_NV.float(), labels_BL[keep_BL])
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                if cfg.grad_clip > 0:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                opt.step()
+                decay.step()
+                losses.append(float(loss.detach()))
     finally:
         model._skip_lm_head = skipped
-        torch.set_num_threads(threads)
     return losses
 
 

@@ -14,9 +14,11 @@ import os
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Iterator
+from typing import IO, ContextManager, Iterator
 
 import torch
+
+from composer_mesh.titan_ext.platform import torch_threads
 
 
 @contextmanager
@@ -76,16 +78,10 @@ def map_slot(path: Path, fd: int, writable: bool) -> SlotMapping:
     return mapping
 
 
-@contextmanager
-def one_thread() -> Iterator[None]:
+def one_thread() -> ContextManager[None]:
     """Run torch ops in one thread: the copies here are memory-bound and several processes of a host copy at
     once; with a thread team per op, every one of the many small copies waits for a core another process holds."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
+    return torch_threads(1)
 
 
 class SlotHold:

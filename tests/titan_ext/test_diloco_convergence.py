@@ -19,10 +19,10 @@ the first outer step averaged both replicas, see docs/diloco.md).
 from __future__ import annotations
 
 import pytest
-import torch
 
 from composer_mesh.configs.sections.diloco import DiLoCoConfig
 from composer_mesh.titan_ext.diloco import parameters_digest
+from composer_mesh.titan_ext.platform import torch_threads
 from diloco_lm import LMTaskConfig, build_lm, heldout_loss, run_ddp, run_diloco_threads
 
 pytestmark = pytest.mark.slow
@@ -31,9 +31,7 @@ H, ROUNDS = 8, 10
 
 
 def test_diloco_h8_within_5_percent_of_ddp_at_same_tokens():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the figures above were measured single-threaded
-    try:
+    with torch_threads(1):  # the figures above were measured single-threaded
         task = LMTaskConfig(lr=1e-3)
         cfg = DiLoCoConfig(inner_steps=H, replica_groups=2, min_replicas=2, outer_lr=0.8, outer_momentum=0.6,
                            nesterov=True, timeout_s=60, quorum_timeout_s=120)
@@ -43,8 +41,6 @@ def test_diloco_h8_within_5_percent_of_ddp_at_same_tokens():
         diloco = heldout_loss(models[0], task)
         ddp = heldout_loss(run_ddp(task, 2, H * ROUNDS), task)
         start = heldout_loss(build_lm(task.seed), task)
-    finally:
-        torch.set_num_threads(threads)
     print(f"\nheld-out loss after {H * ROUNDS} steps x 2 replicas' rows: DiLoCo H={H} {diloco:.4f}, "
           f"DDP {ddp:.4f}, ratio {diloco / ddp:.4f} (init {start:.4f})")
     assert all(s["commits"] == ROUNDS and s["failed_syncs"] == 0 for s in statuses)

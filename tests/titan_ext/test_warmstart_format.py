@@ -19,7 +19,7 @@ from composer_mesh.configs.sections.env import DemoTaskConfig
 from composer_mesh.configs.sections.model import ModelConfig
 from composer_mesh.envs import demo
 from composer_mesh.titan_ext.build import build_model
-from composer_mesh.titan_ext.platform import detect_platform
+from composer_mesh.titan_ext.platform import detect_platform, torch_threads
 from composer_mesh.titan_ext.warmstart import WarmStartConfig, sft, sft_rows, warm_start_dir
 
 CFG = DemoTaskConfig(max_operand=9)
@@ -143,25 +143,23 @@ def test_sft_weights_equal_full_logits_cross_entropy_under_the_dense_mask_bit_fo
     torch.manual_seed(0)
     ref = build_model(model_cfg, device="cpu", platform=platform)
     gen = torch.Generator().manual_seed(cfg.seed)
-    ambient = torch.get_num_threads()
-    torch.set_num_threads(cfg.threads)  # the rounding `sft` gets (test_sft_runs_on_its_own_thread_count)
     opt = torch.optim.AdamW(ref.parameters(), lr=cfg.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 - k / cfg.steps)
-    for _ in range(cfg.steps):
-        pick = torch.randint(len(rows), (cfg.batch_size,), generator=gen)
-        tokens_BL, labels_BL = sft_batch([rows[int(i)] for i in pick])
-        positions_BL = torch.arange(tokens_BL.shape[1]).expand_as(tokens_BL)
-        logits_BLV = ref(tokens_BL, positions_BL, block_causal_mask(positions_BL))
-        loss = F.cross_entropy(logits_BLV.flatten(0, 1), labels_BL.flatten(), ignore_index=-100)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if grad_clip:
-            norm = sum(float(p.grad.double().pow(2).sum()) for p in ref.parameters()) ** 0.5
-            for p in ref.parameters():
-                p.grad.mul_(min(1.0, grad_clip / norm))
-        opt.step()
-        sched.step()
-    torch.set_num_threads(ambient)
+    with torch_threads(cfg.threads):  # the rounding `sft` gets (test_sft_runs_on_its_own_thread_count)
+        for _ in range(cfg.steps):
+            pick = torch.randint(len(rows), (cfg.batch_size,), generator=gen)
+            tokens_BL, labels_BL = sft_batch([rows[int(i)] for i in pick])
+            positions_BL = torch.arange(tokens_BL.shape[1]).expand_as(tokens_BL)
+            logits_BLV = ref(tokens_BL, positions_BL, block_causal_mask(positions_BL))
+            loss = F.cross_entropy(logits_BLV.flatten(0, 1), labels_BL.flatten(), ignore_index=-100)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if grad_clip:
+                norm = sum(float(p.grad.double().pow(2).sum()) for p in ref.parameters()) ** 0.5
+                for p in ref.parameters():
+                    p.grad.mul_(min(1.0, grad_clip / norm))
+            opt.step()
+            sched.step()
     if not grad_clip:
         assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters(), strict=True))
         return
@@ -183,17 +181,13 @@ def test_sft_runs_on_its_own_thread_count_whatever_the_process_has(tiny_assets):
     model_cfg = ModelConfig(flavour="tiny", device="cpu", hf_path=str(tiny_assets.dense_dir))
     rows = sft_rows(AutoTokenizer.from_pretrained(tiny_assets.dense_dir), demo.format_examples(CFG, 24, seed=1))
     cfg = WarmStartConfig(steps=8, batch_size=8, lr=1e-2, seed=0)
-    ambient = torch.get_num_threads()
 
     def weights(process_threads: int, run_threads: int) -> list[torch.Tensor]:
-        torch.set_num_threads(process_threads)
-        torch.manual_seed(0)
-        model = build_model(model_cfg, device="cpu", platform=detect_platform("cpu"))
-        try:
+        with torch_threads(process_threads):
+            torch.manual_seed(0)
+            model = build_model(model_cfg, device="cpu", platform=detect_platform("cpu"))
             sft(model, rows, dataclasses.replace(cfg, threads=run_threads))
             assert torch.get_num_threads() == process_threads
-        finally:
-            torch.set_num_threads(ambient)
         return [p.detach().clone() for p in model.parameters()]
 
     pinned = weights(1, 2)
