@@ -256,14 +256,14 @@ def delta_run(state, trainer_cls, trainer_args: tuple, gen_cls, gen_args: tuple,
     deltas after an anchor, then `steps` synced whole; the generator's weights are checked at the end."""
     import statistics
 
-    from monarch.spmd import setup_torch_elastic_env
+    from composer_mesh.actors.elastic import setup_elastic_env
 
     from composer_mesh.actors.mesh_utils import rank0
     from composer_mesh.actors.weight_sync.sync import TopologySync
     from composer_mesh.titan_ext.batch import TrainBatch
 
     procs = state.trainer.spawn_procs(per_host={"gpus": 2})
-    setup_torch_elastic_env(procs)
+    setup_elastic_env(procs)
     trainer = procs.spawn("trainer", trainer_cls, *trainer_args)
     gen_procs = state.generator.spawn_procs(per_host={"gpus": 1})
     gen = gen_procs.spawn("generator", gen_cls, *gen_args)
@@ -416,7 +416,7 @@ def main() -> None:
     # actor classes by an importable name, for the child processes
     import benchmarks.weight_sync as bench
     from monarch.actor import this_host
-    from monarch.spmd import setup_torch_elastic_env
+    from composer_mesh.actors.elastic import setup_elastic_env
 
     from composer_mesh.actors.generator import GeneratorSpec
     from composer_mesh.actors.mesh_utils import rank0
@@ -453,7 +453,7 @@ def main() -> None:
             print(json.dumps(delta_json(deltas)))
             return
         trainer_procs = this_host().spawn_procs(per_host={"gpus": 2})
-        setup_torch_elastic_env(trainer_procs)
+        setup_elastic_env(trainer_procs)
         trainer = trainer_procs.spawn("trainer", bench.BenchTrainer,
                                       TrainerSpec(model=model_cfg, checkpoint_dir=str(work / "ckpt")), shape)
         gen_spec = GeneratorSpec(model_dir=str(hf_dir), tokenizer_dir=str(tiny.dense_dir),

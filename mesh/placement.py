@@ -40,7 +40,7 @@ from typing import Any
 
 from monarch.actor import this_host
 from monarch.job import load_current_job
-from monarch.spmd import setup_torch_elastic_env
+from composer_mesh.actors.elastic import setup_elastic_env
 
 from composer_mesh.actors.generator import GeneratorActor, GeneratorSpec
 from composer_mesh.actors.teacher_replay import TeacherReplayActor
@@ -238,7 +238,7 @@ def _start_trainer(cfg: MeshConfig, spec: Any, meshes: list[Any], procs: Any = N
     proc mesh started early (`mesh.prespawn`, already in `meshes`), else a fresh one (added to `meshes`)."""
     if procs is None:
         procs = host_meshes(cfg)[0].spawn_procs(per_host={"gpus": cfg.trainer_procs})
-        setup_torch_elastic_env(procs)
+        setup_elastic_env(procs)
         meshes.append(procs)
     trainer = procs.spawn("trainer", TrainerActor, spec)
     return trainer, procs, trainer.setup.call()

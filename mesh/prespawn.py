@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from monarch.actor import Actor, endpoint, this_host
-from monarch.spmd import setup_torch_elastic_env
+from composer_mesh.actors.elastic import setup_elastic_env
 
 from composer_mesh.actors.monarch_compat import reload_config_from_env
 from composer_mesh.actors.phase_memory import MMAP_THRESHOLD_ENV
@@ -133,7 +133,7 @@ class Prespawned:
         """The early processes' pids, the trainer's first, once each has imported its modules (an import error
         is raised here) and the trainer's torch-elastic environment is set."""
         if self.elastic is not None:
-            setup_torch_elastic_env(self.elastic)
+            setup_elastic_env(self.elastic)
             self.elastic = None
         self.pids += [pid for _, call in self.loads for pid in call.get().values()]
         self.loads = []

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from monarch.actor import this_proc
-from monarch.spmd import setup_torch_elastic_env
+from composer_mesh.actors.elastic import setup_elastic_env
 
 from composer_mesh.actors.diloco import DiLoCoManagerActor, DiLoCoTrainerActor
 from composer_mesh.actors.mesh_utils import rank0
@@ -96,7 +96,7 @@ def place_replicas(cfg: MeshConfig, diloco: DiLoCoConfig, trainer_spec: Any, gen
     meshes, groups = [], []
     for g in range(diloco.replica_groups):
         procs = trainer_hosts.spawn_procs(per_host={"gpus": diloco.procs_per_group})
-        setup_torch_elastic_env(procs)
+        setup_elastic_env(procs)
         meshes.append(procs)
         spec = trainer_spec
         if trainer_spec.checkpoint_dir:

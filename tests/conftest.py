@@ -4,19 +4,18 @@ generator specs the actor and mesh tests run, free loopback ports, and a vLLM se
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
+
+from composer_mesh.titan_ext.rendezvous import master_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def _free_port() -> int:
-    """A loopback TCP port that was free a moment ago (another process may still take it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback TCP port that was free a moment ago, below the ephemeral range (`rendezvous.master_port`)."""
+    return master_port("127.0.0.1")
 
 
 @pytest.fixture(scope="session")

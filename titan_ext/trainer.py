@@ -29,7 +29,6 @@ import dataclasses
 import itertools
 import math
 import os
-import socket
 import time
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Iterator
@@ -63,6 +62,7 @@ from composer_mesh.titan_ext.models import init_model, resolve_model
 from composer_mesh.titan_ext.optimizer import build_lr_scheduler, build_optimizer
 from composer_mesh.titan_ext.parallelize import build_parallel_dims, parallelize_model, prepare_model_config
 from composer_mesh.titan_ext.platform import Platform, detect_platform, init_process_group
+from composer_mesh.titan_ext.rendezvous import master_port
 from composer_mesh.titan_ext.spec import TrainerSpec
 from composer_mesh.titan_ext.torchtitan_compat import skip_lm_head
 
@@ -70,9 +70,7 @@ from composer_mesh.titan_ext.torchtitan_compat import skip_lm_head
 def ensure_process_group(platform: Platform) -> torch.device:
     """Join the torchrun-style process group, or start a one-rank group on loopback."""
     if not dist.is_initialized() and "WORLD_SIZE" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = master_port("127.0.0.1")
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     return init_process_group(platform)
 

@@ -42,7 +42,7 @@ def policy_batch(seed: int, rows: int = 2):
 @pytest.fixture(scope="module")
 def replicas(tiny_assets):
     from monarch.actor import this_host, this_proc
-    from monarch.spmd import setup_torch_elastic_env
+    from composer_mesh.actors.elastic import setup_elastic_env
 
     from composer_mesh.actors.diloco import DiLoCoManagerActor, DiLoCoTrainerActor
     from composer_mesh.titan_ext.spec import TrainerSpec
@@ -57,7 +57,7 @@ def replicas(tiny_assets):
     meshes, groups = [], []
     for i in range(2):
         procs = this_host().spawn_procs(per_host={"gpus": 1})
-        setup_torch_elastic_env(procs)
+        setup_elastic_env(procs)
         meshes.append(procs)
         groups.append(procs.spawn(f"trainer_{i}", DiLoCoTrainerActor, spec, cfg))
     for g in groups:

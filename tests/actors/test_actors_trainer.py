@@ -42,13 +42,13 @@ def oracle_meshes(tiny_trainer_spec, generator_spec, tmp_path_factory):
     """The same layout running the product actors plus the test oracle's endpoint sync
     (`tests/endpoint_sync.py`): 2 FSDP trainer procs, one single-process mesh per generator."""
     from monarch.actor import this_host
-    from monarch.spmd import setup_torch_elastic_env
+    from composer_mesh.actors.elastic import setup_elastic_env
 
     from endpoint_sync import EndpointGenerator, EndpointTrainer
 
     out = tmp_path_factory.mktemp("oracle")
     trainer_procs = this_host().spawn_procs(per_host={"gpus": 2})
-    setup_torch_elastic_env(trainer_procs)
+    setup_elastic_env(trainer_procs)
     trainer = trainer_procs.spawn("trainer", EndpointTrainer, tiny_trainer_spec(out / "ckpt"))
     gen_procs = this_host().spawn_procs(per_host={"gpus": 2})
     gens = [gen_procs.slice(gpus=i).spawn("generator", EndpointGenerator, generator_spec) for i in range(2)]

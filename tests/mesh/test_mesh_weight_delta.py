@@ -369,12 +369,12 @@ def _flip_a_bit(root: str, host: str) -> None:
 
 
 def _trainer(state, spec):
-    from monarch.spmd import setup_torch_elastic_env
+    from composer_mesh.actors.elastic import setup_elastic_env
 
     from composer_mesh.actors.trainer import TrainerActor
 
     procs = state.trainer.spawn_procs(per_host={"gpus": 2})
-    setup_torch_elastic_env(procs)
+    setup_elastic_env(procs)
     trainer = procs.spawn("trainer", TrainerActor, spec)
     trainer.setup.call().get()
     return procs, trainer

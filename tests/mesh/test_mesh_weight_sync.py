@@ -175,7 +175,7 @@ def meshes(tiny_trainer_spec, make_generator_spec, tmp_path_factory):
     """Monarch `ProcessJob` fake hosts: "trainer_0" runs the trainer mesh and two generator processes
     (same-host fan-out); "generator_0" and "generator_1" run one generator each (cross-host reads)."""
     from monarch.job import ProcessJob
-    from monarch.spmd import setup_torch_elastic_env
+    from composer_mesh.actors.elastic import setup_elastic_env
 
     from composer_mesh.actors.generator import GeneratorActor
     from composer_mesh.actors.trainer import TrainerActor
@@ -187,7 +187,7 @@ def meshes(tiny_trainer_spec, make_generator_spec, tmp_path_factory):
     try:
         state = job.state(cached_path=None)
         trainer_procs = state.trainer.spawn_procs(per_host={"gpus": 2})
-        setup_torch_elastic_env(trainer_procs)
+        setup_elastic_env(trainer_procs)
         trainer = trainer_procs.spawn("trainer", TrainerActor, spec)
         local = state.trainer.spawn_procs(per_host={"gpus": 2}).spawn("generator", GeneratorActor, generator_spec)
         remote = state.generator.spawn_procs(per_host={"gpus": 1}).spawn("generator", GeneratorActor, generator_spec)

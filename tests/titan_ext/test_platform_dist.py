@@ -171,3 +171,24 @@ def test_shims_and_platform_selection():
             detect_platform("cuda")
     with pytest.raises(ValueError, match="unknown device 'tpu'"):
         detect_platform("tpu")
+
+
+def test_master_port_is_free_below_the_ephemeral_range_and_not_seeded():
+    """A store's port must be one the kernel never hands an outgoing connection, and bindable now;
+    two pickers with the same global seed must not agree on it (tests and jobs fix seeds)."""
+    import random
+    import socket
+
+    from composer_mesh.titan_ext.rendezvous import master_port
+
+    low, _ = (int(v) for v in open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+    ports = []
+    for _ in range(2):
+        random.seed(0)
+        torch.manual_seed(0)
+        ports.append(master_port("127.0.0.1"))
+    assert ports[0] != ports[1], ports
+    for port in ports:
+        assert max(1024, low - 10000) <= port < low, (port, low)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))

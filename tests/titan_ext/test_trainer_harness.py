@@ -22,7 +22,6 @@ import functools
 import json
 import os
 import signal
-import socket
 import shutil
 import subprocess
 import sys
@@ -31,6 +30,8 @@ import time
 import traceback
 from pathlib import Path
 from typing import Any
+
+from composer_mesh.titan_ext.rendezvous import master_port
 
 REPO = Path(__file__).resolve().parents[2]
 HARNESS = Path(__file__).resolve()
@@ -41,12 +42,6 @@ _PRELOAD = ("torch", "torch.distributed.fsdp", "transformers", "composer_mesh.ti
 
 
 # ---- launching ranks ---------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Zygote:
@@ -131,7 +126,7 @@ def _zygote_main() -> None:
     for line in sys.stdin:
         request = json.loads(line)
         if request["op"] == "launch":
-            port = _free_port()
+            port = master_port("127.0.0.1")
             pids = []
             for rank in range(request["world"]):
                 pid = os.fork()
