@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 import socket
+from pathlib import Path
 
 
 def master_port(host: str = "") -> int:
@@ -38,7 +39,7 @@ def master_port(host: str = "") -> int:
 def _ephemeral_range() -> tuple[int, int]:
     """The kernel's (low, high) ports for outgoing connections; Linux's default where it can't be read."""
     try:
-        low, high = open("/proc/sys/net/ipv4/ip_local_port_range").read().split()
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
         return int(low), int(high)
     except (OSError, ValueError):
         return 32768, 60999
