@@ -213,7 +213,7 @@ class TrainerActor(Actor):
 
         delta (exposed ranks; `actors.weight_sync.delta`): "delta" also encodes the runs against this rank's previous
         publication (when it has one) for readers to apply; "anchor" only keeps this version as the next base;
-        "off" keeps no base (its memory is freed). The encoding runs in the background
+        "off" keeps no base. The encoding runs in the background
         (`actors.weight_sync.encoder`): this returns once the shards are sealed; a failed encoding is raised by the
         rank's next publication."""
         t = self._t()

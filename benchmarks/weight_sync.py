@@ -242,8 +242,7 @@ def _codec(root: str, host: str, version: int) -> dict:
     zstd = zstandard.ZstdCompressor(level=-1).compress(xor)
     zstd_s = time.perf_counter() - start
     start = time.perf_counter()
-    # a becomes b (the sender's base)
-    _, _, packed, _ = encode_run(b, a, 2, torch.empty(BLOCK_BYTES, dtype=torch.uint8))
+    _, _, packed, _, _ = encode_run(b, a, 2, torch.empty(BLOCK_BYTES, dtype=torch.uint8))
     xor_s = time.perf_counter() - start
     return {"xor_lz4": len(packed) / n, "xor_zstd": len(zstd) / n, "bitmask_values": (bits.nbytes + values.numel() * 2) / n,
             "index_values": (index.numel() * 4 + values.numel() * 2) / n, "xor_lz4_gbps": n / xor_s / 1e9,

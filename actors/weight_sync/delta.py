@@ -2,9 +2,10 @@
 
 With the small learning rates of RL, most bf16 values do not change from one
 step to the next, so what crosses hosts can be what changed instead of every
-byte. Each trainer rank keeps the bytes it published last (`DeltaBase`, one
-private copy of its shard in the serving dtype) and sends, per run (one
-tensor's local shard), the smaller of:
+byte. Each trainer rank remembers where the runs it published last are
+(`DeltaBase`: a view of its previous sealed slot, which stays unchanged for
+`keep` more versions, so no copy is kept) and sends, per run (one tensor's
+local shard), the smaller of:
 
 - XOR: the run XOR its base, LZ4-compressed block by block (`BLOCK_BYTES` of
   input each, so a block's XOR is counted and compressed while it is in
@@ -17,15 +18,17 @@ Why XOR + LZ4 blocks: docs/weight_sync.md "Delta sync". XOR is on raw
 bits, so -0.0, NaN payloads and every rounding are carried exactly.
 The receiving host writes each run as its own sealed copy of the base
 version (named by version *and* sync token: the very bytes the trainer
-encoded against) XOR the decoded bits (`apply_delta`, block by block); a checksum (xxh3-64,
+encoded against) XOR the decoded bits (`apply_delta`: each block decoded
+straight into the target, then the base XORed in); a checksum (xxh3-64,
 chained run by run) of the rank's runs after applying must equal the
 trainer's, or the caller falls back to the full runs.
 """
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import lz4.block
 import numpy as np
@@ -108,17 +111,21 @@ def _bits(raw_U8: torch.Tensor, itemsize: int) -> torch.Tensor:
 
 
 def encode_run(new_U8: torch.Tensor, old_U8: torch.Tensor, itemsize: int, scratch_U8: torch.Tensor,
-               block_bytes: int = BLOCK_BYTES) -> tuple[str, int, bytes | torch.Tensor, tuple[int, ...]]:
-    """(encoding, changed elements, bytes to send, compressed size per block) for one run: XOR + LZ4 per block of
-    `block_bytes` unless that is no smaller. `old_U8` (the sender's base) is overwritten with `new_U8` block by
-    block; `scratch_U8` (at least `block_bytes`) holds each block's XOR."""
+               block_bytes: int = BLOCK_BYTES,
+               checksum: int = 0) -> tuple[str, int, bytes | torch.Tensor, tuple[int, ...], int]:
+    """(encoding, changed elements, bytes to send, compressed size per block, checksum) for one run: XOR + LZ4 per
+    block of `block_bytes` against `old_U8` (the same run of the base version) unless that is no smaller;
+    `scratch_U8` (at least `block_bytes`) holds each block's XOR. The checksum is `runs_checksum` of the run
+    continued from `checksum`, taken block by block while the block is in cache."""
     if block_bytes % itemsize or scratch_U8.numel() < block_bytes:
         raise ValueError(f"block_bytes {block_bytes} must be a multiple of {itemsize} and fit the scratch")
     new, old = _bits(new_U8, itemsize).numpy(), _bits(old_U8, itemsize).numpy()
     scratch = _bits(scratch_U8[:block_bytes], itemsize).numpy()
     per, packed, sizes, changed = block_bytes // itemsize, [], [], 0
+    digest = xxhash.xxh3_64(seed=checksum)
     for lo in range(0, new.size, per):
         hi = min(lo + per, new.size)
+        digest.update(new[lo:hi])
         xor = scratch[: hi - lo]
         np.bitwise_xor(old[lo:hi], new[lo:hi], out=xor)
         # numpy's count is faster than torch's on int16
@@ -126,112 +133,145 @@ def encode_run(new_U8: torch.Tensor, old_U8: torch.Tensor, itemsize: int, scratc
         planes = np.ascontiguousarray(xor.view(np.uint8).reshape(-1, itemsize).T) if byte_planes(itemsize) else xor
         packed.append(lz4.block.compress(planes, store_size=False))
         sizes.append(len(packed[-1]))
-        old[lo:hi] = new[lo:hi]
     if sum(sizes) >= new_U8.numel():
-        return FULL, changed, new_U8, ()
-    return XOR, changed, b"".join(packed), tuple(sizes)
+        return FULL, changed, new_U8, (), digest.intdigest()
+    return XOR, changed, b"".join(packed), tuple(sizes), digest.intdigest()
 
 
 class DeltaBase:
-    """The bytes one trainer rank published last (its runs, concatenated, in the serving dtype) and which
-    publication that was (version, sync token): what its next delta is taken against."""
+    """Where the runs one trainer rank published last are (a view of that publication's sealed payload, in the
+    serving dtype) and which publication that was (version, sync token): what its next delta is taken against.
+
+    No copy is kept: the caller guarantees the viewed payload stays unchanged until the next encoding against it
+    has finished (the trainer's: a sealed slot is rewritten only `keep` versions later, and every publication
+    first waits for the previous encoding). A publication written over the base's own memory (a version published
+    again into its slot) cannot be a delta: `matches` says no."""
 
     def __init__(self, block_bytes: int = BLOCK_BYTES) -> None:
         self.block_bytes = block_bytes
         self.version: int | None = None
         self.token = ""
         self.runs: list[Piece] = []
-        self.copy_U8 = torch.empty(0, dtype=torch.uint8)
+        # [payload bytes] the base version's payload (a view: no memory of its own)
+        self.payload_U8 = torch.empty(0, dtype=torch.uint8)
         # one block's XOR (allocated on the first delta)
         self._scratch_U8 = torch.empty(0, dtype=torch.uint8)
 
-    def matches(self, runs: list[Piece]) -> bool:
-        """Whether the base holds these very runs (else a delta against it is not possible)."""
-        return self.version is not None and runs == self.runs
+    def matches(self, payload_U8: torch.Tensor, runs: list[Piece]) -> bool:
+        """Whether a delta of `runs` of `payload_U8` against the base is possible: the base holds these very runs,
+        elsewhere in memory (a payload written over the base's bytes has destroyed them)."""
+        return (self.version is not None and runs == self.runs
+                and not _overlap(payload_U8, self.payload_U8))
 
     def encode_runs(self, payload_U8: torch.Tensor, runs: list[Piece], version: int, token: str,
-                    itemsize: int) -> Iterator[tuple[RunDelta, torch.Tensor]]:
-        """Per run of `payload_U8`, in order: its `RunDelta` (`at` 0: the caller places it) and section bytes
-        `[size]` uint8 against the base, which each run then replaces; once every run is out, the base is version
-        `version` of sync `token`. The base must `match` the runs. Stopped or failed half-way, the base is dropped."""
-        if not self.matches(runs):
-            raise ValueError(f"v{version}: the delta base holds other runs (refresh it first)")
+                    itemsize: int) -> Iterator[tuple[RunDelta, torch.Tensor, int]]:
+        """Per run of `payload_U8`, in order: its `RunDelta` (`at` 0: the caller places it), section bytes
+        `[size]` uint8 against the base and `runs_checksum` of the runs so far; once every run is out, the base is
+        `payload_U8`, version `version` of sync `token`. The base must `match`. Stopped or failed half-way, the
+        base is dropped."""
+        if not self.matches(payload_U8, runs):
+            raise ValueError(f"v{version}: the delta base holds other runs or shares the payload's memory "
+                             "(refresh it first)")
         if self._scratch_U8.numel() < self.block_bytes:
             self._scratch_U8 = torch.empty(self.block_bytes, dtype=torch.uint8)
-        finished, at = False, 0
+        finished, checksum = False, 0
         try:
             for run in runs:
-                new = payload_U8[run.offset : run.offset + run.nbytes]
-                encoding, k, data, blocks = encode_run(new, self.copy_U8[at : at + run.nbytes], itemsize,
-                                                       self._scratch_U8, self.block_bytes)
-                at += run.nbytes
+                lo, hi = run.offset, run.offset + run.nbytes
+                encoding, k, data, blocks, checksum = encode_run(payload_U8[lo:hi], self.payload_U8[lo:hi], itemsize,
+                                                                 self._scratch_U8, self.block_bytes, checksum)
                 section = torch.frombuffer(bytearray(data), dtype=torch.uint8) if isinstance(data, bytes) else data
-                yield RunDelta(run, encoding, k, 0, section.numel(), blocks, self.block_bytes), section
+                yield RunDelta(run, encoding, k, 0, section.numel(), blocks, self.block_bytes), section, checksum
             finished = True
         finally:
             if finished:
-                self.version, self.token = version, token
+                self.refresh(payload_U8, runs, version, token)
             else:
-                # some runs of the copy are the new version: no base until the next refresh
                 self.drop()
 
     def refresh(self, payload_U8: torch.Tensor, runs: list[Piece], version: int, token: str) -> None:
         """Make `runs` of `payload_U8` (version `version` of sync `token`) the base, without a delta."""
-        self._refresh(payload_U8, runs)
+        self.payload_U8, self.runs = payload_U8, list(runs)
         self.version, self.token = version, token
 
-    def _refresh(self, payload_U8: torch.Tensor, runs: list[Piece]) -> None:
-        """Copy `runs` of `payload_U8` in (reusing the copy's memory when their total is unchanged)."""
-        total = sum(r.nbytes for r in runs)
-        if self.copy_U8.numel() != total:
-            self.copy_U8 = torch.empty(total, dtype=torch.uint8)
-        at = 0
-        for run in runs:
-            self.copy_U8[at : at + run.nbytes].copy_(payload_U8[run.offset : run.offset + run.nbytes])
-            at += run.nbytes
-        self.runs = list(runs)
-
     def drop(self) -> None:
-        """Forget the base (deltas off): its memory is freed and the next delta needs a new one."""
+        """Forget the base (deltas off, or an encoding failed): the next delta needs a new one."""
         self.__init__(self.block_bytes)
 
 
-def apply_delta(target_U8: torch.Tensor, base_U8: torch.Tensor, delta: Delta, buffer_U8: torch.Tensor) -> None:
+def _overlap(a_U8: torch.Tensor, b_U8: torch.Tensor) -> bool:
+    """Whether two contiguous byte tensors share any memory."""
+    if a_U8.numel() == 0 or b_U8.numel() == 0:
+        return False
+    a, b = a_U8.data_ptr(), b_U8.data_ptr()
+    return a < b + b_U8.numel() and b < a + a_U8.numel()
+
+
+def apply_delta(target_U8: torch.Tensor, base_U8: torch.Tensor, delta: Delta, buffer_U8: torch.Tensor,
+                checksum: int = 0) -> int:
     """Write every run of `delta` into `target_U8`: base XOR the decoded bits (read from the same runs of
-    `base_U8`, the base version's payload), block by block, or the run itself where it was sent whole. Raises
-    ValueError on a section that does not decode to its run's size."""
+    `base_U8`, the base version's payload, elsewhere in memory), block by block, or the run itself where it was
+    sent whole. Returns `runs_checksum` of the runs written, continued from `checksum` (taken block by block
+    while the block is in cache). Raises ValueError on a section that does not decode to its run's size."""
+    if _overlap(target_U8, base_U8):
+        raise ValueError("apply_delta: the target shares memory with the base it is decoded against")
     for rd in delta.runs:
         lo, hi = rd.run.offset, rd.run.offset + rd.run.nbytes
         section = buffer_U8[rd.at : rd.at + rd.size]
         if rd.encoding == FULL:
             target_U8[lo:hi].copy_(section)
+            checksum = runs_checksum(target_U8, [rd.run], checksum)
         elif rd.encoding == XOR:
-            _apply_xor(target_U8[lo:hi], base_U8[lo:hi], section, rd, delta.itemsize)
+            checksum = _apply_xor(target_U8[lo:hi], base_U8[lo:hi], section, rd, delta.itemsize, checksum)
         else:
             raise ValueError(f"unknown run encoding {rd.encoding!r}")
+    return checksum
+
+
+def _lz4_decompress_safe() -> Callable[[int, int, int, int], int]:
+    """LZ4's C `LZ4_decompress_safe(src, dst, src_size, dst_capacity)` from the LZ4 that python-lz4 bundles (the
+    very code `lz4.block.compress` encodes with): it decodes straight into the target's memory, where
+    `lz4.block.decompress` returns a new object per block (an allocation and one more pass over every byte:
+    0.30 of the applying's time, docs/weight_sync.md). Bounded by `dst_capacity` on any input; ctypes lets go
+    of the GIL during the call."""
+    fn = ctypes.CDLL(lz4.block._block.__file__).LZ4_decompress_safe
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    return fn
+
+
+_LZ4_DECOMPRESS = _lz4_decompress_safe()
 
 
 def _apply_xor(target_U8: torch.Tensor, base_U8: torch.Tensor, section_U8: torch.Tensor, rd: RunDelta,
-               itemsize: int) -> None:
-    """One XOR run: each LZ4 block decoded (one block of bytes, in cache) and XORed with the base into the target."""
+               itemsize: int, checksum: int) -> int:
+    """One XOR run, block by block: the block's XOR decoded into the target (through a scratch block for byte
+    planes, which are transposed back), then the base XORed into it and the result hashed, while it is in cache.
+    Returns the checksum continued over the run."""
+    if not (target_U8.is_contiguous() and section_U8.is_contiguous()):
+        raise ValueError("delta run: the target and the section must be contiguous bytes")
     base, target = _bits(base_U8, itemsize).numpy(), _bits(target_U8, itemsize).numpy()
-    packed, per = section_U8.numpy(), rd.block_bytes // itemsize
+    per = rd.block_bytes // itemsize
     expected = -(-base.size // per) if per else -1
-    if len(rd.blocks) != expected or sum(rd.blocks) != packed.size:
+    if len(rd.blocks) != expected or sum(rd.blocks) != section_U8.numel():
         raise ValueError(f"delta run: {len(rd.blocks)} blocks of {sum(rd.blocks)} bytes in all, {expected} blocks "
-                         f"over a {packed.size}-byte section expected")
-    at = 0
+                         f"over a {section_U8.numel()}-byte section expected")
+    planes = byte_planes(itemsize)
+    # [block bytes] a byte-plane block before its transpose
+    scratch = np.empty(rd.block_bytes if planes else 0, dtype=np.uint8)
+    src, at, digest = section_U8.data_ptr(), 0, xxhash.xxh3_64(seed=checksum)
     for i, size in enumerate(rd.blocks):
         lo, hi = i * per, min((i + 1) * per, base.size)
         want = (hi - lo) * itemsize
-        try:
-            raw = lz4.block.decompress(packed[at : at + size], uncompressed_size=want)
-        except lz4.block.LZ4BlockError as exc:
-            raise ValueError(f"delta run: block {i} is not an LZ4 block of the {want} bytes expected ({exc})") from None
-        if len(raw) != want:
-            raise ValueError(f"delta run: block {i} decoded {len(raw)} bytes, {want} expected")
-        xor = np.frombuffer(raw, dtype=np.uint8)
-        if byte_planes(itemsize):
-            xor = np.ascontiguousarray(xor.reshape(itemsize, -1).T)
-        np.bitwise_xor(base[lo:hi], xor.view(base.dtype).reshape(-1), out=target[lo:hi])
+        into = scratch.ctypes.data if planes else target_U8.data_ptr() + lo * itemsize
+        got = _LZ4_DECOMPRESS(src + at, into, size, want)
+        if got < 0:
+            raise ValueError(f"delta run: block {i} is not an LZ4 block of the {want} bytes expected")
+        if got != want:
+            raise ValueError(f"delta run: block {i} decoded {got} bytes, {want} expected")
+        if planes:
+            target[lo:hi].view(np.uint8).reshape(-1, itemsize)[:] = scratch[:want].reshape(itemsize, -1).T
+        np.bitwise_xor(target[lo:hi], base[lo:hi], out=target[lo:hi])
+        digest.update(target[lo:hi])
         at += size
+    return digest.intdigest()

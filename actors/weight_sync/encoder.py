@@ -13,9 +13,10 @@ one round trip per chunk, no buffer to register), so a reader applies chunk k
 while chunk k+1 is encoded, and the trainer actor's own queue (the next
 `train_step`) never waits for the encoding.
 
-The sealed version the thread reads stays unchanged while it runs: its slot
-is reused only `keep` versions later, and every publication first waits for
-the previous encoding (`BackgroundEncoder.finish`). A failed encoding is raised
+The sealed versions the thread reads (the new one and its base, the rank's
+previous publication: `DeltaBase` keeps no copy) stay unchanged while it
+runs: a slot is reused only `keep` versions later, and every publication
+first waits for the previous encoding (`BackgroundEncoder.finish`). A failed encoding is raised
 there, at the trainer's next publication, naming the version; its readers
 never see it as a delta (`chunk` raises, and they read that rank whole).
 """
@@ -32,7 +33,7 @@ import torch
 from monarch.actor import Actor, endpoint
 
 from composer_mesh.actors.chaos import fail_point
-from composer_mesh.actors.weight_sync.delta import DeltaBase, RunDelta, runs_checksum
+from composer_mesh.actors.weight_sync.delta import DeltaBase, RunDelta
 from composer_mesh.actors.weight_sync.segment import Piece
 
 # input bytes per chunk: small enough to pipeline a shard of a few tens of MB, large enough that the chunks'
@@ -90,6 +91,10 @@ class EncodeJob:
     """One publication's encoding (or, with no `plan`, the base's refresh) on the encoder's thread."""
 
     plan: DeltaPlan | None
+    # the encoder's thread for this job: started by the first reader's `chunk`, else by the next publication
+    thread: threading.Thread | None = None
+    # whether a reader asked for a chunk (a delta nobody asked for is never encoded)
+    asked: bool = False
     # the runs of each chunk, in order, their encoded bytes [chunk bytes] uint8, and whether it is the last
     chunks: list[tuple[list[RunDelta], torch.Tensor, bool]] = field(default_factory=list)
     # `runs_checksum` of all the runs, set with the last chunk
@@ -100,8 +105,17 @@ class EncodeJob:
     # set by the next publication: a job still waiting for its host's seal then gives up (`Superseded`)
     cancel: threading.Event = field(default_factory=threading.Event)
 
+    def start(self, asked: bool) -> None:
+        """Start the job's thread unless it runs already; `asked`: a reader wants its chunks."""
+        with self.cond:
+            self.asked = self.asked or asked
+            if self.thread is not None and self.thread.ident is None:
+                self.thread.start()
+
     def chunk(self, index: int, timeout_s: float) -> tuple[list[RunDelta], torch.Tensor, bool, int | None]:
-        """Chunk `index` once encoded: (runs, bytes, last, checksum on the last); raises when the encoding failed."""
+        """Chunk `index` once encoded (the first call starts the encoding): (runs, bytes, last, checksum on the
+        last); raises when the encoding failed."""
+        self.start(asked=True)
         with self.cond:
             ready = self.cond.wait_for(lambda: len(self.chunks) > index or self.finished, timeout_s)
             if self.error is not None:
@@ -126,18 +140,17 @@ class BackgroundEncoder:
         self.base = DeltaBase()
         self.chunk_bytes = chunk_bytes
         self.job: EncodeJob | None = None
-        self._thread: threading.Thread | None = None
 
     def finish(self) -> None:
         """Wait for the running encoding; raise, once, when it failed (the base is then gone: the next delta
-        publication is an anchor). An encoding still waiting for its host's seal is dropped instead: every
-        rank returns from a publication only after writing it, so a version unsealed now never will be."""
+        publication is an anchor). A job no reader started only makes its version the base. An encoding still
+        waiting for its host's seal is dropped instead: every rank returns from a publication only after
+        writing it, so a version unsealed now never will be."""
         job = self.job
         if job is not None:
             job.cancel.set()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+            job.start(asked=False)
+            job.thread.join()
         if job is not None and isinstance(job.error, Superseded):
             self.job = None
         elif job is not None and job.error is not None:
@@ -148,21 +161,21 @@ class BackgroundEncoder:
 
     def submit(self, payload_U8: torch.Tensor, runs: list[Piece], version: int, token: str, itemsize: int,
                encode: bool, ready: Callable[[], bool] | None = None) -> DeltaPlan | None:
-        """Start making `runs` of `payload_U8` (this rank's sealed version `version` of sync `token`) the base,
-        in the background; with `encode` and a base of the same runs, as a delta against it (its plan is
-        returned; chunks come from `job.chunk`). `payload_U8` must stay unchanged until the next `finish`.
-        With `ready`, the thread starts once it returns True (the trainer's: every rank on the host has written
-        its shards, so the encoding never slows another rank's copy, which the training step waits for)."""
+        """Make `runs` of `payload_U8` (this rank's sealed version `version` of sync `token`) the next base; with
+        `encode` and a base of the same runs, as a delta against it (its plan is returned; chunks come from
+        `job.chunk`). Nothing runs until a reader asks for a chunk, so the encoding never slows a publication
+        (this rank's or another rank's, which the training step waits for); the next publication only makes it the
+        base if nobody did. `payload_U8` must stay unchanged until the encoding after this one has finished (it is
+        that one's base, read in place: the trainer's sealed slot). With `ready`, the job waits until it returns
+        True (the trainer's: every rank on the host has written its shards)."""
         self.finish()
         plan = None
-        if encode and self.base.matches(runs):
+        if encode and self.base.matches(payload_U8, runs):
             plan = DeltaPlan(version, token, self.base.version, self.base.token, itemsize, list(runs))
         job = EncodeJob(plan)
+        job.thread = threading.Thread(target=self._run, args=(job, payload_U8, runs, version, token, itemsize, ready),
+                                      name=f"delta-encode-v{version}", daemon=True)
         self.job = job
-        self._thread = threading.Thread(target=self._run,
-                                        args=(job, payload_U8, runs, version, token, itemsize, ready),
-                                        name=f"delta-encode-v{version}", daemon=True)
-        self._thread.start()
         return plan
 
     def drop(self) -> None:
@@ -194,13 +207,17 @@ class BackgroundEncoder:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"v{version}: the host's segment was not sealed within {READY_TIMEOUT_S} s")
                 time.sleep(READY_POLL_S)
-            fail_point("trainer", "delta_encode")
-            if job.plan is None:
+            with job.cond:
+                asked = job.asked
+            if job.plan is None or not asked:
+                # an anchor, or a delta no reader asked for before this rank published again (their hosts read
+                # it whole, or not at all): this version is the base, with nothing to encode
                 self.base.refresh(payload_U8, runs, version, token)
                 return
+            fail_point("trainer", "delta_encode")
             checksum, pending, sections, at, input_bytes = 0, [], [], 0, 0
-            for n, (rd, section) in enumerate(self.base.encode_runs(payload_U8, runs, version, token, itemsize)):
-                checksum = runs_checksum(payload_U8, [rd.run], checksum)
+            encoded = self.base.encode_runs(payload_U8, runs, version, token, itemsize)
+            for n, (rd, section, checksum) in enumerate(encoded):
                 pending.append(dataclasses.replace(rd, at=at))
                 sections.append(section)
                 at += section.numel()

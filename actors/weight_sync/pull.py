@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from composer_mesh.actors.weight_sync.delta import Delta, apply_delta, runs_checksum
+from composer_mesh.actors.weight_sync.delta import Delta, apply_delta
 from composer_mesh.actors.weight_sync.encoder import DeltaChunk, DeltaPlan
 from composer_mesh.actors.weight_sync.mapping import one_thread
 from composer_mesh.actors.weight_sync.pull_status import pulling
@@ -57,10 +57,9 @@ def _apply_chunk(writer: SegmentWriter, base: PinnedSegment, s: RemoteSource, ch
     part = Delta(s.delta.version, s.delta.base_version, s.delta.base_token, s.delta.itemsize, chunk.runs,
                  chunk.nbytes, 0)
     try:
-        apply_delta(writer.payload, base.payload, part, chunk.data)
+        return apply_delta(writer.payload, base.payload, part, chunk.data, checksum)
     except ValueError:
         return None
-    return runs_checksum(writer.payload, [rd.run for rd in chunk.runs], checksum)
 
 
 def _pull_deltas(writer: SegmentWriter, base: PinnedSegment, sources: list[RemoteSource],

@@ -52,17 +52,21 @@ def _advance(base: DeltaBase, payload_U8: torch.Tensor, runs: list[Piece], versi
              itemsize: int, encode: bool) -> tuple[Delta, torch.Tensor] | None:
     """The whole delta of one publication at once (what the background encoder streams in chunks): with
     `encode` and a base of the same runs, the `Delta` against it and its bytes; else None (the base refreshed)."""
-    if not encode or not base.matches(runs):
+    if not encode or not base.matches(payload_U8, runs):
         base.refresh(payload_U8, runs, version, token)
         return None
     sections, out, at = [], [], 0
     base_version, base_token = base.version, base.token
-    for rd, section in base.encode_runs(payload_U8, runs, version, token, itemsize):
+    checksum = 0
+    for rd, section, chained in base.encode_runs(payload_U8, runs, version, token, itemsize):
         sections.append(section)
         out.append(dataclasses.replace(rd, at=at))
         at += section.numel()
+        checksum = chained
+    # the checksum the encoder chains block by block is the reference's, run by run
+    assert checksum == runs_checksum(payload_U8, runs)
     buffer = torch.cat(sections) if sections else torch.empty(0, dtype=torch.uint8)
-    return Delta(version, base_version, base_token, itemsize, out, buffer.numel(), runs_checksum(payload_U8, runs)), buffer
+    return Delta(version, base_version, base_token, itemsize, out, buffer.numel(), checksum), buffer
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -92,7 +96,10 @@ def test_delta_rebuilds_every_bit_and_falls_back_to_full(dtype):
     base = DeltaBase(block_bytes=BLOCK)
     assert _advance(base, new_p, runs, 1, "tok1", size, encode=True) is None  # no base yet: an anchor
     _advance(base, old_p, runs, 0, "tok0", size, encode=False)
+    old_bytes = old_p.clone()
     delta, buffer = _advance(base, new_p, runs, 1, "tok1", size, encode=True)
+    # the base is read where it was published, never written: the previous version stays readable
+    assert torch.equal(old_p, old_bytes) and base.payload_U8 is new_p
     assert (delta.version, delta.base_version, delta.base_token) == (1, 0, "tok0")
     assert [rd.encoding for rd in delta.runs][1] == FULL and delta.runs[2].encoding == XOR
 
@@ -122,28 +129,43 @@ def test_delta_rebuilds_every_bit_and_falls_back_to_full(dtype):
     assert delta.nbytes < {2: 0.6, 4: 0.75}[size] * sum(r.nbytes for r in runs)
 
     target = torch.full_like(old_p, 7)
-    apply_delta(target, old_p, delta, buffer.clone())
+    # the checksum applying returns (chained block by block) is the reference's over what it wrote
+    assert apply_delta(target, old_p, delta, buffer.clone()) == runs_checksum(target, runs) == delta.checksum
     for r in runs:
         assert torch.equal(target[r.offset : r.offset + r.nbytes], new_p[r.offset : r.offset + r.nbytes])
-    assert runs_checksum(target, runs) == delta.checksum
     stale = old_p.clone()
     # a receiver whose base differs in one bit: the checksum says so
     stale[runs[2].offset] ^= 1
-    apply_delta(target, stale, delta, buffer.clone())
-    assert runs_checksum(target, runs) != delta.checksum
+    assert apply_delta(target, stale, delta, buffer.clone()) == runs_checksum(target, runs) != delta.checksum
     # a truncated or foreign section is refused, not half-applied
     with pytest.raises(ValueError, match="expected"):
         apply_delta(target, old_p, delta, torch.cat([buffer[: delta.runs[2].at + 10],
                                                      torch.zeros(buffer.numel(), dtype=torch.uint8)]))
+    # a block of the right size that is not LZ4 of one block's bytes (here: another block's bytes, so it may
+    # well decode, to the wrong length), decoded with LZ4's bounds-checked decoder
+    forged = buffer.clone()
+    first, second = delta.runs[2].blocks[:2]
+    at = delta.runs[2].at
+    forged[at : at + first] = torch.randint(0, 256, (first,), generator=g, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="block 0 (is not an LZ4 block|decoded)"):
+        apply_delta(target, old_p, delta, forged)
+    # decoding over the base itself would destroy the bits it XORs with
+    with pytest.raises(ValueError, match="shares memory"):
+        apply_delta(old_p, old_p, delta, buffer.clone())
 
     # other runs (a changed layout): no delta, a new base
     other = [runs[0], runs[1]]
     assert _advance(base, new_p, other, 2, "tok2", size, encode=True) is None
     _advance(base, new_p, runs, 3, "tok3", size, encode=False)
-    # the next delta is against v3
-    same, _ = _advance(base, new_p, runs, 4, "tok4", size, encode=True)
+    # the next delta is against v3 (each version in memory of its own, as in the slots of a ring)
+    v4 = new_p.clone()
+    same, _ = _advance(base, v4, runs, 4, "tok4", size, encode=True)
     # nothing changed: LZ4's floor (one byte per 255 of a zero run, plus each block's few bytes of framing)
     assert (same.base_version, same.changed) == (3, 0) and same.nbytes < sum(r.nbytes for r in runs) / 100
+    # a version written over its base's bytes (published again into the same slot): the base is gone, so no
+    # delta, and that version is the next base
+    assert _advance(base, v4, runs, 5, "tok5", size, encode=True) is None
+    assert (base.version, base.token) == (5, "tok5") and base.matches(new_p, runs) and not base.matches(v4, runs)
 
 # ---- the background encoder: streamed chunks, overlap, failures ------------------------------------
 
@@ -157,8 +179,9 @@ def _receive(encoder: BackgroundEncoder, base_p: torch.Tensor, timeout_s: float 
     while True:
         runs, data, last, final_checksum = encoder.job.chunk(index, timeout_s)
         part = Delta(plan.version, plan.base_version, plan.base_token, plan.itemsize, runs, data.numel(), 0)
-        apply_delta(target, base_p, part, data.clone())
+        chained = apply_delta(target, base_p, part, data.clone(), checksum)
         checksum = runs_checksum(target, [rd.run for rd in runs], checksum)
+        assert chained == checksum
         index += 1
         if last:
             assert checksum == final_checksum, f"v{plan.version}: the chained checksum differs from the trainer's"
@@ -202,21 +225,44 @@ def test_background_encoder_streams_chunks_that_rebuild_every_version_bitwise():
     encoder.finish()
 
 
+def test_nothing_is_encoded_until_a_reader_asks_and_a_delta_nobody_asked_for_only_becomes_the_base():
+    g = torch.Generator().manual_seed(9)
+    runs = [Piece(0, 2 * 50_000), Piece(2 * 50_000 + 64, 2 * 30_000)]
+    values, v0 = _bf16_payload(g, runs, 80_000)
+    v1 = _payload((values + 1e-3).to(torch.bfloat16), runs)
+    v2 = _payload((values + 2e-3).to(torch.bfloat16), runs)
+    encoder = BackgroundEncoder()
+    assert encoder.submit(v0, runs, 0, "t0", 2, encode=True) is None
+    plan = encoder.submit(v1, runs, 1, "t1", 2, encode=True)
+    # returned without starting a thread: the publication (which the next step waits for) is not slowed
+    job = encoder.job
+    assert (plan.base_version, job.thread.ident, job.chunks) == (0, None, [])
+    # no reader asked (its host read v1 whole): the next publication makes v1 the base without encoding it
+    plan = encoder.submit(v2, runs, 2, "t2", 2, encode=True)
+    assert job.finished and job.error is None and job.chunks == []
+    assert (plan.base_version, plan.base_token) == (1, "t1")
+    rebuilt, chunks = _receive(encoder, v1)
+    assert _same_runs(rebuilt, v2, runs) and chunks == 1
+    encoder.finish()
+
+
 def test_a_publication_while_the_previous_encoding_runs_waits_for_it_and_encodes_against_it():
     g = torch.Generator().manual_seed(6)
     # 48 MB of bf16 runs: encoding takes tens of milliseconds at least
     n_run, k = 2_000_000, 12
     runs = [Piece(i * n_run * 2, n_run * 2) for i in range(k)]
     values, v0 = _bf16_payload(g, runs, n_run * k)
-    encoder = BackgroundEncoder()
+    # chunks of one run each: 12 of them
+    encoder = BackgroundEncoder(chunk_bytes=n_run * 2)
     encoder.submit(v0, runs, 0, "t0", 2, encode=True)
     encoder.finish()
     v1 = _payload((values + 1e-3).to(torch.bfloat16), runs)
     v2 = _payload((values + 2e-3).to(torch.bfloat16), runs)
     encoder.submit(v1, runs, 1, "t1", 2, encode=True)
     first = encoder.job
-    # nobody read v1's chunks, and it is still encoding when v2 is published
-    assert encoder._thread.is_alive() and not first.finished
+    # a reader's first request starts the encoding; v1 is still encoding when v2 is published
+    first.chunk(0, 60.0)
+    assert first.thread.is_alive() and not first.finished
     plan = encoder.submit(v2, runs, 2, "t2", 2, encode=True)
     assert first.finished and first.error is None and first.chunks[-1][2]
     assert (plan.base_version, plan.base_token) == (1, "t1")
@@ -284,7 +330,7 @@ def test_a_failed_background_encoding_is_raised_at_the_next_publication_and_neve
     encoder = BackgroundEncoder()
     encoder.submit(payload, runs, 0, "t0", 3, encode=True)
     # 3-byte elements have no raw-bit view: the encoding fails on the encoder's thread
-    plan = encoder.submit(payload, runs, 1, "t1", 3, encode=True)
+    plan = encoder.submit(payload.clone(), runs, 1, "t1", 3, encode=True)
     assert plan is not None
     # a reader asking for the delta gets the failure, not bytes
     with pytest.raises(RuntimeError, match=r"background delta encode of v1 \(sync t1\) failed: ValueError"):
@@ -294,7 +340,7 @@ def test_a_failed_background_encoding_is_raised_at_the_next_publication_and_neve
         encoder.submit(payload, runs, 2, "t2", 2, encode=True)
     # once: the base is gone, so the publication after it is an anchor, and deltas resume after that
     assert encoder.submit(payload, runs, 2, "t2", 2, encode=True) is None
-    plan = encoder.submit(payload, runs, 3, "t3", 2, encode=True)
+    plan = encoder.submit(payload.clone(), runs, 3, "t3", 2, encode=True)
     assert (plan.base_version, plan.base_token) == (2, "t2")
     rebuilt, _ = _receive(encoder, payload)
     assert _same_runs(rebuilt, payload, runs)
