@@ -2,9 +2,9 @@
 
 `TrainerActor.publish_shards` writes and seals its shards (what the next
 `train_step` waits for), then hands the sealed version to its process's
-`BackgroundEncoder` and returns. The encoder's thread waits for the host's
-seal (the other ranks' copies, which the step also waits for, run without
-it), then XORs and compresses the
+`BackgroundEncoder` and returns. The encoder's thread starts at the first
+reader's request (so it slows no rank's publication, which the step waits
+for), waits for the host's seal, then XORs and compresses the
 runs against the rank's `DeltaBase` (`actors.weight_sync.delta`) and cuts
 the result into chunks of about `chunk_bytes` of input. A `DeltaEncoderActor`
 on the same process serves them to the readers (`chunk`), each as soon as it
