@@ -251,6 +251,9 @@ def _apply_xor(target_U8: torch.Tensor, base_U8: torch.Tensor, section_U8: torch
     if not (target_U8.is_contiguous() and section_U8.is_contiguous()):
         raise ValueError("delta run: the target and the section must be contiguous bytes")
     base, target = _bits(base_U8, itemsize).numpy(), _bits(target_U8, itemsize).numpy()
+    # the decoder writes through a raw pointer, sized from the base: the target must hold the whole run too
+    if target.size != base.size:
+        raise ValueError(f"delta run: a {target_U8.numel()}-byte target for a {base_U8.numel()}-byte base run")
     per = rd.block_bytes // itemsize
     expected = -(-base.size // per) if per else -1
     if len(rd.blocks) != expected or sum(rd.blocks) != section_U8.numel():

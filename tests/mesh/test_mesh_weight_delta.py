@@ -141,14 +141,16 @@ def test_delta_rebuilds_every_bit_and_falls_back_to_full(dtype):
     with pytest.raises(ValueError, match="expected"):
         apply_delta(target, old_p, delta, torch.cat([buffer[: delta.runs[2].at + 10],
                                                      torch.zeros(buffer.numel(), dtype=torch.uint8)]))
-    # a block of the right size that is not LZ4 of one block's bytes (here: another block's bytes, so it may
-    # well decode, to the wrong length), decoded with LZ4's bounds-checked decoder
+    # a block of the right size that is not LZ4 of one block's bytes (random bytes: refused by LZ4's
+    # bounds-checked decoder, or decoded to the wrong length)
     forged = buffer.clone()
-    first, second = delta.runs[2].blocks[:2]
-    at = delta.runs[2].at
+    first, at = delta.runs[2].blocks[0], delta.runs[2].at
     forged[at : at + first] = torch.randint(0, 256, (first,), generator=g, dtype=torch.uint8)
     with pytest.raises(ValueError, match="block 0 (is not an LZ4 block|decoded)"):
         apply_delta(target, old_p, delta, forged)
+    # a target that ends inside a run: refused before the decoder writes past it
+    with pytest.raises(ValueError, match="-byte target for a"):
+        apply_delta(target[: runs[2].offset + 16].clone(), old_p, delta, buffer.clone())
     # decoding over the base itself would destroy the bits it XORs with
     with pytest.raises(ValueError, match="shares memory"):
         apply_delta(old_p, old_p, delta, buffer.clone())
