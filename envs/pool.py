@@ -83,6 +83,9 @@ class _Worker:
     # the own cgroup of the next job's process, which the zygote forked ahead and the host moved in while idle
     placed: RunCgroup | None = None
     broken: bool = False
+    # what bwrap mounted read-only in the sandbox and the directories it made on the way (under the sandbox's
+    # /tmp when the checkout or the interpreter lives there): root's, kept by every reset
+    mounts: frozenset[Path] = frozenset()
 
 
 @dataclass
@@ -238,9 +241,10 @@ class SandboxPool:
             return False
         inside = Path(f"/proc/{worker.zygote}/root")
         areas = (worker.path, worker.scratch, inside / "tmp", inside / "dev" / "shm")
-        # the root-owned directories bwrap made on the way to the workspace's mount point stay
+        # the root-owned directories bwrap made on the way to the workspace's mount point, and its read-only
+        # mounts with theirs, stay
         mount = inside / worker.path.relative_to("/")
-        keep = {inside / p.relative_to("/") for p in worker.path.parents} | {mount}
+        keep = {inside / p.relative_to("/") for p in (*worker.path.parents, *worker.mounts)} | {mount}
         try:
             for area in areas:
                 _wipe(area, keep)
@@ -374,8 +378,10 @@ class SandboxPool:
 
         filter_fd = seccomp_fd(_IPC_SYSCALLS)
         argv = [interpreter(), *_PY_FLAGS, str(_ZYGOTE), str(worker_end.fileno()), _PRELOAD]
+        expose = (str(_ZYGOTE), *_SCRIPTS)
+        mounts = frozenset(p for e in self.sandbox._exposed(expose) for p in (Path(e), *Path(e).parents[:-1]))
         try:
-            cmd = self.sandbox._command(argv[0], argv, ws, (str(_ZYGOTE), *_SCRIPTS), filter_fd)
+            cmd = self.sandbox._command(argv[0], argv, ws, expose, filter_fd)
             proc = subprocess.Popen(
                 cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 env=self.sandbox._environment(ws, {}), preexec_fn=enter, pass_fds=(filter_fd, worker_end.fileno()),
@@ -384,7 +390,7 @@ class SandboxPool:
         finally:
             os.close(filter_fd)
             worker_end.close()
-        worker = _Worker(uid, lock, path, scratch, cgroup, proc, host_end)
+        worker = _Worker(uid, lock, path, scratch, cgroup, proc, host_end, mounts=mounts)
         host_end.settimeout(_START_S)
         try:
             ready = host_end.recv(4096)

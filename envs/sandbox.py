@@ -300,6 +300,13 @@ class Sandbox:
             violations=tuple(dict.fromkeys(violations)),
         )
 
+    def _exposed(self, expose: Sequence[str]) -> list[str]:
+        """The host paths a run sees read-only at their own place (real paths outside /usr that exist), in mount
+        order: the interpreter's prefixes, `expose_paths` and the run's own `expose`."""
+        exposed = {sys.base_prefix, sys.prefix, *self.config.expose_paths, *expose}
+        return [p for p in sorted({os.path.realpath(p) for p in exposed})
+                if not p.startswith("/usr/") and os.path.exists(p)]
+
     def _command(self, exe: str, argv: Sequence[str], ws: Workspace, expose: Sequence[str], seccomp_fd: int) -> list[str]:
         """bwrap (namespaces, minimal root, seccomp) then setpriv (private uid, no caps) then the program."""
         cfg = self.config
@@ -312,11 +319,8 @@ class Sandbox:
         cmd += _root_links()
         cmd += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(cfg.tmpfs_mb * mib), "--tmpfs", "/tmp",
                 "--perms", "1777", "--size", str(cfg.tmpfs_mb * mib), "--tmpfs", "/dev/shm"]
-        exposed = {sys.base_prefix, sys.prefix, *cfg.expose_paths, *expose}
         made = {"/tmp"}
-        for path in sorted({os.path.realpath(p) for p in exposed}):
-            if path.startswith("/usr/") or not os.path.exists(path):
-                continue
+        for path in self._exposed(expose):
             for parent in reversed(Path(path).parents[:-1]):  # traversable, whatever the host's modes
                 if str(parent) not in made:
                     made.add(str(parent))

@@ -6,8 +6,10 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -89,6 +91,26 @@ def test_reuse_resets_files_and_processes(pool):
     after = pool.stats()
     assert after["resets"] - before["resets"] == 2 and after["replaced"] == before["replaced"]
     assert after["warm_runs"] - before["warm_runs"] == 2
+
+
+def test_a_slot_with_read_only_mounts_under_tmp_is_reset_and_reused_not_replaced(sandbox, tmp_path):
+    """A checkout or interpreter under /tmp is mounted inside the sandbox's own /tmp (bwrap makes root's
+    directories on the way): the reset keeps them and still wipes what the job left beside them."""
+    # beside the workspaces' own tree under /tmp, not inside it (whose directories the reset keeps anyway)
+    with tempfile.TemporaryDirectory(prefix="checkout-", dir="/tmp") as checkout:
+        exposed = Path(checkout) / "main"
+        exposed.mkdir()
+        (exposed / "data.txt").write_text("x")
+        config = dataclasses.replace(sandbox.config, root_dir=str(tmp_path / "root"), pool_size=1,
+                                     expose_paths=(str(exposed),))
+        with SandboxPool(config) as pool:
+            first, uid1 = _use(pool, LEAVE_BEHIND)
+            assert first.ok and "left" in first.stdout, first
+            second, uid2 = _use(pool, LOOK + f"print(open({str(exposed / 'data.txt')!r}).read())\n")
+            assert uid1 == uid2 and pool.stats()["replaced"] == 0, pool.stats()
+            assert "left.txt" not in second.stdout and "locked" not in second.stdout, second
+            # the mount is still there for the next job
+            assert second.ok and second.stdout.rstrip().endswith("x"), second
 
 
 def test_the_job_runs_with_the_cold_limits_and_its_own_cgroup(pool):
