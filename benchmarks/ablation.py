@@ -18,12 +18,16 @@ eval_every`: greedy and sampled on the environment's held-out split, the same pr
 seed); the gain is the last evaluation minus the one before step 1. Train
 gain: mean reward of the last 20 % of steps minus the first 20 %. "At equal
 wall time" is each configuration's held-out gain at its last evaluation
-within the policy-only runs' mean training time.
+within the policy-only runs' mean training time. The mechanism figures are
+per-step training metrics, mean of the first 20 % of steps → the last 20 %:
+the chosen and rejected responses' log-likelihood per token and the margin
+(preference channel), the divergence to the hinted teacher (distillation).
 
     python benchmarks/ablation.py --quick   # 20 steps, 2 seeds, the four keyed configurations
     python benchmarks/ablation.py --quick --task coding   # the coding recipe, 10 steps, pass rates
     python benchmarks/ablation.py           # the recipe's steps (90), 3 seeds, all six configurations
     python benchmarks/ablation.py --jobs 2  # the same, two runs at a time (time columns then share the cores)
+    python benchmarks/ablation.py --task coding --first-seed 3   # seeds 3..5: more seeds for a table
     python benchmarks/ablation.py --config my.toml --override=--optimizer.lr=3e-3 --only policy all
     python benchmarks/ablation.py --split validation --seeds 2 --only policy+distill \
         --override=--loss.distill.hint_kind=reference   # choosing a setting: never on the held-out split
@@ -34,7 +38,8 @@ all / gain of policy only; null when the policy-only gain is 0),
 distill_gain_delta, preference_gain_delta (gain with the channel added to
 the policy channel minus policy only), greedy_gain_all (held-out greedy gain
 of the shipped recipe), overhead_ratio (training wall time of
-all / policy only), and the per-configuration figures.
+all / policy only), and the per-configuration figures (each seed's held-out
+gain under "seed_gains", so the tables of two commands can be pooled).
 """
 
 from __future__ import annotations
@@ -58,6 +63,10 @@ sys.path.insert(0, str(REPO))
 
 from composer_mesh.configs.loader import load_config  # noqa: E402
 from composer_mesh.mesh.metrics import read_metrics  # noqa: E402
+
+# per-step training metrics whose first and last fifth the mechanism columns compare (absent: channel off)
+MECHANISM = ("preference/chosen_logp_mean", "preference/rejected_logp_mean", "preference/margin_mean",
+             "distill/divergence_mean")
 
 CONFIGS: dict[str, tuple[str, ...]] = {
     "policy": ("--loss.alpha=0", "--loss.beta=0"),
@@ -98,6 +107,8 @@ class RunResult:
     pairs: float  # pairs trained on (preference/pairs_in_batch summed over steps)
     replayed: float  # failed turns the replay actor decided on (summary.replay.outcomes)
     pair_rate: float  # share of the replayed turns that became a pair (the rest: no majority, or the student's answer)
+    # MECHANISM key -> (mean over the first 20 % of the steps that logged it, over the last 20 %)
+    mechanism: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     def gain(self, greedy: bool = False, within_s: float | None = None) -> float:
         """Held-out reward at the last evaluation (within `within_s` of training) minus before step 1."""
@@ -146,7 +157,18 @@ def run_one(recipe: Path, overrides: list[str], out: Path, name: str, seed: int,
     return RunResult(heldout, statistics.fmean(rewards[-k:]) - statistics.fmean(rewards[:k]), wall, elapsed,
                      total("rollouts/completion_tokens"), float(replay.get("spend_usd", 0.0)),
                      total("rollouts/policy"), total("distill/hinted"), total("preference/pairs_in_batch"),
-                     replayed, replay.get("pairs_made", 0) / replayed if replayed else 0.0)
+                     replayed, replay.get("pairs_made", 0) / replayed if replayed else 0.0, _first_last(rows))
+
+
+def _first_last(rows: list[dict]) -> dict[str, tuple[float, float]]:
+    """Per MECHANISM key a run logged: its mean over the first and over the last 20 % of the steps logging it."""
+    out = {}
+    for key in MECHANISM:
+        values = [row[key] for row in rows if key in row]
+        if values:
+            k = max(1, len(values) // 5)
+            out[key] = (statistics.fmean(values[:k]), statistics.fmean(values[-k:]))
+    return out
 
 
 def _mean_sd(xs: list[float]) -> tuple[float, float]:
@@ -163,6 +185,23 @@ class Row:
     def figure(self, f: Callable[[RunResult], float]) -> tuple[float, float]:
         """Mean and sample standard deviation of `f` over the seeds."""
         return _mean_sd([f(r) for r in self.runs])
+
+
+def _mechanism(row: Row) -> dict[str, list[float]]:
+    """Per MECHANISM key every seed logged: [first fifth, last fifth], means over the seeds."""
+    keys = [k for k in MECHANISM if all(k in r.mechanism for r in row.runs)]
+    return {k: [round(statistics.fmean(r.mechanism[k][i] for r in row.runs), 4) for i in (0, 1)] for k in keys}
+
+
+def print_mechanism(rows: list[Row]) -> None:
+    """The mechanism figures of the configurations that logged any: first fifth of the steps → last fifth."""
+    logged = [(row.name, _mechanism(row)) for row in rows]
+    logged = [(name, m) for name, m in logged if m]
+    if not logged:
+        return
+    print("\nmechanism, mean over seeds: first 20 % of the steps -> last 20 %")
+    for name, m in logged:
+        print(f"{name:<16}" + "  ".join(f"{k.split('/')[1]} {a:+.3f} -> {b:+.3f}" for k, (a, b) in m.items()))
 
 
 def plot(rows: list[Row], path: Path, split: str = "held-out") -> None:
@@ -196,7 +235,9 @@ def main() -> None:
     parser.add_argument("--task", choices=list(TASKS), default="demo",
                         help="demo: configs/demo_cpu.toml, reward; coding: configs/coding_cpu.toml, pass rate")
     parser.add_argument("--steps", type=int, help="steps per run (default: the recipe's [trainer] steps; --quick 20)")
-    parser.add_argument("--seeds", type=int, help="seeds 0..n-1 (default 3, --quick 2)")
+    parser.add_argument("--seeds", type=int, help="seeds first..first+n-1 (default 3, --quick 2)")
+    parser.add_argument("--first-seed", type=int, default=0,
+                        help="the first seed (default 0; 3 with the default --seeds runs seeds 3, 4, 5)")
     parser.add_argument("--plot", default="runs/ablation.png",
                         help="where the held-out curves go (a PNG; its folder is made)")
     parser.add_argument("--only", nargs="*", choices=list(CONFIGS), help="run these configurations only")
@@ -218,6 +259,7 @@ def main() -> None:
     recipe = load_config(config, overrides)  # a bad override fails here, before any run
     steps = args.steps or ((20 if args.task == "demo" else 10) if args.quick else recipe.trainer.steps)
     seeds = args.seeds or (2 if args.quick else 3)
+    seed_range = range(args.first_seed, args.first_seed + seeds)
     eval_every = max(1, steps // 6)
     names = args.only or list(KEYED if args.quick else CONFIGS)
     rows = [Row(n) for n in names]
@@ -238,7 +280,7 @@ def main() -> None:
 
         # seed-major: a partial run still compares every configuration; each run is a process of its own
         with ThreadPoolExecutor(args.jobs) as pool:
-            runs = [(row, pool.submit(one, seed, row)) for seed in range(seeds) for row in rows]
+            runs = [(row, pool.submit(one, seed, row)) for seed in seed_range for row in rows]
             try:
                 for row, future in runs:
                     row.runs.append(future.result())
@@ -249,7 +291,7 @@ def main() -> None:
                 raise
     by = {r.name: r for r in rows}
     budget = by["policy"].figure(lambda r: r.train_s)[0] if "policy" in by else None
-    print(f"\n{args.task} task, {steps} steps, seeds 0..{seeds - 1}, {args.split} split evaluated every {eval_every} "
+    print(f"\n{args.task} task, {steps} steps, seeds {seed_range[0]}..{seed_range[-1]}, {args.split} split evaluated every {eval_every} "
           "steps; mean ± sd over seeds")
     head = (f"{'configuration':<16}{split + ' sampled':>20}{split + ' greedy':>19}{'train gain':>16}"
             f"{'at equal time':>15}{'train s':>9}{'wall s':>8}{'tokens':>9}{'teacher $':>11}{'hinted':>8}{'pairs':>7}"
@@ -272,7 +314,11 @@ def main() -> None:
                              "heldout_greedy_gain": round(gg[0], 4), "train_gain": round(tg[0], 4),
                              "heldout_gain_equal_time": round(eq[0], 4) if eq else None, "train_s": round(train_s, 1),
                              "wall_s": round(wall, 1), "tokens": round(tokens, 1), "teacher_usd": round(spend, 5),
-                             "replayed": round(replayed, 1), "pair_rate": round(pair_rate, 4)}
+                             "replayed": round(replayed, 1), "pair_rate": round(pair_rate, 4),
+                             "seed_gains": [round(r.gain(), 4) for r in row.runs],
+                             "seed_greedy_gains": [round(r.gain(greedy=True), 4) for r in row.runs],
+                             "mechanism": _mechanism(row)}
+    print_mechanism(rows)
     plot(rows, Path(args.plot), split)
     print(f"{split} curves: {args.plot}; {time.perf_counter() - start:.0f} s in all")
 
@@ -290,7 +336,8 @@ def main() -> None:
         "greedy_gain_all": figures["all"]["heldout_greedy_gain"] if "all" in figures else None,
         "overhead_ratio": (round(figures["all"]["train_s"] / figures["policy"]["train_s"], 4)
                            if "all" in figures and "policy" in figures else None),
-        "task": args.task, "split": args.split, "steps": steps, "seeds": seeds, "overrides": args.override,
+        "task": args.task, "split": args.split, "steps": steps, "seeds": seeds, "first_seed": args.first_seed,
+        "overrides": args.override,
         "configs": figures,
     }
     print(json.dumps(out))

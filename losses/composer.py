@@ -422,6 +422,10 @@ def preference_channel(
         "preference/pairs": loss.new_tensor(float(n_pairs)),
         "preference/margin_sum": margin.sum(),
         "preference/accuracy_sum": (margin > 0).float().sum(),
+        # log π(y | x) / |y| per pair: whether the pair loss lowers both likelihoods while it moves the margin
+        # (DPO's likelihood displacement; what RPO's anchor holds up)
+        "preference/chosen_logp_sum": (chosen_P.detach() / c_len_P).sum(),
+        "preference/rejected_logp_sum": (rejected_P.detach() / r_len_P).sum(),
     }
     if nll_P is not None:
         metrics["preference/nll_sum"] = nll_P.detach().sum()

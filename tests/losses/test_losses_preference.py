@@ -155,8 +155,9 @@ def _pair_batch(P, T, seed):
 def _rpo_reference(kind, w_VD, x, nll_weight, beta, gamma=0.0):
     """Pang et al. 2024 Eq. 3 with the pair loss of `kind`: mean over pairs of
     ℓ_pair − nll_weight · log π(y_w|x) / |y_w| (DPO: −log σ(β[(π_w − ref_w) − (π_l − ref_l)]);
-    SimPO: −log σ(β(π_w/|y_w| − π_l/|y_l|) − γ)), in float64 with full logits."""
-    total, nll_total = 0.0, 0.0
+    SimPO: −log σ(β(π_w/|y_w| − π_l/|y_l|) − γ)), in float64 with full logits; also the mean NLL and the
+    mean over pairs of log π(y_w|x)/|y_w| and log π(y_l|x)/|y_l|."""
+    total, nll_total, chosen_total, rejected_total = 0.0, 0.0, 0.0, 0.0
     for p in range(x.chosen_mask_BT.shape[0]):
         sums, lens = [], []
         for h, y, m in ((x.chosen_hidden_BTD, x.chosen_labels_BT, x.chosen_mask_BT),
@@ -173,8 +174,9 @@ def _rpo_reference(kind, w_VD, x, nll_weight, beta, gamma=0.0):
         nll = -c / n_c
         total = total - torch.log(torch.sigmoid(z)) + nll_weight * nll
         nll_total = nll_total + nll.detach()
+        chosen_total, rejected_total = chosen_total + (c / n_c).detach(), rejected_total + (r / n_r).detach()
     P = x.chosen_mask_BT.shape[0]
-    return total / P, nll_total / P
+    return total / P, nll_total / P, chosen_total / P, rejected_total / P
 
 
 def _leaves(x):
@@ -199,12 +201,17 @@ def test_rpo_nll_anchor_matches_the_formula(path, kind, nll_weight, shape):
     cfg = LossConfig(**path, preference=pref)
     out = compose_loss(cfg, w, preference=x)
     beta = 0.3 if kind == "dpo" else 2.0
-    ref, ref_nll = _rpo_reference(kind, w, x, nll_weight, beta, 0.5 if kind == "simpo" else 0.0)
+    ref, ref_nll, ref_chosen, ref_rejected = _rpo_reference(kind, w, x, nll_weight, beta,
+                                                            0.5 if kind == "simpo" else 0.0)
     torch.testing.assert_close(out.loss.double(), ref, atol=1e-5, rtol=1e-5)
     got = torch.autograd.grad(out.loss, [w, *leaves])
     want = torch.autograd.grad(ref, [w, *leaves])
     for a, b in zip(got, want):
         torch.testing.assert_close(a.double(), b.double(), atol=1e-5, rtol=1e-4)
+    # the likelihood curves docs/recipe.md reads the anchor's effect from, on every path
+    summary = summarize_metrics(out.metrics)
+    assert summary["preference/chosen_logp_mean"] == pytest.approx(float(ref_chosen), abs=1e-5)
+    assert summary["preference/rejected_logp_mean"] == pytest.approx(float(ref_rejected), abs=1e-5)
     if nll_weight:
         assert summarize_metrics(out.metrics)["preference/nll_mean"] == pytest.approx(float(ref_nll), abs=1e-5)
     else:
