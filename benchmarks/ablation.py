@@ -21,7 +21,8 @@ wall time" is each configuration's held-out gain at its last evaluation
 within the policy-only runs' mean training time. The mechanism figures are
 per-step training metrics, mean of the first 20 % of steps → the last 20 %:
 the chosen and rejected responses' log-likelihood per token and the margin
-(preference channel), the divergence to the hinted teacher (distillation).
+(preference channel), the divergence to the hinted teacher (distillation);
+their curves and the train reward go to `<plot>_mechanism.png`.
 
     python benchmarks/ablation.py --quick   # 20 steps, 2 seeds, the four keyed configurations
     python benchmarks/ablation.py --quick --task coding   # the coding recipe, 10 steps, pass rates
@@ -107,8 +108,18 @@ class RunResult:
     pairs: float  # pairs trained on (preference/pairs_in_batch summed over steps)
     replayed: float  # failed turns the replay actor decided on (summary.replay.outcomes)
     pair_rate: float  # share of the replayed turns that became a pair (the rest: no majority, or the student's answer)
-    # MECHANISM key -> (mean over the first 20 % of the steps that logged it, over the last 20 %)
-    mechanism: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # per step, in order: "reward/mean" and each MECHANISM key the run logged (absent: that channel was off)
+    curves: dict[str, list[float]] = field(default_factory=dict)
+
+    @property
+    def mechanism(self) -> dict[str, tuple[float, float]]:
+        """Per MECHANISM key logged: its mean over the first 20 % of the steps logging it, and over the last 20 %."""
+        out = {}
+        for key in MECHANISM:
+            if self.curves.get(key):
+                values, k = self.curves[key], max(1, len(self.curves[key]) // 5)
+                out[key] = (statistics.fmean(values[:k]), statistics.fmean(values[-k:]))
+        return out
 
     def gain(self, greedy: bool = False, within_s: float | None = None) -> float:
         """Held-out reward at the last evaluation (within `within_s` of training) minus before step 1."""
@@ -157,18 +168,8 @@ def run_one(recipe: Path, overrides: list[str], out: Path, name: str, seed: int,
     return RunResult(heldout, statistics.fmean(rewards[-k:]) - statistics.fmean(rewards[:k]), wall, elapsed,
                      total("rollouts/completion_tokens"), float(replay.get("spend_usd", 0.0)),
                      total("rollouts/policy"), total("distill/hinted"), total("preference/pairs_in_batch"),
-                     replayed, replay.get("pairs_made", 0) / replayed if replayed else 0.0, _first_last(rows))
-
-
-def _first_last(rows: list[dict]) -> dict[str, tuple[float, float]]:
-    """Per MECHANISM key a run logged: its mean over the first and over the last 20 % of the steps logging it."""
-    out = {}
-    for key in MECHANISM:
-        values = [row[key] for row in rows if key in row]
-        if values:
-            k = max(1, len(values) // 5)
-            out[key] = (statistics.fmean(values[:k]), statistics.fmean(values[-k:]))
-    return out
+                     replayed, replay.get("pairs_made", 0) / replayed if replayed else 0.0,
+                     {key: [row[key] for row in rows if key in row] for key in ("reward/mean", *MECHANISM)})
 
 
 def _mean_sd(xs: list[float]) -> tuple[float, float]:
@@ -202,6 +203,39 @@ def print_mechanism(rows: list[Row]) -> None:
     print("\nmechanism, mean over seeds: first 20 % of the steps -> last 20 %")
     for name, m in logged:
         print(f"{name:<16}" + "  ".join(f"{k.split('/')[1]} {a:+.3f} -> {b:+.3f}" for k, (a, b) in m.items()))
+
+
+def plot_mechanism(rows: list[Row], path: Path) -> None:
+    """Per training step, mean over the seeds: the train reward of every configuration, the chosen and rejected
+    log-likelihood per token of the configurations with pairs, the divergence to the hinted teacher of those with
+    hints (the curves docs/recipe.md reads a channel's mechanism from)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def mean_curve(row: Row, key: str) -> list[float]:
+        n = min(len(r.curves.get(key, [])) for r in row.runs)
+        return [statistics.fmean(r.curves[key][i] for r in row.runs) for i in range(n)]
+
+    fig, (reward, pref, dist) = plt.subplots(1, 3, figsize=(13, 3.8))
+    for row in rows:
+        reward.plot(range(1, len(mean_curve(row, "reward/mean")) + 1), mean_curve(row, "reward/mean"), label=row.name)
+        for key, style in (("preference/chosen_logp_mean", "-"), ("preference/rejected_logp_mean", "--")):
+            if curve := mean_curve(row, key):
+                pref.plot(range(1, len(curve) + 1), curve, style, label=f"{row.name}: {key.split('/')[1][:-10]}")
+        if curve := mean_curve(row, "distill/divergence_mean"):
+            dist.plot(range(1, len(curve) + 1), curve, label=row.name)
+    for ax, title in ((reward, "train reward"), (pref, "log-likelihood per token of the pairs"),
+                      (dist, "divergence to the hinted teacher")):
+        ax.set_xlabel("step")
+        ax.set_title(f"{title} ({len(rows[0].runs)} seeds, mean)", fontsize=9)
+        if ax.lines:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def plot(rows: list[Row], path: Path, split: str = "held-out") -> None:
@@ -320,7 +354,9 @@ def main() -> None:
                              "mechanism": _mechanism(row)}
     print_mechanism(rows)
     plot(rows, Path(args.plot), split)
-    print(f"{split} curves: {args.plot}; {time.perf_counter() - start:.0f} s in all")
+    mechanism_plot = Path(args.plot).with_name(Path(args.plot).stem + "_mechanism.png")
+    plot_mechanism(rows, mechanism_plot)
+    print(f"{split} curves: {args.plot}, training curves: {mechanism_plot}; {time.perf_counter() - start:.0f} s in all")
 
     def gain(name: str) -> float | None:
         return figures[name]["heldout_gain"] if name in figures else None
