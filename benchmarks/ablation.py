@@ -29,6 +29,7 @@ their curves and the train reward go to `<plot>_mechanism.png`.
     python benchmarks/ablation.py           # the recipe's steps (90), 3 seeds, all six configurations
     python benchmarks/ablation.py --jobs 2  # the same, two runs at a time (time columns then share the cores)
     python benchmarks/ablation.py --task coding --first-seed 3   # seeds 3..5: more seeds for a table
+    python benchmarks/ablation.py --task coding --seeds 9 --results runs/ablation_coding   # kept per run: resumes
     python benchmarks/ablation.py --config my.toml --override=--optimizer.lr=3e-3 --only policy all
     python benchmarks/ablation.py --split validation --seeds 2 --only policy+distill \
         --override=--loss.distill.hint_kind=reference   # choosing a setting: never on the held-out split
@@ -46,6 +47,8 @@ gain under "seed_gains", so the tables of two commands can be pooled).
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import hashlib
 import json
 import os
 import signal
@@ -152,8 +155,14 @@ def run_one(recipe: Path, overrides: list[str], out: Path, name: str, seed: int,
     if proc.returncode != 0:
         raise RuntimeError(f"{name} seed {seed} failed (exit {proc.returncode}): {stderr[-2000:]}")
     summary = json.loads(stdout.strip().splitlines()[-1])
+    return read_run(Path(summary["run_dir"]), summary, task, wall)
+
+
+def read_run(run_dir: Path, summary: dict, task: str, wall: float) -> RunResult:
+    """A finished run's figures from its summary (the last line `train` prints; also `run_dir`/summary.json) and
+    `run_dir`/metrics.jsonl."""
     _, sampled, greedy = TASKS[task]
-    rows = read_metrics(Path(summary["run_dir"]) / "metrics.jsonl")
+    rows = read_metrics(run_dir / "metrics.jsonl")
     before = summary["heldout"]["before"]
     heldout, elapsed = [(0, 0.0, before[sampled], before[greedy])], 0.0
     for row in rows:
@@ -170,6 +179,26 @@ def run_one(recipe: Path, overrides: list[str], out: Path, name: str, seed: int,
                      total("rollouts/policy"), total("distill/hinted"), total("preference/pairs_in_batch"),
                      replayed, replay.get("pairs_made", 0) / replayed if replayed else 0.0,
                      {key: [row[key] for row in rows if key in row] for key in ("reward/mean", *MECHANISM)})
+
+
+def saved_run(results: Path, key: dict, name: str, seed: int, run: Callable[[], RunResult]) -> RunResult:
+    """`run()`'s result for configuration `name` at `seed`, kept in `results` (one JSON file per run, with `key`: the
+    task, steps and overrides it ran with) and read back instead of running again when the key matches, so a long
+    ablation stopped half-way resumes, and tables of several commands can be pooled by one (`--results`)."""
+    path = results / f"{name.replace(' ', '_')}-s{seed}.json"
+    if path.exists():
+        saved = json.loads(path.read_text())
+        if saved["key"] != key:
+            diff = sorted(k for k in key.keys() | saved["key"].keys() if key.get(k) != saved["key"].get(k))
+            raise SystemExit(f"{path} holds a run with other {', '.join(diff)} ({saved['key']}): "
+                             "remove it or pass another --results folder")
+        return RunResult(**saved["result"])
+    result = run()
+    results.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"key": key, "result": dataclasses.asdict(result)}))
+    tmp.replace(path)
+    return result
 
 
 def _mean_sd(xs: list[float]) -> tuple[float, float]:
@@ -283,6 +312,10 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=1,
                         help="runs at once (a run's trainer and generator alternate, so 2 on 2 cores finish sooner; "
                         "the time columns then include the contention)")
+    parser.add_argument("--results", type=Path,
+                        help="keep each run's figures here (a JSON file per configuration and seed) and reuse those "
+                        "already there with the same task, steps and overrides: resumes a stopped ablation, and "
+                        "pools seeds run by separate commands into one table")
     parser.add_argument("--split", choices=("heldout", "validation"), default="heldout",
                         help="evaluate on the held-out split (reporting) or on a validation split carved out of "
                         "train (choosing settings; the held-out problems stay unseen)")
@@ -298,12 +331,18 @@ def main() -> None:
     names = args.only or list(KEYED if args.quick else CONFIGS)
     rows = [Row(n) for n in names]
     split = "held-out" if args.split == "heldout" else "validation"
+    # what a kept run (--results) must have run with to be reused
+    key = {"task": args.task, "config": config.name, "config_sha256": hashlib.sha256(config.read_bytes()).hexdigest(),
+           "steps": steps, "eval_every": eval_every, "overrides": overrides}
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="ablation-") as tmp:
 
         def one(seed: int, row: Row) -> RunResult:
-            result = run_one(config, overrides, Path(tmp) / f"{row.name.replace(' ', '_')}-s{seed}",
-                             row.name, seed, steps, eval_every, args.task)
+            def run() -> RunResult:
+                return run_one(config, overrides, Path(tmp) / f"{row.name.replace(' ', '_')}-s{seed}",
+                               row.name, seed, steps, eval_every, args.task)
+
+            result = saved_run(args.results, key, row.name, seed, run) if args.results else run()
             if row.name.endswith("only") and result.policy_rollouts:
                 raise RuntimeError(f"{row.name}: the policy channel trained {result.policy_rollouts:.0f} rollouts")
             print(f"  {row.name:<15} seed {seed}: {split} sampled {result.heldout[0][2]:.3f} -> "
