@@ -117,12 +117,7 @@ class RunResult:
     @property
     def mechanism(self) -> dict[str, tuple[float, float]]:
         """Per MECHANISM key logged: its mean over the first 20 % of the steps logging it, and over the last 20 %."""
-        out = {}
-        for key in MECHANISM:
-            if self.curves.get(key):
-                values, k = self.curves[key], max(1, len(self.curves[key]) // 5)
-                out[key] = (statistics.fmean(values[:k]), statistics.fmean(values[-k:]))
-        return out
+        return {key: _fifths(self.curves[key]) for key in MECHANISM if self.curves.get(key)}
 
     def gain(self, greedy: bool = False, within_s: float | None = None) -> float:
         """Held-out reward at the last evaluation (within `within_s` of training) minus before step 1."""
@@ -169,23 +164,33 @@ def read_run(run_dir: Path, summary: dict, task: str, wall: float) -> RunResult:
         elapsed += row["seconds"]
         if sampled in row:
             heldout.append((row["step"], elapsed, row[sampled], row[greedy]))
-    rewards = [row["reward/mean"] for row in rows]
-    k = max(1, len(rewards) // 5)
+    first, last = _fifths([row["reward/mean"] for row in rows])
     total = lambda key: float(sum(row.get(key, 0.0) for row in rows))  # noqa: E731
     replay = summary.get("replay") or {}
     replayed = float(sum((replay.get("outcomes") or {}).values()))
-    return RunResult(heldout, statistics.fmean(rewards[-k:]) - statistics.fmean(rewards[:k]), wall, elapsed,
+    return RunResult(heldout, last - first, wall, elapsed,
                      total("rollouts/completion_tokens"), float(replay.get("spend_usd", 0.0)),
                      total("rollouts/policy"), total("distill/hinted"), total("preference/pairs_in_batch"),
                      replayed, replay.get("pairs_made", 0) / replayed if replayed else 0.0,
                      {key: [row[key] for row in rows if key in row] for key in ("reward/mean", *MECHANISM)})
 
 
+def _fifths(values: list[float]) -> tuple[float, float]:
+    """(mean of the first 20 % of `values`, mean of the last 20 %), at least one value each."""
+    k = max(1, len(values) // 5)
+    return statistics.fmean(values[:k]), statistics.fmean(values[-k:])
+
+
+def _run_name(name: str, seed: int) -> str:
+    """One run's folder and --results file stem."""
+    return f"{name.replace(' ', '_')}-s{seed}"
+
+
 def saved_run(results: Path, key: dict, name: str, seed: int, run: Callable[[], RunResult]) -> RunResult:
     """`run()`'s result for configuration `name` at `seed`, kept in `results` (one JSON file per run, with `key`: the
     task, steps and overrides it ran with) and read back instead of running again when the key matches, so a long
     ablation stopped half-way resumes, and tables of several commands can be pooled by one (`--results`)."""
-    path = results / f"{name.replace(' ', '_')}-s{seed}.json"
+    path = results / f"{_run_name(name, seed)}.json"
     if path.exists():
         saved = json.loads(path.read_text())
         if saved["key"] != key:
@@ -249,7 +254,8 @@ def plot_mechanism(rows: list[Row], path: Path) -> None:
 
     fig, (reward, pref, dist) = plt.subplots(1, 3, figsize=(13, 3.8))
     for row in rows:
-        reward.plot(range(1, len(mean_curve(row, "reward/mean")) + 1), mean_curve(row, "reward/mean"), label=row.name)
+        curve = mean_curve(row, "reward/mean")
+        reward.plot(range(1, len(curve) + 1), curve, label=row.name)
         for key, style in (("preference/chosen_logp_mean", "-"), ("preference/rejected_logp_mean", "--")):
             if curve := mean_curve(row, key):
                 pref.plot(range(1, len(curve) + 1), curve, style, label=f"{row.name}: {key.split('/')[1][:-10]}")
@@ -339,7 +345,7 @@ def main() -> None:
 
         def one(seed: int, row: Row) -> RunResult:
             def run() -> RunResult:
-                return run_one(config, overrides, Path(tmp) / f"{row.name.replace(' ', '_')}-s{seed}",
+                return run_one(config, overrides, Path(tmp) / _run_name(row.name, seed),
                                row.name, seed, steps, eval_every, args.task)
 
             result = saved_run(args.results, key, row.name, seed, run) if args.results else run()
