@@ -4,14 +4,17 @@ Every configuration runs the task's recipe (`--task demo`: `configs/demo_cpu.tom
 the arithmetic demo with three local solver teachers that slip; `--task coding`:
 `configs/coding_cpu.toml`, the main job, micro coding tasks in the tool loop
 graded by hidden tests) as `composer-mesh train` in a process of its own, at the
-same steps, seeds and budget; only the channel weights differ:
+same steps, seeds and budget; only the channel weights differ. A channel
+switched on trains at the task's weight (`--alpha`, `--beta`; demo 1.0 and 1.0,
+coding 0.25 and 0.25, the weights docs/recipe.md measured), whatever the recipe
+ships (the coding recipe ships the policy channel alone, as measured):
 
     policy            [loss] alpha = 0, beta = 0 (plain GRPO/DAPO)
-    policy+distill    beta = 0
-    policy+replay     alpha = 0
-    all               the recipe as shipped
-    distill only      policy_weight = 0, beta = 0   (control)
-    replay only       policy_weight = 0, alpha = 0  (control)
+    policy+distill    alpha = A, beta = 0
+    policy+replay     alpha = 0, beta = B
+    all               alpha = A, beta = B
+    distill only      policy_weight = 0, alpha = A, beta = 0   (control)
+    replay only       policy_weight = 0, alpha = 0, beta = B   (control)
 
 Held-out reward (coding: pass rate) is the run's own evaluation (`[trainer]
 eval_every`: greedy and sampled on the environment's held-out split, the same problems for every
@@ -39,7 +42,7 @@ Prints the table of docs/recipe.md, writes a PNG of the held-out curves
 all / gain of policy only; null when the policy-only gain is 0),
 distill_gain_delta, preference_gain_delta (gain with the channel added to
 the policy channel minus policy only), greedy_gain_all (held-out greedy gain
-of the shipped recipe), overhead_ratio (training wall time of
+of all three channels), overhead_ratio (training wall time of
 all / policy only), and the per-configuration figures (each seed's held-out
 gain under "seed_gains", so the tables of two commands can be pooled).
 """
@@ -72,19 +75,21 @@ from composer_mesh.mesh.metrics import read_metrics  # noqa: E402
 MECHANISM = ("preference/chosen_logp_mean", "preference/rejected_logp_mean", "preference/margin_mean",
              "distill/divergence_mean")
 
-CONFIGS: dict[str, tuple[str, ...]] = {
-    "policy": ("--loss.alpha=0", "--loss.beta=0"),
-    "policy+distill": ("--loss.beta=0",),
-    "policy+replay": ("--loss.alpha=0",),
-    "all": (),
-    "distill only": ("--loss.policy_weight=0", "--loss.beta=0"),
-    "replay only": ("--loss.policy_weight=0", "--loss.alpha=0"),
+# per configuration: which channels train (policy, distillation, preference)
+CONFIGS: dict[str, tuple[bool, bool, bool]] = {
+    "policy": (True, False, False),
+    "policy+distill": (True, True, False),
+    "policy+replay": (True, False, True),
+    "all": (True, True, True),
+    "distill only": (False, True, False),
+    "replay only": (False, False, True),
 }
-# per task: the recipe every configuration starts from, and the held-out figures its gain is read from (the
-# demo's reward; the coding task's pass rate: every hidden test passed)
-TASKS: dict[str, tuple[str, str, str]] = {
-    "demo": ("configs/demo_cpu.toml", "eval/heldout_sampled", "eval/heldout_greedy"),
-    "coding": ("configs/coding_cpu.toml", "eval/heldout_sampled_pass", "eval/heldout_greedy_pass"),
+# per task: the recipe every configuration starts from, the held-out figures its gain is read from (the
+# demo's reward; the coding task's pass rate: every hidden test passed), and the weights of channels 2 and 3
+# when on (docs/recipe.md; a quarter on the coding task kept the tool-call format, docs/coding.md)
+TASKS: dict[str, tuple[str, str, str, float, float]] = {
+    "demo": ("configs/demo_cpu.toml", "eval/heldout_sampled", "eval/heldout_greedy", 1.0, 1.0),
+    "coding": ("configs/coding_cpu.toml", "eval/heldout_sampled_pass", "eval/heldout_greedy_pass", 0.25, 0.25),
 }
 # `--split validation`: the task's validation split, carved out of train, for choosing settings without
 # looking at the held-out split (the figures keep their held-out names; the JSON line says which split)
@@ -94,6 +99,13 @@ VALIDATION: dict[str, tuple[str, ...]] = {
 }
 # the configurations the JSON line's keys compare (--quick runs only these)
 KEYED = ("policy", "policy+distill", "policy+replay", "all")
+
+
+def switches(name: str, alpha: float, beta: float) -> tuple[str, ...]:
+    """The overrides of configuration `name`, channels 2 and 3 at `alpha` and `beta` where on."""
+    policy, distill, replay = CONFIGS[name]
+    return (*(() if policy else ("--loss.policy_weight=0",)), f"--loss.alpha={alpha if distill else 0}",
+            f"--loss.beta={beta if replay else 0}")
 
 
 @dataclass
@@ -133,11 +145,11 @@ _LIVE: set[subprocess.Popen] = set()
 
 def run_one(recipe: Path, overrides: list[str], out: Path, name: str, seed: int, steps: int,
             eval_every: int, task: str) -> RunResult:
-    """`composer-mesh train` of `recipe` in configuration `name` at `seed`; its figures from summary.json and
-    metrics.jsonl."""
+    """`composer-mesh train` of `recipe` with `overrides` (configuration `name`'s switches last) at `seed`; its
+    figures from summary.json and metrics.jsonl."""
     cmd = [sys.executable, "-m", "composer_mesh.mesh.cli", "train", "--no-progress", "--no-resume", str(recipe),
            f"--job.output_dir={out}", "--job.name=run", f"--job.seed={seed}", f"--trainer.steps={steps}",
-           f"--trainer.eval_every={eval_every}", f"--checkpoint.every_steps={steps}", *overrides, *CONFIGS[name]]
+           f"--trainer.eval_every={eval_every}", f"--checkpoint.every_steps={steps}", *overrides]
     env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -156,7 +168,7 @@ def run_one(recipe: Path, overrides: list[str], out: Path, name: str, seed: int,
 def read_run(run_dir: Path, summary: dict, task: str, wall: float) -> RunResult:
     """A finished run's figures from its summary (the last line `train` prints; also `run_dir`/summary.json) and
     `run_dir`/metrics.jsonl."""
-    _, sampled, greedy = TASKS[task]
+    _, sampled, greedy, _, _ = TASKS[task]
     rows = read_metrics(run_dir / "metrics.jsonl")
     before = summary["heldout"]["before"]
     heldout, elapsed = [(0, 0.0, before[sampled], before[greedy])], 0.0
@@ -313,6 +325,10 @@ def main() -> None:
     parser.add_argument("--config", type=Path,
                         help="the recipe every configuration starts from (default: the task's; a task with a "
                         "held-out split)")
+    parser.add_argument("--alpha", type=float,
+                        help="channel 2's weight where on (default: the task's, demo 1.0, coding 0.25)")
+    parser.add_argument("--beta", type=float,
+                        help="channel 3's weight where on (default: the task's, demo 1.0, coding 0.25)")
     parser.add_argument("--override", action="append", default=[], metavar="--SECTION.KEY=VALUE",
                         help="applied to every configuration, before its channel switches (repeatable)")
     parser.add_argument("--jobs", type=int, default=1,
@@ -329,6 +345,8 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(128 + signum))  # unwinds, so the runs are stopped
     config = args.config or REPO / TASKS[args.task][0]
     overrides = [*(VALIDATION[args.task] if args.split == "validation" else ()), *args.override]
+    alpha = TASKS[args.task][3] if args.alpha is None else args.alpha
+    beta = TASKS[args.task][4] if args.beta is None else args.beta
     recipe = load_config(config, overrides)  # a bad override fails here, before any run
     steps = args.steps or ((20 if args.task == "demo" else 10) if args.quick else recipe.trainer.steps)
     seeds = args.seeds or (2 if args.quick else 3)
@@ -344,11 +362,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="ablation-") as tmp:
 
         def one(seed: int, row: Row) -> RunResult:
+            switched = [*overrides, *switches(row.name, alpha, beta)]
+
             def run() -> RunResult:
-                return run_one(config, overrides, Path(tmp) / _run_name(row.name, seed),
+                return run_one(config, switched, Path(tmp) / _run_name(row.name, seed),
                                row.name, seed, steps, eval_every, args.task)
 
-            result = saved_run(args.results, key, row.name, seed, run) if args.results else run()
+            kept = {**key, "overrides": switched}
+            result = saved_run(args.results, kept, row.name, seed, run) if args.results else run()
             if row.name.endswith("only") and result.policy_rollouts:
                 raise RuntimeError(f"{row.name}: the policy channel trained {result.policy_rollouts:.0f} rollouts")
             print(f"  {row.name:<15} seed {seed}: {split} sampled {result.heldout[0][2]:.3f} -> "
@@ -418,7 +439,7 @@ def main() -> None:
         "overhead_ratio": (round(figures["all"]["train_s"] / figures["policy"]["train_s"], 4)
                            if "all" in figures and "policy" in figures else None),
         "task": args.task, "split": args.split, "steps": steps, "seeds": seeds, "first_seed": args.first_seed,
-        "overrides": args.override,
+        "overrides": args.override, "alpha": alpha, "beta": beta,
         "configs": figures,
     }
     print(json.dumps(out))

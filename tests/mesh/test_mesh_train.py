@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from composer_mesh.configs.loader import load_config
+
 REPO = Path(__file__).resolve().parents[2]
 
 RECIPE = """
@@ -59,23 +61,28 @@ max_tokens = 16
 """
 
 
-def train(recipe: Path, steps: int, cache: Path, timeout: float = 500) -> dict:
+def train(recipe: Path, steps: int, cache: Path, timeout: float = 500, overrides: tuple[str, ...] = ()) -> dict:
     env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", COMPOSER_MESH_CACHE=str(cache))
-    cmd = [sys.executable, "-m", "composer_mesh.mesh.cli", "train", "--no-progress", str(recipe), f"--trainer.steps={steps}"]
+    cmd = [sys.executable, "-m", "composer_mesh.mesh.cli", "train", "--no-progress", str(recipe),
+           f"--trainer.steps={steps}", *overrides]
     out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, out.stderr[-4000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def train_shipped(tmp_path: Path, name: str, steps: int, cache: Path, timeout: float) -> tuple[dict, list[dict]]:
-    """`configs/<name>.toml` as shipped (output under `tmp_path`) for `steps`: the summary and every metrics row,
-    with the evaluations before step 1 and after the last checked."""
+def train_shipped(tmp_path: Path, name: str, steps: int, cache: Path, timeout: float,
+                  overrides: tuple[str, ...] = ()) -> tuple[dict, list[dict]]:
+    """`configs/<name>.toml` as shipped (output under `tmp_path`; `overrides` on top) for `steps`: the summary and
+    every metrics row, with the evaluations before step 1 and after the last checked (none where it does not evaluate)."""
     recipe = tmp_path / f"{name}.toml"
     recipe.write_text(f'base = "{REPO}/configs/{name}.toml"\n\n[job]\noutput_dir = "{tmp_path / "runs"}"\n')
-    summary = train(recipe, steps, cache, timeout=timeout)
+    summary = train(recipe, steps, cache, timeout=timeout, overrides=overrides)
     rows = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
-    assert (summary["heldout"]["before"]["step"], summary["heldout"]["after"]["step"]) == (0, steps)
+    if load_config(REPO / "configs" / f"{name}.toml", list(overrides)).trainer.eval_every:
+        assert (summary["heldout"]["before"]["step"], summary["heldout"]["after"]["step"]) == (0, steps)
+    else:
+        assert "heldout" not in summary
     return summary, rows
 
 
