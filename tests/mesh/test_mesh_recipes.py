@@ -8,9 +8,10 @@ only keys that name GPUs, model weights, clusters or a user's data change —
 a tiny model of the recipe's kind (dense or MoE), the HF engine, a local mesh
 of one process per role, the fixture repository, SWE instances and Claude
 Code trace in place of the user's paths, teachers on the loopback teacher
-server — and the sizes shrink to one short step. Everything else is the
-recipe as shipped, so a key that rots (renamed, removed, refused, or a
-combination the loop no longer runs) fails here, naming the recipe.
+server — and the sizes shrink to one short step (a recipe training the policy
+channel alone keeps its equal-reward groups, or one short step trains nothing).
+Everything else is the recipe as shipped, so a key that rots (renamed, removed,
+refused, or a combination the loop no longer runs) fails here, naming the recipe.
 """
 
 from __future__ import annotations
@@ -131,6 +132,11 @@ def _one_short_step(job: JobConfig) -> dict[str, Any]:
     }
     if trainer.eval_every > 0:
         overrides["trainer.eval_samples"] = min(trainer.eval_samples, 2)
+    # the policy channel alone (the main job): one short step of a briefly warm-started base gives every group one
+    # reward (truncated edits score 0), which DAPO's dynamic sampling drops, so nothing would reach the trainer (exit
+    # 3, "no step trained"); kept, such groups train with advantage 0 and the trainer's whole step runs
+    if job.loss.alpha == 0 and (job.loss.beta == 0 or job.mesh.replay_procs == 0) and job.loss.policy.dynamic_sampling:
+        overrides["loss.policy.dynamic_sampling"] = False
     # the warm start's path runs; its length is the recipe's learning, not what this test checks
     if job.env.tool_loop.warm_start_steps > 0:
         overrides["env.tool_loop.warm_start_steps"] = min(job.env.tool_loop.warm_start_steps, 8)
