@@ -63,7 +63,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -87,9 +87,19 @@ CONFIGS: dict[str, tuple[bool, bool, bool]] = {
 # per task: the recipe every configuration starts from, the held-out figures its gain is read from (the
 # demo's reward; the coding task's pass rate: every hidden test passed), and the weights of channels 2 and 3
 # when on (docs/recipe.md; a quarter on the coding task kept the tool-call format, docs/coding.md)
-TASKS: dict[str, tuple[str, str, str, float, float]] = {
-    "demo": ("configs/demo_cpu.toml", "eval/heldout_sampled", "eval/heldout_greedy", 1.0, 1.0),
-    "coding": ("configs/coding_cpu.toml", "eval/heldout_sampled_pass", "eval/heldout_greedy_pass", 0.25, 0.25),
+class Task(NamedTuple):
+    """A task's recipe, its held-out figures, and channels 2 and 3's weights where on."""
+
+    recipe: str
+    sampled: str
+    greedy: str
+    alpha: float
+    beta: float
+
+
+TASKS: dict[str, Task] = {
+    "demo": Task("configs/demo_cpu.toml", "eval/heldout_sampled", "eval/heldout_greedy", 1.0, 1.0),
+    "coding": Task("configs/coding_cpu.toml", "eval/heldout_sampled_pass", "eval/heldout_greedy_pass", 0.25, 0.25),
 }
 # `--split validation`: the task's validation split, carved out of train, for choosing settings without
 # looking at the held-out split (the figures keep their held-out names; the JSON line says which split)
@@ -168,7 +178,7 @@ def run_one(recipe: Path, overrides: list[str], out: Path, name: str, seed: int,
 def read_run(run_dir: Path, summary: dict, task: str, wall: float) -> RunResult:
     """A finished run's figures from its summary (the last line `train` prints; also `run_dir`/summary.json) and
     `run_dir`/metrics.jsonl."""
-    _, sampled, greedy, _, _ = TASKS[task]
+    sampled, greedy = TASKS[task].sampled, TASKS[task].greedy
     rows = read_metrics(run_dir / "metrics.jsonl")
     before = summary["heldout"]["before"]
     heldout, elapsed = [(0, 0.0, before[sampled], before[greedy])], 0.0
@@ -344,10 +354,10 @@ def main() -> None:
                         "train (choosing settings; the held-out problems stay unseen)")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(128 + signum))  # unwinds, so the runs are stopped
-    config = args.config or REPO / TASKS[args.task][0]
+    config = args.config or REPO / TASKS[args.task].recipe
     overrides = [*(VALIDATION[args.task] if args.split == "validation" else ()), *args.override]
-    alpha = TASKS[args.task][3] if args.alpha is None else args.alpha
-    beta = TASKS[args.task][4] if args.beta is None else args.beta
+    alpha = TASKS[args.task].alpha if args.alpha is None else args.alpha
+    beta = TASKS[args.task].beta if args.beta is None else args.beta
     recipe = load_config(config, overrides)  # a bad override fails here, before any run
     steps = args.steps or ((20 if args.task == "demo" else 10) if args.quick else recipe.trainer.steps)
     seeds = args.seeds or (2 if args.quick else 3)

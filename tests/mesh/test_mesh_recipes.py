@@ -119,6 +119,12 @@ def _local_mesh(job: JobConfig) -> dict[str, Any]:
     return overrides
 
 
+def live_channels(job: JobConfig) -> dict[str, bool]:
+    """Per channel, whether `job` trains it (channel 3 also needs a replay actor)."""
+    return {"policy": job.loss.policy_weight > 0, "distill": job.loss.alpha > 0,
+            "preference": job.loss.beta > 0 and job.mesh.replay_procs > 0}
+
+
 def _one_short_step(job: JobConfig) -> dict[str, Any]:
     """One step of two prompts (one per DiLoCo group at least), groups of two, short turns, a short warm start."""
     trainer, gen = job.trainer, job.generator
@@ -135,7 +141,8 @@ def _one_short_step(job: JobConfig) -> dict[str, Any]:
     # the policy channel alone (the main job): one short step of a briefly warm-started base gives every group one
     # reward (truncated edits score 0), which DAPO's dynamic sampling drops, so nothing would reach the trainer (exit
     # 3, "no step trained"); kept, such groups train with advantage 0 and the trainer's whole step runs
-    if job.loss.alpha == 0 and (job.loss.beta == 0 or job.mesh.replay_procs == 0) and job.loss.policy.dynamic_sampling:
+    live = live_channels(job)
+    if not (live["distill"] or live["preference"]) and job.loss.policy.dynamic_sampling:
         overrides["loss.policy.dynamic_sampling"] = False
     # the warm start's path runs; its length is the recipe's learning, not what this test checks
     if job.env.tool_loop.warm_start_steps > 0:
@@ -249,8 +256,7 @@ def test_recipe_trains_one_step_on_cpu(recipe, tmp_path, tiny_assets, swe_instan
     assert len(episodes) == per_step, (recipe, len(episodes))
     assert {e["step"] for e in episodes} == {1} and all(e["turns"][0]["role"] == "assistant" for e in episodes)
     assert abs(sum(e["reward"] for e in episodes) / len(episodes) - row["reward/mean"]) < 1e-6, recipe
-    channels = {"policy": job.loss.policy_weight > 0, "distill": job.loss.alpha > 0,
-                "preference": job.loss.beta > 0 and job.mesh.replay_procs > 0}
+    channels = live_channels(job)
     for name, enabled in channels.items():
         material = row.get(MATERIAL[name], 0.0)
         if not enabled:
