@@ -32,8 +32,8 @@ first syncs), then as many steps synced whole (after the same warm-up). Per lr: 
 changed per step, bytes crossing hosts with deltas ÷ without (also with an
 anchor every 10 syncs, the default), sync time with ÷ without, and the
 encodings' sizes on those very versions (read back from the fake host's
-slots): XOR + LZ4 blocks (used) against XOR + zstd (the encoding before), bitmask + values and int32
-index + values.
+slots): sparse words (used) against XOR + LZ4 blocks (the fallback for dense runs, and the encoding
+before), XOR + zstd (the one before that), bitmask + values and int32 index + values.
 Two times per sync, each with ÷ without deltas: the publish (what the next
 training step waits for: the trainer ranks' copy into the segment; the delta
 encoding runs in the background after it) and the end-to-end sync (from the
@@ -217,13 +217,14 @@ KEEP = 2
 
 
 def _codec(root: str, host: str, version: int) -> dict:
-    """Sizes (÷ the bf16 bytes) and encode rates (GB/s of input) of four delta encodings between `host`'s sealed
-    slots of `version` − 1 and `version` (the whole payload as one run): XOR + LZ4 blocks (used), XOR + zstd
-    (level −1, the encoding before), bitmask + values, int32 index + values."""
+    """Sizes (÷ the bf16 bytes) and encode rates (GB/s of input) of five delta encodings between `host`'s sealed
+    slots of `version` − 1 and `version` (the whole payload as one run): sparse words (used), XOR + LZ4 blocks
+    (the fallback, used before), XOR + zstd (level −1, the encoding before that), bitmask + values, int32 index +
+    values."""
     import numpy as np
     import zstandard
 
-    from composer_mesh.actors.weight_sync.delta import BLOCK_BYTES, encode_run
+    from composer_mesh.actors.weight_sync.delta import BLOCK_BYTES, encode_sparse, encode_xor_lz4
     from composer_mesh.actors.weight_sync.reader import PinnedSegment
 
     with PinnedSegment.open(root, host, version - 1) as old, PinnedSegment.open(root, host, version) as new:
@@ -242,9 +243,12 @@ def _codec(root: str, host: str, version: int) -> dict:
     zstd = zstandard.ZstdCompressor(level=-1).compress(xor)
     zstd_s = time.perf_counter() - start
     start = time.perf_counter()
-    _, _, packed, _, _ = encode_run(b, a, 2, torch.empty(BLOCK_BYTES, dtype=torch.uint8))
+    _, _, packed, _, _ = encode_xor_lz4(b, a, 2, torch.empty(BLOCK_BYTES, dtype=torch.uint8))
     xor_s = time.perf_counter() - start
-    return {"xor_lz4": len(packed) / n, "xor_zstd": len(zstd) / n, "bitmask_values": (bits.nbytes + values.numel() * 2) / n,
+    start = time.perf_counter()
+    _, _, sparse, _, _ = encode_sparse(b, a, 2)
+    sparse_s = time.perf_counter() - start
+    return {"sparse": sparse.size / n, "sparse_gbps": n / sparse_s / 1e9, "xor_lz4": packed.size / n, "xor_zstd": len(zstd) / n, "bitmask_values": (bits.nbytes + values.numel() * 2) / n,
             "index_values": (index.numel() * 4 + values.numel() * 2) / n, "xor_lz4_gbps": n / xor_s / 1e9,
             "xor_zstd_gbps": n / zstd_s / 1e9, "bitmask_gbps": n / mask_s / 1e9, "index_gbps": n / index_s / 1e9}
 
@@ -388,12 +392,13 @@ def print_delta_table(deltas: dict) -> None:
               f"{row['full_sync_s']:8.4f} {row['delta_publish_s']:7.4f}/{row['full_publish_s']:.4f} "
               f"{row['publish_ratio']:13.3f}")
     print("\nencodings on the same versions (bytes ÷ bf16 bytes; encode GB/s, one thread)")
-    print(f"{'lr':8s} {'xor+lz4':>8s} {'xor+zstd':>9s} {'bitmask+v':>10s} {'index+v':>8s} {'lz4 GB/s':>9s} "
-          f"{'zstd GB/s':>10s} {'mask GB/s':>10s} {'index GB/s':>10s}")
+    print(f"{'lr':8s} {'sparse':>7s} {'xor+lz4':>8s} {'xor+zstd':>9s} {'bitmask+v':>10s} {'index+v':>8s} "
+          f"{'sparse GB/s':>11s} {'lz4 GB/s':>9s} {'zstd GB/s':>10s} {'mask GB/s':>10s} {'index GB/s':>10s}")
     for lr, row in deltas["tiny"].items():
         c = row["codec"]
-        print(f"{lr:8s} {c['xor_lz4']:8.4f} {c['xor_zstd']:9.4f} {c['bitmask_values']:10.4f} {c['index_values']:8.4f} "
-              f"{c['xor_lz4_gbps']:9.2f} {c['xor_zstd_gbps']:10.2f} {c['bitmask_gbps']:10.2f} {c['index_gbps']:10.2f}")
+        print(f"{lr:8s} {c['sparse']:7.4f} {c['xor_lz4']:8.4f} {c['xor_zstd']:9.4f} {c['bitmask_values']:10.4f} "
+              f"{c['index_values']:8.4f} {c['sparse_gbps']:11.2f} {c['xor_lz4_gbps']:9.2f} {c['xor_zstd_gbps']:10.2f} "
+              f"{c['bitmask_gbps']:10.2f} {c['index_gbps']:10.2f}")
 
 
 def main() -> None:

@@ -4,22 +4,26 @@ With the small learning rates of RL, most bf16 values do not change from one
 step to the next, so what crosses hosts can be what changed instead of every
 byte. Each trainer rank remembers where the runs it published last are
 (`DeltaBase`: a view of its previous sealed slot, which stays unchanged for
-`keep` more versions, so no copy is kept) and sends, per run (one tensor's
-local shard), the smaller of:
+`keep` more versions, so no copy is kept) and sends, per run (one tensor's local shard), the smallest that applies of:
 
+- SPARSE: the run's changed 64-bit words against its base, block by block
+  (`actors.weight_sync.sparse`: word gap, lane mask, changed lanes' XOR),
+  for 16- and 32-bit elements while it stays under `SPARSE_MAX` of the
+  bytes: what a bf16 run under RL's learning rates comes down to;
 - XOR: the run XOR its base, LZ4-compressed block by block (`BLOCK_BYTES` of
   input each, so a block's XOR is counted and compressed while it is in
   cache; fp32 blocks as byte planes, `byte_planes`): unchanged elements are
   zero bits and compress to almost nothing (LZ4's floor: 1/255 of the bytes);
-- FULL: the run itself (what an fp32 run under Adam, where every element
-  changes, comes down to).
+  for runs too dense for SPARSE (an fp32 run under Adam changes in every
+  element's low bytes);
+- FULL: the run itself (random bits).
 
-Why XOR + LZ4 blocks: docs/weight_sync.md "Delta sync". XOR is on raw
+Why these encodings: docs/weight_sync.md "Delta sync". All are on raw
 bits, so -0.0, NaN payloads and every rounding are carried exactly.
 The receiving host writes each run as its own sealed copy of the base
 version (named by version *and* sync token: the very bytes the trainer
-encoded against) XOR the decoded bits (`apply_delta`: each block decoded
-straight into the target, then the base XORed in); a checksum (xxh3-64,
+encoded against) XOR the decoded bits (`apply_delta`, block by block while
+the block is in cache); a checksum (xxh3-64,
 chained run by run) of the rank's runs after applying must equal the
 trainer's, or the caller falls back to the full runs.
 """
@@ -37,12 +41,15 @@ import xxhash
 
 from composer_mesh.actors.weight_sync.segment import Piece
 
-XOR, FULL = "xor", "full"
+SPARSE, XOR, FULL = "sparse", "xor", "full"
 
 
 # input bytes per LZ4 block: a block's XOR stays in cache between the XOR, the count and LZ4 on the trainer, and
 # between LZ4 and the XOR into the slot on the reader; large enough that the per-block calls cost nothing
 BLOCK_BYTES = 256 << 10
+# the largest SPARSE section, as a fraction of its run's bytes: past it (about 30 % of bf16 elements changed) the
+# run is encoded as XOR + LZ4 instead, which a run too dense for SPARSE gives up on within its first block
+SPARSE_MAX = 0.5
 
 
 def byte_planes(itemsize: int) -> bool:
@@ -112,13 +119,51 @@ def _bits(raw_U8: torch.Tensor, itemsize: int) -> torch.Tensor:
 
 def encode_run(new_U8: torch.Tensor, old_U8: torch.Tensor, itemsize: int, scratch_U8: torch.Tensor,
                block_bytes: int = BLOCK_BYTES,
-               checksum: int = 0) -> tuple[str, int, bytes | torch.Tensor, tuple[int, ...], int]:
-    """(encoding, changed elements, bytes to send, compressed size per block, checksum) for one run: XOR + LZ4 per
-    block of `block_bytes` against `old_U8` (the same run of the base version) unless that is no smaller;
-    `scratch_U8` (at least `block_bytes`) holds each block's XOR. The checksum is `runs_checksum` of the run
-    continued from `checksum`, taken block by block while the block is in cache."""
-    if block_bytes % itemsize or scratch_U8.numel() < block_bytes:
-        raise ValueError(f"block_bytes {block_bytes} must be a multiple of {itemsize} and fit the scratch")
+               checksum: int = 0) -> tuple[str, int, np.ndarray, tuple[int, ...], int]:
+    """(encoding, changed elements, bytes to send `[size]` uint8, encoded size per block, checksum) for one run against `old_U8`
+    (the same run of the base version): SPARSE when it fits `SPARSE_MAX` of the bytes, else XOR + LZ4 unless that is
+    no smaller than the run (FULL). `scratch_U8` (at least `block_bytes`) holds an LZ4 block's XOR. The checksum is
+    `runs_checksum` of the run continued from `checksum`, taken block by block while the block is in cache."""
+    if block_bytes % 8 or scratch_U8.numel() < block_bytes:
+        raise ValueError(f"block_bytes {block_bytes} must be a multiple of 8 and fit the scratch")
+    if new_U8.numel() % itemsize:
+        raise ValueError(f"a {new_U8.numel()}-byte run is no whole number of {itemsize}-byte elements")
+    sparse = encode_sparse(new_U8, old_U8, itemsize, block_bytes, checksum)
+    if sparse is not None:
+        return sparse
+    return encode_xor_lz4(new_U8, old_U8, itemsize, scratch_U8, block_bytes, checksum)
+
+
+def encode_sparse(new_U8: torch.Tensor, old_U8: torch.Tensor, itemsize: int, block_bytes: int = BLOCK_BYTES,
+                  checksum: int = 0) -> tuple[str, int, np.ndarray, tuple[int, ...], int] | None:
+    """`encode_run`'s SPARSE encoding of one run, or None for an element size it does not split into words or a
+    run that does not fit `SPARSE_MAX` of its bytes (given up at the first block past it)."""
+    # lazy: numba (0.2 s to import) only in the processes that encode or apply a delta
+    from composer_mesh.actors.weight_sync import sparse
+
+    if itemsize not in sparse.ITEMSIZES:
+        return None
+    new, old = new_U8.numpy(), old_U8.numpy()
+    # [section bytes] written up to SPARSE_MAX of the run (pages are touched only as far as it is written)
+    out = np.empty(int(new.size * SPARSE_MAX) + sparse.ENTRY_MAX, dtype=np.uint8)
+    sizes, changed, at = [], 0, 0
+    digest = xxhash.xxh3_64(seed=checksum)
+    for lo in range(0, new.size, block_bytes):
+        hi = min(lo + block_bytes, new.size)
+        digest.update(new[lo:hi])
+        end, k = sparse.encode_block(new[lo:hi], old[lo:hi], itemsize, out, at, int(hi * SPARSE_MAX))
+        if end < 0:
+            return None
+        sizes.append(end - at)
+        changed, at = changed + k, end
+    return SPARSE, changed, out[:at], tuple(sizes), digest.intdigest()
+
+
+def encode_xor_lz4(new_U8: torch.Tensor, old_U8: torch.Tensor, itemsize: int, scratch_U8: torch.Tensor,
+                   block_bytes: int = BLOCK_BYTES,
+                   checksum: int = 0) -> tuple[str, int, np.ndarray, tuple[int, ...], int]:
+    """`encode_run`'s XOR + LZ4 encoding of one run (LZ4 block by block of `block_bytes`, each block's XOR in
+    `scratch_U8`), or FULL when that is no smaller than the run."""
     new, old = _bits(new_U8, itemsize).numpy(), _bits(old_U8, itemsize).numpy()
     scratch = _bits(scratch_U8[:block_bytes], itemsize).numpy()
     per, packed, sizes, changed = block_bytes // itemsize, [], [], 0
@@ -134,8 +179,8 @@ def encode_run(new_U8: torch.Tensor, old_U8: torch.Tensor, itemsize: int, scratc
         packed.append(lz4.block.compress(planes, store_size=False))
         sizes.append(len(packed[-1]))
     if sum(sizes) >= new_U8.numel():
-        return FULL, changed, new_U8, (), digest.intdigest()
-    return XOR, changed, b"".join(packed), tuple(sizes), digest.intdigest()
+        return FULL, changed, new_U8.numpy(), (), digest.intdigest()
+    return XOR, changed, np.frombuffer(b"".join(packed), dtype=np.uint8), tuple(sizes), digest.intdigest()
 
 
 class DeltaBase:
@@ -164,7 +209,7 @@ class DeltaBase:
                 and not _overlap(payload_U8, self.payload_U8))
 
     def encode_runs(self, payload_U8: torch.Tensor, runs: list[Piece], version: int, token: str,
-                    itemsize: int) -> Iterator[tuple[RunDelta, torch.Tensor, int]]:
+                    itemsize: int) -> Iterator[tuple[RunDelta, np.ndarray, int]]:
         """Per run of `payload_U8`, in order: its `RunDelta` (`at` 0: the caller places it), section bytes
         `[size]` uint8 against the base and `runs_checksum` of the runs so far; once every run is out, the base is
         `payload_U8`, version `version` of sync `token`. The base must `match`. Stopped or failed half-way, the
@@ -180,8 +225,7 @@ class DeltaBase:
                 lo, hi = run.offset, run.offset + run.nbytes
                 encoding, k, data, blocks, checksum = encode_run(payload_U8[lo:hi], self.payload_U8[lo:hi], itemsize,
                                                                  self._scratch_U8, self.block_bytes, checksum)
-                section = torch.frombuffer(bytearray(data), dtype=torch.uint8) if isinstance(data, bytes) else data
-                yield RunDelta(run, encoding, k, 0, section.numel(), blocks, self.block_bytes), section, checksum
+                yield RunDelta(run, encoding, k, 0, data.size, blocks, self.block_bytes), data, checksum
             finished = True
         finally:
             if finished:
@@ -207,20 +251,26 @@ def _overlap(a_U8: torch.Tensor, b_U8: torch.Tensor) -> bool:
     return a < b + b_U8.numel() and b < a + a_U8.numel()
 
 
-def apply_delta(target_U8: torch.Tensor, base_U8: torch.Tensor, delta: Delta, buffer_U8: torch.Tensor,
+def apply_delta(target_U8: torch.Tensor, base_U8: torch.Tensor, delta: Delta, buffer: torch.Tensor | bytes,
                 checksum: int = 0) -> int:
     """Write every run of `delta` into `target_U8`: base XOR the decoded bits (read from the same runs of
     `base_U8`, the base version's payload, elsewhere in memory), block by block, or the run itself where it was
-    sent whole. Returns `runs_checksum` of the runs written, continued from `checksum` (taken block by block
+    sent whole. `buffer` holds the encoded runs (uint8 bytes: a tensor, or a chunk's `bytes` as received).
+    Returns `runs_checksum` of the runs written, continued from `checksum` (taken block by block
     while the block is in cache). Raises ValueError on a section that does not decode to its run's size."""
     if _overlap(target_U8, base_U8):
         raise ValueError("apply_delta: the target shares memory with the base it is decoded against")
+    buffer = buffer.numpy() if isinstance(buffer, torch.Tensor) else np.frombuffer(buffer, dtype=np.uint8)
     for rd in delta.runs:
         lo, hi = rd.run.offset, rd.run.offset + rd.run.nbytes
-        section = buffer_U8[rd.at : rd.at + rd.size]
+        section = buffer[rd.at : rd.at + rd.size]
         if rd.encoding == FULL:
-            target_U8[lo:hi].copy_(section)
+            if section.size != hi - lo:
+                raise ValueError(f"delta run: a {section.size}-byte section for a {hi - lo}-byte run whole, expected")
+            target_U8[lo:hi].numpy()[:] = section
             checksum = runs_checksum(target_U8, [rd.run], checksum)
+        elif rd.encoding == SPARSE:
+            checksum = _apply_sparse(target_U8[lo:hi], base_U8[lo:hi], section, rd, delta.itemsize, checksum)
         elif rd.encoding == XOR:
             checksum = _apply_xor(target_U8[lo:hi], base_U8[lo:hi], section, rd, delta.itemsize, checksum)
         else:
@@ -243,26 +293,55 @@ def _lz4_decompress_safe() -> Callable[[int, int, int, int], int]:
 _LZ4_DECOMPRESS = _lz4_decompress_safe()
 
 
-def _apply_xor(target_U8: torch.Tensor, base_U8: torch.Tensor, section_U8: torch.Tensor, rd: RunDelta,
+def _check_blocks(target_U8: torch.Tensor, base_U8: torch.Tensor, section: np.ndarray, rd: RunDelta,
+                  itemsize: int) -> None:
+    """Refuse a run whose target, base, section and block sizes disagree, before a decoder writes through them."""
+    if not (target_U8.is_contiguous() and section.flags.c_contiguous):
+        raise ValueError("delta run: the target and the section must be contiguous bytes")
+    # the decoders write sized from the base: the target must hold the whole run too
+    if target_U8.numel() != base_U8.numel():
+        raise ValueError(f"delta run: a {target_U8.numel()}-byte target for a {base_U8.numel()}-byte base run")
+    per = rd.block_bytes // itemsize
+    expected = -(-(base_U8.numel() // itemsize) // per) if per else -1
+    if len(rd.blocks) != expected or sum(rd.blocks) != section.size:
+        raise ValueError(f"delta run: {len(rd.blocks)} blocks of {sum(rd.blocks)} bytes in all, {expected} blocks "
+                         f"over a {section.size}-byte section expected")
+
+
+def _apply_sparse(target_U8: torch.Tensor, base_U8: torch.Tensor, section: np.ndarray, rd: RunDelta,
+                  itemsize: int, checksum: int) -> int:
+    """One SPARSE run, block by block: the base block copied into the target with the block's changed words XORed
+    in (`sparse.apply_block`), then hashed while it is in cache. Returns the checksum continued over the run."""
+    # lazy: numba, as in `encode_sparse`
+    from composer_mesh.actors.weight_sync import sparse
+
+    if itemsize not in sparse.ITEMSIZES or rd.block_bytes % 8:
+        raise ValueError(f"delta run: no sparse words of {itemsize}-byte elements in {rd.block_bytes}-byte blocks")
+    _check_blocks(target_U8, base_U8, section, rd, itemsize)
+    target, base = target_U8.numpy(), base_U8.numpy()
+    at, digest = 0, xxhash.xxh3_64(seed=checksum)
+    for i, size in enumerate(rd.blocks):
+        lo, hi = i * rd.block_bytes, min((i + 1) * rd.block_bytes, base.size)
+        got = sparse.apply_block(target[lo:hi], base[lo:hi], itemsize, section, at, at + size)
+        if got != at + size:
+            raise ValueError(f"delta run: block {i} is not a sparse block of {size} bytes (code {got})")
+        digest.update(target[lo:hi])
+        at += size
+    return digest.intdigest()
+
+
+def _apply_xor(target_U8: torch.Tensor, base_U8: torch.Tensor, section: np.ndarray, rd: RunDelta,
                itemsize: int, checksum: int) -> int:
     """One XOR run, block by block: the block's XOR decoded into the target (through a scratch block for byte
     planes, which are transposed back), then the base XORed into it and the result hashed, while it is in cache.
     Returns the checksum continued over the run."""
-    if not (target_U8.is_contiguous() and section_U8.is_contiguous()):
-        raise ValueError("delta run: the target and the section must be contiguous bytes")
+    _check_blocks(target_U8, base_U8, section, rd, itemsize)
     base, target = _bits(base_U8, itemsize).numpy(), _bits(target_U8, itemsize).numpy()
-    # the decoder writes through a raw pointer, sized from the base: the target must hold the whole run too
-    if target.size != base.size:
-        raise ValueError(f"delta run: a {target_U8.numel()}-byte target for a {base_U8.numel()}-byte base run")
     per = rd.block_bytes // itemsize
-    expected = -(-base.size // per) if per else -1
-    if len(rd.blocks) != expected or sum(rd.blocks) != section_U8.numel():
-        raise ValueError(f"delta run: {len(rd.blocks)} blocks of {sum(rd.blocks)} bytes in all, {expected} blocks "
-                         f"over a {section_U8.numel()}-byte section expected")
     planes = byte_planes(itemsize)
     # [block bytes] a byte-plane block before its transpose
     scratch = np.empty(rd.block_bytes if planes else 0, dtype=np.uint8)
-    src, at, digest = section_U8.data_ptr(), 0, xxhash.xxh3_64(seed=checksum)
+    src, at, digest = section.ctypes.data, 0, xxhash.xxh3_64(seed=checksum)
     for i, size in enumerate(rd.blocks):
         lo, hi = i * per, min((i + 1) * per, base.size)
         want = (hi - lo) * itemsize

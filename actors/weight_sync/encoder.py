@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 from monarch.actor import Actor, endpoint
 
@@ -64,17 +65,18 @@ class DeltaPlan:
 
 @dataclass
 class DeltaChunk:
-    """One chunk of a rank's delta: its runs' encodings (`at` within `data`, its encoded bytes `[nbytes]`
-    uint8); on the `last` chunk, `checksum`, the checksum (`runs_checksum`) of all the rank's runs after applying."""
+    """One chunk of a rank's delta: its runs' encodings (`at` within `data`, its encoded bytes); on the `last`
+    chunk, `checksum`, the checksum (`runs_checksum`) of all the rank's runs after applying. `data` is `bytes`
+    because a reply carries bytes at twice the speed of a tensor (1 MiB: 1.1-1.4 ms against 2.3-3.0)."""
 
     runs: list[RunDelta]
-    data: torch.Tensor
+    data: bytes
     last: bool
     checksum: int | None
 
     @property
     def nbytes(self) -> int:
-        return self.data.numel()
+        return len(self.data)
 
     @property
     def changed(self) -> int:
@@ -95,8 +97,8 @@ class EncodeJob:
     thread: threading.Thread | None = None
     # whether a reader asked for a chunk (a delta nobody asked for is never encoded)
     asked: bool = False
-    # the runs of each chunk, in order, their encoded bytes [chunk bytes] uint8, and whether it is the last
-    chunks: list[tuple[list[RunDelta], torch.Tensor, bool]] = field(default_factory=list)
+    # the runs of each chunk, in order, their encoded bytes, and whether it is the last
+    chunks: list[tuple[list[RunDelta], bytes, bool]] = field(default_factory=list)
     # `runs_checksum` of all the runs, set with the last chunk
     checksum: int | None = None
     error: BaseException | None = None
@@ -112,7 +114,7 @@ class EncodeJob:
             if self.thread is not None and self.thread.ident is None:
                 self.thread.start()
 
-    def chunk(self, index: int, timeout_s: float) -> tuple[list[RunDelta], torch.Tensor, bool, int | None]:
+    def chunk(self, index: int, timeout_s: float) -> tuple[list[RunDelta], bytes, bool, int | None]:
         """Chunk `index` once encoded (the first call starts the encoding): (runs, bytes, last, checksum on the
         last); raises when the encoding failed."""
         self.start(asked=True)
@@ -187,9 +189,9 @@ class BackgroundEncoder:
             self.base.drop()
 
     @staticmethod
-    def _emit(job: EncodeJob, runs: list[RunDelta], sections: list[torch.Tensor], last: bool, checksum: int) -> None:
+    def _emit(job: EncodeJob, runs: list[RunDelta], sections: list[np.ndarray], last: bool, checksum: int) -> None:
         """Hand a chunk to the readers waiting on `job`."""
-        data = torch.cat(sections) if sections else torch.empty(0, dtype=torch.uint8)
+        data = b"".join(sections)
         with job.cond:
             if last:
                 job.checksum = checksum
@@ -220,7 +222,7 @@ class BackgroundEncoder:
             for n, (rd, section, checksum) in enumerate(encoded):
                 pending.append(dataclasses.replace(rd, at=at))
                 sections.append(section)
-                at += section.numel()
+                at += section.size
                 input_bytes += rd.run.nbytes
                 if input_bytes >= self.chunk_bytes or n == len(runs) - 1:
                     self._emit(job, pending, sections, n == len(runs) - 1, checksum)

@@ -54,9 +54,10 @@ class MeshConfig:
     )
     weight_sync_anchor_every: int = option(
         10, ge=1,
-        doc="Weights crossing hosts go as deltas (XOR + LZ4 of the serving-dtype bits) with a full anchor every "
-            "this many syncs, after any restart and for a new reader; 1 = always full. Each trainer rank read "
-            "from another host keeps one serving-dtype copy of its shard for it (docs/weight_sync.md).",
+        doc="Weights crossing hosts go as deltas (the changed serving-dtype bits: sparse XOR words, XOR + LZ4 for "
+            "dense runs) with a full anchor every this many syncs, after any restart and for a new reader; 1 = "
+            "always full. A delta is taken against the rank's previous sealed slot, read in place "
+            "(docs/weight_sync.md).",
     )
     memory_check: str = option(
         "refuse", choices=("refuse", "warn", "off"),

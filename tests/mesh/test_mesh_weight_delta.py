@@ -1,8 +1,10 @@
-"""Delta weight sync: what crosses hosts is XOR + LZ4 of the changed serving-dtype bits, bitwise exact.
+"""Delta weight sync: what crosses hosts is the changed serving-dtype bits, bitwise exact.
 
-The codec is checked against a reference written here (a run rebuilt as base
-XOR the decoded bits, element by element), on random bf16/fp32 data with
-NaN payloads, -0.0 and infinities. The mesh test runs an FSDP trainer
+The codec is checked against a reference written here (the sparse-word
+format parsed in plain Python, LZ4 blocks decoded by python-lz4, a run
+rebuilt as base XOR the decoded bits, element by element), on random
+bf16/fp32 data with NaN payloads, -0.0 and infinities; malformed sparse
+sections are refused without a byte written outside their run. The mesh test runs an FSDP trainer
 (2 gloo ranks, the dense model; EP=2 experts for MoE) and two bf16
 generators on two Monarch `ProcessJob` fake hosts for 20 steps: after every
 sync (sync mode's `sync()`; async mode's publish, then each generator loading
@@ -25,13 +27,13 @@ import pytest
 import torch
 
 from composer_mesh.actors.chaos import FAIL_ENV, MARKS_ENV
-from composer_mesh.actors.weight_sync.delta import FULL, XOR, Delta, DeltaBase, apply_delta, runs_checksum
+from composer_mesh.actors.weight_sync.delta import FULL, SPARSE, XOR, Delta, DeltaBase, RunDelta, apply_delta, runs_checksum
 from composer_mesh.actors.weight_sync.encoder import BackgroundEncoder
 from composer_mesh.actors.weight_sync.segment import Piece
 from composer_mesh.titan_ext.batch import TrainBatch
 
 VOCAB = 2048  # the tiny models' vocabulary
-# the codec test's LZ4 block (input bytes): its runs span several
+# the codec test's block (input bytes): its runs span several
 BLOCK = 4096
 
 # ---- the codec against a reference ----------------------------------------------------------------
@@ -61,36 +63,86 @@ def _advance(base: DeltaBase, payload_U8: torch.Tensor, runs: list[Piece], versi
     for rd, section, chained in base.encode_runs(payload_U8, runs, version, token, itemsize):
         sections.append(section)
         out.append(dataclasses.replace(rd, at=at))
-        at += section.numel()
+        at += section.size
         checksum = chained
     # the checksum the encoder chains block by block is the reference's, run by run
     assert checksum == runs_checksum(payload_U8, runs)
-    buffer = torch.cat(sections) if sections else torch.empty(0, dtype=torch.uint8)
+    buffer = torch.from_numpy(np.concatenate(sections)) if sections else torch.empty(0, dtype=torch.uint8)
     return Delta(version, base_version, base_token, itemsize, out, buffer.numel(), checksum), buffer
+
+
+def _reference_sparse(section: bytes, run_bytes: int, itemsize: int) -> bytes:
+    """The XOR bits a SPARSE section stands for, parsed from the format in `actors.weight_sync.sparse`'s
+    docstring with plain Python (one block: `run_bytes` at most BLOCK): per entry a LEB128 word gap, a lane mask
+    byte, then each masked lane's `itemsize` bytes."""
+    xor, p, w = bytearray(run_bytes), 0, 0
+    while p < len(section):
+        gap, shift = 0, 0
+        while True:
+            c = section[p]
+            p += 1
+            gap |= (c & 127) << shift
+            shift += 7
+            if c < 128:
+                break
+        w += gap
+        mask = section[p]
+        p += 1
+        for lane in range(8 // itemsize):
+            if mask >> lane & 1:
+                at = 8 * w + itemsize * lane
+                assert at + itemsize <= run_bytes, "a lane past the run"
+                xor[at : at + itemsize] = section[p : p + itemsize]
+                p += itemsize
+        w += 1
+    return bytes(xor)
+
+
+def _reference_blocks(rd, section: bytes, itemsize: int) -> bytes:
+    """The XOR bits of a SPARSE or XOR run, block by block (each BLOCK input bytes, the last shorter)."""
+    import lz4.block
+
+    ends = np.cumsum((0, *rd.blocks))
+    out = []
+    for i, (a, b) in enumerate(zip(ends[:-1], ends[1:])):
+        size = min(BLOCK, rd.run.nbytes - i * BLOCK)
+        if rd.encoding == SPARSE:
+            out.append(_reference_sparse(section[a:b], size, itemsize))
+        else:
+            blk = np.frombuffer(lz4.block.decompress(section[a:b], uncompressed_size=size), np.uint8)
+            # fp32: each block is its elements' byte 0s, then byte 1s, ... (byte planes)
+            out.append(blk.reshape(itemsize, -1).T.tobytes() if itemsize == 4 else blk.tobytes())
+    return b"".join(out)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_delta_rebuilds_every_bit_and_falls_back_to_full(dtype):
     g = torch.Generator().manual_seed(3)
     size = dtype.itemsize
-    # three runs (tensors' local shards), the middle one all noise
-    n = [64 * 33, 1000, 50_000]
+    bits = {2: np.int16, 4: np.int32}[size]
+    # four runs (tensors' local shards): scattered changes (SPARSE), all noise (FULL), every element's lowest bit
+    # flipped (too dense for SPARSE, one repeated pattern for LZ4: XOR), and an odd element count, so its last
+    # 64-bit word is short, with a change in its very last element (SPARSE)
+    n = [64 * 33, 1000, 50_000, 1001]
     runs, offset = [], 128
     for k in n:
         runs.append(Piece(offset, k * size))
         offset += k * size + 64 * 3
     old = torch.randn(sum(n), generator=g) * 0.02
     old[7], old[8], old[9] = float("nan"), float("inf"), -0.0
-    new = old.clone()
-    # a small Adam-like step: few bf16 values move
-    new += 1e-5 * torch.sign(torch.randn(sum(n), generator=g))
-    # NaN sign and -0.0 -> +0.0 are bit changes
-    new[7], new[9] = float("-nan"), 0.0
-    old_p, new_p = _payload(old.to(dtype), runs), _payload(new.to(dtype), runs)
-    # random bits, incompressible: sent whole
-    noise = runs[1]
-    new_p[noise.offset : noise.offset + noise.nbytes] = torch.randint(0, 256, (noise.nbytes,), generator=g,
-                                                                      dtype=torch.uint8)
+    old_p = _payload(old.to(dtype), runs)
+    new_p = old_p.clone()
+    views = [new_p[r.offset : r.offset + r.nbytes].numpy().view(bits) for r in runs]
+    # 3 % of the elements move by a few low bits, NaN's sign flips and -0.0 becomes +0.0 (bit changes all)
+    for v in (views[0], views[3]):
+        moved = torch.randperm(v.size, generator=g)[: max(1, v.size * 3 // 100)].numpy()
+        v[moved] ^= torch.randint(1, 8, (moved.size,), generator=g).numpy().astype(bits)
+    views[3][-1] ^= 1
+    views[0][7] ^= np.array(1 << (8 * size - 1), np.uint64).astype(bits)
+    views[0][9] = 0
+    new_p[runs[1].offset : runs[1].offset + runs[1].nbytes] = torch.randint(0, 256, (runs[1].nbytes,), generator=g,
+                                                                            dtype=torch.uint8)
+    views[2] ^= 1
 
     # blocks smaller than the runs, so a run spans several and ends in a partial one
     base = DeltaBase(block_bytes=BLOCK)
@@ -101,42 +153,35 @@ def test_delta_rebuilds_every_bit_and_falls_back_to_full(dtype):
     # the base is read where it was published, never written: the previous version stays readable
     assert torch.equal(old_p, old_bytes) and base.payload_U8 is new_p
     assert (delta.version, delta.base_version, delta.base_token) == (1, 0, "tok0")
-    assert [rd.encoding for rd in delta.runs][1] == FULL and delta.runs[2].encoding == XOR
+    assert [rd.encoding for rd in delta.runs] == [SPARSE, FULL, XOR, SPARSE]
 
-    # reference: every element of the rebuilt run is base XOR decoded, equal to the new bits; an XOR section is
-    # LZ4 blocks of BLOCK input bytes each (the last shorter), sizes in `blocks`
-    import lz4.block
-
-    bits = {2: np.int16, 4: np.int32}[size]
-    for rd, _k in zip(delta.runs, n):
+    # reference: every element of the rebuilt run is base XOR the decoded bits, equal to the new bits
+    for rd in delta.runs:
         old_bits = old_p[rd.run.offset : rd.run.offset + rd.run.nbytes].numpy().view(bits)
         new_bits = new_p[rd.run.offset : rd.run.offset + rd.run.nbytes].numpy().view(bits)
         assert rd.changed == int((old_bits != new_bits).sum())
         section = buffer[rd.at : rd.at + rd.size].numpy().tobytes()
         if rd.encoding == FULL:
-            decoded = section
+            rebuilt = np.frombuffer(section, dtype=bits)
         else:
-            assert rd.block_bytes == BLOCK and len(rd.blocks) == -(-rd.run.nbytes // BLOCK) > 1
-            ends = np.cumsum((0, *rd.blocks))
-            blocks = [np.frombuffer(lz4.block.decompress(section[a:b], uncompressed_size=min(BLOCK, rd.run.nbytes - i * BLOCK)), np.uint8)
-                      for i, (a, b) in enumerate(zip(ends[:-1], ends[1:]))]
-            # fp32: each block is its elements' byte 0s, then byte 1s, ... (byte planes)
-            decoded = b"".join(blk.reshape(size, -1).T.tobytes() if size == 4 else blk.tobytes() for blk in blocks)
-        rebuilt = np.frombuffer(decoded, dtype=bits) if rd.encoding == FULL else old_bits ^ np.frombuffer(decoded, bits)
+            assert rd.block_bytes == BLOCK and len(rd.blocks) == -(-rd.run.nbytes // BLOCK)
+            rebuilt = old_bits ^ np.frombuffer(_reference_blocks(rd, section, size), bits)
         assert np.array_equal(rebuilt, new_bits)
-    # bf16: the noise run dominates what is sent; fp32: every element changes in its two low bytes, which LZ4
-    # (no entropy coder) sends as they are, the two high byte planes compress away
-    assert delta.nbytes < {2: 0.6, 4: 0.75}[size] * sum(r.nbytes for r in runs)
+    # SPARSE: about (gap + mask + one lane) per changed element; XOR: LZ4 of one repeated pattern
+    sparse_runs = [rd for rd in delta.runs if rd.encoding == SPARSE]
+    assert sum(rd.size for rd in sparse_runs) < 0.06 * (size + 2) * sum(rd.run.nbytes // size for rd in sparse_runs)
+    assert delta.runs[2].size < delta.runs[2].run.nbytes / 50
 
     target = torch.full_like(old_p, 7)
     # the checksum applying returns (chained block by block) is the reference's over what it wrote
     assert apply_delta(target, old_p, delta, buffer.clone()) == runs_checksum(target, runs) == delta.checksum
     for r in runs:
         assert torch.equal(target[r.offset : r.offset + r.nbytes], new_p[r.offset : r.offset + r.nbytes])
-    stale = old_p.clone()
-    # a receiver whose base differs in one bit: the checksum says so
-    stale[runs[2].offset] ^= 1
-    assert apply_delta(target, stale, delta, buffer.clone()) == runs_checksum(target, runs) != delta.checksum
+    # a receiver whose base differs in one bit, in a SPARSE or an XOR run: the checksum says so
+    for run in (runs[0], runs[2]):
+        stale = old_p.clone()
+        stale[run.offset + 1] ^= 1
+        assert apply_delta(target, stale, delta, buffer.clone()) == runs_checksum(target, runs) != delta.checksum
     # a truncated or foreign section is refused, not half-applied
     with pytest.raises(ValueError, match="expected"):
         apply_delta(target, old_p, delta, torch.cat([buffer[: delta.runs[2].at + 10],
@@ -162,12 +207,65 @@ def test_delta_rebuilds_every_bit_and_falls_back_to_full(dtype):
     # the next delta is against v3 (each version in memory of its own, as in the slots of a ring)
     v4 = new_p.clone()
     same, _ = _advance(base, v4, runs, 4, "tok4", size, encode=True)
-    # nothing changed: LZ4's floor (one byte per 255 of a zero run, plus each block's few bytes of framing)
-    assert (same.base_version, same.changed) == (3, 0) and same.nbytes < sum(r.nbytes for r in runs) / 100
+    # nothing changed: every run SPARSE blocks without an entry, nothing to send
+    assert (same.base_version, same.changed, same.nbytes) == (3, 0, 0)
     # a version written over its base's bytes (published again into the same slot): the base is gone, so no
     # delta, and that version is the next base
     assert _advance(base, v4, runs, 5, "tok5", size, encode=True) is None
     assert (base.version, base.token) == (5, "tok5") and base.matches(new_p, runs) and not base.matches(v4, runs)
+
+@pytest.mark.parametrize("itemsize", [2, 4])
+def test_a_malformed_sparse_section_is_refused_and_never_written_outside_its_run(itemsize):
+    """Handcrafted sections break each rule of the format; random ones must decode or be refused, and the bytes
+    around the target run stay untouched either way (the decoder is native code with no bounds checks of its own)."""
+    g = np.random.default_rng(11)
+    # one block: 13 whole words and a short last word of one lane
+    run_bytes = 13 * 8 + itemsize
+    guard = 64
+    base = torch.from_numpy(g.integers(0, 256, run_bytes, dtype=np.uint8))
+    lanes, last_lanes = 8 // itemsize, 1
+
+    def apply(section: bytes) -> torch.Tensor:
+        """`section` as a one-run, one-block SPARSE delta onto `base`: the guarded target after applying."""
+        padded = torch.full((guard + run_bytes + guard,), 0xA5, dtype=torch.uint8)
+        rd = RunDelta(Piece(0, run_bytes), SPARSE, 0, 0, len(section), (len(section),), BLOCK)
+        data = torch.frombuffer(bytearray(section + bytes(8)), dtype=torch.uint8)[: len(section)]
+        try:
+            apply_delta(padded[guard : guard + run_bytes], base, Delta(1, 0, "t", itemsize, [rd], len(section), 0),
+                        data)
+        finally:
+            assert bool((padded[:guard] == 0xA5).all() and (padded[-guard:] == 0xA5).all()), "wrote outside its run"
+        return padded[guard : guard + run_bytes]
+
+    lane = bytes(range(1, itemsize + 1))
+    # valid: word 0 lane 0, then the short last word's one lane (word 13: 12 words skipped after word 0)
+    rebuilt = apply(b"\x00\x01" + lane + bytes([12, 1]) + lane)
+    expected = base.clone()
+    expected[:itemsize] ^= torch.tensor(list(lane), dtype=torch.uint8)
+    expected[-itemsize:] ^= torch.tensor(list(lane), dtype=torch.uint8)
+    assert torch.equal(rebuilt, expected)
+    assert torch.equal(apply(b""), base)
+    bad = {
+        "truncated gap": b"\x80",
+        "gap past the block": bytes([14, 1]) + lane,
+        "a mask naming no lane": b"\x00\x00",
+        "a mask naming a lane past the word": b"\x00" + bytes([1 << lanes]) + lane * (lanes + 1),
+        "a mask naming a lane the short word lacks": bytes([13, 1 << last_lanes]) + lane * 2,
+        "a lane past the section": b"\x00\x03" + lane,
+        "trailing bytes": b"\x00\x01" + lane + b"\x00",
+        "an endless gap": b"\xff" * 12 + b"\x01\x01" + lane,
+    }
+    for why, section in bad.items():
+        with pytest.raises(ValueError, match="not a sparse block"):
+            apply(section)
+            pytest.fail(why)
+    for _ in range(2000):
+        section = g.integers(0, 256, int(g.integers(1, 40)), dtype=np.uint8).tobytes()
+        try:
+            apply(section)
+        except ValueError as e:
+            assert "not a sparse block" in str(e)
+
 
 # ---- the background encoder: streamed chunks, overlap, failures ------------------------------------
 
@@ -180,8 +278,9 @@ def _receive(encoder: BackgroundEncoder, base_p: torch.Tensor, timeout_s: float 
     checksum, index = 0, 0
     while True:
         runs, data, last, final_checksum = encoder.job.chunk(index, timeout_s)
-        part = Delta(plan.version, plan.base_version, plan.base_token, plan.itemsize, runs, data.numel(), 0)
-        chained = apply_delta(target, base_p, part, data.clone(), checksum)
+        part = Delta(plan.version, plan.base_version, plan.base_token, plan.itemsize, runs, len(data), 0)
+        # as a reader gets it: bytes
+        chained = apply_delta(target, base_p, part, data, checksum)
         checksum = runs_checksum(target, [rd.run for rd in runs], checksum)
         assert chained == checksum
         index += 1
@@ -273,7 +372,7 @@ def test_a_publication_while_the_previous_encoding_runs_waits_for_it_and_encodes
     checksum = 0
     for index in range(len(first.chunks)):
         runs_i, data, last, final_checksum = first.chunk(index, 1.0)
-        apply_delta(rebuilt1, v0, Delta(1, 0, "t0", 2, runs_i, data.numel(), 0), data.clone())
+        apply_delta(rebuilt1, v0, Delta(1, 0, "t0", 2, runs_i, len(data), 0), data)
         checksum = runs_checksum(rebuilt1, [rd.run for rd in runs_i], checksum)
     assert last and checksum == final_checksum and _same_runs(rebuilt1, v1, runs)
     rebuilt2, _ = _receive(encoder, v1)
