@@ -4,7 +4,8 @@ With the small learning rates of RL, most bf16 values do not change from one
 step to the next, so what crosses hosts can be what changed instead of every
 byte. Each trainer rank remembers where the runs it published last are
 (`DeltaBase`: a view of its previous sealed slot, which stays unchanged for
-`keep` more versions, so no copy is kept) and sends, per run (one tensor's local shard), the smallest that applies of:
+`keep` more versions, so no copy is kept) and sends, per run (one tensor's
+local shard), the first of these that applies:
 
 - SPARSE: the run's changed 64-bit words against its base, block by block
   (`actors.weight_sync.sparse`: word gap, lane mask, changed lanes' XOR),
@@ -120,10 +121,11 @@ def _bits(raw_U8: torch.Tensor, itemsize: int) -> torch.Tensor:
 def encode_run(new_U8: torch.Tensor, old_U8: torch.Tensor, itemsize: int, scratch_U8: torch.Tensor,
                block_bytes: int = BLOCK_BYTES,
                checksum: int = 0) -> tuple[str, int, np.ndarray, tuple[int, ...], int]:
-    """(encoding, changed elements, bytes to send `[size]` uint8, encoded size per block, checksum) for one run against `old_U8`
-    (the same run of the base version): SPARSE when it fits `SPARSE_MAX` of the bytes, else XOR + LZ4 unless that is
-    no smaller than the run (FULL). `scratch_U8` (at least `block_bytes`) holds an LZ4 block's XOR. The checksum is
-    `runs_checksum` of the run continued from `checksum`, taken block by block while the block is in cache."""
+    """(encoding, changed elements, bytes to send `[size]` uint8, encoded size per block, checksum) for one run
+    against `old_U8` (the same run of the base version): SPARSE when it fits `SPARSE_MAX` of the bytes, else XOR +
+    LZ4 unless that is no smaller than the run (FULL). `scratch_U8` (at least `block_bytes`) holds an LZ4 block's
+    XOR. The checksum is `runs_checksum` of the run continued from `checksum`, taken block by block while the block
+    is in cache."""
     if block_bytes % 8 or scratch_U8.numel() < block_bytes:
         raise ValueError(f"block_bytes {block_bytes} must be a multiple of 8 and fit the scratch")
     if new_U8.numel() % itemsize:
