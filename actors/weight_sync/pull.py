@@ -86,7 +86,7 @@ def _pull_deltas(writer: SegmentWriter, base: PinnedSegment, sources: list[Remot
                 mismatched.append(live.pop(rank))
         index += 1
         asked = {rank: ask(live[rank], index) for rank, chunk in chunks.items() if not chunk.last}
-        # each rank's chunk on its own thread (LZ4 and numpy release the GIL): the ranks' runs are
+        # each rank's chunk on its own thread (numba, LZ4, numpy and xxhash release the GIL): the ranks' runs are
         # disjoint, and the applying is what this host's share of the sync costs
         with one_thread():
             futures = {rank: _APPLY.submit(_apply_chunk, writer, base, live[rank], chunk, checksums[rank])

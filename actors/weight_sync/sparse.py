@@ -51,7 +51,7 @@ def _put_word(out: np.ndarray, p: int, x: np.uint64, itemsize: int, lanes: int) 
     is written and only a changed one is kept (no branch per lane: which lanes changed is random)."""
     mp = p
     p += 1
-    mask = 0
+    mask, n = 0, 0
     bits = 8 * itemsize
     lane_mask = (np.uint64(1) << np.uint64(bits)) - np.uint64(1)
     for lane in range(lanes):
@@ -61,10 +61,8 @@ def _put_word(out: np.ndarray, p: int, x: np.uint64, itemsize: int, lanes: int) 
         nz = int(v != 0)
         p += itemsize * nz
         mask |= nz << lane
+        n += nz
     out[mp] = np.uint8(mask)
-    n = 0
-    for lane in range(lanes):
-        n += (mask >> lane) & 1
     return p, n
 
 
@@ -109,7 +107,8 @@ def _apply_block(target_U8: np.ndarray, base_U8: np.ndarray, itemsize: int, src_
                 end: int) -> int:
     """`target_U8` = `base_U8` XOR the entries in `src_U8[at:end]` (one block as `encode_block` wrote it). Returns
     `end` when the entries fill exactly that span, else a negative code (-1 truncated, -2 a gap past the block, -3
-    a mask naming no or absent lanes, -4 an entry past `end`), with `target_U8` then partly written."""
+    a mask naming no or absent lanes, -4 an entry past `end`, -5 arrays or a span that disagree), with `target_U8`
+    then partly written."""
     n = target_U8.size
     if base_U8.size != n or n % itemsize or end > src_U8.size or at < 0 or at > end:
         return -5
