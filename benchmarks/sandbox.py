@@ -27,7 +27,13 @@ Measures, in one run:
   phase that found no free slot in `pool_wait_s` and ran cold; 0 = the pool
   kept up); the hostile replies again through the pool (`hostile_contained` is
   the lower of the cold and pooled shares). The sandbox root is a fresh
-  directory of its own (other graders on the box do not touch it).
+  directory of its own (other graders on the box do not touch it);
+- SWE grades (`tests/envs/swe_shapes.py`: a one-package repository in the
+  SWE-bench shape, six node ids): the gold patch graded with and without the
+  negative-control canaries (`envs.swe_verdict`), interleaved, through the
+  local sandbox and through podman when its image is built
+  (`benchmarks/container.py` builds it), and `swe_forged_contained`: the
+  share of the forged verdicts (`swe_shapes.FORGERIES`) that earn 0 locally.
 Prints a table and ends with one JSON line.
 """
 
@@ -46,7 +52,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
-from composer_mesh.configs.sections.env import CodingConfig, DemoTaskConfig, FeatureDeletionConfig, SandboxConfig
+from composer_mesh.configs.sections.env import (
+    CodingConfig, DemoTaskConfig, FeatureDeletionConfig, SandboxConfig, SweConfig,
+)
+from composer_mesh.envs.container import ContainerBackend
 from composer_mesh.envs.base import assistant
 from composer_mesh.envs.demo import DemoEnv, solve
 from composer_mesh.envs.containment import CGROUP_ROOT, CONTROLLERS
@@ -55,8 +64,12 @@ from composer_mesh.envs.grading import PYTEST_ARGS, Grade
 from composer_mesh.envs.micro import MicroTask, make_task
 from composer_mesh.envs.pool import SandboxPool
 from composer_mesh.envs.safeguards import manifest
-from composer_mesh.envs.sandbox import Sandbox
+from composer_mesh.envs.sandbox import Sandbox, SandboxUnavailable
+from composer_mesh.envs.swe import SweTask, load_instances
 from composer_mesh.envs.tool_loop import ToolLoopEnv
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "envs"))
+from swe_shapes import FIXED_CORE, FORGERIES, make_instance  # noqa: E402
 
 # Module-level payloads appended to the stubbed target (see tests/envs/test_envs_hostile.py for the full corpus).
 HOSTILE = {
@@ -89,6 +102,7 @@ HOSTILE_FILES = {
 }
 
 FIXTURES = Path(__file__).resolve().parents[1] / "tests" / "envs" / "fixtures"
+IMAGE = "localhost/composer-mesh-swe:bookworm"
 
 
 def demo_rate(episodes: int) -> float:
@@ -207,6 +221,51 @@ def hostile_contained(sandbox: Sandbox, task, callable_task, object_task) -> tup
     return contained / len(replies), len(replies)
 
 
+def swe_task(root: Path, runtime: str) -> SweTask:
+    """The shapes instance (`tests/envs/swe_shapes.py`) loaded for `runtime` ("local" or "podman")."""
+    repos = root / "repos"
+    if not repos.exists():
+        repos.mkdir(parents=True)
+        (root / "instances.jsonl").write_text(json.dumps(make_instance(repos, IMAGE)) + "\n")
+    config = SweConfig(instances=str(root / "instances.jsonl"), repos_dir=str(repos), runtime=runtime)
+    return load_instances(config, root / f"store-{runtime}")[0]
+
+
+def swe_grade(task: SweTask, backend, source: str, canaries: bool = True) -> Grade:
+    """One SWE grade of `source` written over the instance's `shapes/core.py`."""
+    with task.workspace(backend) as ws:
+        start = manifest(ws.path)
+        (ws.path / "shapes" / "core.py").write_text(source)
+        return task.grade(backend, ws, start, (), canaries=canaries)
+
+
+def swe(sandbox: Sandbox, root: Path, reps: int) -> dict[str, float | None]:
+    """Median grade seconds of the gold patch with and without canaries (local; podman when its image exists),
+    interleaved; the share of forged verdicts that earn 0 (local)."""
+    out: dict[str, float | None] = {}
+    backends = [("local", sandbox)]
+    try:
+        backends.append(("podman", ContainerBackend(SweConfig(image=IMAGE, test_timeout_s=60.0))))
+    except SandboxUnavailable as exc:
+        print(f"[sandbox bench] no podman figures: {exc}")
+        out |= {"swe_grade_podman_s": None, "swe_grade_podman_unchecked_s": None}
+    for name, backend in backends:
+        task = swe_task(root, name)
+        checked, plain = [], []
+        for _ in range(reps):
+            for canaries, times in ((True, checked), (False, plain)):
+                grade = swe_grade(task, backend, FIXED_CORE, canaries)
+                assert grade.reward == 1.0, grade
+                times.append(grade.grade_s)
+        out[f"swe_grade_{name}_s"] = statistics.median(checked)
+        out[f"swe_grade_{name}_unchecked_s"] = statistics.median(plain)
+    local = swe_task(root, "local")
+    out["swe_forged_contained"] = sum(swe_grade(local, sandbox, src).reward == 0.0 for src in FORGERIES.values()) \
+        / len(FORGERIES)
+    out["swe_forged_tried"] = len(FORGERIES)
+    return out
+
+
 def overhead(sandbox: Sandbox, argv_of, cwd_src: Path | None, reps: int) -> tuple[float, float]:
     """Median seconds (bare, sandboxed) for the same command, interleaved."""
     bare, boxed = [], []
@@ -237,6 +296,7 @@ def main() -> None:
     demo = demo_rate(demo_eps)
     code = coding(sandbox, pool, *((24, 4) if args.quick else (60, 12)))
     fd = feature_deletion(sandbox, pool, tasks_per_repo, reps)
+    swe_figures = swe(sandbox, Path(root) / "swe", max(3, reps // 2))
     pool_stats = pool.stats()
     pool.close()
     py_bare, py_box = overhead(sandbox, lambda py: [py, "-c", "pass"], None, reps)
@@ -263,6 +323,12 @@ def main() -> None:
         ("callable tasks: oracle min reward (tasks, refused)",
          f"{fd['callable_task_oracle']:.2f}  ({fd['callable_tasks']:.0f}, {fd['callable_refused']:.0f})"),
         ("oracle grade_s (median, callable tasks)", f"{fd['oracle_grade_s']:.2f}"),
+        ("SWE grade s, local: canaries on / off", f"{swe_figures['swe_grade_local_s']:.2f} / "
+         f"{swe_figures['swe_grade_local_unchecked_s']:.2f}"),
+        ("SWE grade s, podman: canaries on / off", "not built" if swe_figures["swe_grade_podman_s"] is None else
+         f"{swe_figures['swe_grade_podman_s']:.2f} / {swe_figures['swe_grade_podman_unchecked_s']:.2f}"),
+        ("SWE forged verdicts earning 0 (share)", f"{swe_figures['swe_forged_contained']:.2f}  "
+         f"({swe_figures['swe_forged_tried']} tried)"),
         ("python -c pass: bare / sandboxed ms", f"{py_bare * 1e3:.0f} / {py_box * 1e3:.0f}  (+{(py_box - py_bare) * 1e3:.0f} ms)"),
         ("pytest suite:   bare / sandboxed ms", f"{pt_bare * 1e3:.0f} / {pt_box * 1e3:.0f}  (+{(pt_box - pt_bare) * 1e3:.0f} ms)"),
     ]
@@ -305,6 +371,7 @@ def main() -> None:
         "pytest_bare_ms": round(pt_bare * 1e3, 1),
         "pytest_sandboxed_ms": round(pt_box * 1e3, 1),
         "pytest_overhead_ratio": round(pt_box / pt_bare, 3),
+        **{k: v if v is None else round(v, 3) for k, v in swe_figures.items()},
     }))
 
 

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
+import secrets
 import shutil
 import subprocess
 import tempfile
@@ -32,9 +34,9 @@ from composer_mesh.envs.container import ContainerBackend
 from composer_mesh.envs.grading import Grade
 from composer_mesh.envs.safeguards import change_violations, diff_tree, is_bytecode, manifest
 from composer_mesh.envs.sandbox import SandboxResult, Workspace
+from composer_mesh.envs.swe_verdict import REPORT_CHARS, Canaries, plant, read_report
 
-_PYTEST = ("-m", "pytest", "-rA", "--tb=short", "-q", "-p", "no:cacheprovider", "-o", "addopts=")
-_OUTCOME = re.compile(r"^(PASSED|FAILED|ERROR|XPASS|XFAIL) (.+?)(?: - .*)?$", re.MULTILINE)
+_PYTEST = ("-m", "pytest", REPORT_CHARS, "--tb=short", "-q", "-p", "no:cacheprovider", "-o", "addopts=")
 _DIFF_PATHS = re.compile(r"^diff --git a/(\S+) b/(\S+)$", re.MULTILINE)
 _REPORT_CHARS = 200_000
 _IMAGE_KEYS = ("image", "image_name", "docker_image")
@@ -120,13 +122,17 @@ class SweTask:
 
     def grade(
         self, backend: SandboxBackend, ws: Workspace, start_manifest: dict[str, str],
-        violations: tuple[tuple[str, str], ...] | list[tuple[str, str]] = (),
+        violations: tuple[tuple[str, str], ...] | list[tuple[str, str]] = (), canaries: bool = True,
     ) -> Grade:
         """Run the hidden tests against a copy of `ws` with test_patch applied; 1 only for a clean full pass.
 
         Added test files are allowed (only the named node ids run); edited or
         deleted tests, test configuration and new conftest files are violations
         (as are the tool loop's `violations`): those earn 0 without a test run.
+        The run also holds negative-control canaries (`envs.swe_verdict`): one
+        reported passed, or a report whose outcome lines, final counts and exit
+        status disagree, is `forged_report`. `canaries=False` only measures what
+        they cost (benchmarks/sandbox.py).
         """
         began = time.perf_counter()
         backend = _concrete(backend, self)
@@ -137,17 +143,20 @@ class SweTask:
             # reward 0 whatever the tests say: spare the run
             return Grade(0.0, found[0][0], 0, total, tuple(dict.fromkeys(found)), "", round(time.perf_counter() - began, 6))
         hidden = patched_files(self.test_patch, self.snapshot())
+        rng = random.Random(secrets.randbits(64))
         with backend.workspace(copy_from=ws.path, skip=lambda rel: rel in hidden or is_bytecode(rel)) as judge:
             write_files(judge.path, hidden)
+            planted = plant(judge.path, self.fail_to_pass or self.tests, rng) if canaries else Canaries(())
             judge.adopt()
             env = {} if self.plugin_autoload else {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
-            argv = [backend.python(), *_PYTEST, *self.tests]
+            argv = [backend.python(), *_PYTEST, *planted.mixed_with(self.tests, rng)]
             result = backend.run(argv, judge, env=env, tail_chars=_REPORT_CHARS)
-        outcomes = {node: outcome for outcome, node in _OUTCOME.findall(result.stdout)}
+        report = read_report(result.stdout, result.exit_code, self.tests, planted)
         found += [(v, "tests") for v in result.violations]
-        if not outcomes and not result.violations:
+        found += [("forged_report", why) for why in report.forged]
+        if not found and not (report.outcomes and report.summary_found):
             found.append(("tests_not_run", f"exit {result.exit_code}: {(result.stderr or result.stdout)[-300:]}"))
-        passed = sum(outcomes.get(t) == "PASSED" for t in self.tests)
+        passed = sum(report.outcomes.get(t) == "PASSED" for t in self.tests)
         if found:
             reason = found[0][0]
         elif passed < total:

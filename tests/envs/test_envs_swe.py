@@ -4,6 +4,8 @@ A tiny instance is made here: a git repository whose `add` subtracts, a gold
 patch that fixes it, and a test_patch adding the failing test. It is graded
 through the local bubblewrap backend and through real podman with an image
 built from Debian packages (built once per session; cached in podman's store).
+A second instance (`swe_shapes.py`: a class method, parametrized, class and
+unittest tests) is graded against patches that forge pytest's verdict.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from composer_mesh.envs.factory import check_task, env_factory
 from composer_mesh.envs.safeguards import manifest
 from composer_mesh.envs.sandbox import Sandbox, SandboxUnavailable
 from composer_mesh.envs.swe import SweTask, load_instances
+from swe_shapes import FIXED_CORE, FORGERIES, make_instance
 
 IMAGE = "localhost/composer-mesh-swe:bookworm"
 BUGGY = "def add(a, b):\n    return a - b\n"
@@ -270,3 +273,46 @@ def test_a_run_that_reports_nothing_is_not_a_pass(tmp_path, instance, local_back
     (task,) = _load(tmp_path, instance, [row], runtime="local")
     grade = task.grade_patch(local_backend, task.patch)
     assert (grade.reward, grade.reason, grade.passed) == (0.0, "tests_not_run", 0), grade
+
+
+@pytest.fixture(scope="module")
+def shapes(tmp_path_factory) -> dict:
+    """repos_dir with `acme__shapes` (base and fix commits) and its row."""
+    repos = tmp_path_factory.mktemp("shapes-repos")
+    return {"repos": repos, "row": make_instance(repos, IMAGE)}
+
+
+def _graded(task: SweTask, backend: SandboxBackend, canaries: bool = True) -> dict:
+    """Grade of the fix, of no change, and of each forgery (each written over `shapes/core.py`)."""
+    grades = {}
+    for name, source in [("fix", FIXED_CORE), ("none", None), *FORGERIES.items()]:
+        with task.workspace(backend) as ws:
+            start = manifest(ws.path)
+            if source is not None:
+                (ws.path / "shapes" / "core.py").write_text(source)
+            grades[name] = task.grade(backend, ws, start, (), canaries=canaries)
+    return grades
+
+
+def _check_forgeries_earn_nothing(grades: dict) -> None:
+    fix, none = grades.pop("fix"), grades.pop("none")
+    assert (fix.reward, fix.reason, fix.passed, fix.total) == (1.0, "passed", 6, 6), fix.output
+    assert (none.reward, none.reason) == (0.0, "tests_failed (2/6 passed)"), none.output
+    for name, grade in grades.items():
+        assert (grade.reward, grade.reason) == (0.0, "forged_report"), (name, grade.violations, grade.output)
+
+
+def test_forged_verdicts_earn_nothing_through_the_local_backend(tmp_path, shapes, local_backend):
+    (task,) = _load(tmp_path, shapes, [shapes["row"]], runtime="local")
+    _check_forgeries_earn_nothing(_graded(task, local_backend))
+    # without the canaries every forgery but the one printed after pytest's counts is paid: the canaries catch them
+    plain = _graded(task, local_backend, canaries=False)
+    assert {name: g.reward for name, g in plain.items()} == {
+        "fix": 1.0, "none": 0.0, **{name: 1.0 for name in FORGERIES}, "report_printed_at_exit": 0.0,
+    }, {name: (g.reason, g.violations) for name, g in plain.items()}
+    assert plain["report_printed_at_exit"].reason == "forged_report"
+
+
+def test_forged_verdicts_earn_nothing_through_the_container_backend(tmp_path, shapes, image):
+    (task,) = _load(tmp_path, shapes, [shapes["row"]])
+    _check_forgeries_earn_nothing(_graded(task, ContainerBackend(SweConfig(image=task.image, test_timeout_s=60.0))))
