@@ -11,10 +11,11 @@ each of its `test_*` functions called with no arguments; pytest is not imported.
 
 It reports on the fd named by `channel_fd` (a file in the host's scratch dir),
 one line per event, `@@grade <nonce> <json>`; any other line there is a
-violation. Events: a violation (a malformed reply of the callee, or what the
-audit hook saw while a watched file was on the stack), and one final summary
-(per-test outcomes, integrity of pytest's internals). A run that ends without
-the summary (an `os._exit`, a kill) earns nothing.
+violation. Events: a violation (a malformed reply of the callee, an error of
+the judge's own machinery (`grader_error`), or what the audit hook saw while a
+watched file was on the stack), and one final summary (per-test outcomes,
+integrity of pytest's internals). A run that ends without the summary (an
+`os._exit`, a kill) earns nothing.
 """
 
 from __future__ import annotations
@@ -236,6 +237,14 @@ def run_plain(files: list[str], repo: str, outcomes: dict[str, str], collect_err
     return 2 if collect_errors else 1 if len(failures) else 5 if not outcomes else 0
 
 
+class GraderError(Exception):
+    """The judge's own machinery failed (an argument that cannot cross, a bound of the wire): no verdict.
+
+    Raised only after the violation `grader_error` is on the channel, so the grade is 0 whatever the
+    test expects or catches (`pytest.raises(TypeError)`, `except BaseException`).
+    """
+
+
 def install_forwarding(callee: dict, violation, repo: str) -> None:
     """Make the task's target modules forward to the submission's process (split grading).
 
@@ -250,7 +259,10 @@ def install_forwarding(callee: dict, violation, repo: str) -> None:
     come back as state, rebuilt as the stub's class. Plain values are copied;
     classes stay the stub's. Every reply is hostile data: one that breaks the
     protocol is the violation `malformed_reply`, a result that is not plain data
-    `unplain_result`; both fail the call, none raises here.
+    `unplain_result`; both fail the call, none raises here. An error of the
+    judge's own side (a test's argument that cannot cross, the handle table or a
+    message bound exhausted) is `grader_error`, never an exception the test could
+    expect: the violation is recorded before anything is raised.
     """
     # a pool worker imported it before any job ran (`_zygote.py`)
     wire = sys.modules.get("_composer_wire")
@@ -267,6 +279,10 @@ def install_forwarding(callee: dict, violation, repo: str) -> None:
         violation("malformed_reply", what[:200], "callee")
         return RuntimeError(f"no valid answer from the submission: {what[:200]}")
 
+    def grader_error(what: str) -> GraderError:
+        violation("grader_error", what[:200], "judge")
+        return GraderError(f"the grader failed, not the submission: {what[:200]}")
+
     def shared(value: object) -> bool:
         """An instance of a class defined in a source file of the repository (the tests' own objects)."""
         module = sys.modules.get(type(value).__module__)
@@ -276,16 +292,18 @@ def install_forwarding(callee: dict, violation, repo: str) -> None:
     def remote(handle: int):
         """A callable of the submission's (returned or passed back), called over the wire."""
         def call(*args, **kwargs):
-            return ask({"op": "call", "handle": handle, "args": encode(list(args)), "kwargs": encode(kwargs)})
+            return ask(outgoing({"op": "call", "handle": handle}, args, kwargs))
         call.__name__ = call.__qualname__ = f"submission_callable_{handle}"
         return call
 
-    def encode(value: object) -> object:
+    def outgoing(head: dict, args: tuple, kwargs: dict) -> dict:
+        """A call request carrying the test's arguments. One that cannot cross (neither plain data, callable nor
+        shared) or a full handle table is the grader's failure, never a TypeError the test could expect."""
         try:
-            return wire.encode(value, export=peer.export)
-        except wire.WireError as exc:
-            # the test passed something that is neither plain data nor callable
-            raise TypeError(f"cannot pass to the submission's process: {exc}") from None
+            return {**head, "args": wire.encode(list(args), export=peer.export),
+                    "kwargs": wire.encode(kwargs, export=peer.export)}
+        except Exception as exc:
+            raise grader_error(f"an argument cannot cross to the submission's process: {exc}") from None
 
     def serve(request: object) -> dict:
         """A request of the submission's side about a handle the judge exported; never raises.
@@ -317,13 +335,20 @@ def install_forwarding(callee: dict, violation, repo: str) -> None:
             return {"raise": "RuntimeError", "text": "malformed callback"}
         try:
             result = fn(*args, **kwargs)
-            return {"ok": wire.encode(result, export=peer.export)}
+        except wire.WireError as exc:  # a bound of the wire (iterating past MAX_ITEMS), not the test's object
+            grader_error(f"callback: {exc}")
+            return {"raise": "RuntimeError", "text": "grader error"}
         except Exception as exc:
-            # the test's callable raised (or returned what cannot cross): the solution sees it
+            # the test's callable raised: the solution sees it
             try:
                 return {"raise": type(exc).__name__, "text": str(exc)[:2000]}
             except Exception:
                 return {"raise": "RuntimeError", "text": "unprintable exception"}
+        try:
+            return {"ok": wire.encode(result, export=peer.export)}
+        except Exception as exc:  # not plain data, callable nor shared, or the handle table is full
+            grader_error(f"a value of the test's cannot cross to the submission's process: {exc}")
+            return {"raise": "RuntimeError", "text": "grader error"}
 
     peer = wire.Peer(callee["in_fd"], callee["out_fd"], serve, callee["timeout_s"], share=shared,
                      modules=set(callee["modules"]), forwarder=remote)
@@ -331,10 +356,17 @@ def install_forwarding(callee: dict, violation, repo: str) -> None:
     def ask(request: dict) -> object:
         try:
             reply = peer.request(request)
+        except wire.TooLarge as exc:  # a message of ours (a request or a callback's answer) over the bound
+            raise grader_error(str(exc)) from None
         except (wire.WireError, OSError) as exc:  # BrokenPipeError: the callee is gone
             raise protocol_error(str(exc)) from None
+        except Exception as exc:  # any other failure of the wire on this side (MemoryError)
+            raise grader_error(f"{type(exc).__name__}: {exc}") from None
         if reply is None:
-            raise RuntimeError("the submission's process ended")  # its sandbox result says why
+            if request["op"] == "describe":  # the module did not import: the stub's functions stay
+                raise RuntimeError("the submission's process ended")  # its sandbox result says why
+            # never a bare RuntimeError a test could expect: the call got no answer
+            raise protocol_error("the submission's process ended during the call")
         keys = set(reply)
         where = f"{request.get('module', 'callable')}.{request.get('name', request.get('handle'))}"
         if keys in ({"ok"}, {"ok", "warnings"}):
@@ -364,7 +396,7 @@ def install_forwarding(callee: dict, violation, repo: str) -> None:
 
     def forwarder(module: str, name: str):
         def call(*args, **kwargs):
-            return ask({"op": "call", "module": module, "name": name, "args": encode(list(args)), "kwargs": encode(kwargs)})
+            return ask(outgoing({"op": "call", "module": module, "name": name}, args, kwargs))
 
         call.__name__ = call.__qualname__ = name
         call.__module__ = module

@@ -61,6 +61,10 @@ class NotRebuildable(WireError):
     """Instance state of a class this side does not define (a helper class of the submission's): not plain data."""
 
 
+class TooLarge(WireError):
+    """A message of this side's over `MAX_MESSAGE` bytes: the wire's own bound, not something the other side sent."""
+
+
 def encode(value: object, depth: int = 0, export: Callable[[object], dict] | None = None) -> object:
     """Tagged JSON of a plain value; with `export` (`Peer.export`), anything else gets the tag export gives."""
     if depth > MAX_DEPTH:
@@ -138,7 +142,7 @@ def _decode(obj: object, depth: int, bind: Callable[[int], Callable] | Peer | No
 def send(fd: int, message: dict) -> None:
     data = (json.dumps(message) + "\n").encode()
     if len(data) > MAX_MESSAGE:
-        raise WireError(f"message over {MAX_MESSAGE} bytes")
+        raise TooLarge(f"message over {MAX_MESSAGE} bytes")
     while data:
         data = data[os.write(fd, data):]
 
@@ -346,9 +350,10 @@ def rebuild(module: object, qualname: object, pairs: list) -> object:
 
 
 def _iterate(obj: object) -> list:
+    """The items of `obj`; WireError past `MAX_ITEMS` (the wire's bound, not an error of `obj`)."""
     items = list(islice(iter(obj), MAX_ITEMS + 1))
     if len(items) > MAX_ITEMS:
-        raise ValueError(f"more than {MAX_ITEMS} items to iterate over across the wire")
+        raise WireError(f"more than {MAX_ITEMS} items to iterate over across the wire")
     return items
 
 

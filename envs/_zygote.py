@@ -11,12 +11,19 @@ every catchable signal, then serves jobs on the control socket (SOCK_SEQPACKET):
 
 - host -> zygote: {"spare": true} -> {"pid": the pid in the namespace of the next
   job's process}, forked ahead (once) and waiting; the host moves it into that
-  job's own cgroup while the slot is idle, so a job never waits for the move;
+  job's own cgroup while the slot is idle, so a job never waits for the move.
+  Before forking it the zygote drains the signals jobs of its uid queued to it
+  (blocked, they would count against the uid's RLIMIT_SIGPENDING for good);
+  the host has restored the rest of what a job of the uid can change in it
+  (rlimits, scheduling, affinity, I/O priority: `envs.pool`);
 - host -> zygote: {"argv", "env", "cwd", "limits": [[resource, soft, hard]],
   "fds": [target numbers], "in_process"} with the job's fds attached (stdin,
   stdout, stderr, then the pass-through fds): passed on to the spare, which starts
   only then (no spare: nothing runs, exit 125);
-- zygote -> host: {"exit": exit code (-N for signal N), "cpu": seconds} once the child ended.
+- zygote -> host: {"exit": exit code (-N for signal N), "cpu": seconds, "started":
+  the child was set up (fds, rlimits, cwd, environment) and ran the job} once the
+  child ended. A child that could not be set up never ran the job's code: the
+  job is lost to the worker, not the job's failure.
 
 The child drops the zygote's fds and signal mask, puts the job's fds at the
 numbers the host named, applies the job's rlimits, cwd and environment, and
@@ -48,6 +55,8 @@ import pytest  # noqa: F401  (warm: what every judge imports first)
 
 _PR_SET_DUMPABLE = 4
 _MAX_FDS = 64
+# what a child sends the zygote once its job is set up, just before the job's own code runs
+_STARTED = b"started"
 # path -> code of the preloaded scripts (compiled once, run by every in-process job)
 _CODE: dict[str, types.CodeType] = {}
 
@@ -101,24 +110,45 @@ def main() -> None:
             for fd in fds:
                 os.close(fd)
             if spare is None:
+                drain_signals()
                 spare = fork_spare(ctrl)
             ctrl.send(json.dumps({"pid": spare[0]}).encode())
             continue
         if spare is None:  # the host places a spare before every job: run nothing
             for fd in fds:
                 os.close(fd)
-            ctrl.send(json.dumps({"exit": 125, "cpu": 0.0}).encode())
+            ctrl.send(json.dumps({"exit": 125, "cpu": 0.0, "started": False}).encode())
             continue
         (pid, sock), spare = spare, None
         try:
             socket.send_fds(sock, [data], fds)
         except OSError:
             pass  # the spare is gone (killed from outside): its exit status says so
-        sock.close()
         for fd in fds:
             os.close(fd)  # the child holds the only copies (end-of-stream reaches a peer when it exits)
+        started = was_started(sock)
         _, status, usage = os.wait4(pid, 0)
-        ctrl.send(json.dumps({"exit": os.waitstatus_to_exitcode(status), "cpu": usage.ru_utime + usage.ru_stime}).encode())
+        reply = {"exit": os.waitstatus_to_exitcode(status), "cpu": usage.ru_utime + usage.ru_stime, "started": started}
+        ctrl.send(json.dumps(reply).encode())
+
+
+def drain_signals() -> None:
+    """Take every signal pending on the zygote (all are blocked: the finished job's SIGCHLD, what jobs of its uid
+    sent it), so none stays queued against the uid's RLIMIT_SIGPENDING."""
+    catchable = signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP}
+    while signal.sigpending():
+        if signal.sigtimedwait(catchable, 0) is None:
+            return
+
+
+def was_started(sock: socket.socket) -> bool:
+    """Whether the child reported its job set up before it ran any of the job's code (end-of-stream: it did not)."""
+    try:
+        return sock.recv(16) == _STARTED
+    except OSError:
+        return False
+    finally:
+        sock.close()
 
 
 def fork_spare(ctrl: socket.socket) -> tuple[int, socket.socket]:
@@ -135,23 +165,27 @@ def fork_spare(ctrl: socket.socket) -> tuple[int, socket.socket]:
 
 
 def child(sock: socket.socket, ctrl_fd: int) -> None:
-    """Wait for the job (the host moved us into its cgroup first), set it up and run it; never returns."""
+    """Wait for the job (the host moved us into its cgroup first), set it up and run it; never returns.
+
+    Once set up, and before any of the job's code, it tells the zygote so (`_STARTED`) on its own socket.
+    """
     code = 1
     try:
         os.close(ctrl_fd)
         data, fds, _, _ = socket.recv_fds(sock, 1 << 20, _MAX_FDS)
-        sock.close()
         if not data:  # the zygote went away before a job came: run nothing
             os._exit(125)
         job = json.loads(data)
         targets = job["fds"]
-        low = max(targets) + 1
-        # copies above every target number first, so no dup2 below overwrites a source
-        high = [fcntl.fcntl(fd, fcntl.F_DUPFD, low) for fd in fds]
+        # the socket to the zygote, then copies of the job's fds, above every target number, so no dup2 below
+        # overwrites a source
+        report = fcntl.fcntl(sock.fileno(), fcntl.F_DUPFD_CLOEXEC, max(targets) + 1)
+        sock.close()
+        high = [fcntl.fcntl(fd, fcntl.F_DUPFD, report + 1) for fd in fds]
         for src, dst in zip(high, targets):
             os.dup2(src, dst, inheritable=True)
-        os.closerange(low, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
-        for fd in set(range(low)) - set(targets):
+        os.closerange(report + 1, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+        for fd in set(range(report)) - set(targets):
             try:
                 os.close(fd)
             except OSError:
@@ -164,6 +198,8 @@ def child(sock: socket.socket, ctrl_fd: int) -> None:
         os.environ.clear()
         os.environ.update(job["env"])
         argv = job["argv"]
+        os.write(report, _STARTED)
+        os.close(report)
         if not job["in_process"]:
             os.execve(argv[0], argv, job["env"])
         sys.argv = list(argv[5:])

@@ -6,7 +6,9 @@ in the judge's interpreter. The judge's sandbox gets the pristine repository
 target modules, which forward every call to the agent's sources in a second
 sandbox (`run_split`). The changes themselves are checked first
 (`envs.safeguards`, `shadowing`). Reward 1 needs: no violation, a complete
-report, and every expected test passed.
+report, and every expected test passed. A grade never raises: a failure of the
+grader's own machinery is a grade of 0 marked `infra` (no verdict about the
+submission: the grade cache never keeps it).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
 import os
 import pkgutil
 import secrets
@@ -28,14 +31,22 @@ from composer_mesh.envs.grade_cache import content_key
 from composer_mesh.envs.safeguards import (
     change_violations, diff_tree, is_bytecode, is_test_config, is_test_path, manifest, scan_source,
 )
-from composer_mesh.envs.sandbox import Sandbox, SandboxResult, Workspace
+from composer_mesh.envs.sandbox import Sandbox, SandboxResult, SandboxUnavailable, Workspace
+from composer_mesh.envs.tree import TreeTooDeep, walk
 
+_log = logging.getLogger(__name__)
 _RUNNER = Path(__file__).resolve().with_name("_grade_runner.py")
 _CALLEE = Path(__file__).resolve().with_name("_callee.py")
 _WIRE = Path(__file__).resolve().with_name("_wire.py")
 PYTEST_ARGS = ("-q", "-p", "no:cacheprovider", "--no-header", "--tb=short", "-o", "addopts=")
 _REPORT_BYTES = 1 << 20
 _MODULE_SUFFIXES = (".py", ".so", ".pyd")
+# Reasons that are no verdict about the submission: the grader's own machinery failed. `grader_error`: an error of
+# the judge's side (an argument that cannot cross, a bound of the wire) or an exception of grading on the host;
+# `sandbox_unavailable`: no sandbox to judge in; `worker_lost`: a pool worker died, stopped or could not set a job
+# up (`envs.pool`); `callee_lost`: the callee's sandbox failed on the host; `runner_exited_early`: the judge, which
+# runs no submission code, ended without its summary and without a named violation.
+INFRA_REASONS = frozenset({"grader_error", "sandbox_unavailable", "worker_lost", "callee_lost", "runner_exited_early"})
 
 
 @dataclass(frozen=True)
@@ -159,18 +170,32 @@ def run_split(
     to_callee_r, to_callee_w = os.pipe()
     to_judge_r, to_judge_w = os.pipe()
     timeout = sandbox.config.wall_timeout_s
-    outcome: list[SandboxResult] = []
+    outcome: list[SandboxResult | Exception] = []
     argv = [sandbox.python(), "-E", "-s", "-P", "-B", str(_CALLEE), str(to_callee_r), str(to_judge_w), str(callee_ws.path)]
-    thread = threading.Thread(target=lambda: outcome.append(sandbox.run(
-        argv, callee_ws, timeout_s=timeout + 2, expose=(str(_CALLEE), str(_WIRE)),
-        pass_fds=(to_callee_r, to_judge_w), hand_over=(to_callee_r, to_judge_w),
-    )))
+
+    def callee() -> None:
+        try:
+            outcome.append(sandbox.run(
+                argv, callee_ws, timeout_s=timeout + 2, expose=(str(_CALLEE), str(_WIRE)),
+                pass_fds=(to_callee_r, to_judge_w), hand_over=(to_callee_r, to_judge_w),
+            ))
+        except Exception as exc:  # the host failed to run it: no verdict (`callee_lost`)
+            outcome.append(exc)
+
+    thread = threading.Thread(target=callee)
     thread.start()
-    callee = {"modules": list(modules), "in_fd": to_judge_r, "out_fd": to_callee_w, "wire": str(_WIRE),
-              "timeout_s": timeout}
-    run = run_suite(sandbox, judge_ws, (), callee=callee, plain=plain)
-    thread.join()
-    callee_violations = tuple((v, "callee", "sandbox") for v in (outcome[0].violations if outcome else ("callee_lost",)))
+    request = {"modules": list(modules), "in_fd": to_judge_r, "out_fd": to_callee_w, "wire": str(_WIRE),
+               "timeout_s": timeout}
+    try:
+        run = run_suite(sandbox, judge_ws, (), callee=request, plain=plain)
+    finally:
+        # the judge's end of the pipes is closed either way: the callee sees end-of-stream and ends
+        thread.join()
+    (result,) = outcome
+    if isinstance(result, Exception):
+        callee_violations = (("callee_lost", "callee", f"{type(result).__name__}: {result}"[:300]),)
+    else:
+        callee_violations = tuple((v, "callee", "sandbox") for v in result.violations)
     # The callee's limits first: they are why the judge saw no (valid) answers.
     return SuiteRun(run.tests, run.complete, callee_violations + run.violations, run.collect_errors, run.result)
 
@@ -197,6 +222,13 @@ class Grade:
     violations: tuple[tuple[str, str], ...] = ()
     output: str = field(default="", repr=False)
     grade_s: float = 0.0
+
+    @property
+    def infra(self) -> bool:
+        """No verdict about the submission: the grader's own machinery failed (`INFRA_REASONS`). Still reward 0; a
+        grade cache never keeps it, so the same submission is judged again. A submission can cause one (it may
+        kill its own pool worker), never turn one into a reward."""
+        return self.reason in INFRA_REASONS or any(reason in INFRA_REASONS for reason, _ in self.violations)
 
 
 def grade_workspace(
@@ -225,10 +257,34 @@ def grade_workspace(
     pristine tree, the agent's files and directories, the start manifest, the expected tests, the
     stubs, the episode's violations, `plain` and the sandbox's limits), and a hit's `grade_s` is the
     lookup's own time.
+
+    Never raises: a workspace tree deeper than `envs.tree.MAX_DEPTH` (or with a path over its bound) is the
+    violation `deep_tree`; `SandboxUnavailable` is `sandbox_unavailable`, any other exception `grader_error`;
+    those two and the other `INFRA_REASONS` make a grade `infra`, which the cache never keeps.
     """
     began = time.perf_counter()
+    try:
+        return _grade_by_content(sandbox, pristine, start, agent_ws, expected_tests, targets, episode_violations,
+                                 plain, began)
+    except TreeTooDeep as exc:
+        return _failed("deep_tree", str(exc), len(expected_tests), began)
+    except SandboxUnavailable as exc:
+        return _failed("sandbox_unavailable", str(exc), len(expected_tests), began)
+    except Exception as exc:
+        _log.exception("grading failed on the host (reward 0, judged again next time)")
+        return _failed("grader_error", f"{type(exc).__name__}: {exc}", len(expected_tests), began)
+
+
+def _grade_by_content(
+    sandbox: Sandbox, pristine: Path, start: dict[str, str], agent_ws: Workspace, expected_tests: Sequence[str],
+    targets: Mapping[str, str], episode_violations: Sequence[tuple[str, str]], plain: bool, began: float,
+) -> Grade:
+    """`grade_workspace` through the sandbox's grade cache when it has one (an infra grade is never kept)."""
+    # first: a tree too deep to walk is refused before anything else reads it
+    directories = _directories(agent_ws.path)
     agent = manifest(agent_ws.path)
     original = _pristine_manifest(pristine)
+
     def judge() -> Grade:
         return _judge_workspace(sandbox, pristine, original, start, agent_ws, agent, expected_tests, targets,
                                 episode_violations, plain, began)
@@ -236,17 +292,22 @@ def grade_workspace(
     grades = getattr(sandbox, "grades", None)
     if grades is None:
         return judge()
-    key = content_key(original, agent, _directories(agent_ws.path), start, list(expected_tests), dict(targets),
+    key = content_key(original, agent, directories, start, list(expected_tests), dict(targets),
                       [list(v) for v in episode_violations], plain, sandbox.config)
-    grade, cached = grades.get_or_make(key, judge)
+    grade, cached = grades.get_or_make(key, judge, keep=lambda g: not g.infra)
     return dataclasses.replace(grade, grade_s=round(time.perf_counter() - began, 6)) if cached else grade
 
 
+def _failed(reason: str, detail: str, total: int, began: float) -> Grade:
+    """A grade of 0 for a failure before or outside the judge's verdict."""
+    return Grade(0.0, reason, 0, total, ((reason, detail[:500]),), "", round(time.perf_counter() - began, 6))
+
+
 def _directories(root: Path) -> list[str]:
-    """Every directory under `root` (symlinked ones left out, as copies leave them out): empty ones too."""
+    """Every directory under `root` (symlinked ones left out, as copies leave them out): empty ones too.
+    TreeTooDeep past `envs.tree`'s bounds."""
     out = []
-    for dirpath, dirs, _ in os.walk(root):
-        dirs[:] = [d for d in dirs if not os.path.islink(os.path.join(dirpath, d))]
+    for dirpath, dirs, _ in walk(root):
         out += sorted(os.path.relpath(os.path.join(dirpath, d), root) for d in dirs)
     return out
 
@@ -338,9 +399,14 @@ def provided_modules() -> frozenset[str]:
 
 def _seal(ws: Workspace) -> None:
     """Make the whole tree root's and read-only to the sandbox uid (its writable space is then /tmp)."""
-    for path in (ws.path, *ws.path.rglob("*")):
-        os.lchown(path, 0, 0)
-        os.chmod(path, 0o755 if path.is_dir() else 0o644)
+    for dirpath, _, files in walk(ws.path):
+        os.lchown(dirpath, 0, 0)
+        os.chmod(dirpath, 0o755)
+        for name in files:
+            path = os.path.join(dirpath, name)
+            os.lchown(path, 0, 0)
+            if not os.path.islink(path):
+                os.chmod(path, 0o644)
 
 
 def _is_test_side(rel: str) -> bool:

@@ -19,18 +19,31 @@ When no slot frees up within `pool_wait_s`, a lease is a cold workspace (same
 containment, cold cost; counted in `stats()["cold_fallbacks"]`).
 
 Returning a lease hands the slot to a resetter thread: strays killed, the
-workspace, the sandbox's /tmp and /dev/shm and the host scratch wiped, then
-checked (empty, only the zygote alive as the uid, the zygote not stopped), the
-next job's process placed, and only then is the slot free again; a slot that
-fails the check, or whose worker died, is replaced by a fresh worker. Free slots
-are leased oldest first, so a slot serves as judge and as callee in turn.
+workspace, the sandbox's /tmp and /dev/shm and the host scratch wiped (at any
+depth: `envs.tree`), then checked (empty, only the zygote alive as the uid, the
+zygote not stopped), the next job's process placed, and only then is the slot
+free again; a slot that fails the check, whose reset raised, or whose worker
+died, is replaced by a fresh worker. Free slots are leased oldest first, so a
+slot serves as judge and as callee in turn.
+
+A job runs as its zygote's uid, so it can change what the zygote's later
+children inherit: its rlimits (prlimit), nice, scheduling policy and
+parameters, CPU affinity and I/O priority. Before the zygote forks a job's
+process (`_place`), the host reads all of these (`_Inherited`, a few syscalls)
+and puts back what differs from when the worker became ready; a zygote that
+cannot be put back is replaced. A job lost to its worker (the zygote died,
+stopped, answered nonsense, or could not set the job's process up) is the
+violation `worker_lost`: no verdict about the job.
 """
 
 from __future__ import annotations
 
 import atexit
+import ctypes
 import json
+import logging
 import os
+import platform
 import queue
 import resource
 import shutil
@@ -42,7 +55,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
@@ -52,6 +65,9 @@ from composer_mesh.envs.sandbox import (
     Sandbox, SandboxResult, SandboxUnavailable, Workspace, _classify, _tail, copy_tree, interpreter, kill_stray,
     kill_until_gone, processes_of,
 )
+from composer_mesh.envs.tree import clear_dir, remove_tree
+
+_log = logging.getLogger(__name__)
 
 _ENVS = Path(__file__).resolve().parent
 _ZYGOTE = _ENVS / "_zygote.py"
@@ -64,6 +80,43 @@ _PY_FLAGS = ["-E", "-s", "-P", "-B"]
 _IPC_SYSCALLS = ("msgget", "semget", "shmget", "mq_open")
 _START_S = 30.0
 _REPLY_GRACE_S = 5.0
+# the syscalls Python does not wrap, by machine: a zygote's I/O priority and full scheduling attributes
+_SYSCALLS = {
+    "x86_64": {"ioprio_set": 251, "ioprio_get": 252, "sched_setattr": 314, "sched_getattr": 315},
+    "aarch64": {"ioprio_set": 30, "ioprio_get": 31, "sched_setattr": 274, "sched_getattr": 275},
+}
+_IOPRIO_WHO_PROCESS = 1
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class _SchedAttr(ctypes.Structure):
+    """The kernel's struct sched_attr: policy and its flags, nice, RT priority, the fair slice (`sched_runtime`)
+    or deadline parameters, utilization clamps."""
+
+    _fields_ = [
+        ("size", ctypes.c_uint32), ("sched_policy", ctypes.c_uint32), ("sched_flags", ctypes.c_uint64),
+        ("sched_nice", ctypes.c_int32), ("sched_priority", ctypes.c_uint32), ("sched_runtime", ctypes.c_uint64),
+        ("sched_deadline", ctypes.c_uint64), ("sched_period", ctypes.c_uint64), ("sched_util_min", ctypes.c_uint32),
+        ("sched_util_max", ctypes.c_uint32),
+    ]
+
+
+@dataclass(frozen=True)
+class _Inherited:
+    """What a process of the slot's uid may change in its zygote (same uid: prlimit, setpriority,
+    sched_setscheduler/sched_setattr, sched_setaffinity, ioprio_set) and every child the zygote forks later
+    inherits. Nothing else of the zygote is theirs to change: it is non-dumpable (its /proc files are root's),
+    ptrace and process_vm_* are denied, and signals it has blocked stay pending only until the next fork
+    (`_zygote.drain_signals`)."""
+
+    limits: bytes  # /proc/PID/limits: soft and hard of every resource (compared as read, parsed to restore)
+    sched: tuple[int, ...]  # the sched_attr fields after `size`
+    affinity: frozenset[int]
+    ioprio: int
+
+    def changed(self, baseline: _Inherited) -> list[str]:
+        """The names of the fields that differ from `baseline`."""
+        return [f.name for f in fields(self) if getattr(self, f.name) != getattr(baseline, f.name)]
 
 
 @dataclass(eq=False)
@@ -86,6 +139,8 @@ class _Worker:
     # what bwrap mounted read-only in the sandbox and the directories it made on the way (under the sandbox's
     # /tmp when the checkout or the interpreter lives there): root's, kept by every reset
     mounts: frozenset[Path] = frozenset()
+    # the zygote's inherited state when the worker became ready: every job's process is forked from this
+    inherited: _Inherited | None = None
 
 
 @dataclass
@@ -108,6 +163,10 @@ class SandboxPool:
     def __init__(self, config: SandboxConfig | None = None) -> None:
         self.sandbox = Sandbox(config)
         self.config = self.sandbox.config
+        if platform.machine() not in _SYSCALLS:
+            raise SandboxUnavailable(
+                f"refusing to pool workers on {platform.machine()}: no way to check what a job changed in its worker"
+            )
         self.root = self.sandbox.root
         self.tag = self.sandbox.tag
         self.grades = self.sandbox.grades
@@ -119,7 +178,7 @@ class SandboxPool:
         self._all: set[_Worker] = set()
         self._cond = threading.Condition()
         self._closed = False
-        self.counts = dict(warm_runs=0, resets=0, reset_failures=0, replaced=0, cold_fallbacks=0)
+        self.counts = dict(warm_runs=0, resets=0, reset_failures=0, restored=0, replaced=0, cold_fallbacks=0)
         self._count_lock = threading.Lock()
         # bwrap --die-with-parent ties a worker to the thread that started it: one long-lived thread starts them all
         self._spawns: queue.Queue = queue.Queue()
@@ -218,11 +277,18 @@ class SandboxPool:
         self._resets.put(worker)
 
     def _resetter(self) -> None:
-        """Reset returned slots one at a time; a slot that fails the check is replaced."""
+        """Reset returned slots one at a time; a slot that fails the check, or whose reset raised (whatever a job
+        left behind), is replaced, and the thread goes on."""
         while (worker := self._resets.get()) is not None:
             if self._closed:
                 continue
-            if worker.broken or not self._reset(worker):
+            try:
+                clean = not worker.broken and self._reset(worker)
+            except Exception as exc:  # the zygote went away, a job changed it beyond repair, a tree resisted, ...
+                _log.warning("sandbox pool: resetting the slot of uid %d failed (%s: %s); replacing it", worker.uid,
+                             type(exc).__name__, str(exc)[:200])
+                clean = False
+            if not clean:
                 self._count("reset_failures", not worker.broken)
                 self._replace(worker)
                 continue
@@ -231,7 +297,8 @@ class SandboxPool:
                 self._cond.notify_all()
 
     def _reset(self, worker: _Worker) -> bool:
-        """Wipe everything a job could leave and check it is gone; False when the slot is not clean.
+        """Wipe everything a job could leave and check it is gone; False when the slot is not clean (it may raise:
+        the resetter then replaces the slot too).
 
         Every process of the slot's uid descends from the zygote and stays in the slot's cgroup or a job's
         (only root can move it), and each job's end already checked the uid: here the slot's cgroup must
@@ -245,28 +312,28 @@ class SandboxPool:
         # mounts with theirs, stay
         mount = inside / worker.path.relative_to("/")
         keep = {inside / p.relative_to("/") for p in (*worker.path.parents, *worker.mounts)} | {mount}
-        try:
-            for area in areas:
-                _wipe(area, keep)
-            clean = all(Path(e.path) in keep for a in areas for e in os.scandir(a))
-            # the workspace is still mounted where jobs expect it, and the zygote still serves
-            clean = clean and os.path.samefile(mount, worker.path) and self._alive(worker)
-            clean = clean and set(worker.cgroup.pids()) == worker.idle
-            os.chown(worker.path, worker.uid, worker.uid)
-            os.chmod(worker.path, 0o700)
-            # a lease with no run leaves its placed process unused (no job of the uid ran since it was placed)
-            if clean and worker.placed is None:
-                worker.placed = self._place(worker)
-        except (OSError, ValueError, KeyError, TypeError):
-            return False
+        for area in areas:
+            clear_dir(area, keep)
+        clean = all(Path(e.path) in keep for a in areas for e in os.scandir(a))
+        # the workspace is still mounted where jobs expect it, and the zygote still serves
+        clean = clean and os.path.samefile(mount, worker.path) and self._alive(worker)
+        clean = clean and set(worker.cgroup.pids()) == worker.idle
+        os.chown(worker.path, worker.uid, worker.uid)
+        os.chmod(worker.path, 0o700)
+        # a lease with no run leaves its placed process unused (no job of the uid ran since it was placed)
+        if clean and worker.placed is None:
+            worker.placed = self._place(worker)
         return clean
 
     def _place(self, worker: _Worker) -> RunCgroup:
         """Have the zygote fork the next job's process and move it into that job's own cgroup.
 
-        Done while the slot is idle (the move costs the kernel ~10 ms per job on cgroup v1): a job
-        then only renames the cgroup to a run's name and sends its description.
+        The zygote's inherited state is put back first (`_settle`): the process forked now is what the next
+        job starts from. Done while the slot is idle (the move costs the kernel ~10 ms per job on cgroup v1):
+        a job then only renames the cgroup to a run's name and sends its description.
         """
+        if not self._settle(worker):
+            raise ValueError("a job changed its zygote's inherited state and it could not be put back")
         cfg = self.config
         worker.ctrl.settimeout(_START_S)
         worker.ctrl.send(b'{"spare": true}')
@@ -280,6 +347,21 @@ class SandboxPool:
             cgroup.destroy()
             raise
         return cgroup
+
+    def _settle(self, worker: _Worker) -> bool:
+        """The zygote's inherited state is what it was when the worker became ready: put back from here (as root)
+        when a job changed it (counted in `restored`); False when it cannot be (the slot is then replaced)."""
+        now = _inherited(worker.zygote)
+        if now == worker.inherited:
+            return True
+        self._count("restored")
+        changed = now.changed(worker.inherited)
+        _log.warning("sandbox pool: a job changed the %s of its zygote (uid %d); putting them back", changed, worker.uid)
+        try:
+            _restore(worker.zygote, worker.inherited, changed)
+        except (OSError, ValueError):
+            return False
+        return _inherited(worker.zygote) == worker.inherited
 
     def _alive(self, worker: _Worker) -> bool:
         """The zygote runs and is not stopped (a job of its uid may have sent it SIGSTOP)."""
@@ -322,7 +404,8 @@ class SandboxPool:
             return {**self.counts, "free": len(self._free), "workers": len(self._all)}
 
     def close(self) -> None:
-        """Stop every worker and remove the pool's directories (again: nothing to do)."""
+        """Stop every worker and remove the pool's directories (again: nothing to do). Never raises: what cannot
+        be stopped or removed is logged."""
         with self._cond:
             if self._closed:
                 return
@@ -333,7 +416,7 @@ class SandboxPool:
             self._stop(worker)
         self._spawns.put(None)
         self._resets.put(None)
-        shutil.rmtree(self.dir, ignore_errors=True)
+        _attempt(lambda: remove_tree(self.dir), "removing the pool's directory")
 
     def __enter__(self) -> SandboxPool:
         return self
@@ -402,6 +485,7 @@ class SandboxPool:
             raise
         worker.zygote, worker.idle = zygotes[0], set(cgroup.pids())
         try:
+            worker.inherited = _inherited(worker.zygote)
             worker.placed = self._place(worker)
         except BaseException:
             self._stop(worker)
@@ -409,23 +493,24 @@ class SandboxPool:
         return worker
 
     def _stop(self, worker: _Worker) -> None:
-        """Kill the worker's whole tree, remove its cgroup and directories, free its uid."""
+        """Kill the worker's whole tree, remove its cgroups and directories (at any depth), free its uid. Never
+        raises: each step runs whatever the others did (a step that fails is logged)."""
         worker.broken = True
         with self._cond:
             self._all.discard(worker)
-        worker.cgroup.kill()
-        try:
-            worker.proc.wait(timeout=_REPLY_GRACE_S)
-        except subprocess.TimeoutExpired:
-            pass
-        worker.ctrl.close()
-        worker.cgroup.destroy()
-        if worker.placed is not None:
-            worker.placed.destroy()
-        kill_stray(worker.uid)
-        shutil.rmtree(worker.path, ignore_errors=True)
-        shutil.rmtree(worker.scratch, ignore_errors=True)
-        worker.lock.unlink(missing_ok=True)
+        steps: list[tuple[str, Callable[[], object]]] = [
+            ("killing the worker", worker.cgroup.kill),
+            ("waiting for the worker", lambda: worker.proc.wait(timeout=_REPLY_GRACE_S)),
+            ("closing its control socket", worker.ctrl.close),
+            ("removing its cgroup", worker.cgroup.destroy),
+            *([("removing its next job's cgroup", worker.placed.destroy)] if worker.placed is not None else []),
+            ("killing what is left of its uid", lambda: kill_stray(worker.uid)),
+            ("removing its workspace", lambda: remove_tree(worker.path)),
+            ("removing its scratch dir", lambda: remove_tree(worker.scratch)),
+            ("freeing its uid", lambda: worker.lock.unlink(missing_ok=True)),
+        ]
+        for what, step in steps:
+            _attempt(step, what)
 
     # -- a warm run -------------------------------------------------------------------------------
 
@@ -457,7 +542,7 @@ class SandboxPool:
         timeout = cfg.wall_timeout_s if timeout_s is None else timeout_s
         fired = threading.Event()
         timer = threading.Timer(timeout, lambda: (fired.set(), cgroup.kill()))
-        exit_code, cpu_s, start = -signal.SIGKILL, 0.0, time.perf_counter()
+        exit_code, cpu_s, start, lost = -signal.SIGKILL, 0.0, time.perf_counter(), False
         try:
             if cgroup is None:
                 cgroup = self._place(worker)
@@ -471,16 +556,21 @@ class SandboxPool:
             worker.ctrl.settimeout(timeout + _REPLY_GRACE_S)
             reply = json.loads(worker.ctrl.recv(4096))
             exit_code, cpu_s = int(reply["exit"]), float(reply["cpu"])
+            # a process the zygote could not set the job up in never ran the job: the worker's fault, not the job's
+            lost = reply["started"] is not True
             self._count("warm_runs")
         except (OSError, ValueError, KeyError, TypeError):
             # the zygote died, stopped or answered nonsense (a job of its uid can signal it): the job is lost
-            worker.broken = True
+            lost = True
             if cgroup is not None:
                 cgroup.kill()
         finally:
             timer.cancel()
+        worker.broken = worker.broken or lost
         wall = time.perf_counter() - start
-        violations = ["timeout"] if fired.is_set() else []
+        # first: no other name says why a lost job ended (its -9 is no CPU limit)
+        violations = ["worker_lost"] if lost else []
+        violations += ["timeout"] if fired.is_set() else []
         violations += cgroup.limits_hit() if cgroup is not None else []
         # the job's cgroup, then the slot's: every process of the slot's uid is in one of them (only root moves
         # a process between cgroups), so no scan of /proc is needed here; without a job cgroup, scan the uid
@@ -512,12 +602,60 @@ def _kill_strays(worker: _Worker, grace_s: float = 2.0) -> bool:
     return kill_until_gone(lambda: [p for p in worker.cgroup.pids() if p not in worker.idle], grace_s)
 
 
-def _wipe(area: Path, keep: set[Path]) -> None:
-    """Remove everything inside `area` but `keep`, never following a link (`area` itself stays: a mount point)."""
-    for entry in os.scandir(area):
-        if Path(entry.path) in keep:
-            continue
-        if entry.is_dir(follow_symlinks=False):
-            shutil.rmtree(entry.path)
-        else:
-            os.unlink(entry.path)
+def _attempt(step: Callable[[], object], what: str) -> None:
+    """Run one step of stopping or removing; a failure is logged, never raised (the steps after it still run)."""
+    try:
+        step()
+    except Exception as exc:
+        _log.warning("sandbox pool: %s failed: %s: %s", what, type(exc).__name__, exc)
+
+
+def _syscall(name: str, *args: object) -> int:
+    """A raw syscall by its name in `_SYSCALLS`; OSError when it fails."""
+    result = _libc.syscall(_SYSCALLS[platform.machine()][name], *args)
+    if result < 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"{name}: {os.strerror(errno)}")
+    return result
+
+
+def _inherited(pid: int) -> _Inherited:
+    """What process `pid` (host view) would hand a child it forks now, of what a process of its uid may change."""
+    attr = _SchedAttr()
+    _syscall("sched_getattr", pid, ctypes.byref(attr), ctypes.sizeof(attr), 0)
+    # /proc: prlimit would need CAP_SYS_RESOURCE to read another uid's limits; the file is world-readable and
+    # lists every resource, RLIMIT_LOCKS too
+    with open(f"/proc/{pid}/limits", "rb") as f:
+        limits = f.read()
+    return _Inherited(
+        limits=limits,
+        sched=tuple(getattr(attr, name) for name, _ in _SchedAttr._fields_[1:]),
+        affinity=frozenset(os.sched_getaffinity(pid)),
+        ioprio=_syscall("ioprio_get", _IOPRIO_WHO_PROCESS, pid),
+    )
+
+
+def _parse_limits(table: bytes) -> list[tuple[int, int]]:
+    """(soft, hard) of every resource, by number, from a /proc/PID/limits table (RLIM_INFINITY for unlimited)."""
+    # "Max open files            256                  256                  files": a 25-character name column
+    pairs = [row[26:].split()[:2] for row in table.decode().splitlines()[1:]]
+    return [(_limit(soft), _limit(hard)) for soft, hard in pairs]
+
+
+def _limit(value: str) -> int:
+    return resource.RLIM_INFINITY if value == "unlimited" else int(value)
+
+
+def _restore(pid: int, want: _Inherited, changed: Sequence[str]) -> None:
+    """Put back the `changed` fields of process `pid`'s inherited state. A lowered hard limit takes
+    CAP_SYS_RESOURCE to raise again: without it prlimit fails (OSError) and the slot is replaced."""
+    if "limits" in changed:
+        for number, value in enumerate(_parse_limits(want.limits)):
+            resource.prlimit(pid, number, value)
+    if "sched" in changed:
+        attr = _SchedAttr(ctypes.sizeof(_SchedAttr), *want.sched)
+        _syscall("sched_setattr", pid, ctypes.byref(attr), 0)
+    if "affinity" in changed:
+        os.sched_setaffinity(pid, want.affinity)
+    if "ioprio" in changed:
+        _syscall("ioprio_set", _IOPRIO_WHO_PROCESS, pid, want.ioprio)

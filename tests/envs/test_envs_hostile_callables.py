@@ -374,6 +374,23 @@ def test_a_task_whose_objects_cannot_cross_is_still_refused(tmp_path, sandbox, t
     assert name.endswith("counting.py:count") and "split judge" in reason and "test_count" in reason, refused
 
 
+def test_a_task_whose_test_expects_the_judges_own_error_is_refused(tmp_path, sandbox, task_store):
+    """A test expecting TypeError for a generator argument: the judge cannot pass the generator, and its failure is
+    `grader_error`, never the TypeError the test expects (once, any answer passed it): the probe refuses the task."""
+    refused = _refused(tmp_path / "raisesrepo", {
+        "counting.py": (
+            "def total(items):\n    if not isinstance(items, list):\n        raise TypeError('a list')\n"
+            "    n = 0\n    for x in items:\n        n += x\n    return n\n"
+        ),
+        "tests/test_total.py": (
+            "import pytest\nfrom counting import total\n\n\ndef test_total():\n    assert total([1, 2]) == 3\n\n\n"
+            "def test_refuses_a_generator():\n    with pytest.raises(TypeError):\n        total(x for x in [1])\n"
+        ),
+    }, sandbox, task_store)
+    (name, reason), = refused
+    assert name.endswith("counting.py:total") and "grader_error" in reason, refused
+
+
 def test_at_least_fifteen_new_hostile_kinds():
     assert len(FILE_CASES) + len(TOOL_CASES) + 1 >= 15  # + the slow correct answer
 

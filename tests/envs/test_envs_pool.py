@@ -168,13 +168,21 @@ def test_a_hostile_job_cannot_reach_the_worker_or_the_next_job(pool):
 def test_a_dead_worker_is_replaced(pool):
     before = pool.stats()
     killed, _ = _use(pool, "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nimport time\ntime.sleep(5)\n")
-    assert not killed.ok and killed.exit_code == -signal.SIGKILL
+    # the job is lost to its worker: no verdict about it (`worker_lost` first, not a CPU limit)
+    assert not killed.ok and killed.exit_code == -signal.SIGKILL and killed.violations[0] == "worker_lost", killed
     _wait_for_workers(pool, 1)
     with pool.scratch_workspace() as ws:
         # killed from the host while idle: the check before the next use notices it
         os.kill(ws.worker.zygote, signal.SIGKILL)
         lost = _python(pool, ws, "print('never')\n")
-        assert not lost.ok and "never" not in lost.stdout
+        assert not lost.ok and "never" not in lost.stdout and lost.violations[0] == "worker_lost", lost
+    _wait_for_workers(pool, 1)
+    with pool.scratch_workspace() as ws:
+        # the next job's process (forked ahead) killed from the host: never set up, so the job never ran
+        (spare,) = ws.worker.placed.pids()
+        os.kill(spare, signal.SIGKILL)
+        unstarted = _python(pool, ws, "print('never')\n")
+        assert not unstarted.ok and "never" not in unstarted.stdout and unstarted.violations[0] == "worker_lost"
     _wait_for_workers(pool, 1)
     with pool.scratch_workspace() as ws:
         # stopped from the host between uses: the reset check refuses the slot
@@ -184,7 +192,7 @@ def test_a_dead_worker_is_replaced(pool):
     again, _ = _use(pool, "print('fresh')\n")
     assert again.ok and again.stdout.strip() == "fresh"
     after = pool.stats()
-    assert after["replaced"] - before["replaced"] == 3 and after["reset_failures"] - before["reset_failures"] == 1
+    assert after["replaced"] - before["replaced"] == 4 and after["reset_failures"] - before["reset_failures"] == 1
 
 
 def test_graders_share_the_pool_from_threads(sandbox, tmp_path):

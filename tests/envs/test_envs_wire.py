@@ -165,6 +165,20 @@ def test_reader_bounds_and_timeouts():
     os.close(r)
 
 
+def test_the_wires_own_bounds_are_wire_errors_the_judge_tells_from_the_tests():
+    """A message of this side's over the size bound (`TooLarge`) and an iteration past `MAX_ITEMS` are the wire's
+    errors, not a ValueError of the test's object: the judge reports them as `grader_error`."""
+    r, w = os.pipe()
+    try:
+        with pytest.raises(wire.TooLarge):
+            wire.send(w, {"ok": "x" * wire.MAX_MESSAGE})
+    finally:
+        os.close(r), os.close(w)
+    with pytest.raises(wire.WireError, match="items"):
+        wire.OBJECT_OPS["iter"](range(wire.MAX_ITEMS + 1))
+    assert wire.OBJECT_OPS["iter"](range(3)) == [0, 1, 2]
+
+
 def test_exceptions_cross_as_builtins_only():
     assert type(wire.exception_from("ValueError", "bad")) is ValueError
     forged = wire.exception_from("SystemExit", "0")
