@@ -25,7 +25,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 from composer_mesh.actors.hf_engine import Completion
 from composer_mesh.actors.rollout import EpisodeRequest, Rollout, RolloutGroup, SamplingParams
-from composer_mesh.envs.base import Environment, Observation
+from composer_mesh.envs.base import Environment, Observation, valid_text
 
 logger = logging.getLogger(__name__)
 
@@ -39,21 +39,24 @@ class Engine(Protocol):
 def parse_assistant(text: str) -> dict[str, Any]:
     """An assistant message from generated text: content plus any well-formed tool calls.
 
-    A block that is not JSON with a string `name` stays in the content (the
-    environment then sees no call, which is what the model wrote).
+    A block that is not JSON with a string `name` (nested past the parser's depth included) stays in the
+    content (the environment then sees no call, which is what the model wrote). A name or string arguments
+    holding a lone surrogate (a JSON escape such as "\\ud800") keep it as its escape: the chat template
+    renders them, and the tokenizer cannot encode a lone surrogate.
     """
     calls, kept, last = [], [], 0
     for m in _TOOL_CALL.finditer(text):
         try:
             obj = json.loads(m.group(1))
-        except json.JSONDecodeError:
+            args = obj.get("arguments", {}) if isinstance(obj, dict) else None
+            arguments = args if isinstance(args, str) else json.dumps(args)
+        except (ValueError, RecursionError):
             continue
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             continue
-        args = obj.get("arguments", {})
         calls.append({
             "id": f"call_{len(calls)}", "type": "function",
-            "function": {"name": obj["name"], "arguments": args if isinstance(args, str) else json.dumps(args)},
+            "function": {"name": valid_text(obj["name"]), "arguments": valid_text(arguments)},
         })
         kept.append(text[last:m.start()])
         last = m.end()
@@ -80,10 +83,11 @@ def student_action(message: dict[str, Any]) -> dict[str, Any]:
         if isinstance(args, str):
             try:
                 args = json.loads(args)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):
                 pass
+        arguments = args if isinstance(args, str) else json.dumps(args)
         out.append({"id": f"call_{i}", "type": "function",
-                    "function": {"name": str(fn.get("name", "")), "arguments": args if isinstance(args, str) else json.dumps(args)}})
+                    "function": {"name": valid_text(str(fn.get("name", ""))), "arguments": valid_text(arguments)}})
     return {"role": "assistant", "content": str(message.get("content") or "").strip(), "tool_calls": out}
 
 

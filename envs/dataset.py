@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from composer_mesh.configs.sections.env import DatasetTaskConfig
-from composer_mesh.envs.base import Environment, Observation
+from composer_mesh.envs.base import Environment, EnvironmentFault, Observation
 from composer_mesh.envs.demo import Split
 from composer_mesh.envs.plugin import check_call, load_callable
 
@@ -97,6 +97,10 @@ def _table_rows(builder: str, file: Path) -> list[dict[str, Any]]:
     return datasets.load_dataset(builder, data_files=str(file), split="train").to_list()
 
 
+class RewardContractError(EnvironmentFault, ValueError):
+    """A reward function returned what TRL's contract does not allow (a wrong length, not a float or None)."""
+
+
 @dataclass(frozen=True)
 class RewardFn:
     """One loaded reward function and its weight; `accepts_all` when it takes **kwargs."""
@@ -109,18 +113,20 @@ class RewardFn:
 
     def __call__(self, prompts: list[Any], completions: list[Any],
                  columns: dict[str, list[Any]]) -> list[float | None]:
-        """One value per completion; `columns` holds one list per column, aligned with `completions`."""
+        """One value per completion; `columns` holds one list per column, aligned with `completions`. A function
+        that raises or breaks TRL's contract is an `EnvironmentFault`: the user's code, which the run stops on
+        (as TRL does), not an episode's zero."""
         kwargs = {"prompts": prompts, "completions": completions, **columns}
         if not self.accepts_all:
             kwargs = {k: v for k, v in kwargs.items() if k in self.params}
         try:
             out = self.fn(**kwargs)
         except Exception as e:
-            raise RuntimeError(f"reward function {self.spec!r} raised {type(e).__name__}: {e}") from e
+            raise EnvironmentFault(f"reward function {self.spec!r} raised {type(e).__name__}: {e}") from e
         n = len(completions)
         if not isinstance(out, (list, tuple)) or len(out) != n:
             got = f"{type(out).__name__} of length {len(out)}" if isinstance(out, (list, tuple)) else type(out).__name__
-            raise ValueError(
+            raise RewardContractError(
                 f"reward function {self.spec!r} returned {got}; expected a list with one reward per completion ({n})"
             )
         return [self._value(v) for v in out]
@@ -129,7 +135,7 @@ class RewardFn:
         if value is None:
             return None
         if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(float(value)):
-            raise ValueError(f"reward function {self.spec!r} returned {value!r}; expected a float or None")
+            raise RewardContractError(f"reward function {self.spec!r} returned {value!r}; expected a float or None")
         return float(value)
 
 

@@ -20,6 +20,7 @@ never drawn for training.
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 import re
 from dataclasses import dataclass
@@ -127,11 +128,20 @@ def score(reply: str, p: Problem, config: DemoTaskConfig) -> Score:
     if got == p.answer:
         return Score(1.0, None, "Correct.")
     if numeric:
-        closeness = max(0.0, 1.0 - abs(int(got) - int(p.answer)) / config.closeness_scale)
+        closeness = max(0.0, 1.0 - _distance(got, p.answer) / config.closeness_scale)
     else:
         closeness = sum(x == y for x, y in zip(got, p.answer)) / max(len(got), len(p.answer))
     reward = config.format_reward + (1.0 - config.format_reward) * 0.5 * closeness
     return Score(reward, ErrorKind.TEST_FAILURE, f"Wrong answer: {got} is not the result of {p.text}. Try again.")
+
+
+def _distance(got: str, answer: str) -> float:
+    """|got - answer| of two integers written in decimal; inf for a reply too long to convert (Python refuses
+    integer strings of over 4300 digits, a float one past 1e308), which is that far off anyway."""
+    try:
+        return float(abs(int(got) - int(answer)))
+    except (ValueError, OverflowError):
+        return math.inf
 
 
 def answer_range(p: Problem, config: DemoTaskConfig) -> tuple[int, int]:

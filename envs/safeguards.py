@@ -6,6 +6,12 @@
 names constructs the agent introduced that a feature implementation has no use
 for (exits, runner tampering, processes, network, environment, test files).
 Counting against the pristine file keeps legitimate uses already in the repo.
+A policy controls what these read: `manifest` walks within `envs.tree`'s
+bounds (`TreeTooDeep`, graded as `deep_tree`) and never blocks on a FIFO;
+`tree_size` counts a tree's entries and bytes, stopping at a bound
+(`TreeTooLarge`), so that what a grade reads can be bounded before it starts;
+`scan_source` never raises: a source it cannot read whole (larger than
+`MAX_SCAN_CHARS`, nested past the parser's depth) is `unscannable_source`.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ import stat
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+
+from composer_mesh.envs.tree import walk
 
 TEST_CONFIG_FILES = frozenset(
     {"pytest.ini", "tox.ini", "setup.cfg", "pyproject.toml", "conftest.py", "sitecustomize.py", "usercustomize.py"}
@@ -50,6 +58,10 @@ _IMPORTS = {
     "dis": "dynamic_code", "types": "dynamic_code", "py_compile": "dynamic_code", "compileall": "dynamic_code",
 }
 _TEST_WORDS = ("test_", "_test.py", "conftest", "tests/", "tests\\\\", ".pyc", "__pycache__")
+# the largest source the static scan reads (characters): parsing 1 Mi characters of one-line statements takes
+# ~640 MiB and seconds; a changed file past it is `unscannable_source`
+MAX_SCAN_CHARS = 1 << 20
+_NOT_BLOCKING = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 def is_test_path(rel: str) -> bool:
@@ -71,15 +83,52 @@ def is_bytecode(rel: str) -> bool:
 
 
 def manifest(root: Path) -> dict[str, str]:
-    """Relative path -> sha256 of every regular file (symlinks and special files are left out)."""
+    """Relative path -> sha256 of every regular file (symlinks and special files are left out); `TreeTooDeep`
+    for a tree past `envs.tree`'s depth or path bounds."""
     out = {}
-    for dirpath, dirs, files in os.walk(root):
-        dirs[:] = [d for d in dirs if not os.path.islink(os.path.join(dirpath, d))]
+    for dirpath, _, files in walk(root):
         for name in files:
             full = os.path.join(dirpath, name)
-            if stat.S_ISREG(os.lstat(full).st_mode):
-                out[os.path.relpath(full, root)] = hashlib.sha256(Path(full).read_bytes()).hexdigest()
+            digest = _digest(full)
+            if digest is not None:
+                out[os.path.relpath(full, root)] = digest
     return out
+
+
+class TreeTooLarge(ValueError):
+    """A tree holding more entries or bytes than allowed (a policy's making: what grading reads grows with it)."""
+
+
+def tree_size(root: Path, max_entries: int | None = None, max_bytes: int | None = None) -> tuple[int, int]:
+    """(entries: files, directories and links; bytes of its regular files) under `root`, from names and `lstat`
+    alone. `TreeTooLarge` as soon as a count passes its bound (None: no bound), `TreeTooDeep` past `envs.tree`'s
+    depth and path bounds."""
+    entries = size = 0
+    for dirpath, dirs, files in walk(root):
+        entries += len(dirs) + len(files)
+        if max_entries is not None and entries > max_entries:
+            raise TreeTooLarge(f"over {max_entries} files and directories")
+        for name in files:
+            try:
+                st = os.lstat(os.path.join(dirpath, name))
+            except OSError:
+                continue
+            size += st.st_size if stat.S_ISREG(st.st_mode) else 0
+        if max_bytes is not None and size > max_bytes:
+            raise TreeTooLarge(f"over {max_bytes >> 20} MiB of files")
+    return entries, size
+
+
+def _digest(path: str) -> str | None:
+    """sha256 of the regular file at `path`; None for anything else (a link, a FIFO, a socket, a device), which
+    is neither followed nor waited on."""
+    if not stat.S_ISREG(os.lstat(path).st_mode):
+        return None
+    fd = os.open(path, _NOT_BLOCKING)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None  # swapped for something else since the lstat
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 @dataclass(frozen=True)
@@ -123,12 +172,14 @@ def change_violations(diff: TreeDiff) -> list[tuple[str, str]]:
 
 
 def _dotted(node: ast.AST) -> str:
-    if isinstance(node, ast.Name):
-        return node.id
-    if isinstance(node, ast.Attribute):
-        base = _dotted(node.value)
-        return f"{base}.{node.attr}" if base else node.attr
-    return ""
+    """`a.b.c` of a name or attribute chain ("" for anything else; `f().x` -> "x"), read without recursion: a
+    chain can be nested deeper than the recursion limit."""
+    attrs = []
+    while isinstance(node, ast.Attribute):
+        attrs.append(node.attr)
+        node = node.value
+    head = [node.id] if isinstance(node, ast.Name) else []
+    return ".".join(head + attrs[::-1])
 
 
 def _aliases(tree: ast.AST) -> dict[str, str]:
@@ -145,7 +196,7 @@ def _aliases(tree: ast.AST) -> dict[str, str]:
 def constructs(source: str) -> Counter[tuple[str, str]]:
     """(reason, construct) -> count, for the risky constructs in `source` (import aliases resolved)."""
     found: Counter[tuple[str, str]] = Counter()
-    tree = ast.parse(source)
+    tree = _parse(source)
     aliases = _aliases(tree)
 
     def dotted(node: ast.AST) -> str:
@@ -189,14 +240,35 @@ def constructs(source: str) -> Counter[tuple[str, str]]:
     return found
 
 
+class Unscannable(ValueError):
+    """A source the static scan cannot read whole: too large, or nested past the parser's depth."""
+
+
+def _parse(source: str) -> ast.AST:
+    """`ast.parse(source)`; SyntaxError for what the interpreter would refuse to compile too (null bytes among
+    it), `Unscannable` past `MAX_SCAN_CHARS` or past the parser's nesting depth (RecursionError, MemoryError)."""
+    if len(source) > MAX_SCAN_CHARS:
+        raise Unscannable(f"over {MAX_SCAN_CHARS} characters")
+    try:
+        return ast.parse(source)
+    except ValueError as exc:  # null bytes, on the versions that do not call it a SyntaxError
+        raise SyntaxError(str(exc)) from None
+    except (RecursionError, MemoryError) as exc:
+        raise Unscannable(f"nested too deeply to parse ({type(exc).__name__})") from None
+
+
 def scan_source(new: str, old: str | None) -> list[tuple[str, str]]:
-    """(reason, construct) for constructs `new` has more of than `old` (None: a new file)."""
+    """(reason, construct) for constructs `new` has more of than `old` (None: a new file). Never raises: a syntax
+    error is the test run's to report (nothing), a `new` the scan cannot read whole is `unscannable_source` (what
+    it hides is unknown), an `old` it cannot read counts as empty."""
     try:
         after = constructs(new)
     except SyntaxError:
         return []  # the test run reports it as a failure
+    except Unscannable as exc:
+        return [("unscannable_source", str(exc))]
     try:
         before = constructs(old) if old is not None else Counter()
-    except SyntaxError:
+    except (SyntaxError, Unscannable):
         before = Counter()
     return sorted(key for key, n in after.items() if n > before.get(key, 0))

@@ -42,6 +42,7 @@ from typing import Callable, Mapping, Sequence
 from composer_mesh.configs.sections.env import SandboxConfig
 from composer_mesh.envs.containment import ContainmentUnavailable, RunCgroup, probe_cgroups, seccomp_fd, seccomp_filter
 from composer_mesh.envs.grade_cache import GradeCache
+from composer_mesh.envs.tree import remove_tree, walk
 
 _SETPRIV = "/usr/bin/setpriv"
 _ROOT_LINKS = ("/bin", "/sbin", "/lib", "/lib64", "/lib32", "/libx32")
@@ -89,17 +90,23 @@ class Workspace:
     uid_lock: Path | None = field(default=None, repr=False)
 
     def adopt(self) -> None:
-        """Give every entry under `path` to the sandbox uid (after the host copied files in)."""
-        for root, dirs, files in os.walk(self.path):
+        """Give every entry under `path` to the sandbox uid (after the host copied files in); `TreeTooDeep` for a
+        tree past `envs.tree`'s bounds."""
+        for root, dirs, files in walk(self.path):
             for name in dirs + files:
                 os.lchown(os.path.join(root, name), self.uid, self.uid)
         os.chown(self.path, self.uid, self.uid)
 
     def cleanup(self) -> None:
-        shutil.rmtree(self.path, ignore_errors=True)
-        shutil.rmtree(self.scratch, ignore_errors=True)
-        if self.uid_lock is not None:
-            self.uid_lock.unlink(missing_ok=True)
+        """Remove the workspace and the scratch dir, at any depth, and free the uid (always, and once: a second
+        call cannot free the lock of a later workspace that drew the same uid)."""
+        try:
+            remove_tree(self.path)
+            remove_tree(self.scratch)
+        finally:
+            lock, self.uid_lock = self.uid_lock, None
+            if lock is not None:
+                lock.unlink(missing_ok=True)
 
     def __enter__(self) -> Workspace:
         return self
@@ -172,14 +179,18 @@ class Sandbox:
     def workspace(
         self, copy_from: str | os.PathLike | None = None, skip: Callable[[str], bool] | None = None
     ) -> Workspace:
-        """A fresh private workdir, optionally a copy of a tree (see `copy_tree` for `skip`)."""
+        """A fresh private workdir, optionally a copy of a tree (see `copy_tree` for `skip`); when the copy is
+        refused (too large, too deep) nothing is left behind and the uid is free again."""
         uid, lock = self._reserve_uid()
-        path = Path(tempfile.mkdtemp(prefix="ws-", dir=self.root))
-        scratch = Path(tempfile.mkdtemp(prefix="host-", dir=self.root))
-        if copy_from is not None:
-            copy_tree(Path(copy_from), path, skip=skip)
-        ws = Workspace(path=path, uid=uid, scratch=scratch, uid_lock=lock)
-        ws.adopt()
+        ws = Workspace(path=Path(tempfile.mkdtemp(prefix="ws-", dir=self.root)), uid=uid,
+                       scratch=Path(tempfile.mkdtemp(prefix="host-", dir=self.root)), uid_lock=lock)
+        try:
+            if copy_from is not None:
+                copy_tree(Path(copy_from), ws.path, skip=skip)
+            ws.adopt()
+        except BaseException:
+            ws.cleanup()
+            raise
         return ws
 
     def scratch_workspace(
@@ -394,15 +405,15 @@ def redact(text: str, environ: Mapping[str, str] | None = None) -> str:
 def copy_tree(
     src: Path, dst: Path, *, skip: Callable[[str], bool] | None = None, max_bytes: int = 256 << 20
 ) -> None:
-    """Copy regular files and dirs only (no symlinks, FIFOs, devices), refusing trees over `max_bytes`.
+    """Copy regular files and dirs only (no symlinks, FIFOs, devices), refusing trees over `max_bytes` (ValueError)
+    and trees past `envs.tree`'s depth and path bounds (`TreeTooDeep`).
 
     skip: called with each file's path relative to `src`; True leaves the file out.
     """
     total = 0
-    for root, dirs, files in os.walk(src):
+    for root, _, files in walk(src):
         rel = Path(root).relative_to(src)
         (dst / rel).mkdir(parents=True, exist_ok=True)
-        dirs[:] = [d for d in dirs if not os.path.islink(os.path.join(root, d))]
         for name in files:
             s = os.path.join(root, name)
             st = os.lstat(s)

@@ -15,28 +15,50 @@ File tools run on the host but only inside the workspace (paths are resolved,
 symlinks included, and anything outside is refused); programs (`run_tests`,
 `shell`) run in the sandbox as the workspace's uid. The shell is restricted:
 one allowed program with arguments, no pipes, redirection or chaining.
+
+What a reply may cost is bounded: `max_calls_per_message` calls run per
+message, `max_edits_per_episode` edits are applied per episode, and with
+`check_edits` the episode's grading time (the checks and the final grade)
+stays within `grading_budget` x `[env.sandbox] wall_timeout_s`; a call past a
+bound gets an error saying so and is not run (the final info's
+`calls_refused`, by bound, and `grading_s`). No argument makes a tool raise: a
+string holding a lone surrogate, a path with a NUL byte or past `envs.tree`'s
+depth and length bounds, an empty or unparsable command are refused before
+anything is touched; what the file system answers (a missing file, a symlink
+loop, a FIFO, a name too long) is the call's error; a grade or check that
+raises is a grade of 0 naming why (`deep_tree` for a tree past the walk's bounds).
+A workspace the episode grew past `max_added_files` entries or `max_added_mb`
+MiB is not graded (reward 0, `large_tree`): what a grade reads grows with it.
 """
 
 from __future__ import annotations
 
+import errno
+import inspect
 import json
+import logging
 import os
 import random
 import shlex
 import stat
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from composer_mesh.configs.records import EDIT_UNDONE, ErrorKind, ErrorSite
-from composer_mesh.configs.sections.env import ToolLoopConfig
+from composer_mesh.configs.sections.env import SandboxConfig, ToolLoopConfig
 from composer_mesh.envs.backend import SandboxBackend
 from composer_mesh.envs.base import Environment, Observation
 from composer_mesh.envs.coding import CodingTask, ListPool, TaskPool, render_reference, source_of
-from composer_mesh.envs.safeguards import manifest
+from composer_mesh.envs.grading import Grade
+from composer_mesh.envs.safeguards import MAX_SCAN_CHARS, TreeTooLarge, manifest, tree_size
 from composer_mesh.envs.sandbox import SandboxResult, Workspace
+from composer_mesh.envs.tree import MAX_DEPTH, MAX_PATH_CHARS, TreeTooDeep
 
-_MAX_WRITE = 1 << 20
+logger = logging.getLogger(__name__)
+# the largest file write_file makes (characters): every file it writes, the static scan reads whole
+_MAX_WRITE = MAX_SCAN_CHARS
 # privileged feedback kept per failure (the tail: test runners end with the failing assertion)
 _FEEDBACK_CHARS = 4000
 _SHELL_META = "|;&<>()"
@@ -112,6 +134,12 @@ class ToolLoopEnv(Environment):
         self.ws: Workspace | None = None
         self._start_manifest: dict[str, str] = {}
         self._violations: list[tuple[str, str]] = []
+        # what the episode has cost so far: edits applied, seconds of check_edits runs, calls refused by bound
+        self._edits = 0
+        self._checks_s = 0.0
+        self._refused: Counter[str] = Counter()
+        self._start_size = (0, 0)  # (entries, bytes) of the starting workspace, which the episode may add to
+        self._wall_s = _wall_timeout_s(sandbox)
         every: dict[str, Callable[..., str]] = {
             "read_file": self._read_file,
             "write_file": self._write_file,
@@ -125,101 +153,181 @@ class ToolLoopEnv(Environment):
     def _start(self, seed: int | None) -> Observation:
         self.task = self.tasks.pick(seed if seed is not None else random.randrange(1 << 31))
         self.ws = self.task.workspace(self.sandbox)
-        self._start_manifest = manifest(self.ws.path)
-        self._violations = []
+        try:
+            self._start_manifest = manifest(self.ws.path)
+            self._start_size = tree_size(self.ws.path)
+        except BaseException:
+            self._release()
+            raise
+        self._violations, self._edits, self._checks_s, self._refused = [], 0, 0.0, Counter()
         messages = [
             {"role": "system", "content": system_prompt(self._tools)}, {"role": "user", "content": self.task.prompt()},
         ]
         return Observation(messages, info={"task": self.task.name, "tools": self.tool_schemas})
 
-    def close(self) -> None:
+    def _release(self) -> None:
         if self.ws is not None:
-            self.ws.cleanup()
-            self.ws = None
+            ws, self.ws = self.ws, None
+            ws.cleanup()
 
     def _answer(self, action: dict[str, Any], turn: int) -> Observation:
-        calls = action.get("tool_calls") or []
+        calls = _tool_calls(action)
         messages, sites = [], []
-        checked = self.config.check_edits != "off" and hasattr(self.task, "check")
-        for call in calls:
-            reverts = checked and self.config.check_edits == "revert" and (call.get("function") or {}).get("name") in _EDITS
-            before = self._before(call) if reverts else None
-            name, text, kind = self._call(call)
-            # the whole result is privileged feedback for the teacher; the model saw it in the tool message
-            feedback = text
-            if kind is None and name in _EDITS and checked:
-                check = self.task.check(self.sandbox, self.ws, self._start_manifest)
-                passed = check.reason == "passed"
-                if not passed and before is not None:
-                    self._restore(*before)
-                text += check_verdict(passed, undone=not passed and before is not None)
-                # the model sees the verdict only; the teacher also reads what failed
-                kind, feedback = (None, text) if passed else (ErrorKind.TEST_FAILURE, check.output)
-            messages.append({"role": "tool", "tool_call_id": str(call.get("id", "")), "content": text})
+        for index, call in enumerate(calls):
+            name, text, kind, feedback = self._apply(call, index)
+            messages.append({"role": "tool", "tool_call_id": _call_id(call), "content": text})
             if kind is not None:
-                sites.append(ErrorSite(turn=turn, kind=kind, message=text[:500], tool=name, feedback=feedback[-_FEEDBACK_CHARS:]))
+                sites.append(ErrorSite(turn, kind, text[:500], tool=name, feedback=feedback[-_FEEDBACK_CHARS:]))
         if calls and self.state.step_count < self.config.max_turns:
             return Observation(messages, error_sites=sites)
         return self._finish(messages, sites)
 
     def _finish(self, messages: list[dict[str, Any]], sites: list[ErrorSite]) -> Observation:
         assert self.task is not None and self.ws is not None
-        grade = self.task.grade(self.sandbox, self.ws, self._start_manifest, self._violations)
-        self.ws.cleanup()  # the episode is over: free the disk now, whether or not close() is called
+        task, ws = self.task, self.ws
+        found = self._violations
+        grade, seconds = self._judged(lambda: task.grade(self.sandbox, ws, self._start_manifest, found), found)
+        ws.cleanup()  # the episode is over: free the disk now, whether or not close() is called
         errors = Counter(site.kind.value for site in [*self.state.error_sites, *sites])
         info = {
-            "task": self.task.name, "template": self.task.template, "source": source_of(self.task),
+            "task": task.name, "template": task.template, "source": source_of(task),
             "reason": grade.reason, "violations": list(grade.violations),
             "passed": grade.passed, "total": grade.total, "grade_s": grade.grade_s, "turns": self.state.step_count,
             "tool_errors": dict(errors), "violation_kinds": dict(Counter(reason for reason, _ in grade.violations)),
+            "grading_s": round(self._checks_s + seconds, 6), "calls_refused": dict(self._refused),
         }
         if grade.reward < 1.0:
             # teacher-only context of a failed episode (`actors.rollout.failure_sites`): the hidden tests' output
             # and the reference solution, as text; nothing of it enters the workspace or the policy's messages
-            info |= {"feedback": grade.output[-_FEEDBACK_CHARS:], "reference": render_reference(self.task.reference_files())}
+            info |= {"feedback": grade.output[-_FEEDBACK_CHARS:], "reference": render_reference(task.reference_files())}
         return Observation(messages, reward=grade.reward, done=True, error_sites=sites, info=info)
 
-    def _before(self, call: dict[str, Any]) -> tuple[Path, str | None] | None:
-        """(file an edit call names, its text now or None when absent), to undo the edit; None: nothing to undo."""
-        try:
-            args = json.loads((call.get("function") or {}).get("arguments") or "{}")
-            real = self._resolve(args["path"]) if isinstance(args, dict) else None
-        except (json.JSONDecodeError, TypeError, KeyError, ToolError):
-            return None
-        if real is None or (real.exists() and not stat.S_ISREG(real.stat().st_mode)):
-            return None
-        return real, real.read_text(errors="replace") if real.exists() else None
-
-    def _restore(self, real: Path, text: str | None) -> None:
-        """Put an edited file back as `_before` found it (as the workspace's uid; a file the edit made is removed)."""
-        assert self.ws is not None
-        if text is None:
-            real.unlink(missing_ok=True)
-            return
-        _write_text(real, text)
-
-    def _call(self, call: dict[str, Any]) -> tuple[str, str, ErrorKind | None]:
-        """(tool name, result text, error kind or None) for one tool call."""
-        fn = call.get("function") or {}
-        name = str(fn.get("name", ""))
+    def _apply(self, call: Any, index: int) -> tuple[str, str, ErrorKind | None, str]:
+        """(tool name, result text, error kind or None, teacher feedback) of the message's `index`-th call: refused
+        past a bound, else run."""
+        fn = call.get("function") if isinstance(call, dict) else None
+        fn = fn if isinstance(fn, dict) else {}
+        name = fn.get("name") if isinstance(fn.get("name"), str) else ""
         raw = fn.get("arguments") or "{}"
-        self._watch(name, str(raw))
+        self._watch(name, _argument_text(raw))
+        bound = self._bound(name, index)
+        if bound is not None:
+            self._refused[bound[0]] += 1
+            text = self._clip(f"error: {name}: not run: {bound[1]}")
+            return name, text, ErrorKind.BAD_TOOL_CALL, text
+        return (name, *self._run(name, raw))
+
+    def _bound(self, name: str, index: int) -> tuple[str, str] | None:
+        """(bound, why) when the call must not run: past the calls of a message, the edits of an episode, or an
+        edit whose check the grading budget cannot cover along with the final grade; None: it may run."""
+        cfg = self.config
+        if index >= cfg.max_calls_per_message:
+            return "calls_per_message", f"at most {cfg.max_calls_per_message} tool calls run per message"
+        if name not in _EDITS or name not in self._tools:
+            return None
+        if self._edits >= cfg.max_edits_per_episode:
+            return "edits_per_episode", f"at most {cfg.max_edits_per_episode} edits are applied per episode"
+        budget = cfg.grading_budget * self._wall_s
+        if self._checked() and self._checks_s + 2 * self._wall_s > budget:
+            return "grading_budget", (
+                f"the episode's grading time is bounded by {budget:g} s ({self._checks_s:.1f} s spent on checks), "
+                f"too little left to check another edit and grade the episode"
+            )
+        return None
+
+    def _checked(self) -> bool:
+        """Applied edits are followed by the visible tests (`check_edits` on, and a task that has them)."""
+        return self.config.check_edits != "off" and hasattr(self.task, "check")
+
+    def _run(self, name: str, raw: Any) -> tuple[str, ErrorKind | None, str]:
+        """(result text, error kind or None, teacher feedback) of a call within the bounds; an applied edit is
+        counted and, with `check_edits`, checked."""
         try:
-            if name not in self._tools:
-                raise ToolError(ErrorKind.BAD_TOOL_CALL, f"unknown tool {name!r}; tools: {', '.join(self._tools)}")
-            try:
-                args = json.loads(raw) if isinstance(raw, str) else dict(raw)
-            except (json.JSONDecodeError, TypeError, ValueError) as exc:
-                raise ToolError(ErrorKind.BAD_TOOL_CALL, f"{name}: arguments are not a JSON object ({exc})") from None
-            if not isinstance(args, dict):
-                raise ToolError(ErrorKind.BAD_TOOL_CALL, f"{name}: arguments must be a JSON object")
-            try:
-                text = self._tools[name](**args)
-            except TypeError as exc:
-                raise ToolError(ErrorKind.BAD_TOOL_CALL, f"{name}: bad arguments ({exc})") from None
-            return name, self._clip(text), None
+            args = self._arguments(name, raw)
         except ToolError as exc:
-            return name, self._clip(f"error: {exc}"), exc.kind
+            text = self._clip(f"error: {exc}")
+            return text, exc.kind, text
+        reverts = self._checked() and self.config.check_edits == "revert" and name in _EDITS
+        before = self._before(args) if reverts else None
+        text, kind = self._invoke(name, args)
+        if kind is not None or name not in _EDITS:
+            return text, kind, text
+        self._edits += 1
+        return self._check(text, before) if self._checked() else (text, None, text)
+
+    def _arguments(self, name: str, raw: Any) -> dict[str, Any]:
+        """The call's arguments as keywords of the tool `name`; ToolError (bad_tool_call) for an unknown tool,
+        arguments that are not a JSON object, a string argument that is not valid UTF-8 text, or names the
+        tool does not take."""
+        if name not in self._tools:
+            raise ToolError(ErrorKind.BAD_TOOL_CALL, f"unknown tool {name!r}; tools: {', '.join(self._tools)}")
+        try:
+            args = json.loads(raw) if isinstance(raw, str) else dict(raw)
+        except (ValueError, TypeError, RecursionError) as exc:
+            raise ToolError(ErrorKind.BAD_TOOL_CALL, f"{name}: arguments are not a JSON object ({exc})") from None
+        if not isinstance(args, dict):
+            raise ToolError(ErrorKind.BAD_TOOL_CALL, f"{name}: arguments must be a JSON object")
+        for key, value in args.items():
+            problem = _invalid_text(value) if isinstance(value, str) else ""
+            if problem:
+                raise ToolError(ErrorKind.BAD_TOOL_CALL, f"{name}: argument {key!r} {problem}; nothing was done")
+        try:
+            inspect.signature(self._tools[name]).bind(**args)
+        except TypeError as exc:
+            raise ToolError(ErrorKind.BAD_TOOL_CALL, f"{name}: bad arguments ({exc})") from None
+        return args
+
+    def _invoke(self, name: str, args: dict[str, Any]) -> tuple[str, ErrorKind | None]:
+        """(result text, error kind or None) of running the tool; whatever it raises is the call's error."""
+        try:
+            return self._clip(self._tools[name](**args)), None
+        except ToolError as exc:
+            return self._clip(f"error: {exc}"), exc.kind
+        except Exception as exc:  # what the workspace's files made a tool raise: this call's error, not the batch's
+            kind, why = _failure(exc)
+            return self._clip(f"error: {name}: {why}"), kind
+
+    def _check(self, text: str, before: tuple[Path, bytes | None] | None) -> tuple[str, ErrorKind | None, str]:
+        """An applied edit's result with the visible tests' verdict (`check_edits`), its time counted against
+        the grading budget; under "revert" a failing edit is undone."""
+        assert self.task is not None and self.ws is not None
+        task, ws = self.task, self.ws
+        check_now = task.check  # type: ignore[attr-defined]
+        check, seconds = self._judged(lambda: check_now(self.sandbox, ws, self._start_manifest))
+        self._checks_s += seconds
+        passed = check.reason == "passed"
+        undone = not passed and before is not None and _restore(*before)
+        text += check_verdict(passed, undone=undone)
+        # the model sees the verdict only; the teacher also reads what failed
+        return (text, None, text) if passed else (text, ErrorKind.TEST_FAILURE, check.output)
+
+    def _judged(self, judge: Callable[[], Grade], violations: Sequence[tuple[str, str]] = ()) -> tuple[Grade, float]:
+        """(`judge()`, the seconds it took), judged only while the workspace is within its bounds (`_bounded`):
+        a workspace past them, or a judge that raised, is a grade of 0 naming why after `violations`."""
+        began = time.perf_counter()
+        try:
+            self._bounded()
+            return judge(), time.perf_counter() - began
+        except Exception as exc:
+            seconds = time.perf_counter() - began
+            return _failed_grade(exc, violations, seconds), seconds
+
+    def _bounded(self) -> None:
+        """TreeTooLarge when the episode added more than `max_added_files` entries or `max_added_mb` MiB to its
+        workspace, TreeTooDeep past `envs.tree`'s bounds: what a grade reads stays bounded."""
+        assert self.ws is not None
+        entries, size = self._start_size
+        tree_size(self.ws.path, entries + self.config.max_added_files, size + (self.config.max_added_mb << 20))
+
+    def _before(self, args: dict[str, Any]) -> tuple[Path, bytes | None] | None:
+        """(file an edit names, its bytes now or None when absent), to undo the edit; None: nothing to undo."""
+        try:
+            real = self._resolve(args.get("path"))
+            if not real.exists():
+                return real, None
+            return (real, real.read_bytes()) if stat.S_ISREG(real.stat().st_mode) else None
+        except (ToolError, OSError, ValueError, RecursionError):
+            return None  # the edit itself fails on the same path, and says why
 
     def _watch(self, name: str, raw: str) -> None:
         """Record an attempt to reach the hidden tests or the pristine copy (graded as 0)."""
@@ -236,22 +344,38 @@ class ToolLoopEnv(Environment):
         return text if len(text) <= n else text[: n // 2] + "\n...[truncated]...\n" + text[-n // 2 :]
 
     def _resolve(self, path: str) -> Path:
+        """The real path (symlinks resolved) `path` names in the workspace; refused unless it is a non-empty
+        string without NUL bytes, inside the workspace, and within `envs.tree`'s depth and length bounds."""
         assert self.ws is not None
         if not isinstance(path, str) or not path:
             raise ToolError(ErrorKind.BAD_TOOL_CALL, "path must be a non-empty string")
+        if "\x00" in path:
+            raise ToolError(ErrorKind.BAD_TOOL_CALL, "path contains a NUL byte, which no file name can hold")
+        if len(path) > MAX_PATH_CHARS:
+            raise ToolError(ErrorKind.BAD_TOOL_CALL, f"path longer than {MAX_PATH_CHARS} characters")
         root = Path(os.path.realpath(self.ws.path))
         real = Path(os.path.realpath(root / path))
         if real != root and root not in real.parents:
             raise ToolError(ErrorKind.PERMISSION, f"{path}: outside the repository")
+        rel = real.relative_to(root)
+        if len(rel.parts) > MAX_DEPTH + 1 or len(str(rel)) >= MAX_PATH_CHARS:  # what `envs.tree.walk` refuses
+            raise ToolError(
+                ErrorKind.BAD_TOOL_CALL,
+                f"{path}: deeper than {MAX_DEPTH} directories or longer than {MAX_PATH_CHARS} characters",
+            )
         return real
 
-    def _read_file(self, path: str) -> str:
+    def _regular(self, path: str) -> Path:
+        """The regular file `path` names (FILE_NOT_FOUND when absent; a directory, FIFO, socket is refused)."""
         real = self._resolve(path)
         if not real.exists():
             raise ToolError(ErrorKind.FILE_NOT_FOUND, f"{path}: no such file")
         if not stat.S_ISREG(real.stat().st_mode):
             raise ToolError(ErrorKind.BAD_TOOL_CALL, f"{path}: not a regular file")
-        return real.read_text(errors="replace")
+        return real
+
+    def _read_file(self, path: str) -> str:
+        return self._regular(path).read_text(errors="replace")
 
     def _write_file(self, path: str, content: str) -> str:
         assert self.ws is not None
@@ -260,18 +384,28 @@ class ToolLoopEnv(Environment):
             raise ToolError(ErrorKind.BAD_TOOL_CALL, f"content must be a string of at most {_MAX_WRITE} characters")
         if real.exists() and not stat.S_ISREG(real.stat().st_mode):
             raise ToolError(ErrorKind.BAD_TOOL_CALL, f"{path}: not a regular file")
+        data = content.encode("utf-8")  # before anything is touched: text that cannot be written changes nothing
         new_dirs = [d for d in [real.parent, *real.parent.parents] if not d.exists()]
-        real.parent.mkdir(parents=True, exist_ok=True)
-        _write_text(real, content)
-        for p in [real, *new_dirs]:  # the sandbox uid owns what the agent writes
-            os.lchown(p, self.ws.uid, self.ws.uid)
+        try:
+            real.parent.mkdir(parents=True, exist_ok=True)
+            _write_bytes(real, data)
+        finally:
+            for p in [real, *new_dirs]:  # the sandbox uid owns what the agent writes (what was made of it too)
+                if os.path.lexists(p):
+                    os.lchown(p, self.ws.uid, self.ws.uid)
         return f"wrote {len(content)} characters to {path}"
 
     def _edit_file(self, path: str, old: str, new: str) -> str:
-        """Exact-string replace of the one occurrence of `old` (an edit that is missing or ambiguous changes nothing)."""
+        """Exact-string replace of the one occurrence of `old` (an edit that is missing or ambiguous changes nothing,
+        nor does one of a file that is not UTF-8 text)."""
         if not isinstance(old, str) or not isinstance(new, str) or not old:
             raise ToolError(ErrorKind.BAD_TOOL_CALL, "edit_file: old must be a non-empty string and new a string")
-        text = self._read_file(path)
+        data = self._regular(path).read_bytes()
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            why = f"{path}: not UTF-8 text (byte {exc.start}); use write_file"
+            raise ToolError(ErrorKind.BAD_TOOL_CALL, why) from None
         count = text.count(old)
         if count == 0:
             raise ToolError(ErrorKind.BAD_TOOL_CALL, f"{path}: string to replace not found (old must match exactly)")
@@ -286,7 +420,7 @@ class ToolLoopEnv(Environment):
         real = self._resolve(path)
         if not real.is_dir():
             raise ToolError(ErrorKind.FILE_NOT_FOUND, f"{path}: no such directory")
-        return "\n".join(sorted(p.name + ("/" if p.is_dir() else "") for p in real.iterdir())) or "(empty)"
+        return "\n".join(sorted(_shown(p.name) + ("/" if p.is_dir() else "") for p in real.iterdir())) or "(empty)"
 
     def _run_tests(self) -> str:
         assert self.ws is not None
@@ -302,12 +436,16 @@ class ToolLoopEnv(Environment):
         assert self.ws is not None
         if not isinstance(command, str) or not command.strip():
             raise ToolError(ErrorKind.BAD_TOOL_CALL, "command must be a non-empty string")
+        if "\x00" in command:
+            raise ToolError(ErrorKind.BAD_TOOL_CALL, "command contains a NUL byte, which no argument can hold")
         try:  # no shell runs the command; operators outside quotes are refused so the model learns that
             lexer = shlex.shlex(command, posix=True, punctuation_chars=True)
             lexer.whitespace_split = True
             argv = list(lexer)
         except ValueError as exc:
             raise ToolError(ErrorKind.BAD_TOOL_CALL, f"cannot parse command: {exc}") from None
+        if not argv:
+            raise ToolError(ErrorKind.BAD_TOOL_CALL, "command holds no program to run (only a comment)")
         if any(tok and set(tok) <= set(_SHELL_META) for tok in argv):
             raise ToolError(ErrorKind.BAD_TOOL_CALL, "restricted shell: no pipes, redirection, chaining or substitution")
         if argv[0] not in self.config.shell_commands:
@@ -324,11 +462,96 @@ class ToolLoopEnv(Environment):
         raise ToolError(_result_kind(result, default=ErrorKind.OTHER), text or f"exit {result.exit_code}")
 
 
-def _write_text(real: Path, text: str) -> None:
-    """Write `text` to `real` without following a symlink there (a new file gets mode 0644)."""
+def _wall_timeout_s(backend: SandboxBackend) -> float:
+    """The backend's `[env.sandbox] wall_timeout_s` (a backend without a sandbox config: the default)."""
+    return float(getattr(getattr(backend, "config", None), "wall_timeout_s", SandboxConfig().wall_timeout_s))
+
+
+def _tool_calls(action: dict[str, Any]) -> list[Any]:
+    """The message's tool calls; a `tool_calls` that is not a list is one malformed call."""
+    calls = action.get("tool_calls") or []
+    return calls if isinstance(calls, list) else [calls]
+
+
+def _call_id(call: Any) -> str:
+    return str(call.get("id", "")) if isinstance(call, dict) else ""
+
+
+def _argument_text(raw: Any) -> str:
+    """The text of a call's arguments the hidden-test watch searches (a JSON string, or an object's strings)."""
+    if isinstance(raw, dict):
+        return " ".join(v for v in raw.values() if isinstance(v, str))
+    return raw if isinstance(raw, str) else ""
+
+
+def _shown(name: str) -> str:
+    """A file name as text: the bytes of one that is not UTF-8 (which a program can make) as `\\xNN` escapes."""
+    return os.fsencode(name).decode("utf-8", "backslashreplace")
+
+
+def _invalid_text(text: str) -> str:
+    """Why `text` cannot be written as UTF-8 ('' when it can): its first lone surrogate, which a JSON escape
+    such as "\\ud800" puts in a string."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return f"holds a lone surrogate (U+{ord(text[exc.start]):04X} at character {exc.start}), not UTF-8 text"
+    return ""
+
+
+def _failure(exc: Exception) -> tuple[ErrorKind, str]:
+    """The error kind and words of what a tool raised on a workspace a policy shaped: the file system's answer
+    (missing, not permitted, a symlink loop, a name too long), or a tree or link chain too deep to follow.
+    Anything else is logged with its traceback: a tool should not raise it."""
+    if isinstance(exc, OSError):
+        why = exc.strerror or str(exc)
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+            return ErrorKind.FILE_NOT_FOUND, why
+        if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            return ErrorKind.PERMISSION, why
+        return ErrorKind.BAD_TOOL_CALL, why
+    if isinstance(exc, ValueError):  # TreeTooDeep, text that cannot be encoded
+        return ErrorKind.BAD_TOOL_CALL, str(exc)
+    if isinstance(exc, RecursionError):
+        return ErrorKind.BAD_TOOL_CALL, "nested too deeply to follow (a chain of links or directories)"
+    logger.warning("a tool raised %s", type(exc).__name__, exc_info=exc)
+    return ErrorKind.OTHER, f"{type(exc).__name__}: {exc}"
+
+
+def _failed_grade(exc: Exception, violations: Sequence[tuple[str, str]], seconds: float) -> Grade:
+    """Reward 0 for a grade (or check) that raised: `deep_tree` for a tree past `envs.tree`'s bounds,
+    `large_tree` for one past the episode's size bounds, else `grader_error` (logged with its traceback), after
+    the episode's own violations."""
+    if isinstance(exc, TreeTooDeep):
+        reason = "deep_tree"
+    elif isinstance(exc, TreeTooLarge):
+        reason = "large_tree"
+    else:
+        reason = "grader_error"
+        logger.warning("grading raised %s", type(exc).__name__, exc_info=exc)
+    detail = f"{type(exc).__name__}: {exc}"
+    found = tuple(dict.fromkeys([*violations, (reason, detail)]))
+    return Grade(0.0, found[0][0], 0, 0, found, output=f"{reason}: {detail}", grade_s=round(seconds, 6))
+
+
+def _restore(real: Path, data: bytes | None) -> bool:
+    """Put an edited file back as `ToolLoopEnv._before` found it (a file the edit made is removed); False when
+    the file system refused."""
+    try:
+        if data is None:
+            real.unlink(missing_ok=True)
+        else:
+            _write_bytes(real, data)
+    except OSError:
+        return False
+    return True
+
+
+def _write_bytes(real: Path, data: bytes) -> None:
+    """Write `data` to `real` without following a symlink there (a new file gets mode 0644)."""
     fd = os.open(real, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
 
 
 def _result_kind(result: SandboxResult, default: ErrorKind, file_errors: bool = True) -> ErrorKind:

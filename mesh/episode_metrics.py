@@ -1,10 +1,13 @@
-"""Per-step metrics of coding episodes: pass rate, turns, tool errors and sandbox violations by kind, grading time.
+"""Per-step metrics of coding episodes: pass rate, turns, tool errors and sandbox violations by kind, grading time,
+calls refused by the tool loop's cost bounds.
 
 A coding task's last observation carries its grade in `info` (`passed`, `total`,
-`grade_s`, `violations` as (kind, detail) pairs); the episode loop copies it into
-`Rollout.info`. Tool errors are the rollout's error sites (each a failed tool call
-or a failing test run, classified by `configs.records.ErrorKind`). Rollouts without
-a grade (the demo task) add nothing, so non-coding runs log what they logged before.
+`grade_s`, `violations` as (kind, detail) pairs; the tool loop adds `grading_s`,
+its checks and final grade together, and `calls_refused` by bound); the episode
+loop copies it into `Rollout.info`. Tool errors are the rollout's error sites (each
+a failed tool call or a failing test run, classified by `configs.records.ErrorKind`).
+Rollouts without a grade (the demo task) add nothing, so non-coding runs log what
+they logged before.
 """
 
 from __future__ import annotations
@@ -32,15 +35,20 @@ def pass_rate(rollouts: Sequence[Rollout]) -> float:
 
 
 def episode_metrics(rollouts: Sequence[Rollout], prefix: str = "coding/") -> dict[str, float]:
-    """Pass rate, mean turns, tool errors and violations per kind (totals over the step), mean and max
-    grading seconds of the graded rollouts; {} when none was graded."""
+    """Pass rate, mean turns, tool errors, violations and calls refused (by bound) per kind (totals over the
+    step), mean and max seconds of the final grade and of all the episode's grading (checks included, where the
+    environment counts them) of the graded rollouts; {} when none was graded."""
     done = graded(rollouts)
     if not done:
         return {}
     n = len(done)
     errors = Counter(site.kind.value for r in done for site in r.error_sites)
     violations = Counter(str(v[0]) for r in done for v in r.info.get("violations", ()))
+    refused: Counter[str] = Counter()
+    for r in done:
+        refused.update(r.info.get("calls_refused") or {})
     grade_s = [float(r.info["grade_s"]) for r in done]
+    grading_s = [float(r.info.get("grading_s", r.info["grade_s"])) for r in done]
     out = {
         f"{prefix}pass_rate": pass_rate(done),
         f"{prefix}turns": sum(int(r.info.get("turns", len(r.turn_spans))) for r in done) / n,
@@ -49,9 +57,13 @@ def episode_metrics(rollouts: Sequence[Rollout], prefix: str = "coding/") -> dic
         f"{prefix}violations": float(sum(violations.values())),
         f"{prefix}grade_s_mean": sum(grade_s) / n,
         f"{prefix}grade_s_max": max(grade_s),
+        f"{prefix}grading_s_mean": sum(grading_s) / n,
+        f"{prefix}grading_s_max": max(grading_s),
+        f"{prefix}calls_refused": float(sum(refused.values())),
     }
     out.update({f"{prefix}tool_errors/{k}": float(v) for k, v in sorted(errors.items())})
     out.update({f"{prefix}violations/{k}": float(v) for k, v in sorted(violations.items())})
+    out.update({f"{prefix}calls_refused/{k}": float(v) for k, v in sorted(refused.items())})
     return out
 
 

@@ -222,6 +222,27 @@ class ToolLoopConfig:
         0.0, doc="clip the warm start's gradient norm to this before each step (0 = off); without it a "
         "different set of examples can diverge at a high rate (docs/coding.md)", ge=0.0,
     )
+    max_calls_per_message: int = option(
+        16, doc="tool calls run per assistant message; each call past them gets a bad_tool_call error saying so "
+        "and is not run (counted in the episode's calls_refused)", ge=1,
+    )
+    max_edits_per_episode: int = option(
+        64, doc="edit_file/write_file calls applied per episode; each edit past them gets a bad_tool_call error "
+        "saying so and is not run (counted in the episode's calls_refused)", ge=1,
+    )
+    max_added_files: int = option(
+        5000, doc="files and directories an episode may add to its workspace (its program's included); past it the "
+        "workspace is not graded: reward 0, violation large_tree (what a grade reads grows with the tree)", ge=0,
+    )
+    max_added_mb: int = option(
+        64, doc="MiB of files an episode may add to its workspace; past it, as for max_added_files", ge=0,
+    )
+    grading_budget: float = option(
+        4.0, doc="an episode's grading time (check_edits runs and the final grade) in multiples of [env.sandbox] "
+        "wall_timeout_s: a check starts only while the time left covers it and the final grade (up to "
+        "wall_timeout_s each); an edit it would have to check is refused, not run (the final grade always runs)",
+        ge=1.0,
+    )
 
 
 @dataclass(frozen=True)

@@ -148,6 +148,25 @@ def test_failing_answer_is_replayed_and_counted(tok, task, sandbox):
     assert episode_metrics([r]) == {} and rollout_states(r) == []
 
 
+def test_hostile_tool_call_text_never_takes_the_batch_down(tok, task, sandbox):
+    """The model writes calls whose name or string arguments hold a lone surrogate (a JSON escape), whose
+    arguments nest past the JSON parser's depth, or whose path holds a NUL byte: the batch goes on (every
+    message renders and tokenizes), each call is answered with its error, and the episode is solved and graded."""
+    hostile = "\n".join([
+        r'<tool_call>{"name": "read_\ud800", "arguments": {"path": "m.py"}}</tool_call>',
+        r'<tool_call>{"name": "read_file", "arguments": "{\"path\": \"m\ud800.py\"}"}</tool_call>',
+        '<tool_call>{"name": "read_file", "arguments": ' + "[" * 3000 + "]" * 3000 + "}</tool_call>",
+        call_text("read_file", {"path": "m.py\x00"}),
+    ])
+    rollouts = run_episodes(tok, [task], sandbox, [hostile, edit_text(task, reference(task)), "Finished."])
+    for r in rollouts:
+        assert r.reward == 1.0 and r.info["turns"] == 3
+        assert [s.kind for s in r.error_sites] == [ErrorKind.BAD_TOOL_CALL] * 3
+        results = [m["content"] for m in r.messages if m["role"] == "tool"][:3]
+        assert "unknown tool 'read_" in results[0] and "lone surrogate" in results[1] and "NUL" in results[2]
+        assert all(json.dumps(m, ensure_ascii=False).encode("utf-8") for m in r.messages)
+
+
 def teacher_reply(url: str, model: str, messages: list[dict]) -> dict:
     body = {"model": model, "messages": messages, "max_tokens": 4096}
     return httpx.post(f"{url}/chat/completions", json=body, timeout=30).json()["choices"][0]["message"]

@@ -165,6 +165,58 @@ def test_workspaces_get_distinct_uids_released_on_cleanup():
     assert not any((sb.uid_locks / f"uid-{w.uid}").exists() for w in spaces)
 
 
+def _own_uid_sandbox(tmp_path, offset: int) -> Sandbox:
+    """A sandbox of one uid of its own and a root of its own (so a test may list it and reserve its only uid)."""
+    base = 3_500_000 + 4 * (os.getpid() % 100_000) + offset
+    return Sandbox(SandboxConfig(root_dir=str(tmp_path), uid_base=base, uid_count=1))
+
+
+def _nest(root: Path, depth: int) -> None:
+    """`depth` nested directories under `root`, made one relative step at a time (past PATH_MAX if need be)."""
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(depth):
+            os.mkdir("d", dir_fd=fd)
+            child = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = child
+    finally:
+        os.close(fd)
+
+
+def test_cleanup_removes_a_tree_past_the_recursion_limit_and_frees_the_uid_once(tmp_path):
+    """The agent's tree is deeper than the recursion limit: cleanup removes it and frees the uid; a second
+    cleanup (an episode's close after its grade) leaves alone the lock of a later workspace with the same uid."""
+    sb = _own_uid_sandbox(tmp_path, 0)
+    ws = sb.workspace()
+    _nest(ws.path, sys.getrecursionlimit() + 200)
+    ws.cleanup()
+    assert not ws.path.exists() and not ws.scratch.exists()
+    again = sb.workspace()
+    assert again.uid == ws.uid
+    ws.cleanup()
+    assert (sb.uid_locks / f"uid-{again.uid}").exists()
+    again.cleanup()
+    assert not (sb.uid_locks / f"uid-{again.uid}").exists() and list(sb.root.iterdir()) == []
+
+
+def test_a_copy_past_the_tree_bounds_is_refused_and_leaves_nothing(tmp_path):
+    from composer_mesh.envs.tree import MAX_DEPTH, TreeTooDeep
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.py").write_text("x")
+    _nest(src, MAX_DEPTH + 1)
+    dst = tmp_path / "dst"
+    with pytest.raises(TreeTooDeep):
+        copy_tree(src, dst)
+    sb = _own_uid_sandbox(tmp_path / "root", 1)
+    with pytest.raises(TreeTooDeep):
+        sb.workspace(copy_from=src)
+    assert list(sb.root.iterdir()) == []
+    sb.workspace().cleanup()  # its only uid is free again
+
+
 _READ_PROBE = (
     "import sys\nfor t in sys.argv[1:]:\n    try:\n        open(t, 'rb').read(1)\n        print('READ', t)\n"
     "    except OSError as e:\n        print('DENIED', t, e.errno)\n"

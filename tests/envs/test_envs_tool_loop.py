@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
 from composer_mesh.configs.records import ErrorKind
 from composer_mesh.envs.base import assistant
-from composer_mesh.envs.safeguards import change_violations, diff_tree, is_test_path, scan_source
+from composer_mesh.envs.safeguards import (
+    MAX_SCAN_CHARS, change_violations, diff_tree, is_test_path, manifest, scan_source,
+)
+from composer_mesh.envs.tree import MAX_DEPTH, TreeTooDeep
 from composer_mesh.envs.tool_loop import TOOLS, ToolLoopEnv
 
 
@@ -156,6 +160,38 @@ def test_static_scan_counts_only_what_the_agent_added():
     assert scan_source("def f(:\n", None) == []  # syntax errors are the test run's business
 
 
+def test_static_scan_returns_for_any_source():
+    """Deeply nested code Python still runs is read (its construct found); code past the parser's depth or over
+    MAX_SCAN_CHARS cannot be, and is `unscannable_source`; a syntax error (null bytes among them) is the test
+    run's; an old side that cannot be read counts as empty."""
+    assert scan_source("import os\nx = os.environ" + ".b" * (sys.getrecursionlimit() + 200), None) == [
+        ("env_access", "os.environ")]
+    unreadable = ["x = " + "+".join(["1"] * 100_000), "x = " + "-" * 100_000 + "1", "x = " + "lambda: " * 3000 + "1",
+                  "x = 1\n" * (MAX_SCAN_CHARS // 6 + 1)]
+    for source in unreadable:
+        assert [reason for reason, _ in scan_source(source, None)] == ["unscannable_source"]
+    assert scan_source("import os\x00\n", None) == []
+    assert scan_source("import os\nos.environ\n", unreadable[0]) == [("env_access", "os.environ")]
+
+
+def test_manifest_walks_within_the_tree_bounds_and_hashes_only_regular_files(tmp_path):
+    import socket
+
+    (tmp_path / "a.py").write_text("x")
+    os.mkfifo(tmp_path / "fifo")
+    os.symlink("loop", tmp_path / "loop")
+    os.symlink("a.py", tmp_path / "link.py")
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(str(tmp_path / "sock"))
+    (tmp_path / "locked.py").write_text("y")
+    os.chmod(tmp_path / "locked.py", 0)
+    assert sorted(manifest(tmp_path)) == ["a.py", "locked.py"]
+    deep = tmp_path / "deep"
+    deep.joinpath(*["d"] * (MAX_DEPTH + 1)).mkdir(parents=True)
+    with pytest.raises(TreeTooDeep):
+        manifest(tmp_path)
+
+
 def test_change_rules():
     before = {"pkg/a.py": "1", "tests/test_a.py": "1", "pytest.ini": "1", "tests/test_b.py": "1"}
     after = {"pkg/a.py": "2", "tests/test_a.py": "2", "pytest.ini": "2", "conftest.py": "1",
@@ -227,3 +263,74 @@ def test_tools_subset_is_what_the_model_sees(sandbox):
         _micro_env(sandbox, tools=("edit_file", "grep"))
     with pytest.raises(ValueError, match="env.tool_loop.tools"):
         _micro_env(sandbox, tools=())
+
+
+def _graded_rollout(obs, messages):
+    from composer_mesh.actors.rollout import Rollout
+
+    return Rollout(0, 0, 0, [1, 2], 1, [False, True], [0.0, 0.0], messages, [0] * len(messages),
+                   [(len(messages) - 1, 1, 2)], obs.reward, "done", 0, info=dict(obs.info))
+
+
+def test_calls_past_the_message_bound_are_refused_unrun_and_counted(sandbox):
+    from composer_mesh.mesh.episode_metrics import episode_metrics
+
+    env = _micro_env(sandbox, max_calls_per_message=2)
+    env.reset(seed=0)
+    obs = env.step(assistant(tool_calls=[("write_file", {"path": f"a{i}.txt", "content": "x"}) for i in range(4)]))
+    texts = [m["content"] for m in obs.messages]
+    assert texts[:2] == ["wrote 1 characters to a0.txt", "wrote 1 characters to a1.txt"]
+    assert texts[2:] == ["error: write_file: not run: at most 2 tool calls run per message"] * 2
+    assert [s.kind for s in obs.error_sites] == [ErrorKind.BAD_TOOL_CALL] * 2
+    assert sorted(p.name for p in env.ws.path.glob("a*.txt")) == ["a0.txt", "a1.txt"]
+    obs = env.step(assistant("Done."))
+    assert obs.info["calls_refused"] == {"calls_per_message": 2} and obs.info["tool_errors"] == {"bad_tool_call": 2}
+    metrics = episode_metrics([_graded_rollout(obs, env.state.messages)])
+    assert metrics["coding/calls_refused"] == 2.0 and metrics["coding/calls_refused/calls_per_message"] == 2.0
+    assert metrics["coding/grading_s_max"] >= metrics["coding/grade_s_max"] > 0
+    env.close()
+
+
+def test_edits_past_the_episode_bound_are_refused_and_other_tools_still_run(sandbox):
+    env = _micro_env(sandbox, max_edits_per_episode=2)
+    env.reset(seed=1)
+    target = env.task.target
+    for i in range(2):
+        obs = env.step(assistant(tool_calls=[("write_file", {"path": f"n{i}.py", "content": "x = 1\n"})]))
+        assert obs.error_sites == []
+    obs = env.step(assistant(tool_calls=[("edit_file", {"path": target, "old": "def", "new": "def"}),
+                                         ("write_file", {"path": "n2.py", "content": "x = 1\n"}),
+                                         ("read_file", {"path": target})]))
+    texts = [m["content"] for m in obs.messages]
+    refused = "not run: at most 2 edits are applied per episode"
+    assert texts[:2] == [f"error: {name}: {refused}" for name in ("edit_file", "write_file")]
+    assert texts[2] == (env.ws.path / target).read_text() and not (env.ws.path / "n2.py").exists()
+    obs = env.step(assistant("Done."))
+    assert obs.info["calls_refused"] == {"edits_per_episode": 2}
+    env.close()
+
+
+def test_the_grading_budget_refuses_an_edit_it_cannot_check_and_the_episode_is_still_graded(tmp_path):
+    """A check that runs to the wall limit (the edit's module never finishes importing) spends the budget of
+    3 x wall_timeout_s: the next edit would need a check and the final grade beyond it, so it is refused unrun;
+    the final grade still runs, and the episode's grading time counts the check."""
+    from composer_mesh.configs.sections.env import CodingConfig, SandboxConfig, ToolLoopConfig
+    from composer_mesh.envs.micro import MicroTasks
+    from composer_mesh.envs.sandbox import Sandbox
+
+    wall = 2.0
+    sandbox = Sandbox(SandboxConfig(root_dir=str(tmp_path), wall_timeout_s=wall, cpu_time_s=2))
+    config = ToolLoopConfig(tools=("edit_file", "write_file"), check_edits="revert", grading_budget=3.0, max_turns=4)
+    env = ToolLoopEnv(MicroTasks(CodingConfig(namings=(2,)), "train"), sandbox, config)
+    env.reset(seed=0)
+    target, reference = env.task.target, env.task.reference_files()[env.task.target]
+    hang = ("edit_file", {"path": target, "old": "def ", "new": "while True:\n    pass\n\n\ndef "})
+    obs = env.step(assistant(tool_calls=[hang]))
+    assert obs.messages[0]["content"].endswith("visible tests: failed; edit undone")
+    obs = env.step(assistant(tool_calls=[("write_file", {"path": target, "content": reference})]))
+    assert obs.messages[0]["content"].startswith("error: write_file: not run: the episode's grading time is bounded by 6 s")
+    assert obs.error_sites[0].kind is ErrorKind.BAD_TOOL_CALL and (env.ws.path / target).read_text() != reference
+    obs = env.step(assistant("Done."))
+    assert obs.done and obs.info["calls_refused"] == {"grading_budget": 1} and obs.info["total"] > 0
+    assert obs.info["grading_s"] >= wall + obs.info["grade_s"]
+    env.close()
