@@ -143,9 +143,9 @@ def group_streams(cfg: ControllerConfig, groups: int, prompt_cursor: int) -> lis
 
 # per-step counts (summed over replica groups) and maxima; by exact key or by key prefix
 COUNT_KEYS = ("rollouts/policy", "rollouts/dropped_groups", "rollouts/completion_tokens", "distill/hinted",
-              "preference/pairs_in_batch", "coding/tool_errors", "coding/violations")
-COUNT_PREFIXES = ("rollouts/dropped_reason/", "coding/tool_errors/", "coding/violations/")
-MAX_KEYS = ("rollouts/dropped_prompt_tokens", "coding/grade_s_max")
+              "preference/pairs_in_batch", "coding/tool_errors", "coding/violations", "coding/calls_refused")
+COUNT_PREFIXES = ("rollouts/dropped_reason/", "coding/tool_errors/", "coding/violations/", "coding/calls_refused/")
+MAX_KEYS = ("rollouts/dropped_prompt_tokens", "coding/grade_s_max", "coding/grading_s_max")
 
 
 def merge_metrics(rows: Sequence[dict[str, float]]) -> dict[str, float]:

@@ -200,7 +200,8 @@ def test_merged_step_metrics_sum_counts_keep_maxima_and_skip_only_when_every_gro
     from composer_mesh.mesh.replicas import merge_metrics
 
     trained = {"rollouts/policy": 6.0, "rollouts/dropped_reason/equal_rewards": 1.0, "coding/tool_errors/timeout": 2.0,
-               "rollouts/dropped_prompt_tokens": 300.0, "coding/grade_s_max": 0.5, "loss/total": 1.0}
+               "rollouts/dropped_prompt_tokens": 300.0, "coding/grade_s_max": 0.5, "loss/total": 1.0,
+               "coding/calls_refused": 1.0, "coding/calls_refused/calls_per_message": 1.0, "coding/grading_s_max": 9.0}
     skipped = {"skipped": 1.0, "rollouts/policy": 0.0, "rollouts/dropped_reason/equal_rewards": 2.0,
                "rollouts/dropped_reason/prompt_too_long": 1.0, "rollouts/dropped_prompt_tokens": 700.0,
                "coding/tool_errors": 3.0, "coding/grade_s_max": 2.0, "loss/total": 3.0}
@@ -212,4 +213,6 @@ def test_merged_step_metrics_sum_counts_keep_maxima_and_skip_only_when_every_gro
     assert merged["coding/tool_errors/timeout"] == 2.0
     assert merged["rollouts/dropped_prompt_tokens"] == 700.0 and merged["coding/grade_s_max"] == 2.0
     assert merged["loss/total"] == 2.0
+    assert (merged["coding/calls_refused"], merged["coding/calls_refused/calls_per_message"]) == (1.0, 1.0)
+    assert merged["coding/grading_s_max"] == 9.0
     assert merge_metrics([skipped, dict(skipped)])["skipped"] == 1.0
