@@ -14,8 +14,10 @@ Measures, in one run:
   pytest of the same rebuilt repository, interleaved;
 - hostile containment: hostile replies graded (single-turn replies on a textkit
   task, on a task whose tests pass callables and on one whose tests pass
-  objects, new files through the tool loop); contained = reward 0, no cgroup
-  of this sandbox or workspace left;
+  objects, new files and hostile tool arguments through the tool loop, code
+  that lowers its pool worker's limits or leaves a tree past the recursion
+  limit); contained = reward 0, no cgroup of this sandbox or workspace left,
+  and the oracle graded after them all still earns 1;
 - callable_task_oracle: the original code of every task of the `hookkit`
   fixture (tests pass callables and objects in and get callables back), min
   reward; callable_refused: its tasks the generator refused (0 expected);
@@ -94,6 +96,24 @@ HOSTILE_CALLABLE = {
 HOSTILE_OBJECT = {
     "proxy_dunder_read": _OUT + "def total_area(shapes):\n    _o.write(_OUT, b'{\"op\": \"object\", \"handle\": 0, \"action\": \"getattr\", \"args\": [\"__class__\"]}\\n')\n    return 0.0\n",
     "forged_object_handle": _OUT + "def total_area(shapes):\n    _o.write(_OUT, b'{\"op\": \"object\", \"handle\": 9999, \"action\": \"len\", \"args\": []}\\n')\n    return 0.0\n",
+}
+# Round 4 (issue 55), appended to the stubbed target and run at import in the callee (a warm slot in the pool): the
+# zygote's limits and scheduling lowered for every later job, a tree deeper than the recursion limit for the reset.
+HOSTILE_POISON = {
+    "zygote_rlimits": "import os, resource\nfor r in (resource.RLIMIT_NOFILE, resource.RLIMIT_AS):\n    try:\n"
+                      "        resource.prlimit(os.getppid(), r, (64 << 20 if r == resource.RLIMIT_AS else 32,) * 2)\n"
+                      "    except OSError:\n        pass\n",
+    "zygote_sched": "import os\ntry:\n    os.setpriority(os.PRIO_PROCESS, os.getppid(), 19)\n"
+                    "    os.sched_setaffinity(os.getppid(), {0})\nexcept OSError:\n    pass\n",
+    "deep_tree": "import os\nfor _ in range(1500):\n    os.mkdir('d')\n    os.chdir('d')\n",
+}
+# Round 4, one message of tool calls each: arguments that once took the whole generate batch down.
+HOSTILE_CALLS = {
+    "nul_path": [("write_file", {"path": "m\x00.py", "content": "x"})],
+    "lone_surrogate_edit": [("edit_file", {"path": "PLACEHOLDER", "old": "def", "new": "def\ud800"})],
+    "deep_write_path": [("write_file", {"path": "d/" * 200 + "f.py", "content": "x"})],
+    "deep_expression": [("write_file", {"path": "PLACEHOLDER", "content": "x = " + "(" * 5000 + ")" * 5000 + "\n"})],
+    "many_calls": [("list_dir", {"path": "."})] * 200,
 }
 # New files through the tool loop (with a wrong target): modules the judge's interpreter imports.
 HOSTILE_FILES = {
@@ -197,28 +217,34 @@ def grading_overhead(sandbox: Sandbox, task, reps: int) -> tuple[float, float]:
 
 
 def hostile_contained(sandbox: Sandbox, task, callable_task, object_task) -> tuple[float, int]:
-    """Share of hostile replies that earn 0 and leave nothing behind (this sandbox's cgroups, workspaces)."""
+    """Share of hostile replies that earn 0 and leave nothing behind (this sandbox's cgroups, workspaces); the
+    oracle graded after them all must still earn 1 (no reply poisoned what later grades run in), else 0."""
     before = set(sandbox.root.iterdir())
-    replies = [(task, task.stubbed_source + "\n" + p, {}) for p in HOSTILE.values()]
-    replies += [(callable_task, callable_task.stubbed_source + "\n" + p, {}) for p in HOSTILE_CALLABLE.values()]
-    replies += [(object_task, object_task.stubbed_source + "\n" + p, {}) for p in HOSTILE_OBJECT.values()]
+    replies = [(task, task.stubbed_source + "\n" + p, []) for p in (*HOSTILE.values(), *HOSTILE_POISON.values())]
+    replies += [(callable_task, callable_task.stubbed_source + "\n" + p, []) for p in HOSTILE_CALLABLE.values()]
+    replies += [(object_task, object_task.stubbed_source + "\n" + p, []) for p in HOSTILE_OBJECT.values()]
     wrong = callable_task.stubbed_source + "\ndef apply_all(fn, items):\n    return list(items)\n"
-    replies += [(callable_task, wrong, files) for files in HOSTILE_FILES.values()]
+    replies += [(callable_task, wrong, [("write_file", {"path": p, "content": c}) for p, c in files.items()])
+                for files in HOSTILE_FILES.values()]
+    replies += [(callable_task, wrong, [(n, {k: callable_task.target if v == "PLACEHOLDER" else v for k, v in a.items()})
+                                        for n, a in calls]) for calls in HOSTILE_CALLS.values()]
     contained = 0
-    for i, (t, source, files) in enumerate(replies):
-        if files:
+    for i, (t, source, calls) in enumerate(replies):
+        if calls:
             env = ToolLoopEnv([t], sandbox)
             env.reset(seed=0)
-            env.step(assistant(tool_calls=[("write_file", {"path": p, "content": c}) for p, c in {t.target: source, **files}.items()]))
+            env.step(assistant(tool_calls=[("write_file", {"path": t.target, "content": source}), *calls]))
             reward = env.step(assistant("done")).reward
         else:
             env = FeatureDeletionEnv([t], sandbox)
             env.reset(seed=i)
             reward = env.step(assistant(f"```python\n{source}```")).reward
+        env.close()
         groups = [p for c in CONTROLLERS for p in (CGROUP_ROOT / c / "composer-mesh-sandbox").glob(f"{sandbox.tag}-*")]
         left = [p for p in sandbox.root.iterdir() if p not in before]
         contained += reward == 0.0 and not groups and not left  # a run's cgroup is removed only once empty
-    return contained / len(replies), len(replies)
+    unpoisoned = all(t.grade_source(sandbox, t.original_source()).reward == 1.0 for t in (task, callable_task))
+    return contained / len(replies) if unpoisoned else 0.0, len(replies)
 
 
 def swe_task(root: Path, runtime: str) -> SweTask:
