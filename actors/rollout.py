@@ -109,12 +109,14 @@ def failure_sites(rollout: Rollout) -> list[ErrorSite]:
     start from these; a rollout without a grade in `info` (the demo) has only its error sites.
 
     Each site carries the episode's privileged context for the hint teacher: `info["reference"]` (the task's
-    reference) as its reference, and the synthesized grade site `info["feedback"]` (the hidden tests' output)
-    as its feedback."""
-    reference = str(rollout.info.get("reference") or "")
+    reference) as its reference, `info["reference_change"]` (the lines the reference writes) as its change,
+    `info["failing_cases"]` (the hidden cases the final workspace failed) as its cases, and the synthesized
+    grade site `info["feedback"]` (the hidden tests' output) as its feedback."""
+    context = {key: str(rollout.info.get(source) or "")
+               for key, source in (("reference", "reference"), ("change", "reference_change"), ("cases", "failing_cases"))}
     if rollout.error_sites or "total" not in rollout.info or rollout.reward >= 1.0 or not rollout.turn_spans:
-        return [replace(s, reference=s.reference or reference) for s in rollout.error_sites]
+        return [replace(s, **{k: getattr(s, k) or v for k, v in context.items()}) for s in rollout.error_sites]
     turn = rollout.turn_spans[0][0]
     reason = str(rollout.info.get("reason") or "hidden tests failed")
     return [ErrorSite(turn=turn, kind=ErrorKind.TEST_FAILURE, message=f"hidden tests: {reason}", tool="grade",
-                      feedback=str(rollout.info.get("feedback") or ""), reference=reference)]
+                      feedback=str(rollout.info.get("feedback") or ""), **context)]

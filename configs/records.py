@@ -42,7 +42,10 @@ class ErrorSite:
     the policy through these fields): feedback: the environment's full feedback
     on the failure (the failing tests' output, expected vs got, the tool's whole
     error; "" = only `message`); reference: the task's reference solution or
-    answer ("" = the task has none).
+    answer ("" = the task has none); change: the lines the reference solution
+    writes that the starting files lack, under a `--- path` line per file ("" =
+    unknown); cases: hidden test cases the episode's final workspace failed, as
+    their source ("" = none known).
     """
 
     turn: int
@@ -51,3 +54,5 @@ class ErrorSite:
     tool: str = ""
     feedback: str = ""
     reference: str = ""
+    change: str = ""
+    cases: str = ""

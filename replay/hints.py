@@ -129,6 +129,28 @@ class FeedbackHintGenerator:
                "Take it into account and reply correctly."
 
 
+def reference_note(reference: str) -> str:
+    """The hint that hands the teacher a task's reference solution (`reference`: its files as text)."""
+    return f"Here is a reference solution for this task:\n{reference}\nUse it to reply correctly."
+
+
+def change_note(change: str, shown: int | None = None) -> str:
+    """The hint that hands the teacher the lines a reference solution writes (`ErrorSite.change`: a `--- path`
+    line per file, then its lines), or only the first `shown` of those lines (the `--- path` lines kept)."""
+    lines = change.splitlines()
+    written = [i for i, line in enumerate(lines) if not line.startswith("--- ")]
+    if shown is None or shown >= len(written):
+        return f"Here are the lines a reference solution writes:\n{change.rstrip()}\nUse them to reply correctly."
+    head = "\n".join(lines[: written[shown - 1] + 1] if shown > 0 else lines[: written[0]])
+    return (f"Here are the first {shown} of the {len(written)} lines a reference solution writes:\n{head}\n"
+            "Use them to reply correctly.")
+
+
+def cases_note(cases: str) -> str:
+    """The hint that hands the teacher hidden test cases the attempt failed (`ErrorSite.cases`: their source)."""
+    return f"Hidden tests of this task that your attempt fails:\n{cases.rstrip()}\nUse them to reply correctly."
+
+
 class ReferenceHintGenerator:
     """The task's reference solution or answer, as privileged context (OPSD's teacher p(. | x, y*)).
 
@@ -146,7 +168,7 @@ class ReferenceHintGenerator:
         if not reference:
             self.fallbacks += 1
             return self.fallback.hint(site, messages)
-        return f"Here is a reference solution for this task:\n{reference}\nUse it to reply correctly."
+        return reference_note(reference)
 
 
 class SyncCompleter(Protocol):

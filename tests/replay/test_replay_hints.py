@@ -164,3 +164,34 @@ def test_llm_hint_prompt_carries_the_privileged_feedback():
     gen = LLMHintGenerator(client=None, teacher="t")  # prompt() only; no request is made
     body = gen.prompt(PRIVILEGED, MESSAGES)[1]["content"]
     assert "E  assert 5 == 4" in body
+
+
+def test_change_and_cases_notes_show_what_they_are_given_and_cut_only_written_lines():
+    from composer_mesh.replay.hints import cases_note, change_note
+
+    change = "--- m.py\n    r1 = a + b\n    return r1 * c\n--- util.py\n    return x"
+    full = change_note(change)
+    assert full.splitlines()[1:-1] == change.splitlines() and full.startswith("Here are the lines")
+    two = change_note(change, 2)
+    # the first two written lines, and only the file header before them
+    assert two.splitlines()[1:-1] == ["--- m.py", "    r1 = a + b", "    return r1 * c"]
+    assert "first 2 of the 3 lines" in two
+    assert change_note(change, 0).splitlines()[1:-1] == ["--- m.py"]
+    assert change_note(change, 9) == full
+    assert cases_note("assert f(2, 3) == 6\n").splitlines()[1] == "assert f(2, 3) == 6"
+
+
+def test_failure_sites_carry_the_episodes_change_and_failing_cases():
+    from composer_mesh.actors.rollout import Rollout, failure_sites
+
+    info = {"total": 4, "reason": "tests_failed (1/4 passed)", "reference": "--- m.py\nx", "feedback": "FAILED t",
+            "reference_change": "--- m.py\n    return a * b", "failing_cases": "assert f(2, 3) == 6"}
+    rollout = Rollout(group_id=0, sample=0, seed=0, token_ids=[1, 2, 3], prompt_len=1, loss_mask=[False, True, True],
+                      logprobs=[0.0] * 3, messages=[{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}],
+                      message_starts=[0, 1], turn_spans=[(1, 1, 3)], reward=0.25, finish_reason="done",
+                      policy_version=0, error_sites=[], info=info)
+    (site,) = failure_sites(rollout)
+    assert (site.change, site.cases, site.reference) == (info["reference_change"], info["failing_cases"], "--- m.py\nx")
+    tool_site = ErrorSite(turn=1, kind=ErrorKind.BAD_TOOL_CALL, message="bad", cases="own")
+    (kept,) = failure_sites(Rollout(**{**rollout.__dict__, "error_sites": [tool_site]}))
+    assert (kept.change, kept.cases) == (info["reference_change"], "own")
