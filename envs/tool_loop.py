@@ -54,7 +54,7 @@ from composer_mesh.envs.coding import CodingTask, ListPool, TaskPool, render_ref
 from composer_mesh.envs.grading import Grade
 from composer_mesh.envs.safeguards import MAX_SCAN_CHARS, TreeTooLarge, manifest, tree_size
 from composer_mesh.envs.sandbox import SandboxResult, Workspace
-from composer_mesh.envs.tree import MAX_DEPTH, MAX_PATH_CHARS, TreeTooDeep
+from composer_mesh.envs.tree import MAX_DEPTH, MAX_PATH_CHARS, TreeTooDeep, resolve
 
 logger = logging.getLogger(__name__)
 # the largest file write_file makes (characters): every file it writes, the static scan reads whole
@@ -354,7 +354,10 @@ class ToolLoopEnv(Environment):
         if len(path) > MAX_PATH_CHARS:
             raise ToolError(ErrorKind.BAD_TOOL_CALL, f"path longer than {MAX_PATH_CHARS} characters")
         root = Path(os.path.realpath(self.ws.path))
-        real = Path(os.path.realpath(root / path))
+        try:
+            real = Path(resolve(root / path))
+        except OSError as exc:  # a symlink loop, or a chain longer than the kernel follows
+            raise ToolError(ErrorKind.BAD_TOOL_CALL, f"{path}: {exc.strerror}") from None
         if real != root and root not in real.parents:
             raise ToolError(ErrorKind.PERMISSION, f"{path}: outside the repository")
         rel = real.relative_to(root)

@@ -13,20 +13,44 @@ instead of testing for a GPU themselves. What differs (see
 - FSDP2 reduce-scatter: gloo lacks `PREMUL_SUM`, so FSDP must reduce with SUM
   and divide afterwards (`configure_fsdp_comms`);
 - torch 2.13 lacks `torch.distributed.set_timeout`, which TorchTitan calls
-  (`install_torch_shims`).
+  (`install_torch_shims`);
+- the kernels a CPU picks: AVX2, AVX-512 and AMX round sums and products
+  otherwise, so a process that must give the same floats on every x86-64 CPU
+  (the warm start, `titan_ext.warmstart`) is started on pinned ones
+  (`run_pinned`, `pin_kernels`).
 """
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import os
+import subprocess
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Literal
+from pathlib import Path
+from typing import Iterator, Literal, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
+
+# What picks a CPU-specific code path, fixed to what every x86-64 CPU runs. Each is read once, when the process or
+# the library starts, so only a process started with them is pinned (`run_pinned`).
+PINNED_KERNELS: dict[str, str] = {
+    # ATen's kernels as built for baseline x86-64 (SSE2), not for the CPU's widest vectors: the AVX2 and AVX-512
+    # builds sum in other orders, fuse multiply-adds and use other exp and log approximations
+    "ATEN_CPU_CAPABILITY": "default",
+    # MKL's matmuls on its reproducible branch, SSE2 without approximate reciprocals: the one branch Intel documents
+    # as giving the same results on Intel and non-Intel CPUs alike, at a fixed thread count
+    "MKL_CBWR": "COMPATIBLE",
+    # glibc's libm without its FMA builds (chosen on CPUs with FMA or AMD's FMA4), whose exp, log and pow round
+    # otherwise; Python's float `**` calls that pow (AdamW's bias corrections)
+    "GLIBC_TUNABLES": "glibc.cpu.hwcaps=-FMA,-FMA4",
+}
+# what PINNED_KERNELS["MKL_CBWR"] reads back as from MKL (mkl_service.h)
+_MKL_CBWR_BRANCH, _MKL_CBWR_COMPATIBLE = 1, 3
 
 
 @dataclass(frozen=True)
@@ -137,3 +161,45 @@ def torch_threads(n: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+def pinned_env() -> dict[str, str]:
+    """This process's environment with `PINNED_KERNELS`: a child started with it runs the same kernels on every
+    x86-64 CPU (its thread count is the child's to set: `torch_threads`)."""
+    return {**os.environ, **PINNED_KERNELS}
+
+
+def run_pinned(argv: Sequence[str]) -> None:
+    """Run `python *argv` in a process of its own started with `pinned_env()`; raise with the end of its output if it
+    fails (it should call `pin_kernels()` first)."""
+    done = subprocess.run([sys.executable, *argv], env=pinned_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True)
+    if done.returncode:
+        raise RuntimeError(f"`python {' '.join(argv)}` on the pinned kernels failed (exit {done.returncode}); "
+                           f"its output ends:\n{done.stdout[-4000:]}")
+
+
+def pin_kernels() -> None:
+    """In a process started with `pinned_env()`: switch oneDNN off and check that the pin took effect; raise
+    `RuntimeError` naming what differs otherwise (a process started another way, or a torch build that ignores it).
+
+    oneDNN's kernels are compiled at run time for the CPU at hand (its lowest target, SSE4.1, is not on every x86-64
+    CPU); fp32 training runs none of them, but a setting such as `torch.backends.mkldnn.matmul.fp32_precision` would
+    send matmuls there. glibc reads its tunables once, at the start, and offers no query: its variable is checked.
+    """
+    torch.backends.mkldnn.enabled = False
+    found = {"ATen's CPU capability": (torch.backends.cpu.get_cpu_capability(), "DEFAULT"),
+             "GLIBC_TUNABLES": (os.environ.get("GLIBC_TUNABLES"), PINNED_KERNELS["GLIBC_TUNABLES"])}
+    if torch.backends.mkl.is_available():
+        found["MKL's code branch (3: COMPATIBLE)"] = (_mkl_branch(), _MKL_CBWR_COMPATIBLE)
+    wrong = [f"{name} is {got!r}, not {want!r}" for name, (got, want) in found.items() if got != want]
+    if wrong:
+        raise RuntimeError(f"this process does not run the pinned kernels ({'; '.join(wrong)}): start it with "
+                           "`titan_ext.platform.run_pinned`")
+
+
+def _mkl_branch() -> int:
+    """MKL's code branch in this process (`mkl_cbwr_get(MKL_CBWR_BRANCH)`; torch links MKL in statically and exports
+    only its service entry)."""
+    lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
+    return int(lib.mkl_serv_cbwr_get(_MKL_CBWR_BRANCH))

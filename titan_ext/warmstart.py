@@ -5,12 +5,18 @@ writes a task's answer format, so every group has equal rewards and GRPO has
 nothing to learn from. `warm_start_dir` turns an HF directory (e.g. the tiny
 assets) into a base model that knows the chat template and a format, by a
 short, deterministic SFT run on given conversations (loss on assistant tokens
-only, AdamW, one CPU process at a fixed thread count, a few seconds for the
-tiny model). What the base model learns is exactly what the conversations
-teach: the demo feeds it format-only examples whose answers are independent
-of the problem (`envs.demo.format_examples`), so the task itself is left for
-RL. The floats still depend on the CPU's kernels (AVX2, AVX-512, AMX): the
-same inputs give the same base on machines of one CPU type.
+only, AdamW, a fixed thread count, a few seconds for the tiny model). What the
+base model learns is exactly what the conversations teach: the demo feeds it
+format-only examples whose answers are independent of the problem
+(`envs.demo.format_examples`), so the task itself is left for RL.
+
+The SFT runs in a process of its own on kernels pinned to what every x86-64
+CPU has (`titan_ext.platform.run_pinned`: ATen's baseline build, MKL's
+reproducible SSE2 branch, libm without FMA, oneDNN off): the floats a CPU's
+AVX2, AVX-512 or AMX kernels would round otherwise grow, over a few hundred
+steps at a high rate, into another base. So the same inputs give the same
+bytes on every x86-64 CPU (with the same torch and glibc); `warm_start.json`
+records their sha256 for comparing bases across machines.
 
 The result is cached under `root/<hash of source weights, conversations and
 config>` (same inputs → the same directory, built once; `assets.build_once`).
@@ -22,6 +28,8 @@ import dataclasses
 import hashlib
 import json
 import shutil
+import sys
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -32,7 +40,7 @@ from transformers import AutoTokenizer
 
 from composer_mesh.configs.sections.model import ModelConfig
 from composer_mesh.titan_ext.assets import build_once
-from composer_mesh.titan_ext.platform import detect_platform, torch_threads
+from composer_mesh.titan_ext.platform import PINNED_KERNELS, detect_platform, pin_kernels, run_pinned, torch_threads
 
 
 @dataclass(frozen=True)
@@ -49,7 +57,7 @@ class WarmStartConfig:
     grad_clip: float = 0.0
     # torch's intra-op threads for the run, whatever the machine's cores: how a matmul or a reduction splits
     # over threads changes its float rounding, and 300 steps at a high rate grow that into another base
-    # (docs/coding.md, "Eleventh round"); fixed, every machine of one CPU type builds the same base
+    # (docs/coding.md, "Eleventh round"); with the pinned kernels, every x86-64 machine builds the same base
     threads: int = 2
 
 
@@ -148,7 +156,8 @@ def sft(model: torch.nn.Module, rows: Sequence[tuple[list[int], list[bool]]], cf
 def _stamp(model_cfg: ModelConfig, src_dir: Path, conversations: Sequence[list[dict]], cfg: WarmStartConfig,
            tools: list[dict] | None) -> str:
     h = hashlib.sha256()
-    inputs = {"model": asdict(model_cfg), "config": asdict(cfg), "conversations": list(conversations)}
+    inputs = {"model": asdict(model_cfg), "config": asdict(cfg), "conversations": list(conversations),
+              "kernels": PINNED_KERNELS}
     h.update(json.dumps({**inputs, **({"tools": tools} if tools else {})}, sort_keys=True).encode())
     for f in sorted(src_dir.iterdir()):
         if f.is_file() and f.name != "stamp.json":
@@ -162,7 +171,8 @@ def warm_start_dir(
     tools: list[dict] | None = None,
 ) -> Path:
     """The HF directory of `model_cfg`'s model (weights and tokenizer from its `hf_path`) after SFT on
-    `conversations` (rendered with `tools`' schemas when given: a tool-loop task's prompt), built once under `root`."""
+    `conversations` (rendered with `tools`' schemas when given: a tool-loop task's prompt), built once under `root`
+    by a process on the pinned kernels."""
     if not model_cfg.hf_path:
         raise ValueError("warm start needs model.hf_path (the weights and tokenizer to start from)")
     src_dir = Path(model_cfg.hf_path)
@@ -171,22 +181,50 @@ def warm_start_dir(
     stamp = _stamp(model_cfg, src_dir, conversations, cfg, tools)
 
     def write(tmp: Path) -> None:
-        # lazy: a cached warm start is only a path to the controller (titan_ext.spec)
-        from composer_mesh.titan_ext.build import build_model
-        from composer_mesh.titan_ext.hf.write import save_hf_weights
-        from composer_mesh.titan_ext.models import resolve_model
-
-        platform = detect_platform("cpu")
-        torch.manual_seed(cfg.seed)
-        model = build_model(dataclasses.replace(model_cfg, device="cpu"), device="cpu", platform=platform)
-        losses = sft(model, sft_rows(AutoTokenizer.from_pretrained(src_dir), conversations, tools), cfg)
-        save_hf_weights(model, tmp, resolve_model(model_cfg, platform).hf_config)
+        rows = sft_rows(AutoTokenizer.from_pretrained(src_dir), conversations, tools)
+        losses = _sft_pinned(dataclasses.replace(model_cfg, device="cpu"), rows, cfg, tmp)
+        weights = {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(tmp.glob("*.safetensors"))}
         # tokenizer and generation config travel with the weights
         for f in sorted(src_dir.iterdir()):
             if f.is_file() and not (tmp / f.name).exists() and f.name != "stamp.json":
                 shutil.copy2(f, tmp / f.name)
         (tmp / "warm_start.json").write_text(json.dumps(
             {"source": str(src_dir), "config": asdict(cfg), "conversations": len(conversations),
-             "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None}, indent=2))
+             "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
+             "sha256": weights, "kernels": PINNED_KERNELS, "torch": torch.__version__}, indent=2))
 
     return build_once(Path(root) / f"warm-{stamp[:16]}", stamp, write)
+
+
+def _sft_pinned(model_cfg: ModelConfig, rows: list[tuple[list[int], list[bool]]], cfg: WarmStartConfig,
+                out: Path) -> list[float]:
+    """`sft` of `model_cfg`'s model on `rows`, its weights written to `out`, in a process on the pinned kernels
+    (`_main` below); returns the loss per step."""
+    with tempfile.TemporaryDirectory(prefix="warm-start-") as scratch:
+        request, losses = Path(scratch) / "request.json", Path(scratch) / "losses.json"
+        request.write_text(json.dumps({"model": asdict(model_cfg), "rows": rows, "config": asdict(cfg),
+                                       "out": str(out), "losses": str(losses)}))
+        run_pinned(["-m", __spec__.name, str(request)])
+        return json.loads(losses.read_text())
+
+
+def _main(request_path: str) -> None:
+    """The pinned process of `_sft_pinned`: check the pin, build the model from its `hf_path`, SFT, save."""
+    # lazy: only this process builds a model; to the controller a warm start is a path (titan_ext.spec)
+    from composer_mesh.titan_ext.build import build_model
+    from composer_mesh.titan_ext.hf.write import save_hf_weights
+    from composer_mesh.titan_ext.models import resolve_model
+
+    request = json.loads(Path(request_path).read_text())
+    cfg, model_cfg = WarmStartConfig(**request["config"]), ModelConfig(**request["model"])
+    pin_kernels()
+    platform = detect_platform("cpu")
+    torch.manual_seed(cfg.seed)
+    model = build_model(model_cfg, device="cpu", platform=platform)
+    losses = sft(model, [(ids, mask) for ids, mask in request["rows"]], cfg)
+    save_hf_weights(model, Path(request["out"]), resolve_model(model_cfg, platform).hf_config)
+    Path(request["losses"]).write_text(json.dumps(losses))
+
+
+if __name__ == "__main__":
+    _main(*sys.argv[1:])

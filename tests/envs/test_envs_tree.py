@@ -3,12 +3,14 @@ bounds and removed at any depth, compared with what os.walk / a plain listing sa
 
 from __future__ import annotations
 
+import errno
 import os
+import random
 import sys
 
 import pytest
 
-from composer_mesh.envs.tree import MAX_DEPTH, TreeTooDeep, clear_dir, remove_tree, walk
+from composer_mesh.envs.tree import MAX_DEPTH, MAX_LINKS, TreeTooDeep, clear_dir, remove_tree, resolve, walk
 
 
 def _chain(root, depth: int, name: str = "d") -> None:
@@ -110,3 +112,40 @@ def test_clear_dir_keeps_the_directory_and_the_kept_entries(tmp_path):
     clear_dir(tmp_path, keep={tmp_path / "b"})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]
     assert (tmp_path / "b" / "f").read_text() == "b"
+
+
+def test_resolve_is_realpath_on_ordinary_links_and_refuses_what_the_kernel_refuses(tmp_path):
+    """Relative, absolute and `..` links, links to links, a missing tail: the same path as `os.path.realpath`, on
+    random trees. A loop, or a chain one link longer than the kernel follows, raises ELOOP without recursing;
+    a chain of exactly `MAX_LINKS` resolves (and a chain past the recursion limit is refused, not a crash)."""
+    rng = random.Random(0)
+    for trial in range(20):
+        root = tmp_path / f"t{trial}"
+        dirs = [root / "a", root / "a" / "b", root / "c"]
+        for d in dirs:
+            d.mkdir(parents=True)
+        (root / "a" / "f.txt").write_text("x")
+        names = []
+        for i in range(12):
+            where = rng.choice(dirs)
+            target = rng.choice(["f.txt", "../c", "..", str(root / "a"), "missing/x", "b/../../c", *names[-3:]])
+            link = where / f"l{i}"
+            os.symlink(target, link)
+            names.append(os.path.relpath(link, where))
+            for query in (link, link / "f.txt", link / "nope", where / ".." / f"l{i}"):
+                assert resolve(query) == os.path.realpath(query), query
+    os.symlink("loop", tmp_path / "loop")
+    for n, fails in ((MAX_LINKS, False), (MAX_LINKS + 1, True), (sys.getrecursionlimit() + 200, True)):
+        chain = tmp_path / f"chain{n}"
+        chain.mkdir()
+        for i in range(n):
+            os.symlink(f"c{i + 1}", chain / f"c{i}")
+        if not fails:
+            assert resolve(chain / "c0") == str(chain / f"c{n}")
+            continue
+        with pytest.raises(OSError) as info:
+            resolve(chain / "c0")
+        assert info.value.errno == errno.ELOOP
+    with pytest.raises(OSError) as info:
+        resolve(tmp_path / "loop" / "x")
+    assert info.value.errno == errno.ELOOP

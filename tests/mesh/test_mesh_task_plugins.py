@@ -194,7 +194,7 @@ def test_actor_failure_prints_one_line(tmp_path, tiny_assets):
     out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
     assert out.returncode == 1, out.stderr[-3000:]
     last = out.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: generator actor: RuntimeError: reward function 'bad_rewards:explode' raised KeyError"), last
+    assert last.startswith("error: generator actor: EnvironmentFault: reward function 'bad_rewards:explode' raised KeyError"), last
     assert "(at envs/dataset.py:" in last
     assert "Traceback" not in out.stderr.split("error: generator actor")[-1]
 
