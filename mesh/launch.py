@@ -42,7 +42,7 @@ from composer_mesh.titan_ext.checkpoint import Checkpointer
 from composer_mesh.titan_ext.hf.config import check_supported as check_hf_config
 from composer_mesh.titan_ext.hf.config import read_checkpoint_config
 from composer_mesh.titan_ext.hf.export import record_run_model
-from composer_mesh.titan_ext.warmstart import WarmStartConfig, warm_start_dir
+from composer_mesh.titan_ext.warmstart import WarmStartConfig, WarmStartRequest, warm_start_dir
 
 
 class Loop:
@@ -258,21 +258,29 @@ def model_dir(job: JobConfig) -> str:
     weights = hf_dir_for(job.model)
     if weights is None:
         raise ValueError(f"model.flavour = {job.model.flavour!r} needs model.hf_path (generators load HF weights)")
+    request = warm_start_request(job, str(weights))
+    if request is not None:
+        weights = warm_start_dir(request.model, request.conversations, request.config, cache_dir_for(job.model),
+                                 request.tools)
+    return str(weights)
+
+
+def warm_start_request(job: JobConfig, src_dir: str) -> WarmStartRequest | None:
+    """What `titan_ext.warmstart.warm_start_dir` makes `job`'s base of (the weights in `src_dir`; the conversations
+    its task's warm start teaches, with the tools' schemas for a tool-loop task); None when the job has none."""
     demo, tl = job.env.demo, job.env.tool_loop
+    model = dataclasses.replace(job.model, hf_path=src_dir)
     if job.env.task in TOOL_TASKS and tl.warm_start_steps > 0:
         conversations, tools = tool_format_examples(env_factory(warm_start_env(job.env)), tl.warm_start_examples,
                                                     tl.warm_start_seed)
         ws = WarmStartConfig(steps=tl.warm_start_steps, batch_size=tl.warm_start_batch_size, lr=tl.warm_start_lr,
                              seed=tl.warm_start_seed, decay=tl.warm_start_decay,
                              grad_clip=tl.warm_start_grad_clip)
-        weights = warm_start_dir(dataclasses.replace(job.model, hf_path=str(weights)), conversations, ws,
-                                 cache_dir_for(job.model), tools)
+        return WarmStartRequest(model, conversations, ws, tools)
     if job.env.task == "demo" and demo.warm_start_steps > 0:
         ws = WarmStartConfig(steps=demo.warm_start_steps, lr=demo.warm_start_lr, seed=job.job.seed)
-        weights = warm_start_dir(dataclasses.replace(job.model, hf_path=str(weights)),
-                                 format_examples(demo, demo.warm_start_examples, job.job.seed), ws,
-                                 cache_dir_for(job.model))
-    return str(weights)
+        return WarmStartRequest(model, format_examples(demo, demo.warm_start_examples, job.job.seed), ws, None)
+    return None
 
 
 def weight_dir(name: str, shm: Path = Path("/dev/shm")) -> Path:

@@ -20,19 +20,25 @@ records their sha256 for comparing bases across machines.
 
 The result is cached under `root/<hash of source weights, conversations and
 config>` (same inputs → the same directory, built once; `assets.build_once`).
+A base built so can ship with the package (`data/bases/`, `ship_base`; the
+main job's: `composer-mesh assets ship-base configs/coding_cpu.toml`): a warm
+start with the same inputs copies it, checked by its sha256, instead of
+training (the main job's 300 steps take ~8 minutes on the pinned kernels on
+2 cores).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import json
 import shutil
 import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -153,37 +159,59 @@ def sft(model: torch.nn.Module, rows: Sequence[tuple[list[int], list[bool]]], cf
     return losses
 
 
+# bases shipped with the package: `<name>.safetensors` beside its card `<name>.json` (`ship_base`)
+SHIPPED_BASES = Path(__file__).parent / "data" / "bases"
+# where the source weights, tokenizer and caches lie: their contents are hashed instead
+_PATH_FIELDS = ("hf_path", "tokenizer_path", "assets_cache_dir")
+
+
 def _stamp(model_cfg: ModelConfig, src_dir: Path, conversations: Sequence[list[dict]], cfg: WarmStartConfig,
            tools: list[dict] | None) -> str:
+    """The hash of everything the base's bytes depend on: the source directory's files (not where it lies, so a
+    cache or a checkout can move), the model and SFT configs, the conversations, the pinned kernels, the SFT code."""
     h = hashlib.sha256()
-    inputs = {"model": asdict(model_cfg), "config": asdict(cfg), "conversations": list(conversations),
-              "kernels": PINNED_KERNELS}
+    model = {k: v for k, v in asdict(model_cfg).items() if k not in _PATH_FIELDS}
+    inputs = {"model": model, "config": asdict(cfg), "conversations": list(conversations), "kernels": PINNED_KERNELS}
     h.update(json.dumps({**inputs, **({"tools": tools} if tools else {})}, sort_keys=True).encode())
     for f in sorted(src_dir.iterdir()):
         if f.is_file() and f.name != "stamp.json":
             h.update(f.name.encode() + f.read_bytes())
-    h.update(Path(__file__).read_bytes())
+    # the code that turns those inputs into bytes (not this module's docs: a shipped base outlives an edit of them)
+    for code in (WarmStartConfig, sft_rows, sft, _main):
+        h.update(inspect.getsource(code).encode())
     return h.hexdigest()
+
+
+class WarmStartRequest(NamedTuple):
+    """The inputs of one warm start (a job's: `mesh.launch.warm_start_request`)."""
+
+    model: ModelConfig
+    conversations: list[list[dict]]
+    config: WarmStartConfig
+    tools: list[dict] | None
 
 
 def warm_start_dir(
     model_cfg: ModelConfig, conversations: Sequence[list[dict]], cfg: WarmStartConfig, root: str | Path,
-    tools: list[dict] | None = None,
+    tools: list[dict] | None = None, shipped: bool = True,
 ) -> Path:
     """The HF directory of `model_cfg`'s model (weights and tokenizer from its `hf_path`) after SFT on
-    `conversations` (rendered with `tools`' schemas when given: a tool-loop task's prompt), built once under `root`
-    by a process on the pinned kernels."""
-    if not model_cfg.hf_path:
-        raise ValueError("warm start needs model.hf_path (the weights and tokenizer to start from)")
+    `conversations` (rendered with `tools`' schemas when given: a tool-loop task's prompt), built once under `root`:
+    a shipped base with these inputs, checked by digest (`shipped_base`; unless `shipped` is False), else trained by
+    a process on the pinned kernels."""
+    stamp = warm_start_stamp(model_cfg, conversations, cfg, tools)
     src_dir = Path(model_cfg.hf_path)
-    if not conversations:
-        raise ValueError("warm start needs at least one conversation")
-    stamp = _stamp(model_cfg, src_dir, conversations, cfg, tools)
 
     def write(tmp: Path) -> None:
-        rows = sft_rows(AutoTokenizer.from_pretrained(src_dir), conversations, tools)
-        losses = _sft_pinned(dataclasses.replace(model_cfg, device="cpu"), rows, cfg, tmp)
-        weights = {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(tmp.glob("*.safetensors"))}
+        found = shipped_base(stamp) if shipped else None
+        if found is not None:
+            weights, card = found
+            shutil.copyfile(weights, tmp / "model.safetensors")
+            losses, origin = [card["loss_first"], card["loss_last"]], {"shipped": weights.name}
+        else:
+            rows = sft_rows(AutoTokenizer.from_pretrained(src_dir), conversations, tools)
+            losses, origin = _sft_pinned(dataclasses.replace(model_cfg, device="cpu"), rows, cfg, tmp), {}
+        digests = {f.name: _sha256(f) for f in sorted(tmp.glob("*.safetensors"))}
         # tokenizer and generation config travel with the weights
         for f in sorted(src_dir.iterdir()):
             if f.is_file() and not (tmp / f.name).exists() and f.name != "stamp.json":
@@ -191,9 +219,58 @@ def warm_start_dir(
         (tmp / "warm_start.json").write_text(json.dumps(
             {"source": str(src_dir), "config": asdict(cfg), "conversations": len(conversations),
              "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
-             "sha256": weights, "kernels": PINNED_KERNELS, "torch": torch.__version__}, indent=2))
+             "sha256": digests, "kernels": PINNED_KERNELS, "torch": torch.__version__, **origin}, indent=2))
 
     return build_once(Path(root) / f"warm-{stamp[:16]}", stamp, write)
+
+
+def warm_start_stamp(model_cfg: ModelConfig, conversations: Sequence[list[dict]], cfg: WarmStartConfig,
+                     tools: list[dict] | None = None) -> str:
+    """The hash naming the base `warm_start_dir` makes of these inputs (its cache key and a shipped base's)."""
+    if not model_cfg.hf_path:
+        raise ValueError("warm start needs model.hf_path (the weights and tokenizer to start from)")
+    if not conversations:
+        raise ValueError("warm start needs at least one conversation")
+    return _stamp(model_cfg, Path(model_cfg.hf_path), conversations, cfg, tools)
+
+
+def shipped_base(stamp: str, bases: Path | None = None) -> tuple[Path, dict[str, Any]] | None:
+    """The shipped weights (in `bases`, default `SHIPPED_BASES`) whose card records `stamp`, and the card; None when
+    none matches. A base whose bytes differ from its card's sha256 raises (a damaged checkout would otherwise train
+    from other weights)."""
+    for card_path in sorted((SHIPPED_BASES if bases is None else bases).glob("*.json")):
+        card = json.loads(card_path.read_text())
+        if card.get("stamp") != stamp:
+            continue
+        weights = card_path.with_suffix(".safetensors")
+        got = _sha256(weights) if weights.is_file() else "missing"
+        if got != card["sha256"]:
+            raise RuntimeError(f"shipped base {weights}: sha256 {got}, not the {card['sha256']} its card "
+                               f"{card_path.name} records; restore it (`git checkout -- {weights.name}`) or rebuild "
+                               "it (`composer-mesh assets ship-base RECIPE`)")
+        return weights, card
+    return None
+
+
+def ship_base(warm_dir: Path, name: str, bases: Path | None = None) -> Path:
+    """Copy the base a pinned warm start built in `warm_dir` to `<bases>/<name>.safetensors` (default
+    `SHIPPED_BASES`) with its card (stamp, sha256, losses, kernels, torch): later warm starts with the same inputs
+    copy it instead of training."""
+    bases = SHIPPED_BASES if bases is None else bases
+    info = json.loads((warm_dir / "warm_start.json").read_text())
+    if "shipped" in info:
+        raise ValueError(f"{warm_dir} holds a copy of a shipped base, not one trained here: rebuild it first")
+    bases.mkdir(parents=True, exist_ok=True)
+    weights = bases / f"{name}.safetensors"
+    shutil.copyfile(warm_dir / "model.safetensors", weights)
+    card = {"stamp": json.loads((warm_dir / "stamp.json").read_text())["inputs"], "sha256": _sha256(weights),
+            **{k: info[k] for k in ("config", "conversations", "loss_first", "loss_last", "kernels", "torch")}}
+    weights.with_suffix(".json").write_text(json.dumps(card, indent=2) + "\n")
+    return weights
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def _sft_pinned(model_cfg: ModelConfig, rows: list[tuple[list[int], list[bool]]], cfg: WarmStartConfig,

@@ -11,6 +11,7 @@ irrelevant.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -18,6 +19,7 @@ import platform
 import subprocess
 import sys
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Iterator
 
 import pytest
@@ -27,8 +29,15 @@ from composer_mesh.configs.sections.env import DemoTaskConfig
 from composer_mesh.configs.sections.model import ModelConfig
 from composer_mesh.envs import demo
 from composer_mesh.titan_ext.platform import PINNED_KERNELS, pinned_env, run_pinned
-from composer_mesh.titan_ext.warmstart import WarmStartConfig, warm_start_dir
+from composer_mesh.titan_ext.warmstart import (
+    WarmStartConfig,
+    ship_base,
+    shipped_base,
+    warm_start_dir,
+    warm_start_stamp,
+)
 
+REPO = Path(__file__).resolve().parents[2]
 X86_64 = platform.machine().lower() in ("x86_64", "amd64") and hasattr(os, "sched_setaffinity")
 # what a caller's environment may say about the kernels: nothing, or a pinned value (then, were the pin not applied
 # to the SFT process, "as is" would give other floats on a CPU with AVX2: its own vector kernels and MKL branch),
@@ -105,3 +114,54 @@ def test_run_pinned_raises_with_the_end_of_a_failed_process_output():
     with pytest.raises(RuntimeError, match=r"(?s)exit 3.*MKL_CBWR=COMPATIBLE ATEN_CPU_CAPABILITY=default"):
         run_pinned(["-c", "import os, sys; print('MKL_CBWR=' + os.environ['MKL_CBWR'], "
                     "'ATEN_CPU_CAPABILITY=' + os.environ['ATEN_CPU_CAPABILITY']); sys.exit(3)"])
+
+
+@pytest.mark.slow  # one pinned warm start of two steps: 20-40 s on a 2-core box
+def test_a_shipped_base_is_copied_checked_by_digest_and_a_damaged_one_refused(tiny_assets, tmp_path):
+    """`ship_base` of a pinned build, then a warm start with the same inputs in another cache copies it (no SFT
+    process: the card's losses, `shipped` in warm_start.json) with the same bytes; other inputs train; a base whose
+    bytes no longer match its card raises naming the file, rather than starting a run from other weights."""
+    model = ModelConfig(flavour="tiny", device="cpu", hf_path=str(tiny_assets.dense_dir))
+    conversations = demo.format_examples(DemoTaskConfig(max_operand=9), 16, seed=0)
+    ws = WarmStartConfig(steps=2, batch_size=8, lr=1e-2, seed=0)
+    bases = tmp_path / "bases"
+    built = warm_start_dir(model, conversations, ws, tmp_path / "a", shipped=False)
+    shipped = ship_base(built, "tiny_demo", bases)
+    card = json.loads(shipped.with_suffix(".json").read_text())
+    assert card["stamp"] == warm_start_stamp(model, conversations, ws) and card["kernels"] == PINNED_KERNELS
+
+    assert shipped_base(card["stamp"], bases) == (shipped, card) and shipped_base("0" * 64, bases) is None
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr("composer_mesh.titan_ext.warmstart.SHIPPED_BASES", bases)
+        m.setattr("composer_mesh.titan_ext.warmstart._sft_pinned", _no_training)
+        copied = warm_start_dir(model, conversations, ws, tmp_path / "b")
+        info = json.loads((copied / "warm_start.json").read_text())
+        assert (copied / "model.safetensors").read_bytes() == (built / "model.safetensors").read_bytes()
+        assert info["shipped"] == "tiny_demo.safetensors" and info["sha256"]["model.safetensors"] == card["sha256"]
+        assert sorted(p.name for p in copied.iterdir()) == sorted(p.name for p in built.iterdir())
+        with pytest.raises(AssertionError, match="trained"):  # another config is not the shipped base
+            warm_start_dir(model, conversations, dataclasses.replace(ws, lr=2e-2), tmp_path / "c")
+        shipped.write_bytes(shipped.read_bytes()[:-1] + b"\0")
+        with pytest.raises(RuntimeError, match=r"tiny_demo\.safetensors: sha256 .* its card tiny_demo\.json"):
+            warm_start_dir(model, conversations, ws, tmp_path / "d")
+    with pytest.raises(ValueError, match="copy of a shipped base"):
+        ship_base(copied, "again", bases)
+
+
+def _no_training(*_args, **_kwargs):
+    raise AssertionError("trained: no shipped base matched")
+
+
+def test_the_main_jobs_base_ships_with_the_package(tiny_assets):
+    """configs/coding_cpu.toml's warm start matches a shipped base, so every machine starts the main job from the
+    same bytes without ~8 minutes of pinned SFT. Fails when its inputs change (the micro tasks, the tool format, the
+    warm-start settings or code): then rebuild it with `composer-mesh assets ship-base configs/coding_cpu.toml`."""
+    from composer_mesh.configs.loader import load_config
+    from composer_mesh.mesh.launch import warm_start_request
+
+    job = load_config(REPO / "configs" / "coding_cpu.toml", [])
+    request = warm_start_request(job, str(tiny_assets.dense_dir))
+    stamp = warm_start_stamp(request.model, request.conversations, request.config, request.tools)
+    found = shipped_base(stamp)
+    assert found is not None, "no shipped base for configs/coding_cpu.toml: composer-mesh assets ship-base"
+    assert found[0].name == "coding_cpu.safetensors" and found[1]["kernels"] == PINNED_KERNELS
