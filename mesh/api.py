@@ -193,7 +193,8 @@ class Run:
         if plotting and (self.run_dir / "metrics.jsonl").exists():
             warm.result()
             # drawn while the trainer saves and exports (matplotlib's Agg, no display: safe off the main thread)
-            plotted = _in_thread(plot_run, self.run_dir / "metrics.jsonl", self.run_dir / "plot.png")
+            plotted = _in_thread(plot_run, self.run_dir / "metrics.jsonl", self.run_dir / "plot.png",
+                                 evals[0] if evals and evals[0][0] == launch.start_step else None)
         last = self.history[-1].step if self.history else launch.start_step
         if job.checkpoint.enabled and self.history and last % job.checkpoint.every_steps:
             for trainer in loop.trainers(placement):

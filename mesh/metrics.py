@@ -5,8 +5,9 @@ trainer's reduced metrics plus reward, staleness and timing) goes to
 `metrics.jsonl` and to TensorBoard event files under the run directory (and,
 every `[metrics] rollouts_every` steps, the step's episodes to `rollouts.jsonl`); the
 progress bar shows reward and the three channels' losses. `plot_run` draws
-reward and each loss channel per step from the JSONL file (so it also works on
-a finished or resumed run).
+reward, the held-out curves from their step-0 baseline and each loss channel
+per step from the JSONL file (so it also works on a finished or resumed run),
+and writes the numbers it drew beside the PNG.
 """
 
 from __future__ import annotations
@@ -152,26 +153,62 @@ def pyplot() -> Any:
     return plt
 
 
-def plot_run(metrics_path: str | Path, out_png: str | Path) -> Path:
-    """Reward (training, and held-out where evaluated) and each channel's loss per step, one panel each, as a PNG."""
+def plot_panels(rows: list[dict[str, Any]], baseline: tuple[int, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """What `plot_run` draws, panel by panel: {"title", "series": {label: [[step, value], ...]}}. The held-out
+    curves start at the run's step-0 `baseline` (an evaluation before training; a resumed run has none); coding
+    tasks show pass rates (every hidden test passed) under that name; a loss channel the run did not train has no
+    series and the title says "off"."""
+    coding = any(k.startswith("coding/") for r in rows for k in r)
+    base_step, base = baseline if baseline is not None else (None, {})
+
+    def series(name: str, with_baseline: bool = False) -> list[list[float]]:
+        points = [[base_step, base[name]]] if with_baseline and name in base else []
+        return points + [[r["step"], r[name]] for r in rows if isinstance(r.get(name), (int, float))]
+
+    def span(points: list[list[float]]) -> str:
+        return f"{points[0][1]:.2f} \u2192 {points[-1][1]:.2f}"
+
+    train = {"train": series("reward/mean")}
+    panels = [{"title": f"train {'reward (hidden-test pass share)' if coding else 'reward'}: {span(train['train'])}",
+               "series": train}]
+    names = [f"{n}_pass" for n in HELDOUT] if coding else list(HELDOUT)
+    heldout = {n.split("_")[1 if coding else -1]: series(n, with_baseline=True) for n in names}
+    heldout = {label: points for label, points in heldout.items() if points}
+    if heldout:
+        what = "pass rate" if coding else "reward"
+        figures = ", ".join(f"{label} {span(points)}" for label, points in heldout.items())
+        panels.append({"title": f"held-out {what}: {figures}", "series": heldout})
+    for name in CHANNEL_LOSSES:
+        points = series(name)
+        label = name.split("/")[0]
+        title = f"{label} loss: {points[-1][1]:.3g} at step {points[-1][0]:g}" if points else f"{label} loss: off"
+        panels.append({"title": title, "series": {label: points} if points else {}})
+    return panels
+
+
+def plot_run(metrics_path: str | Path, out_png: str | Path, baseline: tuple[int, dict[str, Any]] | None = None) -> Path:
+    """The run on one PNG (`plot_panels`: training reward, held-out curves from their step-0 `baseline`, each
+    loss channel or "off"); the numbers drawn go to a JSON file beside it (`plot.json` for `plot.png`)."""
     plt = pyplot()
     rows = read_metrics(metrics_path)
     if not rows:
         raise ValueError(f"{metrics_path}: no metrics to plot")
-    panels = [("reward/mean",)] + ([HELDOUT] if any(HELDOUT[0] in r for r in rows) else [])
-    panels += [(c,) for c in CHANNEL_LOSSES]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))
-    for ax, names in zip(axes, panels):
-        for name in names:
-            points = [(r["step"], r[name]) for r in rows if name in r]
-            if points:
-                ax.plot(*zip(*points), marker=".", label=name.split("_")[-1] if len(names) > 1 else None)
-        if len(names) > 1:
-            ax.legend()
-        ax.set_title("held-out reward" if len(names) > 1 else names[0])
+    panels = plot_panels(rows, baseline)
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        for label, points in panel["series"].items():
+            ax.plot(*zip(*points), marker=".", label=label if len(panel["series"]) > 1 else None)
+        if len(panel["series"]) > 1:
+            ax.legend(fontsize=8)
+        if not panel["series"]:
+            ax.text(0.5, 0.5, "off", ha="center", va="center", transform=ax.transAxes, fontsize=16, color="gray")
+            ax.set_xticks([])
+            ax.set_yticks([])
+        ax.set_title(panel["title"], fontsize=9)
         ax.set_xlabel("step")
     fig.tight_layout()
     out_png = Path(out_png)
     fig.savefig(out_png, dpi=100)
     plt.close(fig)
+    out_png.with_suffix(".json").write_text(json.dumps(panels, indent=1) + "\n")
     return out_png

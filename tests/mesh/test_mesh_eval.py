@@ -92,6 +92,12 @@ def test_eval_is_logged_everywhere(runs):
     steps = [e.step for e in acc.Scalars("eval/heldout_greedy")]
     assert sorted(steps) == list(range(0, STEPS + 1))
     assert Path(summary["plot"]).stat().st_size > 0
+    # the plot's held-out curves start at the step-0 baseline and end at the last evaluation
+    heldout = json.loads(Path(summary["plot"]).with_suffix(".json").read_text())[1]
+    for label in ("greedy", "sampled"):
+        points = heldout["series"][label]
+        assert points[0] == [0, before[f"eval/heldout_{label}"]] and points[-1] == [STEPS, after[f"eval/heldout_{label}"]]
+        assert [p[0] for p in points] == list(range(0, STEPS + 1))
 
 
 def test_eval_set_is_heldout_and_disjoint_from_training():

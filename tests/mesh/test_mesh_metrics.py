@@ -37,6 +37,29 @@ def test_jsonl_tensorboard_progress_and_plot(tmp_path):
 
     png = plot_run(tmp_path / "metrics.jsonl", tmp_path / "run.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+    drawn = json.loads((tmp_path / "run.json").read_text())
+    assert drawn[0]["series"] == {"train": [[1, 0.1], [2, 0.3], [3, 0.9]]} and "0.10 \u2192 0.90" in drawn[0]["title"]
+
+
+def test_plot_starts_held_out_curves_at_the_baseline_names_pass_rates_and_marks_channels_off(tmp_path):
+    """What plot.png shows, read from the numbers it drew: the held-out curves begin at the step-0 baseline, a
+    coding run's panels say pass rate, a channel the run never trained is "off" with no curve."""
+    from composer_mesh.mesh.metrics import plot_run
+
+    rows = [{"step": s, "reward/mean": 0.2 * s, "coding/turns": 2.0, "policy/loss": 1.0 / s,
+             **({"eval/heldout_greedy_pass": 0.1 * s, "eval/heldout_sampled_pass": 0.15 * s,
+                 "eval/heldout_greedy": 0.5} if s % 2 == 0 else {})} for s in (1, 2, 3, 4)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    baseline = (0, {"eval/heldout_greedy_pass": 0.05, "eval/heldout_sampled_pass": 0.07, "eval/heldout_greedy": 0.4})
+    plot_run(tmp_path / "metrics.jsonl", tmp_path / "plot.png", baseline)
+    train, heldout, policy, distill, preference = json.loads((tmp_path / "plot.json").read_text())
+    assert heldout["series"] == {"greedy": [[0, 0.05], [2, 0.2], [4, 0.4]], "sampled": [[0, 0.07], [2, 0.3], [4, 0.6]]}
+    assert heldout["title"].startswith("held-out pass rate") and "greedy 0.05 \u2192 0.40" in heldout["title"]
+    assert "pass" in train["title"] and policy["series"] == {"policy": [[1, 1.0], [2, 0.5], [3, 1 / 3], [4, 0.25]]}
+    assert distill == {"title": "distill loss: off", "series": {}} and preference["title"] == "preference loss: off"
+    # a run without a baseline (resumed) draws what its rows hold
+    plot_run(tmp_path / "metrics.jsonl", tmp_path / "plot.png")
+    assert json.loads((tmp_path / "plot.json").read_text())[1]["series"]["greedy"][0] == [2, 0.2]
 
 
 def test_a_row_cut_short_by_a_kill_is_skipped_then_overwritten(tmp_path):
