@@ -153,9 +153,13 @@ def run_in_venv(bin_dir: Path, cmd: tuple[str, ...] | list[str], extra_env: dict
     return subprocess.run([exe, *cmd[1:]], cwd=REPO, env=env).returncode
 
 
+# what `python3 -m mesh.bootstrap TARGET` runs after setup
+TARGETS = ("setup", "main", "test", "exec")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python3 -m mesh.bootstrap", description=__doc__.split("\n\n")[0])
-    parser.add_argument("target", choices=("setup", "main", "test", "exec"), help="what to run after setup")
+    parser.add_argument("target", choices=TARGETS, help="what to run after setup")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="extra arguments (pytest args for test; the command for exec)")
     args = parser.parse_args(argv)
     ensure_system_packages()
