@@ -1,4 +1,5 @@
-"""`composer-mesh tasks REPO`: generate (and verify) feature-deletion tasks from a local repository."""
+"""`composer-mesh tasks REPO`: generate (and verify) feature-deletion tasks from a local repository, and list the
+candidates refused with their reasons."""
 
 from __future__ import annotations
 
@@ -38,11 +39,14 @@ def run(args: argparse.Namespace) -> int:
     store = TaskStore(sandbox)
     try:
         try:
-            tasks = generate_tasks(args.repo, config, sandbox, store)
+            refused: list[tuple[str, str]] = []
+            tasks = generate_tasks(args.repo, config, sandbox, store, refused=refused)
         except (ValueError, OSError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
-        print(f"{len(tasks)} verified task(s) from {args.repo}")
+        print(f"{len(tasks)} verified task(s) from {args.repo}; {len(refused)} refused")
+        for name, reason in refused:  # the suite notices their deletion, but no grade of them could be trusted
+            print(f"  refused {name}: {reason}")
         failures = 0
         for task in tasks:
             line = f"  {task.target}: {', '.join(task.symbols)}  hidden: {', '.join(task.hidden_tests)}"

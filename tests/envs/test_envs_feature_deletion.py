@@ -271,7 +271,18 @@ def test_tasks_command(capsys, tmp_path):
 
     assert main(["tasks", str(FIXTURES / "minicalc"), "--max-tasks", "1", "--check"]) == 0
     out = capsys.readouterr().out
-    assert "1 verified task(s)" in out and "oracle 1 no-op 0" in out
+    assert "1 verified task(s)" in out and "; 0 refused" in out and "oracle 1 no-op 0" in out
+    # a candidate the suite notices but no grade of which can be trusted (a generator cannot cross the judge's
+    # split) is listed with its reason
+    repo = tmp_path / "genrepo"
+    (repo / "tests").mkdir(parents=True)
+    (repo / "counting.py").write_text("def count(items):\n    n = 0\n    for _ in items:\n        n += 1\n    return n\n")
+    (repo / "tests" / "test_count.py").write_text(
+        "from counting import count\n\n\ndef test_count():\n    assert count(x for x in range(3)) == 3\n")
+    assert main(["tasks", str(repo)]) == 0
+    out = capsys.readouterr().out
+    assert "0 verified task(s)" in out and "; 1 refused" in out, out
+    assert "counting.py:count: its original code earns 0 through the split judge" in out, out
     (tmp_path / "empty").mkdir()
     assert main(["tasks", str(tmp_path / "empty")]) == 1
     assert "pristine test suite must pass" in capsys.readouterr().err
