@@ -7,7 +7,9 @@ Reads every product file with `ast` (nothing is imported) and reports:
 - a third-party module used outside the layers that may use it, or a private module of a
   pinned dependency (`monarch._...`) outside its compat module;
 - an import cycle between project modules, counting imports made inside functions;
-- a function-level import without a `# lazy: <reason>` comment on the line above its block.
+- a function-level import without a `# lazy: <reason>` comment on the line above its block;
+- a project package imported by its bare folder name (`import envs`, `from mesh.api import Run`) anywhere in the
+  product, `tests/` or `benchmarks/`: the one spelling is `composer_mesh.<package>`.
 `TYPE_CHECKING` blocks are ignored: they never run.
 """
 
@@ -205,9 +207,22 @@ def check_lazy(modules: dict[str, Module]) -> list[str]:
     return out
 
 
+def check_spelling(root: Path) -> list[str]:
+    """Absolute imports of a project package by its folder name, in every product, test and benchmark file."""
+    out = []
+    for top in (*LAYERS, "tests", "benchmarks"):
+        for path in sorted((root / top).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                         else [node.module] if isinstance(node, ast.ImportFrom) and not node.level else [])
+                out += [f"{path}:{node.lineno}: '{name}' imported by its folder name: spell it "
+                        f"'{NAMESPACE}.{name}'" for name in names if name and name.split(".")[0] in LAYERS]
+    return out
+
+
 def check(root: Path) -> list[str]:
     modules = collect(root)
-    problems = check_layers(modules) + check_lazy(modules)
+    problems = check_layers(modules) + check_lazy(modules) + check_spelling(root)
     problems += [f"import cycle: {' -> '.join(c)}" for c in find_cycles(modules)]
     return problems
 

@@ -84,3 +84,27 @@ def test_third_party_layers_and_type_checking_blocks(tree: Path) -> None:
         """)
     problems = [p for p in layering.check(tree) if "envs/gpu.py" in p]
     assert problems == [f"{tree / 'envs/gpu.py'}:4: layer 'envs' imports 'vllm' (allowed in ['actors', 'mesh'])"]
+
+
+def test_a_package_imported_by_its_folder_name_is_refused(tree: Path) -> None:
+    """One spelling: `composer_mesh.<package>`, in the product, the tests and the benchmarks."""
+    (tree / "tests").mkdir()
+    _plant(tree, "tests/test_bare.py", "import envs.micro\nfrom composer_mesh.envs import micro\n")
+    _plant(tree, "losses/bare.py", "from configs.records import ErrorSite\nfrom . import composer\n")
+    problems = layering.check(tree)
+    assert any("tests/test_bare.py:1: 'envs.micro' imported by its folder name: spell it 'composer_mesh.envs.micro'"
+               in p for p in problems), problems
+    assert any("losses/bare.py:1: 'configs.records'" in p for p in problems), problems
+    assert len([p for p in problems if "folder name" in p]) == 2, problems
+
+
+@pytest.mark.parametrize("package", sorted(layering.LAYERS))
+def test_a_bare_import_from_the_checkout_fails_naming_the_spelling(package: str) -> None:
+    """From the repository root a package folder is importable by its own name, as another module than the
+    installed one: it raises, naming `composer_mesh.<package>`; `python3 -m mesh.bootstrap` still runs."""
+    proc = subprocess.run([sys.executable, "-c", f"import {package}"], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 1 and f"import composer_mesh.{package}, not {package}" in proc.stderr, proc.stderr
+    if package == "mesh":
+        boot = subprocess.run([sys.executable, "-m", "mesh.bootstrap", "--help"], cwd=REPO, capture_output=True,
+                              text=True)
+        assert boot.returncode == 0 and "setup,main,test,exec" in boot.stdout, boot.stderr
