@@ -78,14 +78,17 @@ def retried_edits(prompt: str, reference: str, attempts: int, rng: random.Random
 
 def warm_start_env(env: EnvConfig) -> EnvConfig:
     """The environment the warm start's episode starts come from: the task's, widened to every operation of
-    `env.coding.warm_start_kinds` when set (the held-out split is by template hash, so it stays unseen)."""
+    `env.coding.warm_start_kinds` when set (the held-out split is by template hash, so it stays unseen), without
+    a validation carve: the base is the same whichever split a run evaluates on, so settings chosen on the
+    validation split are chosen for the shipped base (its format-only answers teach no task)."""
+    coding = dataclasses.replace(env.coding, validation_fraction=0.0)
     kinds = env.coding.warm_start_kinds
-    if not kinds:
-        return env
-    unknown = sorted(set(kinds) - set(KINDS))
-    if unknown:
-        raise ValueError(f"env.coding.warm_start_kinds: unknown kinds {unknown}; choose from {', '.join(KINDS)}")
-    return dataclasses.replace(env, coding=dataclasses.replace(env.coding, kinds=kinds, ops_per_kind=0))
+    if kinds:
+        unknown = sorted(set(kinds) - set(KINDS))
+        if unknown:
+            raise ValueError(f"env.coding.warm_start_kinds: unknown kinds {unknown}; choose from {', '.join(KINDS)}")
+        coding = dataclasses.replace(coding, kinds=kinds, ops_per_kind=0)
+    return dataclasses.replace(env, coding=coding)
 
 
 def _turn(k: int, name: str, args: dict[str, str], answer: str) -> list[dict[str, Any]]:

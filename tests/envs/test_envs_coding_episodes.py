@@ -11,6 +11,8 @@ well-formed tool calls whose code is not the task's.
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import re
 from functools import partial
@@ -244,6 +246,9 @@ def test_warm_start_env_widens_the_ops_and_keeps_heldout_unseen(sandbox):
     assert {t.id for t in templates(env.coding, "train")} < seen
     with pytest.raises(ValueError, match="env.coding.warm_start_kinds"):
         warm_start_env(EnvConfig(task="coding", coding=CodingConfig(warm_start_kinds=("arithmetic", "poetry"))))
+    # a validation carve (for choosing settings) leaves the warm start's prompts, and so the base, as they are
+    carved = dataclasses.replace(env, coding=dataclasses.replace(env.coding, validation_fraction=0.2))
+    assert warm_start_env(carved) == wide and {t.id for t in templates(carved.coding, "validation")} <= seen
 
 
 def test_micro_teachers_edit_passes_and_slip_fails(sandbox):
