@@ -401,7 +401,7 @@ def test_a_virtualenv_reached_through_a_symlink_can_be_sandboxed(tmp_path):
     link.symlink_to(os.path.realpath(sys.prefix), target_is_directory=True)
     exe = link / os.path.relpath(os.path.abspath(sys.executable), os.path.abspath(sys.prefix))
     code = (
-        "import sys; from envs.sandbox import Sandbox\n"
+        "import sys; from composer_mesh.envs.sandbox import Sandbox\n"
         "sb = Sandbox()\n"
         "assert sys.prefix.startswith(sys.argv[1]), sys.prefix\n"
         "with sb.workspace() as ws:\n"
