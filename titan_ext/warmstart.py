@@ -176,8 +176,9 @@ def _stamp(model_cfg: ModelConfig, src_dir: Path, conversations: Sequence[list[d
     for f in sorted(src_dir.iterdir()):
         if f.is_file() and f.name != "stamp.json":
             h.update(f.name.encode() + f.read_bytes())
-    # the code that turns those inputs into bytes (not this module's docs: a shipped base outlives an edit of them)
-    for code in (WarmStartConfig, sft_rows, sft, _main):
+    # the code that turns those inputs into bytes, every piece `sft` runs (not this module's docs: a shipped base
+    # outlives an edit of them)
+    for code in (WarmStartConfig, sft_rows, sft_batch, _HeadOnRows, sft, _main):
         h.update(inspect.getsource(code).encode())
     return h.hexdigest()
 
