@@ -26,6 +26,8 @@ from typing import Any, Callable, Protocol, Sequence
 from composer_mesh.actors.hf_engine import Completion
 from composer_mesh.actors.rollout import EpisodeRequest, Rollout, RolloutGroup, SamplingParams
 from composer_mesh.envs.base import Environment, Observation, valid_text
+from composer_mesh.envs.coding import render_reference
+from composer_mesh.replay.hints import reference_note
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +91,16 @@ def student_action(message: dict[str, Any]) -> dict[str, Any]:
         out.append({"id": f"call_{i}", "type": "function",
                     "function": {"name": valid_text(str(fn.get("name", ""))), "arguments": valid_text(arguments)}})
     return {"role": "assistant", "content": str(message.get("content") or "").strip(), "tool_calls": out}
+
+
+def reference_note_of(env: Environment) -> str:
+    """The hinted evaluation's note for the episode `env` just started: its task's reference files, worded as the
+    hint channel's reference hints are (`replay.hints.reference_note`)."""
+    task = getattr(env, "task", None)
+    if task is None or not callable(getattr(task, "reference_files", None)):
+        raise ValueError(f"a hinted episode needs a task with reference files; {type(env).__name__} has none "
+                         "(trainer.eval_hinted is for coding tasks)")
+    return reference_note(render_reference(task.reference_files()))
 
 
 @dataclass
@@ -179,6 +191,8 @@ class EpisodeRunner:
     def _start(self, request: EpisodeRequest, sample: int) -> _Episode:
         env = self.make_env(request.split)
         obs = env.reset(seed=request.seed, episode_id=f"{request.group_id}:{sample}")
+        if request.hinted:
+            env.add_note(reference_note_of(env))
         tools = obs.info.get("tools") or None
         messages = env.state.messages
         ids: list[int] = []

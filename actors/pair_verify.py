@@ -6,8 +6,10 @@ actions stepped again (the environment's answers must reproduce the context,
 else the state cannot be rebuilt), the candidate action stepped, and, when the
 environment has not scored it yet, the episode closed as the tool loop closes
 it (a message without tool calls, which grades the workspace). `PairVerifier`
-keeps a pair only when score(chosen) > score(rejected). Each action runs in a
-fresh environment, closed after it (workspaces are freed).
+keeps a pair only when score(chosen) > score(rejected); with `require_pass`
+(`[replay] semi_online`) only when the chosen action also passes (score ≥ 1: a
+first-turn state's answer solves the task), and never an unverifiable one. Each
+action runs in a fresh environment, closed after it (workspaces are freed).
 """
 
 from __future__ import annotations
@@ -23,8 +25,11 @@ from composer_mesh.replay.pairs import PreferencePair
 
 log = logging.getLogger(__name__)
 
-Verdict = Literal["verified", "refuted", "unverifiable"]
-VERDICTS: tuple[Verdict, ...] = ("verified", "refuted", "unverifiable")
+Verdict = Literal["verified", "refuted", "unverifiable", "chosen_failed"]
+# chosen_failed: above the rejected action, but the grader does not pass it (counted only with require_pass)
+VERDICTS: tuple[Verdict, ...] = ("verified", "refuted", "unverifiable", "chosen_failed")
+# the score of an answer that passes (rewards are in [0, 1])
+PASS = 1.0
 
 
 def _same_message(a: dict, b: dict) -> bool:
@@ -60,11 +65,13 @@ def action_score(make_env: Callable[[str], Environment], seed: int, split: str, 
 
 class PairVerifier:
     """Verdicts on pairs with the run's environments (`make_env(split)`, built on first use);
-    `counts` holds verified / refuted / unverifiable."""
+    `counts` holds verified / refuted / unverifiable (/ chosen_failed); `require_pass`: keep only verified pairs
+    whose chosen action passes."""
 
-    def __init__(self, make_factory: Callable[[], Callable[[str], Environment]]) -> None:
+    def __init__(self, make_factory: Callable[[], Callable[[str], Environment]], require_pass: bool = False) -> None:
         self._make_factory = make_factory
         self._factory: Callable[[str], Environment] | None = None
+        self.require_pass = require_pass
         self.counts: Counter[str] = Counter()
 
     def verdict(self, pair: PreferencePair) -> Verdict:
@@ -80,10 +87,12 @@ class PairVerifier:
             return "unverifiable"
         if chosen is None or rejected is None:
             return "unverifiable"
-        return "verified" if chosen > rejected else "refuted"
+        if chosen <= rejected:
+            return "refuted"
+        return "chosen_failed" if self.require_pass and chosen < PASS else "verified"
 
     def keep(self, pair: PreferencePair) -> bool:
-        """Count the pair's verdict; False when the environment refutes it."""
+        """Count the pair's verdict; False when the environment refutes it (`require_pass`: unless verified)."""
         v = self.verdict(pair)
         self.counts[v] += 1
-        return v != "refuted"
+        return v == "verified" if self.require_pass else v != "refuted"

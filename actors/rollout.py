@@ -42,11 +42,14 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class EpisodeRequest:
-    """One prompt to roll out `group_size` times: the environment's problem `seed` in `split`."""
+    """One prompt to roll out `group_size` times: the environment's problem `seed` in `split`. `hinted`: each
+    episode holds a privileged note (the task's reference, as the hint channel words it) after its prompt, before
+    the first reply (the hinted evaluation, `mesh.evaluation`; never trained on)."""
 
     group_id: int
     seed: int
     split: Literal["train", "validation", "heldout"] = "train"
+    hinted: bool = False
 
 
 @dataclass

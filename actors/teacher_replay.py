@@ -9,6 +9,14 @@ of states; `status()` reports budget, spend, outcomes and queue sizes.
 With `[replay] verify_pairs` a pair from the run's rollouts is kept only if the
 run's environment scores its chosen action above its rejected one
 (`actors.pair_verify`, here in the replay process); the verdicts are counted.
+A teacher reply that says why it could not answer (its `refusal`) is counted by
+teacher and reason (`status()["teacher_refusals"]`).
+
+Semi-online (`[replay] semi_online`): `add_rollouts` replaces what is queued and
+ready with the step's own failures (what it drops is counted as expired), nothing
+works ahead, and a pair is kept only when the grader passes its chosen action
+(`PairVerifier(require_pass=True)`): the next `next_pairs` replays, for the
+step that trains on them, the states of that step's rollouts.
 `snapshot()` / `restore()` carry the in-memory part (queued states, ready
 pairs, counters) through the controller's state checkpoint, so a respawned
 actor or a resumed run continues where the saved step left; the response cache
@@ -60,7 +68,7 @@ from composer_mesh.envs.plugin import add_python_path
 from composer_mesh.replay.cache import ResponseCache
 from composer_mesh.replay.gating import Uncertainty, VOIGate
 from composer_mesh.replay.pairs import PreferencePair
-from composer_mesh.replay.pipeline import load_states, replay_states
+from composer_mesh.replay.pipeline import group_refusals, load_states, replay_states
 from composer_mesh.replay.teachers import TeacherClient
 from composer_mesh.replay.traces import TraceState
 
@@ -124,6 +132,10 @@ class ReplaySnapshot:
     pairs_made: int
     # verified / refuted / unverifiable pairs (`actors.pair_verify`)
     verification: dict[str, int] = field(default_factory=dict)
+    # (teacher, reason) -> replies that said why the teacher could not answer
+    refusals: dict[tuple[str, str], int] = field(default_factory=dict)
+    # semi-online: states and pairs of earlier steps dropped when a step's own arrived
+    expired: dict[str, int] = field(default_factory=dict)
 
 
 class TeacherReplayActor(Actor):
@@ -152,12 +164,14 @@ class TeacherReplayActor(Actor):
                                               maxlen=spec.max_queue)
         self.ready: deque[PreferencePair] = deque()
         self.outcomes: Counter[str] = Counter()
+        self.refusals: Counter[tuple[str, str]] = Counter()
+        self.expired: Counter[str] = Counter()
         self.states_done = 0
         self.pairs_made = 0
         self.verifier = None
         if spec.replay.verify_pairs and spec.env is not None:
             add_python_path(spec.python_path)
-            self.verifier = PairVerifier(partial(env_factory, spec.env))
+            self.verifier = PairVerifier(partial(env_factory, spec.env), require_pass=spec.replay.semi_online)
         self.ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="replay-ahead")
         self.ahead: Future | None = None
 
@@ -182,8 +196,13 @@ class TeacherReplayActor(Actor):
 
     @endpoint
     def add_rollouts(self, rollouts: Sequence[Rollout]) -> int:
-        """Queue the failed turns of rollouts; returns the queue length."""
+        """Queue the failed turns of rollouts (semi-online: instead of what was queued and ready); returns the
+        queue length."""
         self._settle()
+        if self.spec.replay.semi_online:
+            self.expired.update(states=len(self.queue), pairs=len(self.ready))
+            self.queue.clear()
+            self.ready.clear()
         for r in rollouts:
             self.queue.extend(rollout_states(r))
         return len(self.queue)
@@ -197,20 +216,26 @@ class TeacherReplayActor(Actor):
 
     @endpoint
     def work_ahead(self, n: int) -> bool:
-        """Start filling the ready pairs up to `n` in the background; False (nothing started) with gating."""
+        """Start filling the ready pairs up to `n` in the background; False (nothing started) with gating, or
+        semi-online (the next step's pairs come from its own rollouts, not queued yet)."""
         self._settle()
-        if self.gate is not None:
+        if self.gate is not None or self.spec.replay.semi_online:
             return False
         self.ahead = self.ahead_pool.submit(self._fill, n)
         return True
 
     def _fill(self, n: int) -> None:
-        """Replay queued states, a chunk at a time, until `n` pairs are ready or no state is left."""
+        """Replay queued states, a chunk at a time, until `n` pairs are ready or no state is left (semi-online,
+        where pairs left over expire at the next step, a chunk is at most the pairs still missing)."""
         while len(self.ready) < n and self.queue:
-            chunk = [self.queue.popleft() for _ in range(min(self.spec.replay.concurrency, len(self.queue)))]
+            size = min(self.spec.replay.concurrency, len(self.queue))
+            if self.spec.replay.semi_online:
+                size = min(size, n - len(self.ready))
+            chunk = [self.queue.popleft() for _ in range(size)]
             results = self._on_loop(replay_states(chunk, self.client, self.spec.replay, gate=self.gate))
             for r in results:
                 self.outcomes[r.outcome] += 1
+                self.refusals.update((x["teacher"], x["reason"]) for x in r.refusals)
                 if r.pair is not None:
                     self.pairs_made += 1
                     if self.verifier is None or self.verifier.keep(r.pair):
@@ -225,7 +250,8 @@ class TeacherReplayActor(Actor):
     def snapshot(self) -> ReplaySnapshot:
         self._settle()
         return ReplaySnapshot(list(self.queue), list(self.ready), dict(self.outcomes), self.states_done,
-                              self.pairs_made, dict(self.verifier.counts) if self.verifier is not None else {})
+                              self.pairs_made, dict(self.verifier.counts) if self.verifier is not None else {},
+                              dict(self.refusals), dict(self.expired))
 
     @endpoint
     def restore(self, snap: ReplaySnapshot) -> int:
@@ -235,6 +261,9 @@ class TeacherReplayActor(Actor):
         self.ready = deque(snap.ready)
         self.outcomes = Counter(snap.outcomes)
         self.states_done, self.pairs_made = snap.states_done, snap.pairs_made
+        # a snapshot saved before refusals and expiry were counted has neither
+        self.refusals = Counter(getattr(snap, "refusals", {}))
+        self.expired = Counter(getattr(snap, "expired", {}))
         if self.verifier is not None:
             # a snapshot saved before pairs were verified has no counts
             self.verifier.counts = Counter(getattr(snap, "verification", {}))
@@ -255,7 +284,8 @@ class TeacherReplayActor(Actor):
             "budget_usd": budget.cap_usd, "spend_usd": budget.spent_usd, "left_usd": budget.cap_usd - budget.spent_usd,
             "budget_refusals": budget.refusals, "queued_states": len(self.queue), "states_done": self.states_done,
             "pairs_made": self.pairs_made, "pairs_ready": len(self.ready), "outcomes": dict(self.outcomes),
-            "client": self.client.stats.as_dict(), **self._verification(),
+            "client": self.client.stats.as_dict(), "teacher_refusals": group_refusals(self.refusals),
+            "states_expired": self.expired["states"], "pairs_expired": self.expired["pairs"], **self._verification(),
         }
 
     def _verification(self) -> dict[str, int]:

@@ -53,6 +53,9 @@ class JobConfig:
                              "env.dataset.heldout_fraction (or trainer.eval_every = 0)")
         if self.trainer.eval_split == "validation":
             self._check_validation_split()
+        if self.trainer.eval_hinted and self.env.task not in ("coding", "tool_loop"):
+            raise ValueError(f"trainer.eval_hinted needs a coding task (env.task = 'coding' or 'tool_loop'), whose "
+                             f"reference files make the note (env.task is {self.env.task!r})")
         hinting = self.loss.distill
         if hinting.hint_kind == "llm" and hinting.hint_teacher not in [t.name for t in self.teachers.models]:
             raise ValueError(f"loss.distill.hint_teacher = {hinting.hint_teacher!r} names no [[teachers.models]] entry")
@@ -65,10 +68,13 @@ class JobConfig:
         env = self.env
         if env.task == "demo":
             fraction, key = env.demo.validation_fraction, "env.demo.validation_fraction"
-        elif env.task == "coding" and tuple(env.coding.sources) == ("micro",):
-            fraction, key = env.coding.validation_fraction, "env.coding.validation_fraction"
+        elif env.task == "coding" and any(s not in ("repos", "swe") for s in env.coding.sources):
+            micro = [s for s in env.coding.sources if s not in ("repos", "swe")]
+            fraction = max(env.coding.variant(s).validation_fraction for s in micro)
+            key = ("env.coding.validation_fraction" if micro == ["micro"] else
+                   "env.coding.validation_fraction (or that of a [[env.coding.variants]] source)")
         else:
-            raise ValueError(f"trainer.eval_split = 'validation' needs env.task = 'demo' or 'coding' with "
-                             f"env.coding.sources = ['micro'] (env.task is {env.task!r})")
+            raise ValueError(f"trainer.eval_split = 'validation' needs env.task = 'demo' or 'coding' with micro "
+                             f"sources in env.coding.sources (env.task is {env.task!r})")
         if fraction <= 0:
             raise ValueError(f"trainer.eval_split = 'validation' needs {key} > 0")

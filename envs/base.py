@@ -79,6 +79,14 @@ class Environment(ABC):
         self._state.messages.extend(obs.messages)
         return obs
 
+    def add_note(self, text: str) -> None:
+        """Append a user message holding `text` to the episode's transcript before its first reply (a privileged
+        note: the hinted evaluation's reference, where the hint channel puts its hints); the environment's own
+        state is unchanged, so the episode runs and is graded as without it."""
+        if not self._state.messages or self._state.step_count or self._state.done:
+            raise RuntimeError("a note goes after reset() and before the first step()")
+        self._state.messages.append({"role": "user", "content": valid_text(text)})
+
     def step(self, action: dict[str, Any]) -> Observation:
         """Apply one assistant message; raises if the episode is over or the message is not one.
 

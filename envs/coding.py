@@ -9,6 +9,8 @@ interleaves sources so `[env.coding] sources` can mix them.
 
 from __future__ import annotations
 
+import difflib
+import re
 from typing import Protocol, Sequence, runtime_checkable
 
 from composer_mesh.envs.backend import SandboxBackend
@@ -81,3 +83,34 @@ def render_reference(files: dict[str, str], limit: int = REFERENCE_CHARS) -> str
 def source_of(task: CodingTask) -> str:
     """The source a task came from ("micro", "repos", "swe"; "" when the task does not say)."""
     return str(getattr(task, "source", ""))
+
+
+def reference_change(start: dict[str, str], reference: dict[str, str]) -> str:
+    """The lines `reference` writes that `start` lacks (what a diff from start to reference adds or replaces with),
+    with their indentation: a `--- path` line per changed file, in path order, then those lines (all of a file
+    `start` does not have). What the hint channel's change notes show (`replay.hints.change_note`)."""
+    out = []
+    for path, text in sorted(reference.items()):
+        new = text.splitlines()
+        matcher = difflib.SequenceMatcher(None, start.get(path, "").splitlines(), new, autojunk=False)
+        written = [line for tag, _, _, j1, j2 in matcher.get_opcodes() if tag in ("replace", "insert")
+                   for line in new[j1:j2]]
+        if written:
+            out += [f"--- {path}", *written]
+    return "\n".join(out)
+
+
+_FAILED = re.compile(r"^FAILED (\S+::\S+)", re.MULTILINE)
+_ERROR = re.compile(r"^ERROR (\S+)", re.MULTILINE)
+
+
+def failed_tests(grade: Grade, expected: Sequence[str]) -> list[str]:
+    """The node ids of `expected` that `grade` failed, in order: those its output names FAILED, and every one of
+    a file it names ERROR; all of them when it passed fewer than all and its output names none (no test ran).
+    For the teacher's context only: the output is the test runner's, which the agent's code can write to."""
+    named = set(_FAILED.findall(grade.output))
+    broken = set(_ERROR.findall(grade.output))
+    failed = [t for t in expected if t in named or t.split("::", 1)[0] in broken]
+    if not failed and grade.passed < grade.total:
+        return list(expected)
+    return failed

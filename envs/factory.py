@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-from composer_mesh.configs.sections.env import EnvConfig
+from composer_mesh.configs.sections.env import CODING_SOURCES, CodingConfig, EnvConfig
 from composer_mesh.envs.base import Environment
 from composer_mesh.envs.container import ContainerBackend
 from composer_mesh.envs.coding import ListPool, TaskPool, UnionPool
@@ -20,6 +20,7 @@ from composer_mesh.envs.plugin import check_call, load_callable
 from composer_mesh.envs.pool import SandboxPool
 from composer_mesh.envs.sandbox import Sandbox
 from composer_mesh.envs.swe import SweTask, TaskBackends, load_instances
+from composer_mesh.envs.swe_mini import SweMiniTasks
 from composer_mesh.envs.tool_loop import ToolLoopEnv, offered_tools
 
 
@@ -27,9 +28,6 @@ def split_tasks(tasks: list[RepoTask], heldout_fraction: float, split: Split) ->
     """Tasks of one split, by a stable hash of the task name (all tasks when a split would be empty)."""
     chosen = [t for t in tasks if stable_split(t.name, heldout_fraction) == split]
     return chosen or list(tasks)
-
-
-CODING_SOURCES = ("micro", "repos", "swe")
 
 
 def env_factory(config: EnvConfig, store: TaskStore | None = None) -> Callable[[Split], Environment]:
@@ -77,28 +75,62 @@ def repository_tasks(config: EnvConfig, sandbox: Sandbox, store: TaskStore | Non
 
 
 def coding_pools(config: EnvConfig, sandbox: Sandbox, store: TaskStore | None) -> dict[Split, TaskPool]:
-    """The union of `coding.sources` per split; an unknown or empty source is an error naming its key."""
+    """The union of `coding.sources` per split; an unknown or empty source is an error naming its key. Micro
+    sources (`micro` and each `[[env.coding.variants]]` named) are split by template hash with their own
+    fractions; a validation split is the union of the micro sources that carve one out of train."""
+    coding = config.coding
+    sources = coding_sources(config)
     pools: dict[Split, list[TaskPool]] = {"train": [], "heldout": []}
-    if config.coding.validation_fraction:  # micro only ([trainer] eval_split = "validation" checks the sources)
+    if validation_sources(coding, sources):  # [trainer] eval_split = "validation" checks that there is one
         pools["validation"] = []
-    for source in coding_sources(config):
-        if source == "micro":
-            for split in pools:
-                pools[split].append(MicroTasks(config.coding, split))
-        elif source == "swe":
+    swe_store: Path | None = None
+    for source in sources:
+        if source == "swe":
             for split, swe in swe_tasks(config, sandbox).items():
                 pools[split].append(ListPool(swe))
-        else:
+        elif source == "repos":
             for split, tasks in repository_tasks(config, sandbox, store).items():
                 pools[split].append(ListPool(tasks))
+        else:
+            if coding.shape_of(source) == "swe":
+                swe_store = swe_store or private_store(sandbox, "swe-mini-")
+            for split in micro_splits(coding, source):
+                if split in pools:
+                    pools[split].append(micro_source(coding, source, split, swe_store))
     return {split: UnionPool(p) for split, p in pools.items()}
+
+
+def micro_splits(coding: CodingConfig, source: str) -> tuple[Split, ...]:
+    """The splits micro source `source` serves: train and held-out, and validation when it carves one out."""
+    return ("train", "heldout", "validation") if coding.variant(source).validation_fraction > 0 else ("train", "heldout")
+
+
+def micro_source(coding: CodingConfig, source: str, split: Split, store: Path | None) -> TaskPool:
+    """The tasks of micro source `source` (micro or a variant) in `split`: micro tasks, or SWE mini instances made
+    into `store` (a variant of shape swe needs one); ValueError when the split has no template."""
+    knobs = coding.variant(source)
+    if coding.shape_of(source) == "swe":
+        if store is None:
+            raise ValueError(f"env.coding.variants: {source!r} makes SWE instances and needs a store")
+        return SweMiniTasks(knobs, split, source, store)
+    return MicroTasks(knobs, split, source)
+
+
+def validation_sources(coding: CodingConfig, sources: list[str]) -> list[str]:
+    """The micro sources (micro, variants) of `sources` with a validation split (`validation_fraction` > 0)."""
+    return [s for s in sources if s not in ("repos", "swe") and coding.variant(s).validation_fraction > 0]
+
+
+def private_store(sandbox: Sandbox, prefix: str) -> Path:
+    """A root-only directory under the sandbox's root, removed at interpreter exit."""
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir=sandbox.root))
+    atexit.register(shutil.rmtree, path, True)
+    return path
 
 
 def swe_tasks(config: EnvConfig, sandbox: Sandbox) -> dict[Split, list[SweTask]]:
     """SWE instances of `swe.instances` per split; their snapshots live in a private dir removed at exit."""
-    store = Path(tempfile.mkdtemp(prefix="swe-", dir=sandbox.root))
-    atexit.register(shutil.rmtree, store, True)
-    tasks = swe_instances(config, store)
+    tasks = swe_instances(config, private_store(sandbox, "swe-"))
     return {s: split_tasks(tasks, config.swe.heldout_fraction, s) for s in ("train", "heldout")}
 
 
@@ -111,13 +143,15 @@ def swe_instances(config: EnvConfig, store: Path) -> list[SweTask]:
 
 
 def coding_sources(config: EnvConfig) -> list[str]:
-    """`coding.sources` without repeats; empty or unknown is an error naming the key."""
+    """`coding.sources` without repeats; empty or unknown is an error naming the key (a variant is known by the
+    name of its `[[env.coding.variants]]` table)."""
     sources = config.coding.sources
+    known = [*CODING_SOURCES, *(v.name for v in config.coding.variants)]
     if not sources:
-        raise ValueError(f"env.coding.sources is empty; sources: {', '.join(CODING_SOURCES)}")
-    unknown = [s for s in sources if s not in CODING_SOURCES]
+        raise ValueError(f"env.coding.sources is empty; sources: {', '.join(known)}")
+    unknown = [s for s in sources if s not in known]
     if unknown:
-        raise ValueError(f"env.coding.sources: unknown source(s) {unknown}; sources: {', '.join(CODING_SOURCES)}")
+        raise ValueError(f"env.coding.sources: unknown source(s) {unknown}; sources: {', '.join(known)}")
     return list(dict.fromkeys(sources))
 
 
@@ -153,9 +187,11 @@ def check_task(config: EnvConfig) -> None:
         sources = coding_sources(config)
         if "repos" in sources and not config.feature_deletion.repos:
             raise ValueError("env.coding.sources names 'repos': it needs env.feature_deletion.repos (local repository paths)")
-        if "micro" in sources:
-            for split in ("train", "heldout"):
-                MicroTasks(config.coding, split)
+        with tempfile.TemporaryDirectory(prefix="micro-check-") as store:  # nothing is made: pools only
+            for source in sources:
+                if source not in ("repos", "swe"):  # micro and the variants: every split they serve has a template
+                    for split in micro_splits(config.coding, source):
+                        micro_source(config.coding, source, split, Path(store))
         if "swe" in sources:
             check_swe(config)
 

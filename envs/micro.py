@@ -2,9 +2,12 @@
 
 A task is a module with functions to implement from their signature and
 docstring (bodies stubbed), a visible test file the agent may run, and a
-hidden test file that grades: reward = share of hidden tests passed, through
-the real sandbox grader (`envs.grading.grade_workspace`, the split judge with
-the target module forwarded), as feature-deletion tasks are graded.
+hidden test file that grades: reward = share of hidden tests passed (or, with
+`partial_credit` off, 1 only when all pass), through the real sandbox grader
+(`envs.grading.grade_workspace`, the split judge with the target module
+forwarded), as feature-deletion tasks are graded. A checked edit
+(`MicroTask.check`) runs the visible tests of the functions the workspace
+changed, so a task of several functions is done one edit at a time.
 
 A *template* is an operation skeleton (one chain of `envs.micro_ops` ops per
 function, plus the op of a buggy function when `failing_visible_test`) with a
@@ -22,22 +25,27 @@ reference passes every hidden test, the starting code fails one.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import functools
 import itertools
+import os
 import random
 import shutil
+import stat
 import sys
 import tempfile
 import types
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 from composer_mesh.configs.sections.env import CodingConfig
+from composer_mesh.envs.coding import failed_tests
 from composer_mesh.envs.demo import Split, stable_split
 from composer_mesh.envs.grading import Grade, grade_workspace
-from composer_mesh.envs.micro_ops import BY_ID, Op, block_lines, draw_value, vocabulary
+from composer_mesh.envs.micro_ops import BY_ID, KINDS, Op, block_lines, draw_value, vocabulary
+from composer_mesh.envs.safeguards import MAX_SCAN_CHARS
 from composer_mesh.envs.sandbox import Sandbox, Workspace
 
 # the stub body: one short token run, so the ideal edit is short (old="pass")
@@ -101,6 +109,10 @@ class MicroTask:
     bug_function: str = ""
     backend: str = "local"
     source: str = "micro"
+    # the target module's functions, in file order (what the warm start edits: `render`)
+    signatures: tuple[Signature, ...] = ()
+    # reward = share of hidden tests passed; False: 1 only when all pass
+    partial_credit: bool = True
 
     @property
     def stubbed_source(self) -> str:
@@ -128,18 +140,33 @@ class MicroTask:
         ws.adopt()
         return ws
 
+    def render(self, bodies: Mapping[str, Sequence[str]]) -> str:
+        """The target module with the bodies of `bodies` (function name -> body lines), the others as they start."""
+        return "\n\n".join(s.source(bodies.get(s.name, s.start)) for s in self.signatures)
+
     def grade(
         self, backend: Sandbox, ws: Workspace, start_manifest: dict[str, str], violations: Sequence[tuple[str, str]] = ()
     ) -> Grade:
-        """Grade `ws` against the pristine tree (made for this grade, root-only); partial credit per hidden test."""
+        """Grade `ws` against the pristine tree (made for this grade, root-only); partial credit per hidden test
+        (`partial_credit`), else 1 only when every one passes."""
         grade = self._judge(backend, ws, start_manifest, violations, self.hidden, self.expected_tests)
-        return dataclasses.replace(grade, reward=partial_reward(grade))
+        return grade if not self.partial_credit else dataclasses.replace(grade, reward=partial_reward(grade))
 
     def check(self, backend: Sandbox, ws: Workspace, start_manifest: dict[str, str]) -> Grade:
         """The visible tests' verdict on `ws` now (what running them would tell the agent), judged as `grade`
-        judges: the pristine test file against the submission, never the workspace's own copy."""
-        visible = tuple(f"{VISIBLE_TESTS}::test_{name}" for name in self.functions)
+        judges: the pristine test file against the submission, never the workspace's own copy. Only the tests of
+        the functions the workspace changed count (all of them when it changed none, or when the module does not
+        parse), so a task of several functions can be done one checked edit at a time."""
+        names = changed_functions(self.stubbed_source, _read_text(ws.path / self.target)) or self.functions
+        visible = tuple(f"{VISIBLE_TESTS}::test_{name}" for name in self.functions if name in names)
         return self._judge(backend, ws, start_manifest, (), {}, visible)
+
+    def failing_cases(self, grade: Grade) -> str:
+        """The `assert` lines of the hidden tests `grade` failed (read off its output's FAILED and ERROR lines;
+        every hidden test when it ran none), for the teacher's context only."""
+        failed = failed_tests(grade, self.expected_tests)
+        cases = assert_lines(self.hidden[HIDDEN_TESTS])
+        return "\n".join(line for node in failed for line in cases.get(node.split("::", 1)[1], ()))
 
     def _judge(self, backend: Sandbox, ws: Workspace, start_manifest: dict[str, str],
                violations: Sequence[tuple[str, str]], tests: dict[str, str], expected: Sequence[str]) -> Grade:
@@ -154,6 +181,53 @@ class MicroTask:
             )
         finally:
             shutil.rmtree(root, ignore_errors=True)
+
+
+def changed_functions(start: str, now: str | None) -> tuple[str, ...]:
+    """Names of `start`'s module-level functions whose text differs in `now` (missing ones too); () when `now`
+    is None or does not parse (a policy's file: any size, depth or bytes)."""
+    if now is None:
+        return ()
+    before, after = _function_texts(start), _function_texts(now)
+    if after is None or before is None:
+        return ()
+    return tuple(name for name, text in before.items() if after.get(name) != text)
+
+
+def _function_texts(source: str) -> dict[str, str] | None:
+    """Module-level function name -> its source text, or None when `source` does not parse within bounds."""
+    if len(source) > MAX_SCAN_CHARS:
+        return None
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+    lines = source.splitlines()
+    return {node.name: "\n".join(lines[node.lineno - 1 : node.end_lineno]) for node in tree.body
+            if isinstance(node, ast.FunctionDef)}
+
+
+def _read_text(path: Path) -> str | None:
+    """The text of the regular file at `path` (not following a symlink, never blocking on a FIFO, at most
+    MAX_SCAN_CHARS + 1 bytes); None when it is not one."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            return None
+        return f.read(MAX_SCAN_CHARS + 1).decode("utf-8", "replace")
+
+
+def assert_lines(text: str) -> dict[str, tuple[str, ...]]:
+    """Test function name -> its `assert` statements' source, of a test file of plain functions (ours)."""
+    out = {}
+    for node in ast.parse(text).body:
+        if isinstance(node, ast.FunctionDef) and node.name.startswith("test"):
+            out[node.name] = tuple(ast.get_source_segment(text, s) or "" for s in node.body
+                                   if isinstance(s, ast.Assert))
+    return out
 
 
 def partial_reward(grade: Grade) -> float:
@@ -249,23 +323,24 @@ def _random_chain(ops: Sequence[Op], length: int, rng: random.Random) -> tuple[s
     raise ValueError(f"env.coding: no operation chain of statements_per_body = {length}")
 
 
-@dataclass
-class _Fn:
-    """One rendered function: name, typed parameters, docstring and bodies (reference and starting)."""
+@dataclass(frozen=True)
+class Signature:
+    """One function of a task's module: name, typed parameters (name, type of `envs.micro_ops`), docstring, and
+    its reference and starting bodies (a stub's start is `pass`, a buggy function's its buggy line)."""
 
     name: str
-    params: list[tuple[str, str]]
+    params: tuple[tuple[str, str], ...]
     doc: str
-    body: list[str]
-    start: list[str]
+    body: tuple[str, ...]
+    start: tuple[str, ...]
 
-    def source(self, lines: list[str]) -> str:
+    def source(self, lines: Sequence[str]) -> str:
         sig = ", ".join(p for p, _ in self.params)
         return f'def {self.name}({sig}):\n    """{self.doc}"""\n' + "".join(f"    {line}\n" for line in lines)
 
 
 def _render(chain: Sequence[str], name: str, phrasing: int, naming: int, rng: random.Random, bug: bool = False,
-            code: bool = False) -> _Fn:
+            code: bool = False) -> Signature:
     """The function of `chain` in frame `phrasing` and parameter names `naming`; each op's words are drawn
     from `rng`; `code`: docstrings state each op's expression instead of its words."""
     pool = iter(_PARAMS[naming])
@@ -289,7 +364,7 @@ def _render(chain: Sequence[str], name: str, phrasing: int, naming: int, rng: ra
             body += block_lines(op, cur, var) if op.block else [f"{var} = " + op.expr.format(x=cur, y=y)]
             doc.append(f"Let {var} be {phrase}.")
             cur = var
-    return _Fn(name, params, " ".join(doc), body, start)
+    return Signature(name, tuple(params), " ".join(doc), tuple(body), tuple(start))
 
 
 def _function_name(chain: Sequence[str], rng: random.Random, taken: set[str]) -> str:
@@ -302,17 +377,19 @@ def _function_name(chain: Sequence[str], rng: random.Random, taken: set[str]) ->
     return name
 
 
-def _call(fn: _Fn, args: Sequence[Any]) -> str:
+def _call(fn: Signature, args: Sequence[Any]) -> str:
     return f"{fn.name}({', '.join(map(repr, args))})"
 
 
-def make_task(config: CodingConfig, split: Split, seed: int) -> MicroTask:
-    """The task of (config, split, seed): a template of `split`, inputs and distractors from the seed."""
-    rng = random.Random(f"micro:{split}:{seed}")
-    return build_task(config, draw_template(config, split, rng), rng, f"micro:{split}:{seed}")
+def make_task(config: CodingConfig, split: Split, seed: int, source: str = "micro") -> MicroTask:
+    """The task of (config, split, seed) of source `source` ("micro", or a variant's name): a template of `split`,
+    inputs and distractors from the seed."""
+    key = f"{source}:{split}:{seed}"
+    rng = random.Random(key)
+    return build_task(config, draw_template(config, split, rng), rng, key, source)
 
 
-def build_task(config: CodingConfig, t: Template, rng: random.Random, name: str) -> MicroTask:
+def build_task(config: CodingConfig, t: Template, rng: random.Random, name: str, source: str = "micro") -> MicroTask:
     """The task of template `t` (test inputs and distractors drawn from `rng`), checked in-process."""
     taken: set[str] = set()
     code = config.docstring == "code"
@@ -327,12 +404,12 @@ def build_task(config: CodingConfig, t: Template, rng: random.Random, name: str)
     start_src = "\n\n".join(f.source(f.start) for f in fns)
     ref_ns, start_ns = _exec(reference_src), _exec(start_src)
 
-    def case(fn: _Fn) -> tuple[str, str]:
+    def case(fn: Signature) -> tuple[str, str]:
         """A call and its expected value (a buggy function's visible case is drawn until the bug shows)."""
         for _ in range(50):
             args = [draw_value(kind, rng) for _, kind in fn.params]
             want = ref_ns[fn.name](*args)
-            if fn.start == [STUB] or _differs(start_ns[fn.name], args, want):
+            if fn.start == (STUB,) or _differs(start_ns[fn.name], args, want):
                 break
         return _call(fn, args), repr(want)
 
@@ -345,21 +422,57 @@ def build_task(config: CodingConfig, t: Template, rng: random.Random, name: str)
         files[f"{pkg}__init__.py"] = ""
     for j in range(config.distractor_files):
         ops = vocabulary(config.kinds, 0)
-        extra = [_render((rng.choice(ops).id,), "", rng.randrange(len(_FRAMES)), rng.randrange(len(_PARAMS)), rng)
-                 for _ in range(2)]
-        for n, fn in enumerate(extra, 1):
-            fn.name = f"helper{n}"
+        extra = [_render((rng.choice(ops).id,), f"helper{n}", rng.randrange(len(_FRAMES)),
+                         rng.randrange(len(_PARAMS)), rng) for n in (1, 2)]
         files[f"{pkg}{_DISTRACTORS[j]}.py"] = "\n\n".join(f.source(f.body) for f in extra)
     task = MicroTask(
         name=f"{name}:{t.id}", template=t.id, target=target, functions=tuple(f.name for f in fns),
         files=files, reference={target: reference_src}, hidden={HIDDEN_TESTS: hidden},
         expected_tests=tuple(f"{HIDDEN_TESTS}::test_{f.name}_{i}" for f, i, _, _ in hidden_cases),
-        show_source=config.show_source, bug_function=fns[-1].name if t.bug else "",
+        show_source=config.show_source, bug_function=fns[-1].name if t.bug else "", source=source,
+        signatures=tuple(fns), partial_credit=config.partial_credit,
     )
     problem = check_task(task)
     if problem:
         raise AssertionError(f"micro generator made a broken task {task.name}: {problem}")
     return task
+
+
+def random_body(params: Sequence[tuple[str, str]], statements: int, rng: random.Random,
+                kinds: Sequence[str] = KINDS) -> tuple[str, ...]:
+    """Body lines of a random, type-correct chain of up to `statements` operations of `kinds` over the typed
+    parameters `params`, rendered as task bodies are (`r1 = ...`, `if`/`else` forms inside longer bodies, a
+    `return` last): code the warm start's notes show, drawn whatever a task asks. Shorter when no operation
+    continues the chain; `return <first parameter>` when none starts it."""
+    ops = vocabulary(tuple(kinds), 0)
+    (cur, kind), lines = params[0], []
+    for i in range(statements):
+        usable = [op for op in ops if op.x == kind and (op.y is None or any(t == op.y for _, t in params))]
+        if not usable:
+            break
+        op = rng.choice(usable)
+        y = rng.choice([p for p, t in params if t == op.y]) if op.y else ""
+        if i == statements - 1 or not any(o.x == op.out for o in ops):
+            return (*lines, "return " + op.expr.format(x=cur, y=y))
+        var = f"r{i + 1}"
+        lines += block_lines(op, cur, var) if op.block else [f"{var} = " + op.expr.format(x=cur, y=y)]
+        cur, kind = var, op.out
+    return (*lines, f"return {cur}")
+
+
+def call_cases(source: str, signature: Signature, n: int, rng: random.Random) -> tuple[str, ...]:
+    """Up to `n` hidden-test-like `assert f(...) == ...` lines of `signature`'s function as `source` (our own
+    generated code) computes it, on inputs drawn as tests draw them (a call that raises gives no line)."""
+    fn = _exec(source)[signature.name]
+    out = []
+    for _ in range(n):
+        args = [draw_value(kind, rng) for _, kind in signature.params]
+        try:
+            want = fn(*args)
+        except Exception:
+            continue
+        out.append(f"assert {_call(signature, args)} == {want!r}")
+    return tuple(out)
 
 
 def _differs(fn: Any, args: Sequence[Any], want: Any) -> bool:
@@ -422,13 +535,12 @@ def check_task(task: MicroTask) -> str:
 
 
 class MicroTasks:
-    """The task source of one split: `pick(seed)` makes the seed's task (deterministic, cheap)."""
+    """The task source of one split: `pick(seed)` makes the seed's task (deterministic, cheap); `source` names it
+    ("micro", or a `[[env.coding.variants]]` name)."""
 
-    source = "micro"
-
-    def __init__(self, config: CodingConfig, split: Split) -> None:
-        self.config, self.split = config, split
+    def __init__(self, config: CodingConfig, split: Split, source: str = "micro") -> None:
+        self.config, self.split, self.source = config, split, source
         draw_template(config, split, random.Random(0))  # fail at construction when the split is empty
 
     def pick(self, seed: int) -> MicroTask:
-        return make_task(self.config, self.split, seed)
+        return make_task(self.config, self.split, seed, self.source)

@@ -14,6 +14,7 @@ Reward 1 only when every one of them passes and no test file was edited.
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import random
@@ -30,6 +31,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from composer_mesh.configs.sections.env import SweConfig
 from composer_mesh.envs.backend import SandboxBackend
+from composer_mesh.envs.coding import failed_tests
 from composer_mesh.envs.container import ContainerBackend
 from composer_mesh.envs.grading import Grade
 from composer_mesh.envs.safeguards import change_violations, diff_tree, is_bytecode, manifest
@@ -108,6 +110,22 @@ class SweTask:
     def reference_files(self) -> dict[str, str]:
         """Changed files of the gold patch, full new text (deleted files left out)."""
         return {rel: data.decode() for rel, data in patched_files(self.patch, self.snapshot()).items() if data is not None}
+
+    def failing_cases(self, grade: Grade) -> str:
+        """The source of the hidden tests `grade` failed (each failing node id's test function, from the test
+        files as test_patch leaves them), for the teacher's context only."""
+        tests = {rel: data.decode(errors="replace") for rel, data in patched_files(self.test_patch, self.snapshot()).items()
+                 if data is not None}
+        out = []
+        for node in failed_tests(grade, self.tests):
+            path, *names = node.split("[", 1)[0].split("::")
+            text = tests.get(path)
+            if text is None and (self.snapshot() / path).is_file():
+                text = (self.snapshot() / path).read_text(errors="replace")
+            found = _test_source(text or "", names)
+            if found:
+                out.append(found)
+        return "\n\n".join(out)
 
     def grade_patch(self, backend: SandboxBackend, patch: str) -> Grade:
         """Grade a unified diff applied to a fresh starting workspace (a single-turn answer, the gold patch)."""
@@ -229,6 +247,23 @@ class TaskBackends:
         if name == "local":
             raise AttributeError(name)
         return getattr(self.local, name)
+
+
+def _test_source(text: str, names: Sequence[str]) -> str:
+    """The source of the test `names` (a function, or a class then a method) of a test file's `text`; '' when it
+    is not there or the file does not parse."""
+    try:
+        body = ast.parse(text).body
+    except (SyntaxError, ValueError, RecursionError):
+        return ""
+    node = None
+    for name in names:
+        node = next((n for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                     and n.name == name), None)
+        if node is None:
+            return ""
+        body = node.body
+    return (ast.get_source_segment(text, node) or "") if node is not None else ""
 
 
 def _concrete(backend: SandboxBackend, task: SweTask) -> SandboxBackend:

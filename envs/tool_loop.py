@@ -50,7 +50,9 @@ from composer_mesh.configs.records import EDIT_UNDONE, ErrorKind, ErrorSite
 from composer_mesh.configs.sections.env import SandboxConfig, ToolLoopConfig
 from composer_mesh.envs.backend import SandboxBackend
 from composer_mesh.envs.base import Environment, Observation
-from composer_mesh.envs.coding import CodingTask, ListPool, TaskPool, render_reference, source_of
+from composer_mesh.envs.coding import (
+    REFERENCE_CHARS, CodingTask, ListPool, TaskPool, reference_change, render_reference, source_of,
+)
 from composer_mesh.envs.grading import Grade
 from composer_mesh.envs.safeguards import MAX_SCAN_CHARS, TreeTooLarge, manifest, tree_size
 from composer_mesh.envs.sandbox import SandboxResult, Workspace
@@ -139,6 +141,9 @@ class ToolLoopEnv(Environment):
         self._checks_s = 0.0
         self._refused: Counter[str] = Counter()
         self._start_size = (0, 0)  # (entries, bytes) of the starting workspace, which the episode may add to
+        # the task's reference files, and the starting text of each of their paths (teacher-only context)
+        self._reference: dict[str, str] = {}
+        self._reference_start: dict[str, str] = {}
         self._wall_s = _wall_timeout_s(sandbox)
         every: dict[str, Callable[..., str]] = {
             "read_file": self._read_file,
@@ -156,6 +161,8 @@ class ToolLoopEnv(Environment):
         try:
             self._start_manifest = manifest(self.ws.path)
             self._start_size = tree_size(self.ws.path)
+            self._reference = _reference_files(self.task)
+            self._reference_start = {p: _start_text(self.ws.path / p) for p in self._reference}
         except BaseException:
             self._release()
             raise
@@ -197,9 +204,13 @@ class ToolLoopEnv(Environment):
             "grading_s": round(self._checks_s + seconds, 6), "calls_refused": dict(self._refused),
         }
         if grade.reward < 1.0:
-            # teacher-only context of a failed episode (`actors.rollout.failure_sites`): the hidden tests' output
-            # and the reference solution, as text; nothing of it enters the workspace or the policy's messages
-            info |= {"feedback": grade.output[-_FEEDBACK_CHARS:], "reference": render_reference(task.reference_files())}
+            # teacher-only context of a failed episode (`actors.rollout.failure_sites`): the hidden tests' output,
+            # the reference solution, the lines it writes and the hidden cases the workspace failed, as text;
+            # nothing of it enters the workspace or the policy's messages
+            cases = getattr(task, "failing_cases", None)
+            info |= {"feedback": grade.output[-_FEEDBACK_CHARS:], "reference": render_reference(self._reference),
+                     "reference_change": reference_change(self._reference_start, self._reference)[:REFERENCE_CHARS],
+                     "failing_cases": _teacher_text(cases, grade)}
         return Observation(messages, reward=grade.reward, done=True, error_sites=sites, info=info)
 
     def _apply(self, call: Any, index: int) -> tuple[str, str, ErrorKind | None, str]:
@@ -463,6 +474,32 @@ class ToolLoopEnv(Environment):
         if result.exit_code == 0 and not result.violations:
             return text or "(no output)"
         raise ToolError(_result_kind(result, default=ErrorKind.OTHER), text or f"exit {result.exit_code}")
+
+
+def _reference_files(task: CodingTask) -> dict[str, str]:
+    """The task's reference files ({} when reading them raised, logged: teacher context never fails an episode)."""
+    try:
+        return task.reference_files()
+    except Exception:
+        logger.warning("reading the reference files of %s raised", task.name, exc_info=True)
+        return {}
+
+
+def _start_text(path: Path) -> str:
+    """The text of a starting file of the workspace ('' when the task's reference adds it)."""
+    return path.read_text(errors="replace") if path.is_file() else ""
+
+
+def _teacher_text(make: Callable[[Grade], str] | None, grade: Grade) -> str:
+    """`make(grade)` cut to `_FEEDBACK_CHARS` (the task's failing hidden cases); '' for a task without them or
+    when reading them failed (logged: teacher context never fails an episode)."""
+    if make is None:
+        return ""
+    try:
+        return make(grade)[:_FEEDBACK_CHARS]
+    except Exception:
+        logger.warning("reading the failing hidden cases raised", exc_info=True)
+        return ""
 
 
 def _wall_timeout_s(backend: SandboxBackend) -> float:

@@ -22,7 +22,7 @@ from typing import Literal
 import torch
 
 from composer_mesh.configs.sections.loss import DistillLossConfig, LossConfig, PolicyLossConfig, PreferenceLossConfig
-from composer_mesh.losses.distill import DistillSpec
+from composer_mesh.losses.distill import DistillSpec, kl_guard_k3
 from composer_mesh.losses.logprobs import (
     ChunkLossFn,
     FusedHead,
@@ -35,8 +35,8 @@ from composer_mesh.losses.logprobs import (
     token_stats_naive,
 )
 from composer_mesh.losses.mismatch import mismatch_weights, needs_sequences
-from composer_mesh.losses.policy import dapo_token_loss, prime_dppo_token_loss
-from composer_mesh.losses.preference import dpo_loss, ipo_loss, rpo_nll, simpo_loss
+from composer_mesh.losses.policy import dapo_token_loss, prime_dppo_token_loss, rlsd_weights
+from composer_mesh.losses.preference import dpo_loss, ipo_loss, pair_weight, rpo_nll, simpo_loss
 from composer_mesh.losses.reduce import global_mean, math_dtype, segment_sum, upcast
 
 CHANNELS = ("policy", "distill", "preference")
@@ -57,6 +57,10 @@ class PolicyInputs:
     gen_logprobs_BT: the generator's logprobs (mismatch IS / rejection for DAPO; the reference of PRIME-DPPO).
     seq_ids_BT: which sequence each token belongs to (equal ids = same sequence; packed rows hold
         several); None: each row is one sequence. Read by sequence-level mismatch correction only.
+    rlsd_mask_BT: tokens whose advantage RLSD weights (`[loss.distill] rlsd`: sampled tokens of hinted
+        rollouts with a teacher position); None: no token is weighted.
+    rlsd_teacher_hidden_BTD: the hinted teacher's hidden states aligned to these tokens (as
+        `DistillInputs.teacher_hidden_BTD`); read where `rlsd_mask_BT` is set, never given gradient.
     """
 
     hidden_BTD: torch.Tensor
@@ -67,6 +71,8 @@ class PolicyInputs:
     old_logprobs_BT: torch.Tensor | None = None
     gen_logprobs_BT: torch.Tensor | None = None
     seq_ids_BT: torch.Tensor | None = None
+    rlsd_mask_BT: torch.Tensor | None = None
+    rlsd_teacher_hidden_BTD: torch.Tensor | None = None
 
 
 @dataclass
@@ -79,6 +85,8 @@ class DistillInputs:
     mask_BT: the student's tokens of the error turn (and after, if chosen).
     num_tokens: global count of distilled tokens.
     teacher_weight_VD: the teacher's LM head (None: the policy's own head, detached).
+    labels_BT / gen_logprobs_BT: the sampled token ids and the generator's logprobs of them (the KL guard,
+        `[loss.distill] kl_guard > 0`, needs both).
     """
 
     hidden_BTD: torch.Tensor
@@ -86,6 +94,8 @@ class DistillInputs:
     mask_BT: torch.Tensor
     num_tokens: torch.Tensor | int
     teacher_weight_VD: torch.Tensor | None = None
+    labels_BT: torch.Tensor | None = None
+    gen_logprobs_BT: torch.Tensor | None = None
 
 
 @dataclass
@@ -181,21 +191,57 @@ def _sequence_index(inputs: PolicyInputs, mask: torch.Tensor) -> torch.Tensor:
     return torch.unique(ids_BT[mask], return_inverse=True)[1]
 
 
+@torch.no_grad()
+def _label_logprobs(cfg: LossConfig, chunked: bool, weight_VD, hidden_nD, labels_n) -> torch.Tensor:
+    """log p(label) of each row of `hidden_nD` under the head `weight_VD`, without gradient (one head matmul
+    per token: chunk by chunk when `chunked`).  # [n]"""
+    hidden_nD, weight_VD = hidden_nD.detach(), weight_VD.detach()
+    if chunked:
+        return chunked_token_stats(hidden_nD, weight_VD, labels_n, want_entropy=False,
+                                   chunk_tokens=_chunk_tokens(cfg, weight_VD, label_only=True)).logprobs
+    return token_stats_naive(hidden_nD, weight_VD, labels_n, want_entropy=False).logprobs
+
+
 def _sequence_mismatch(cfg: LossConfig, head, weight_VD, inputs, mask, labels_n, old_n, gen_n):
     """Mismatch weights of all valid tokens before the head loop (when π_old is given, or a
     correction looks at whole sequences); on-policy (no π_old given) π_old is the current
     policy, scored here without gradient (one extra head matmul per token).  # MismatchWeights of [n]"""
     if old_n is None:
-        hidden_nD = inputs.hidden_BTD[mask].detach()
-        with torch.no_grad():
-            if head is not None:
-                old_n = chunked_token_stats(
-                    hidden_nD, weight_VD.detach(), labels_n, want_entropy=False,
-                    chunk_tokens=_chunk_tokens(cfg, weight_VD, label_only=True),
-                ).logprobs
-            else:
-                old_n = token_stats_naive(hidden_nD, weight_VD.detach(), labels_n, want_entropy=False).logprobs
+        old_n = _label_logprobs(cfg, head is not None, weight_VD, inputs.hidden_BTD[mask], labels_n)
     return mismatch_weights(old_n, gen_n, _sequence_index(inputs, mask), cfg.policy)
+
+
+@dataclass(frozen=True)
+class _Rlsd:
+    """RLSD's inputs over the channel's valid tokens: which are weighted, and the hinted teacher's logprob of
+    each (0 where not weighted)."""
+
+    on_n: torch.Tensor
+    teacher_logprobs_n: torch.Tensor
+
+    def advantages(self, cfg: DistillLossConfig, adv_n: torch.Tensor, student_logprobs_n: torch.Tensor,
+                   sl: slice | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A·w, w) for tokens `sl`: w from `rlsd_weights` where RLSD applies, 1 elsewhere."""
+        sl = slice(None) if sl is None else sl
+        w = rlsd_weights(self.teacher_logprobs_n[sl], student_logprobs_n, adv_n, cfg.rlsd_w_min, cfg.rlsd_w_max)
+        w = torch.where(self.on_n[sl], w, torch.ones_like(w))
+        return adv_n * w, w
+
+
+def _rlsd_inputs(cfg: LossConfig, head, weight_VD, inputs: PolicyInputs, mask, labels_n) -> _Rlsd | None:
+    """The hinted teacher's logprobs of the RLSD tokens (`[loss.distill] rlsd` with a mask given), scored once
+    without gradient before the head loop (one head matmul per such token)."""
+    if not cfg.distill.rlsd or inputs.rlsd_mask_BT is None:
+        return None
+    if inputs.rlsd_teacher_hidden_BTD is None or inputs.rlsd_teacher_hidden_BTD.shape != inputs.hidden_BTD.shape:
+        raise ValueError("RLSD needs rlsd_teacher_hidden_BTD aligned to the policy's hidden states "
+                         f"{tuple(inputs.hidden_BTD.shape)}")
+    on_n = _bool_mask(inputs.rlsd_mask_BT, mask.shape, "rlsd")[mask]
+    teacher_n = torch.zeros(on_n.shape, dtype=math_dtype(inputs.hidden_BTD), device=on_n.device)
+    if bool(on_n.any()):
+        teacher_n[on_n] = upcast(_label_logprobs(
+            cfg, head is not None, weight_VD, inputs.rlsd_teacher_hidden_BTD[mask][on_n], labels_n[on_n]))
+    return _Rlsd(on_n, teacher_n)
 
 
 def policy_channel(
@@ -221,19 +267,22 @@ def policy_channel(
     mismatch = None
     if pcfg.kind == "dapo" and gen_n is not None and (old_n is not None or needs_sequences(pcfg)):
         mismatch = _sequence_mismatch(cfg, head, weight_VD, inputs, mask, labels_n, old_n, gen_n)
+    rlsd = _rlsd_inputs(cfg, head, weight_VD, inputs, mask, labels_n)
     count = torch.as_tensor(inputs.num_tokens, dtype=torch.float32, device=mask.device)
     part = lambda x, sl: None if x is None else x[sl]  # noqa: E731
     weight_n = None if mismatch is None else mismatch.weight
 
     def loss_fn(stats: TokenStats, sl: slice) -> torch.Tensor:
-        terms = _policy_terms(pcfg, stats.logprobs, part(old_n, sl), part(gen_n, sl), adv_n[sl], part(weight_n, sl))
+        adv = adv_n[sl] if rlsd is None else rlsd.advantages(cfg.distill, adv_n[sl], stats.logprobs, sl)[0]
+        terms = _policy_terms(pcfg, stats.logprobs, part(old_n, sl), part(gen_n, sl), adv, part(weight_n, sl))
         return global_mean(terms.loss, count)
 
     loss, stats = _head_loss(cfg, head, scale, inputs.hidden_BTD[mask], weight_VD, labels_n, loss_fn, want_entropy=True)
     old = stats.logprobs if old_n is None else upcast(old_n)
     if mismatch is None and pcfg.kind == "dapo" and gen_n is not None:
         mismatch = mismatch_weights(old, gen_n, None, pcfg)
-    terms = _policy_terms(pcfg, stats.logprobs, old_n, gen_n, adv_n, None if mismatch is None else mismatch.weight)
+    adv_w_n, rlsd_w_n = (adv_n, None) if rlsd is None else rlsd.advantages(cfg.distill, adv_n, stats.logprobs)
+    terms = _policy_terms(pcfg, stats.logprobs, old_n, gen_n, adv_w_n, None if mismatch is None else mismatch.weight)
     bound = pcfg.log_ratio_clamp or float("inf")
     # log π_θ / π_old on samples from π_old
     log_r = (stats.logprobs - old).clamp(-bound, bound)
@@ -253,6 +302,12 @@ def policy_channel(
     if mismatch is not None:
         metrics["policy/is_weight_sum"] = mismatch.weight.sum()
         metrics["policy/rejected_sum"] = mismatch.rejected.float().sum()
+    if rlsd is not None:
+        on = rlsd.on_n
+        # means over the RLSD tokens (summarize_metrics): the weight, and the hinted teacher's gain Δ_t
+        metrics["policy/rlsd_tokens"] = loss.new_tensor(float(on.sum()))
+        metrics["policy/rlsd_weight_sum"] = rlsd_w_n[on].sum()
+        metrics["policy/rlsd_gap_sum"] = (rlsd.teacher_logprobs_n - stats.logprobs)[on].sum()
     return loss, metrics
 
 
@@ -276,7 +331,8 @@ def distill_channel(
     head: FusedHead | None = None,
     scale: float = 1.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Σ_valid divergence_t / num_tokens, teacher without gradient."""
+    """Σ_valid (divergence_t + kl_guard·k3_t) / num_tokens, teacher without gradient (the k3 term only with
+    `[loss.distill] kl_guard > 0`, against the generator's logprobs of the sampled tokens)."""
     mask = _bool_mask(inputs.mask_BT, inputs.hidden_BTD.shape[:2], "distill")
     if inputs.teacher_hidden_BTD.shape != inputs.hidden_BTD.shape:
         raise ValueError(
@@ -286,21 +342,25 @@ def distill_channel(
     teacher_w = weight_VD if inputs.teacher_weight_VD is None else inputs.teacher_weight_VD
     teacher = Teacher(inputs.teacher_hidden_BTD[mask].detach(), teacher_w.detach(), distill_spec(cfg.distill, taid_t))
     count = torch.as_tensor(inputs.num_tokens, dtype=torch.float32, device=mask.device)
-    loss, stats = _head_loss(
-        cfg,
-        head,
-        scale,
-        inputs.hidden_BTD[mask],
-        weight_VD,
-        None,
-        lambda stats, sl: global_mean(stats.divergence, count),
-        teacher=teacher,
-    )
+    guard = cfg.distill.kl_guard
+    labels_n = gen_n = None
+    if guard:
+        if inputs.labels_BT is None or inputs.gen_logprobs_BT is None:
+            raise ValueError("loss.distill.kl_guard > 0 needs the distilled tokens' labels_BT and gen_logprobs_BT")
+        labels_n, gen_n = inputs.labels_BT[mask], inputs.gen_logprobs_BT[mask]
+
+    def loss_fn(stats: TokenStats, sl: slice) -> torch.Tensor:
+        terms = stats.divergence if not guard else stats.divergence + guard * kl_guard_k3(stats.logprobs, gen_n[sl])
+        return global_mean(terms, count)
+
+    loss, stats = _head_loss(cfg, head, scale, inputs.hidden_BTD[mask], weight_VD, labels_n, loss_fn, teacher=teacher)
     metrics = {
         "distill/loss": loss.detach(),
         "distill/tokens": loss.new_tensor(float(mask.sum())),
         "distill/divergence_sum": stats.divergence.sum(),
     }
+    if guard:
+        metrics["distill/kl_guard_sum"] = kl_guard_k3(stats.logprobs, gen_n).sum()
     return loss, metrics
 
 
@@ -310,17 +370,29 @@ MIN_FUSED_PAIR_TOKENS = 64
 
 
 def _pair_losses(pref: PreferenceLossConfig, inputs: PreferenceInputs, chosen_P, rejected_P, c_len_P, r_len_P):
-    """(per-pair loss, margin) from sequence logprob sums (averaged here when the kind wants means)."""
+    """(per-pair loss, margin, DPO weight) from sequence logprob sums (averaged here when the kind wants means).
+
+    The weight is σ(−m) with the kind's sigmoid margin m (DPO β·Δ, SimPO β·(avg_w − avg_l) − γ; IPO, whose
+    margin is Δ itself: β·Δ); a pair under `min_weight` has its loss multiplied by 0 here, so it adds nothing
+    on any path (it still counts in num_pairs, which the batch fixed)."""
     ref_c, ref_r = inputs.ref_chosen_logps_P, inputs.ref_rejected_logps_P
     if pref.length_averaged:
         chosen_P, rejected_P = chosen_P / c_len_P, rejected_P / r_len_P
         ref_c = None if ref_c is None else ref_c / c_len_P
         ref_r = None if ref_r is None else ref_r / r_len_P
     if pref.kind == "dpo":
-        return dpo_loss(chosen_P, rejected_P, ref_c, ref_r, pref.dpo_beta, pref.label_smoothing)
-    if pref.kind == "ipo":
-        return ipo_loss(chosen_P, rejected_P, ref_c, ref_r, pref.dpo_beta)
-    return simpo_loss(chosen_P, rejected_P, pref.simpo_beta, pref.simpo_gamma, pref.label_smoothing)
+        per_pair, margin = dpo_loss(chosen_P, rejected_P, ref_c, ref_r, pref.dpo_beta, pref.label_smoothing)
+    elif pref.kind == "ipo":
+        per_pair, margin = ipo_loss(chosen_P, rejected_P, ref_c, ref_r, pref.dpo_beta)
+    else:
+        per_pair, margin = simpo_loss(chosen_P, rejected_P, pref.simpo_beta, pref.simpo_gamma, pref.label_smoothing)
+    weight = pair_weight(pref.dpo_beta * margin if pref.kind == "ipo" else margin)
+    return per_pair, margin, weight
+
+
+def _kept(pref: PreferenceLossConfig, weight_P: torch.Tensor) -> torch.Tensor:
+    """1 for pairs whose DPO weight reaches `min_weight`, 0 for the others.  # [P]"""
+    return (weight_P >= pref.min_weight).to(weight_P.dtype)
 
 
 def _fused_pair_seq_logps(cfg, head, scale, weight_VD, inputs, c_mask, r_mask, c_len_P, r_len_P):
@@ -360,8 +432,8 @@ def _fused_pair_seq_logps(cfg, head, scale, weight_VD, inputs, c_mask, r_mask, c
             ref_rejected_logps_P=None if inputs.ref_rejected_logps_P is None else inputs.ref_rejected_logps_P[one],
         )
         with torch.enable_grad():
-            per_pair, _ = _pair_losses(pref, sub, c[None], r[None], c_len_P[one], r_len_P[one])
-            (g_c,) = torch.autograd.grad(global_mean(per_pair, inputs.num_pairs) * scale, c)
+            per_pair, _, weight = _pair_losses(pref, sub, c[None], r[None], c_len_P[one], r_len_P[one])
+            (g_c,) = torch.autograd.grad(global_mean(per_pair * _kept(pref, weight), inputs.num_pairs) * scale, c)
         return g_c * c_len_P[p] if mean else g_c
 
     token_weight_n = torch.cat(weights) if weights else hidden_nD.new_zeros(0)
@@ -409,19 +481,23 @@ def preference_channel(
             stats = token_stats_naive(hidden_nD, weight_VD, labels_n, want_entropy=False)
         seq_logps = segment_sum(stats.logprobs, seq_n, 2 * n_pairs)
         chosen_P, rejected_P = seq_logps[:n_pairs], seq_logps[n_pairs:]
-    per_pair, margin = _pair_losses(pref, inputs, chosen_P, rejected_P, c_len_P, r_len_P)
+    per_pair, margin, weight = _pair_losses(pref, inputs, chosen_P, rejected_P, c_len_P, r_len_P)
+    kept = _kept(pref, weight)
     nll_P = None
     if pref.nll_weight:
         nll_P = rpo_nll(chosen_P, c_len_P)
         per_pair = per_pair + pref.nll_weight * nll_P
         if fused:
-            _fused_chosen_nll(cfg, head, scale, weight_VD, inputs, c_mask, c_len_P)
-    loss = global_mean(per_pair, inputs.num_pairs)
+            _fused_chosen_nll(cfg, head, scale, weight_VD, inputs, c_mask, c_len_P, kept)
+    loss = global_mean(per_pair * kept, inputs.num_pairs)
     metrics = {
         "preference/loss": loss.detach(),
         "preference/pairs": loss.new_tensor(float(n_pairs)),
         "preference/margin_sum": margin.sum(),
         "preference/accuracy_sum": (margin > 0).float().sum(),
+        # σ(−m) per pair (before dropping): how much DPO gradient the step's pairs carry
+        "preference/weight_sum": weight.sum(),
+        "preference/dropped_low_weight": (1.0 - kept).sum(),
         # log π(y | x) / |y| per pair: whether the pair loss lowers both likelihoods while it moves the margin
         # (DPO's likelihood displacement; what RPO's anchor holds up)
         "preference/chosen_logp_sum": (chosen_P.detach() / c_len_P).sum(),
@@ -432,13 +508,13 @@ def preference_channel(
     return loss, metrics
 
 
-def _fused_chosen_nll(cfg, head, scale, weight_VD, inputs, c_mask, c_len_P) -> None:
-    """Gradient of nll_weight·Σ_pairs rpo_nll / num_pairs into `head` (the fused pair pass carries only
+def _fused_chosen_nll(cfg, head, scale, weight_VD, inputs, c_mask, c_len_P, kept_P) -> None:
+    """Gradient of nll_weight·Σ_kept pairs rpo_nll / num_pairs into `head` (the fused pair pass carries only
     the pair loss: its one scale per pair cannot give chosen and rejected tokens different weights)."""
     rows = torch.arange(c_mask.shape[0], device=c_mask.device).unsqueeze(-1).expand_as(c_mask)[c_mask]
     count = torch.as_tensor(inputs.num_pairs, dtype=c_len_P.dtype, device=c_len_P.device).clamp(min=1.0)
     # [n] d(loss)/d(log p) of each chosen token is −weight_n
-    weight_n = cfg.preference.nll_weight / (c_len_P[rows] * count)
+    weight_n = cfg.preference.nll_weight * kept_P[rows] / (c_len_P[rows] * count)
     _head_loss(
         cfg, head, scale, inputs.chosen_hidden_BTD[c_mask], weight_VD, inputs.chosen_labels_BT[c_mask],
         lambda stats, sl: -(weight_n[sl] * stats.logprobs).sum(),
@@ -492,12 +568,18 @@ def metric_reduce_op(name: str) -> Literal["sum", "max"]:
     return "max" if name.endswith("_max") else "sum"
 
 
+# sums over a subset of a channel's tokens, and the count they are averaged by
+SUBSET_COUNTS = {"policy/rlsd_": "policy/rlsd_tokens"}
+
+
 def summarize_metrics(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Reduced metrics → readable means (`x_sum` / tokens or pairs becomes `x_mean`)."""
+    """Reduced metrics → readable means (`x_sum` / tokens or pairs becomes `x_mean`; `SUBSET_COUNTS` names
+    the sums over a subset of the tokens)."""
     out: dict[str, float] = {}
     for name, value in metrics.items():
         channel = name.split("/")[0]
         count_key = f"{channel}/pairs" if channel == "preference" else f"{channel}/tokens"
+        count_key = next((c for prefix, c in SUBSET_COUNTS.items() if name.startswith(prefix)), count_key)
         if name.endswith("_sum") and count_key in metrics:
             out[name[: -len("_sum")] + "_mean"] = float(value) / max(float(metrics[count_key]), 1.0)
         else:

@@ -18,6 +18,8 @@ Semantics (see shared/design/REFERENCES.md):
   cross-entropy −Σ target·log p_s (the official `forward_kl`); `TAIDSchedule`
   is the adaptive, monotone, capped schedule of t (or the linear one alone).
 - entropy-aware OPD: w = clamp(H(p_t)/h_max, 0, 1), w·KL(p_t‖p_s) + (1−w)·KL(p_s‖p_t).
+- KL guard (`kl_guard_k3`): k3 = exp(lp_gen − lp) − (lp_gen − lp) − 1 per distilled token, lp the policy's
+  logprob of the sampled token and lp_gen the generator's; `[loss.distill] kl_guard` weights its token mean.
 """
 
 from __future__ import annotations
@@ -113,6 +115,13 @@ def entropy_aware_opd(
     teacher_entropy_N = -(logt_NV.exp() * logt_NV).sum(-1)
     w_N = (teacher_entropy_N / h_max).clamp(0.0, 1.0)
     return w_N * _kl(logt_NV, logs_NV) + (1.0 - w_N) * _kl(logs_NV, logt_NV)
+
+
+def kl_guard_k3(logprobs: torch.Tensor, gen_logprobs: torch.Tensor) -> torch.Tensor:
+    """k3(π_θ ‖ π_gen) per sampled token: exp(x) − x − 1 with x = lp_gen − lp (≥ 0, 0 where they agree); the
+    gradient reaches the policy's logprob only.  # same shape"""
+    x = upcast(gen_logprobs).detach() - upcast(logprobs)
+    return x.exp() - x - 1.0
 
 
 _DIVERGENCES = {"jsd": generalized_jsd, "taid": taid_divergence, "eopd": entropy_aware_opd}

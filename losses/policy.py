@@ -5,7 +5,8 @@ filter, soft overlong shaping); token-level pieces run inside the loss and are
 *per-token* terms, so the channel loss is Σ_valid ℓ_t / N_global with the global
 valid-token count passed in explicitly (microbatching and data parallelism do
 not change the result). Mismatch weights (TIS, rejection): `losses/mismatch.py`.
-Semantics: shared/design/REFERENCES.md.
+RLSD (`rlsd_weights`) scales a token's advantage by how much the hinted teacher of
+channel 2 changes its probability. Semantics: shared/design/REFERENCES.md.
 """
 
 from __future__ import annotations
@@ -165,3 +166,20 @@ def prime_dppo_token_loss(
     masked = ((adv > 0) & (delta_p > delta_high)) | ((adv < 0) & (delta_p < -delta_low))
     loss = torch.where(masked, 0.0, -adv_tau * adv * ratio) + kl_tau * log_ratio**2
     return DapoTerms(loss, ratio.detach(), masked)
+
+
+def rlsd_weights(
+    teacher_logprobs: torch.Tensor,
+    student_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    w_min: float,
+    w_max: float,
+) -> torch.Tensor:
+    """RLSD token weights (Self-Distilled RLVR, arXiv:2604.03128), elementwise, detached.
+
+    Δ_t = sg(log π_T(y_t | x, hint, y<t) − log π_S(y_t | x, y<t)) and w_t = clip(exp(sign(A_t)·Δ_t), w_min, w_max):
+    the verifier's advantage sets the direction, the hinted teacher the size (the advantage becomes A_t·w_t).
+    sign(0) = 0, so a zero advantage keeps w = 1.
+    """
+    delta = (upcast(teacher_logprobs) - upcast(student_logprobs)).detach()
+    return (torch.sign(upcast(advantages).detach()) * delta).exp().clamp(w_min, w_max)

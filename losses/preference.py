@@ -98,3 +98,9 @@ def rpo_nll(chosen_logps_P: torch.Tensor, chosen_len_P: torch.Tensor) -> torch.T
     batch instead, which is the same number when the chosen lengths are equal.
     """
     return -upcast(chosen_logps_P) / chosen_len_P.clamp(min=1)
+
+
+def pair_weight(margin_P: torch.Tensor) -> torch.Tensor:
+    """σ(−m) per pair, detached: the size of the sigmoid loss's gradient, −d/dm log σ(m) = σ(−m) (DPO's
+    m = β·Δ). A pair the policy already ranks far above the reference carries almost none.  # [P]"""
+    return torch.sigmoid(-upcast(margin_P).detach())

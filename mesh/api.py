@@ -12,7 +12,8 @@
 A `Run` writes what `composer-mesh train` writes (that command is `Run(job).run()`
 plus exit codes): `metrics.jsonl`, TensorBoard events, `processes.json`,
 checkpoints with controller states (resumed unless `resume=False`),
-`summary.json`, `plot.png` and `hf/` under `<job.output_dir>/<job.name>`.
+`summary.json`, `plot.png` and `hf/` under `<job.output_dir>/<job.name>`. A switched-on channel 2 or 3 that
+gets nothing warns at each step and is named in summary.json's `silent_channels` (`mesh.channels`).
 Actors start on the first call that needs them (`start()`, wired by
 `mesh.launch.Launch`); `stop()` — or
 leaving the `with` block — removes them, the local teacher server and the
@@ -35,6 +36,7 @@ from composer_mesh.actors.mesh_utils import rank0
 from composer_mesh.actors.rollout import SamplingParams
 from composer_mesh.configs.loader import load_config
 from composer_mesh.configs.schema import JobConfig
+from composer_mesh.mesh.channels import ChannelWatch
 from composer_mesh.mesh.controller import StepRecord
 from composer_mesh.mesh.evaluation import evaluate
 from composer_mesh.mesh.metrics import plot_run, process_age_s, pyplot
@@ -68,6 +70,8 @@ class Run:
         self.memory: Any = None
         # actors, sink and controller (mesh.launch), set by start()
         self._launch: Launch | None = None
+        # what channels 2 and 3 got, step by step (set by start())
+        self._channels: ChannelWatch | None = None
         self._stopped = False
 
     @classmethod
@@ -115,12 +119,14 @@ class Run:
                 self.stop()
                 raise
             self.job, self.memory = self._launch.job, self._launch.memory
+            self._channels = ChannelWatch(self.job, replay=self._launch.placement.replay is not None)
         return self
 
     def _on_step(self, record: StepRecord) -> None:
         """Each step: remember it, log it; after a replacement, name the new processes in processes.json."""
         launch = self._launch
         self.history.append(record)
+        self._channels.step(record)
         launch.sink(record)
         if launch.supervisor is not None:
             launch.placement.write_pids(self.run_dir / "processes.json", len(launch.supervisor.restarts))
@@ -215,6 +221,7 @@ class Run:
         }
         summary.update(loop.summary(placement))
         summary.update(trained_summary(self.history, job))
+        summary.update(self._channels.summary(self.history, summary["replay"]))
         if evals:
             summary["heldout"] = {"split": job.trainer.eval_split,
                                   "before": {"step": evals[0][0], **evals[0][1]},

@@ -4,8 +4,9 @@ Plain Python in the launching process, holding actor meshes. One step:
 
 1. take `prompts_per_step` rollout groups (sync: generated now with the
    current weights; async: from a buffer the generators fill in the background);
-2. GRPO advantages and dynamic sampling, hints for error sites (channel 2),
-   preference pairs from the teacher-replay actor (channel 3, optional);
+2. GRPO advantages and dynamic sampling, hints for error sites (channel 2 and
+   RLSD: `mesh.hinting`), preference pairs from the teacher-replay actor
+   (channel 3, optional; the rollouts it replays: `mesh.outcomes.replay_rollouts`);
 3. pack one global `TrainBatch` and call `train_step` on the trainer mesh;
 4. publish the new weights through `actors.weight_sync.sync.TopologySync` (trainer
    ranks write their own shards into per-host shared memory, hosts without
@@ -53,9 +54,10 @@ from composer_mesh.mesh.errors import phase
 from composer_mesh.mesh.evaluation import EvalConfig, evaluate
 from composer_mesh.mesh.episode_metrics import episode_metrics, rollout_record
 from composer_mesh.mesh.async_workers import AsyncWorkers
+from composer_mesh.mesh.hinting import HintMaker
+from composer_mesh.mesh.outcomes import replay_rollouts
 from composer_mesh.mesh.packing import (
-    PROMPT_TOO_LONG, PairTokens, drop_reasons, explain_drops, make_hint, pack_batch, pair_rows, pair_tokens,
-    select_rollouts,
+    PROMPT_TOO_LONG, PairTokens, drop_reasons, explain_drops, pack_batch, pair_rows, pair_tokens, select_rollouts,
 )
 from composer_mesh.mesh.rollout_exchange import shard_points, train_step_sharded
 from composer_mesh.mesh.requests import RequestLedger
@@ -85,12 +87,17 @@ class ControllerConfig:
     # cross-host deltas with a full anchor every this many syncs; 1 = always full
     anchor_every: int = 1
     seed: int = 0
-    # channel 2: hint the first error site of each failed rollout
+    # channel 2 (and RLSD): hint the first error site of each rollout `hint_targets` selects (`mesh.hinting`)
     hints: bool = True
+    hint_targets: Literal["failed", "all_fail_groups"] = "failed"
+    # channel 2 (`[loss] alpha > 0`); off, hints serve RLSD only: a rollout outside the policy channel gets none
+    distill_channel: bool = True
     # channel 1 (`[loss] policy_weight > 0`); off, rollouts train only through hints
     policy_channel: bool = True
     # channel 3: preference pairs drawn from the replay actor per step
     pairs_per_step: int = 0
+    # channel 3: only the unsolved rollouts of groups passing at most this often go to the teachers (None: all)
+    replay_pass_limit: float | None = None
     # score pairs with the trainer's π_ref (DPO; TrainerActor.score(reference=True))
     dpo_reference: bool = True
     # tool schemas a pair's context is rendered with (a tool-loop task's; () = none)
@@ -118,7 +125,10 @@ class ControllerConfig:
         return cls(
             steps=steps, prompts_per_step=trainer.prompts_per_step, max_seq_len=trainer.max_seq_len,
             policy=job.loss.policy, mode=trainer.mode, max_staleness=trainer.max_staleness, seed=job.job.seed,
-            hints=job.loss.alpha > 0, policy_channel=job.loss.policy_weight > 0, weight_dir=weight_dir,
+            hints=job.loss.alpha > 0 or job.loss.distill.rlsd, hint_targets=job.loss.distill.targets,
+            distill_channel=job.loss.alpha > 0,
+            replay_pass_limit=job.replay.group_pass_limit, policy_channel=job.loss.policy_weight > 0,
+            weight_dir=weight_dir,
             serving_dtype=gen.dtype, anchor_every=job.mesh.weight_sync_anchor_every,
             pairs_per_step=trainer.prompts_per_step if replay else 0,
             dpo_reference=job.loss.preference.needs_reference, state_dir=state_dir,
@@ -185,7 +195,7 @@ class Controller:
         self.trainer = trainer
         self.generators = list(generators)
         self.chat = chat
-        self.hinter = hinter
+        self.hints = HintMaker(hinter, chat, cfg.hint_targets) if cfg.hints and hinter is not None else None
         self.replay = replay
         self.on_step = on_step
         self.supervisor = supervisor
@@ -222,7 +232,8 @@ class Controller:
         replay = self.replay.snapshot.call_one().get() if self.replay is not None else None
         with self._arrived:
             cursor, pending = self.prompts.position()
-            return ControllerState(version, iteration, cursor, pending, list(self.buffer), replay)
+            hints = self.hints.state_dict() if self.hints is not None else None
+            return ControllerState(version, iteration, cursor, pending, list(self.buffer), replay, hints)
 
     def _save_state(self, version: int, iteration: int) -> None:
         """Remember (and, with `state_dir`, write atomically) the state a checkpoint at `version` resumes with;
@@ -247,6 +258,8 @@ class Controller:
             self.prompts.restore(state.prompt_cursor, state.pending)
             self.buffer = list(state.buffer)
         self.iteration = state.iteration
+        if self.hints is not None and state.hints is not None:
+            self.hints.load_state_dict(state.hints)
         if self.replay is not None and state.replay is not None:
             self.replay.restore.call_one(state.replay).get()
             # as the run that saved the state did next
@@ -379,16 +392,13 @@ class Controller:
         drops = drop_reasons(groups, selection, dropped)
         if not self.cfg.policy_channel:
             selection = replace(selection, in_policy=[False] * len(selection.rollouts))
-        hints = {}
-        if self.cfg.hints and self.hinter is not None:
-            for i, r in enumerate(selection.rollouts):
-                hint = make_hint(self.chat, r, self.hinter)
-                if hint is not None:
-                    hints[i] = hint
+        hints = self.hints.make(groups) if self.hints is not None else {}
+        if not self.cfg.distill_channel:
+            hints = {i: h for i, h in hints.items() if selection.in_policy[i]}
         # channel 3 live: the run's own failed turns go to the teachers
         replay_start = time.perf_counter()
         if self.replay is not None:
-            self.replay.add_rollouts.call_one(all_rollouts).get()
+            self.replay.add_rollouts.call_one(replay_rollouts(groups, self.cfg.replay_pass_limit)).get()
         pairs, ref, pair_keys = self._pairs()
         replay_s = time.perf_counter() - replay_start
         rewards = [r.reward for r in all_rollouts]
@@ -400,7 +410,7 @@ class Controller:
             logger.warning("step %d%s: %s", self.iteration + 1, "" if trains else " trained nothing", why)
         if not trains:
             # every group was dropped and no pairs came
-            metrics: dict[str, float] = {"skipped": 1.0}
+            metrics: dict[str, float] = {"skipped": 1.0, "distill/hinted_tokens": 0.0}
         else:
             batch = pack_batch(selection, self.cfg.max_seq_len, hints, pairs, ref)
             if self._shards is None:
@@ -409,6 +419,7 @@ class Controller:
             train_start = time.perf_counter()
             metrics = train_step_sharded(self.trainer, batch, self._shards)
             metrics["time/train_call_s"] = time.perf_counter() - train_start
+            metrics["distill/hinted_tokens"] = float(batch.distill_tokens)
             self.version = int(metrics["step"])
         self.iteration += 1
         metrics.update({
@@ -417,6 +428,7 @@ class Controller:
             "rollouts/turns": sum(len(r.turn_spans) for r in all_rollouts) / max(1, len(all_rollouts)),
             "rollouts/policy": float(selection.policy_rollouts), "rollouts/dropped_groups": float(selection.dropped_groups),
             "distill/hinted": float(len(hints)), "preference/pairs_in_batch": float(len(pairs)),
+            **(self.hints.metrics() if self.hints is not None else {}),
             "time/generate_s": start_train - start, "time/replay_s": replay_s,
             "async/max_staleness": float(max(staleness, default=0)), "async/dropped_stale": float(dropped),
             **drops.metrics(), **episode_metrics(all_rollouts),

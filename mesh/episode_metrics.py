@@ -79,9 +79,26 @@ def rollout_record(rollout: Rollout) -> dict[str, Any]:
     }
 
 
-def eval_pass_rates(greedy: Sequence[Rollout], sampled: Sequence[Rollout]) -> dict[str, Any]:
-    """The held-out pass rates (greedy and sampled) and the sampled episodes' metrics, for coding tasks."""
-    if not graded(greedy) and not graded(sampled):
+def all_fail_share(groups: Sequence[Sequence[Rollout]]) -> float:
+    """Share of `groups` (a problem's samples each) none of whose rollouts passed (0 when there are none)."""
+    return sum(not any(passed(r) for r in group) for group in groups) / max(1, len(groups))
+
+
+def eval_pass_rates(greedy: Sequence[Rollout], sampled: Sequence[Sequence[Rollout]],
+                    hinted: Sequence[Sequence[Rollout]] = ()) -> dict[str, Any]:
+    """For coding tasks: the held-out pass rates (greedy, and sampled over every sample of every problem's group),
+    the share of problems whose group all failed and pass@k (k = the group's size: at least one sample passed),
+    the sampled episodes' metrics, and with `hinted` groups (the same problems with the reference as a note) their
+    pass rate and all-fail share and `hint_gap`, the hinted sampled pass rate minus the unhinted one."""
+    flat = [r for group in sampled for r in group]
+    if not graded(greedy) and not graded(flat):
         return {}
-    return {"eval/heldout_greedy_pass": pass_rate(greedy), "eval/heldout_sampled_pass": pass_rate(sampled),
-            **episode_metrics(sampled, prefix="eval/heldout_")}
+    fail = all_fail_share(sampled)
+    out = {"eval/heldout_greedy_pass": pass_rate(greedy), "eval/heldout_sampled_pass": pass_rate(flat),
+           "eval/heldout_all_fail_share": fail, "eval/heldout_pass_at_k": 1.0 - fail,
+           **episode_metrics(flat, prefix="eval/heldout_")}
+    if hinted:
+        with_note = pass_rate([r for group in hinted for r in group])
+        out |= {"eval/heldout_hinted_sampled_pass": with_note, "eval/heldout_hinted_all_fail_share":
+                all_fail_share(hinted), "eval/heldout_hint_gap": with_note - out["eval/heldout_sampled_pass"]}
+    return out

@@ -25,7 +25,7 @@ from composer_mesh.actors.teacher_replay import ReplaySpec
 from composer_mesh.configs.schema import JobConfig
 from composer_mesh.envs.demo import format_examples
 from composer_mesh.envs.factory import check_task, env_factory
-from composer_mesh.envs.tool_format import tool_format_examples, warm_start_env
+from composer_mesh.envs.tool_format import HintFormats, tool_format_examples, warm_start_env
 from composer_mesh.envs.plugin import add_python_path
 from composer_mesh.mesh.controller import TOOL_TASKS, Controller, ControllerConfig, StepRecord
 from composer_mesh.mesh.memory import check as memory_check
@@ -35,7 +35,8 @@ from composer_mesh.mesh.prespawn import Prespawned
 from composer_mesh.mesh.replicas import ReplicaController, check_supported, place_replicas
 from composer_mesh.mesh.responders import build_responder
 from composer_mesh.mesh.supervision import ControllerState, Supervisor, install_fault_hook, load_state, state_path
-from composer_mesh.replay.hints import make_hint_generator
+from composer_mesh.replay.hints import cases_note, change_note, make_hint_generator, reference_note
+from composer_mesh.replay.reference_teacher import edit_args
 from composer_mesh.replay.server import TeacherServer
 from composer_mesh.titan_ext.assets import cache_dir_for, hf_dir_for
 from composer_mesh.titan_ext.checkpoint import Checkpointer
@@ -250,6 +251,10 @@ class Launch:
                     shutil.rmtree(self.weight_dir, ignore_errors=True)
 
 
+# the hint channel's note formats and its teachers' edits: the warm start's notes and edits are written in them
+HINT_FORMATS = HintFormats(reference=reference_note, change=change_note, cases=cases_note, edit_args=edit_args)
+
+
 def model_dir(job: JobConfig) -> str:
     """HF weights both the trainer and the generators start from (a warm-started base when the task asks for one)."""
     # refuse a config.json here, before any actor
@@ -271,8 +276,9 @@ def warm_start_request(job: JobConfig, src_dir: str) -> WarmStartRequest | None:
     demo, tl = job.env.demo, job.env.tool_loop
     model = dataclasses.replace(job.model, hf_path=src_dir)
     if job.env.task in TOOL_TASKS and tl.warm_start_steps > 0:
-        conversations, tools = tool_format_examples(env_factory(warm_start_env(job.env)), tl.warm_start_examples,
-                                                    tl.warm_start_seed)
+        conversations, tools = tool_format_examples(
+            env_factory(warm_start_env(job.env)), tl.warm_start_examples, tl.warm_start_seed, HINT_FORMATS,
+            note_share=tl.warm_start_note_share, note_formats=tl.warm_start_note_formats)
         ws = WarmStartConfig(steps=tl.warm_start_steps, batch_size=tl.warm_start_batch_size, lr=tl.warm_start_lr,
                              seed=tl.warm_start_seed, decay=tl.warm_start_decay,
                              grad_clip=tl.warm_start_grad_clip)

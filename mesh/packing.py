@@ -13,7 +13,8 @@ same tokens with the hint message inserted right before the failed assistant
 turn (so the teacher — the policy *with* the hint — scores that turn's own
 tokens, as in self-distillation from feedback). `hint_index_BL` maps each
 student position to the teacher position that predicts the same token; the
-distillation mask is the failed turn's sampled tokens.
+distillation mask is the failed turn's sampled tokens; `hinted_BL` marks every
+position of a hinted rollout that has a teacher counterpart (what RLSD weights).
 
 Trace replay: each preference pair becomes a chosen and a rejected sequence
 (state rendered with the chat template + the action), labels on the action.
@@ -229,6 +230,7 @@ def pack_batch(
     teacher_rows: list[list[int]] = [[] for _ in range(B)]
     hint_index = torch.full((B, L), -1)
     dmask = torch.zeros(B, L, dtype=torch.bool)
+    hinted = torch.zeros(B, L, dtype=torch.bool)
     for b, row in enumerate(rows):
         at = 0
         for i in row:
@@ -254,6 +256,7 @@ def pack_batch(
                 hint_index[b, at : at + n - 1] = torch.where(j + 1 < o, base + j, base + j + h)
                 # position o-1 predicts the header in the student but the hint in the teacher: no target
                 hint_index[b, at + o - 1] = -1
+                hinted[b, at : at + n - 1] = hint_index[b, at : at + n - 1] >= 0
                 _, start, end = next(s for s in r.turn_spans if s[0] == hint.site.turn)
                 dmask[b, at + start - 1 : at + end - 1] = torch.tensor(r.loss_mask[start:end])
             at += n
@@ -273,7 +276,7 @@ def pack_batch(
                 hint_positions[b, at : at + n] = torch.arange(n)
                 at += n
         batch.update(hint_tokens_BH=hint_tokens, hint_positions_BH=hint_positions, hint_index_BL=hint_index,
-                     distill_mask_BL=dmask, distill_tokens=int(dmask.sum()))
+                     distill_mask_BL=dmask, distill_tokens=int(dmask.sum()), hinted_BL=hinted)
     if pairs:
         batch.update(_pack_pairs(pairs, ref_logprobs))
     return TrainBatch(**batch)

@@ -14,7 +14,10 @@ from composer_mesh.configs.sections.env import EnvConfig
 from composer_mesh.configs.sections.replay import RESPONDERS
 from composer_mesh.envs.demo import solve
 from composer_mesh.envs.factory import env_factory
-from composer_mesh.replay.reference_teacher import Lookup, ReferenceResponder
+from composer_mesh.envs.feature_deletion import RepoTask
+from composer_mesh.envs.micro import MicroTask
+from composer_mesh.envs.swe import SweTask
+from composer_mesh.replay.reference_teacher import UNKNOWN_TASK, Lookup, ReferenceResponder, TaskFiles
 from composer_mesh.replay.server import ConsensusResponder, HFResponder, Responder, SolverResponder, echo_responder
 
 
@@ -39,24 +42,48 @@ def build_responder(kind: str, model_dir: str = "", noise: float = 0.2, env: Env
     raise ValueError(f"unknown responder {kind!r}; choose from {', '.join(RESPONDERS)}")
 
 
+def task_files(task: Any) -> TaskFiles | str:
+    """The files a coding teacher answers `task` from, or why it cannot: the reference solution's files as the
+    agent first sees them and as the solution writes them. A micro task's come from its starting workspace, a
+    repository task's are its target file, a SWE task's the files the gold patch touches (before: the repository
+    at base_commit; the files the patch deletes are left out, as `SweTask.reference_files` leaves them)."""
+    reference = task.reference_files()
+    if not reference:
+        return "no reference solution: the task has none"
+    if isinstance(task, MicroTask):
+        return TaskFiles({path: task.files.get(path, "") for path in reference}, reference)
+    if isinstance(task, RepoTask):
+        return TaskFiles({task.target: task.stubbed_source}, reference)
+    if isinstance(task, SweTask):
+        base = task.snapshot()
+        return TaskFiles({path: (base / path).read_text() if (base / path).is_file() else "" for path in reference},
+                         reference)
+    return f"no starting files: a {type(task).__name__} task does not name them"
+
+
 def reference_lookup(env: EnvConfig, scan: int = 1024) -> Lookup:
-    """Prompt text -> (starting files, reference files) of the train split's tasks. A source makes tasks from
-    seeds (`pick`), so prompts are indexed lazily: a prompt not seen yet scans further seeds, up to `scan`
-    (the server answers on several threads: one lock guards the index)."""
+    """Prompt text -> the files (`task_files`) of the train split's task with that prompt, or why there are none.
+    A source makes tasks from seeds (`pick`), so prompts are indexed lazily: a prompt not seen yet scans further
+    seeds, up to `scan`; each task's files are made once (the server answers on several threads: one lock guards
+    the index)."""
     train = env_factory(env)("train")
     pool: Any = train.tasks
     train.close()
     by_prompt: dict[str, Any] = {}
+    files: dict[str, TaskFiles | str] = {}
     scanned, lock = 0, threading.Lock()
 
-    def lookup(prompt: str) -> tuple[dict[str, str], dict[str, str]] | None:
+    def lookup(prompt: str) -> TaskFiles | str:
         nonlocal scanned
         with lock:
             while prompt not in by_prompt and scanned < scan:
                 task = pool.pick(scanned)
                 by_prompt.setdefault(task.prompt(), task)
                 scanned += 1
-            task = by_prompt.get(prompt)
-        return ({task.target: task.stubbed_source}, task.reference_files()) if task is not None else None
+            if prompt not in by_prompt:
+                return f"{UNKNOWN_TASK} (the first {scan} train tasks scanned)"
+            if prompt not in files:
+                files[prompt] = task_files(by_prompt[prompt])
+            return files[prompt]
 
     return lookup

@@ -190,7 +190,8 @@ class ControllerState:
     pending: requests taken from the cursor whose groups were not yet returned (re-issued on
     resume, by group id and seed); buffer: groups generated but not yet trained (async);
     replay: the teacher-replay actor's `snapshot()` (queued states, ready pairs, counters) —
-    its response cache and budget ledger are on disk already (replay/cache.py).
+    its response cache and budget ledger are on disk already (replay/cache.py); hints: the
+    controller's hint maker's `state_dict()` (`mesh.hinting`: the adaptive reference shares).
     """
 
     version: int
@@ -199,6 +200,7 @@ class ControllerState:
     pending: list[EpisodeRequest] = field(default_factory=list)
     buffer: list[RolloutGroup] = field(default_factory=list)
     replay: Any = None
+    hints: Any = None
 
 
 def state_path(directory: str | Path, version: int) -> Path:

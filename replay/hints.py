@@ -3,8 +3,11 @@
 `classify_error` names what went wrong in a failed tool call; a `HintGenerator`
 writes the hint for an `ErrorSite`: a fixed template per error kind, the
 environment's privileged feedback on the failure (SDPO), the task's reference
-solution (OPSD), or a teacher model's advice through the teacher client;
-`make_hint_generator` picks one from `[loss.distill] hint_kind`. `insert_hint`
+solution (OPSD), the first lines the reference writes (a share adapted per task,
+AdaBack-style), the hidden tests the attempt failed, or a teacher model's advice
+through the teacher client; `make_hint_generator` picks one from
+`[loss.distill] hint_kind`. A site without the privileged field a kind needs gets
+the environment's feedback instead, counted in the generator's `fallbacks`. `insert_hint`
 places the hint right after the failed call's results, and `hint_token_spans`
 tells the trainer which tokens of the hinted context are the hint so the rest
 can be aligned to the student's tokens (the teacher is the policy *with* the
@@ -14,6 +17,7 @@ hint, the student *without*).
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Protocol, Sequence
@@ -151,12 +155,12 @@ def cases_note(cases: str) -> str:
     return f"Hidden tests of this task that your attempt fails:\n{cases.rstrip()}\nUse them to reply correctly."
 
 
-class ReferenceHintGenerator:
-    """The task's reference solution or answer, as privileged context (OPSD's teacher p(. | x, y*)).
+class _SiteFieldHintGenerator:
+    """A note (`note`) made of one privileged field of the error site (`field`), cut to its first `max_chars`
+    characters; a site without it gets the fallback's hint (feedback by default), counted in `fallbacks`."""
 
-    `site.reference` (the demo's correct answer, a coding task's reference files) cut to its first
-    `max_chars` characters; a site without one gets the fallback's hint (feedback by default).
-    """
+    field = ""
+    note: Callable[[str], str]
 
     def __init__(self, max_chars: int = 2000, fallback: HintGenerator | None = None) -> None:
         self.max_chars = max_chars
@@ -164,11 +168,89 @@ class ReferenceHintGenerator:
         self.fallbacks = 0  # how many hints came from the fallback
 
     def hint(self, site: ErrorSite, messages: Sequence[dict]) -> str:
-        reference = site.reference.strip()[: self.max_chars]
-        if not reference:
+        text = str(getattr(site, self.field)).strip()[: self.max_chars]
+        if not text:
             self.fallbacks += 1
             return self.fallback.hint(site, messages)
-        return reference_note(reference)
+        return self.note(text)
+
+
+class ReferenceHintGenerator(_SiteFieldHintGenerator):
+    """The task's reference solution or answer, as privileged context (OPSD's teacher p(. | x, y*)):
+    `site.reference` (the demo's correct answer, a coding task's reference files)."""
+
+    field = "reference"
+    note = staticmethod(reference_note)
+
+
+def written_lines(change: str) -> int:
+    """How many lines a change (`ErrorSite.change`) writes: its lines other than the `--- path` ones."""
+    return sum(not line.startswith("--- ") for line in change.splitlines())
+
+
+class ReferencePrefixHintGenerator:
+    """The first lines a task's reference solution writes (`change_note`), as many as the task needs.
+
+    Per task a share s of the change's n written lines is shown, k = ceil(s·n) lines: s starts at `start`,
+    grows by `step` after a group of the task where every sample failed and shrinks by `step` after a group
+    with a pass, within [0, 1] (`observe`; AdaBack's per-sample revealed fraction). `for_task(task)` is the
+    task's generator; `hint` itself shows a task not seen yet. The shares are the run's state
+    (`state_dict`). A site without a change gets the fallback's hint (feedback by default), counted.
+    """
+
+    def __init__(self, start: float = 0.5, step: float = 0.25, max_chars: int = 2000,
+                 fallback: HintGenerator | None = None) -> None:
+        self.start, self.step, self.max_chars = start, step, max_chars
+        self.fallback = fallback or FeedbackHintGenerator(max_chars)
+        self.shares: dict[str, float] = {}
+        self.fallbacks = 0  # how many hints came from the fallback
+
+    def share(self, task: str) -> float:
+        return self.shares.get(task, self.start)
+
+    def observe(self, task: str, solved: bool) -> None:
+        """One group of `task`: fewer lines after a pass, more after a group that failed every sample."""
+        self.shares[task] = min(1.0, max(0.0, self.share(task) + (-self.step if solved else self.step)))
+
+    def for_task(self, task: str) -> HintGenerator:
+        return _TaskPrefix(self, task)
+
+    def hint(self, site: ErrorSite, messages: Sequence[dict]) -> str:
+        return self.hint_for(None, site, messages)
+
+    def hint_for(self, task: str | None, site: ErrorSite, messages: Sequence[dict]) -> str:
+        change = site.change.strip()[: self.max_chars]
+        total = written_lines(change)
+        if not total:
+            self.fallbacks += 1
+            return self.fallback.hint(site, messages)
+        share = self.start if task is None else self.share(task)
+        return change_note(change, math.ceil(share * total))
+
+    def state_dict(self) -> dict[str, float]:
+        return dict(self.shares)
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.shares = dict(state)
+
+
+@dataclass(frozen=True)
+class _TaskPrefix:
+    """`ReferencePrefixHintGenerator` bound to one task."""
+
+    owner: ReferencePrefixHintGenerator
+    task: str
+
+    def hint(self, site: ErrorSite, messages: Sequence[dict]) -> str:
+        return self.owner.hint_for(self.task, site, messages)
+
+
+class FailingTestHintGenerator(_SiteFieldHintGenerator):
+    """The hidden test cases the attempt failed (`cases_note` of `site.cases`): what to make pass, without the
+    solution."""
+
+    field = "cases"
+    note = staticmethod(cases_note)
 
 
 class SyncCompleter(Protocol):
@@ -330,6 +412,10 @@ def make_hint_generator(cfg: DistillLossConfig, teachers: TeachersConfig) -> Hin
         return FeedbackHintGenerator(cfg.hint_max_chars)
     if cfg.hint_kind == "reference":
         return ReferenceHintGenerator(cfg.hint_max_chars)
+    if cfg.hint_kind == "reference_prefix":
+        return ReferencePrefixHintGenerator(cfg.hint_reveal_start, cfg.hint_reveal_step, cfg.hint_max_chars)
+    if cfg.hint_kind == "failing_test":
+        return FailingTestHintGenerator(cfg.hint_max_chars)
     if cfg.hint_kind == "llm":
         # JobConfig checked that hint_teacher names one of teachers.models
         return LLMHintGenerator(SyncTeacherClient(teachers), cfg.hint_teacher)

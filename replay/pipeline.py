@@ -15,7 +15,7 @@ import json
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 from composer_mesh.configs.sections.replay import ReplayConfig
 from composer_mesh.configs.sections.teachers import TeachersConfig
@@ -41,6 +41,8 @@ class StateResult:
     failures: list[dict] = field(default_factory=list)
     pair: PreferencePair | None = None
     uncertainty: dict | None = None
+    # teachers that answered without an answer, and why ({"teacher", "reason"}: a reply's `refusal`)
+    refusals: list[dict] = field(default_factory=list)
 
 
 @dataclass
@@ -117,6 +119,7 @@ async def _replay_one(state, client, cfg, groups, weights, gate) -> StateResult:
     tools = tool_specs(state.tools) or None
     votes: list[Vote] = []
     failures: list[dict] = []
+    refusals: list[dict] = []
     decision = None
     for group in groups:
         replies = await asyncio.gather(*(client.complete(name, list(state.context), tools) for name in group))
@@ -125,6 +128,8 @@ async def _replay_one(state, client, cfg, groups, weights, gate) -> StateResult:
             if r.error is not None:
                 failures.append({"teacher": r.teacher, "kind": r.error.kind, "status": r.error.status,
                                  "attempts": r.attempts, "message": r.error.message})
+            elif r.message.get("refusal"):
+                refusals.append({"teacher": r.teacher, "reason": r.message["refusal"]})
         decision = decide(
             state, votes, min_agree=cfg.min_agree, strategy=cfg.strategy, weights=weights,
             min_weight_fraction=cfg.min_weight_fraction, equivalence=cfg.equivalence,
@@ -140,7 +145,15 @@ async def _replay_one(state, client, cfg, groups, weights, gate) -> StateResult:
         if "budget" in skips:
             outcome = "budget"
     return StateResult(state.trace_id, state.step, outcome, tuple(v.teacher for v in votes), failures,
-                       decision.pair, uncertainty)
+                       decision.pair, uncertainty, refusals)
+
+
+def group_refusals(counts: Mapping[tuple[str, str], int]) -> dict[str, dict[str, int]]:
+    """(teacher, reason) -> replies, as teacher -> reason -> how many of its replies said it could not answer."""
+    out: dict[str, dict[str, int]] = {}
+    for (teacher, reason), n in sorted(counts.items()):
+        out.setdefault(teacher, {})[reason] = n
+    return out
 
 
 def group_failures(failures: Iterable[dict], message_chars: int = 200) -> dict[str, dict[str, dict]]:
@@ -218,6 +231,8 @@ def run_replay(
         "client": client.stats.as_dict(),
         "failures": [{"trace_id": r.trace_id, "step": r.step, **f} for r in results for f in r.failures],
         "failures_by_teacher": group_failures(f for r in results for f in r.failures),
+        "refusals_by_teacher": group_refusals(Counter((x["teacher"], x["reason"]) for r in results
+                                                      for x in r.refusals)),
         "states_failed": sum(r.outcome == "too_few_votes" and any(f["kind"] not in SKIPS for f in r.failures)
                              for r in results),
         "parse": parse,

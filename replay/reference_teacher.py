@@ -2,8 +2,8 @@
 
 `ReferenceResponder(lookup, noise, tool)` answers a coding episode's state the
 way a good agent would: the change from the task's starting files to its
-reference solution (`lookup(first user message) -> (start, reference)`, each
-{path: full text}) as tool calls of the run's editing tool (`edit_file`: the
+reference solution (`lookup(first user message) -> TaskFiles(start, reference)`,
+each {path: full text}) as tool calls of the run's editing tool (`edit_file`: the
 smallest differing line range per file; `write_file`: whole files), made from
 the files as the context's own calls left them (a wrong edit is edited again),
 and once they match the reference, a closing message without tool calls (which
@@ -11,22 +11,35 @@ ends a tool-loop episode). Like the demo's solver teachers, each model slips on 
 share `noise` of states (chosen by a hash of model and context, so a repeated
 request repeats): it writes a near miss (an operator swapped, else the last
 digit moved by one, else the last line dropped). Two slipping teachers mostly slip on different states, so
-the vote of `replay.pairs` decides. A state of an unknown task (e.g. from a
-frozen trace of another repository) gets a message saying so, worded per model:
-teachers never agree on it, so it never becomes a pair.
+the vote of `replay.pairs` decides. A state the lookup cannot serve (a task it
+does not know, e.g. from a frozen trace of another repository, or one without a
+reference) gets a message saying so, worded per model so that teachers never agree
+on it and it never becomes a pair, with the lookup's reason in the message's
+`refusal` field (OpenAI's: why the model did not answer), which the replay counts.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from composer_mesh.configs.records import EDIT_UNDONE
 from composer_mesh.replay.server import departs
 
-# prompt text of an episode -> (starting files, reference files), or None for an unknown task
-Lookup = Callable[[str], "tuple[dict[str, str], dict[str, str]] | None"]
+
+
+class TaskFiles(NamedTuple):
+    """A coding task's files a teacher answers from: those its reference solution writes, as the agent first sees
+    them (`start`, "" for a file the solution adds) and as the solution leaves them (`reference`)."""
+
+    start: dict[str, str]
+    reference: dict[str, str]
+
+
+# prompt text of an episode -> the task's files, or why the teacher cannot answer (one line; None: an unknown task)
+Lookup = Callable[[str], "TaskFiles | str | None"]
+UNKNOWN_TASK = "unknown task: no task of the run has this prompt"
 _SWAP = {" + ": " - ", " - ": " + ", " * ": " + "}
 DONE_TEXT = "Done: the change is written."
 
@@ -134,9 +147,9 @@ class ReferenceResponder:
 
     def __call__(self, model: str, messages: list[dict], params: dict) -> dict:
         found = self.lookup(first_user_text(messages))
-        if not found:
+        if found is None or isinstance(found, str):
             # worded per model, so teachers never agree on it and it never becomes a pair
-            return {"content": f"{model}: no reference solution for this task."}
+            return {"content": f"{model}: no reference solution for this task.", "refusal": found or UNKNOWN_TASK}
         start, reference = found
         now = files_after(start, _calls_made(messages))
         if all(now.get(path) == text for path, text in reference.items()):

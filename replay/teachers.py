@@ -395,6 +395,9 @@ class TeacherClient:
             message = {"role": "assistant", "content": raw.get("content") or ""}
             if raw.get("tool_calls"):
                 message["tool_calls"] = list(raw["tool_calls"])
+            # why the model did not answer (OpenAI's field), kept for the replay's accounting
+            if raw.get("refusal"):
+                message["refusal"] = str(raw["refusal"])
         except (ValueError, KeyError, IndexError, TypeError, AttributeError):
             return None, TeacherError("malformed", f"unparseable 200 body: {self._redact(resp.text[:120])!r}"), worst
         usage = data.get("usage") or {}

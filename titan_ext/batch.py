@@ -11,6 +11,8 @@ one per loss channel; a channel's tensors are None when it has no data:
   `[B, H]` (the same rollouts with a textual hint inserted at the error turn).
   `hint_index_BL[b, i] = j` says teacher position j predicts the same next token
   as student position i (-1: no counterpart); hint tokens have no counterpart.
+  `hinted_BL` (optional) marks the positions of the rollouts that carry a hint and
+  have a teacher counterpart: the tokens RLSD weights (`[loss.distill] rlsd`).
 - trace replay (channel 3): `P` chosen / rejected sequences `[P, S]`, one pair
   per row index, with reference logprobs when the preference loss is DPO.
 
@@ -78,6 +80,8 @@ class TrainBatch:
     hint_index_BL: torch.Tensor | None = None
     # global count of distill_mask tokens
     distill_tokens: int = 0
+    # bool positions of hinted rollouts with a teacher position (RLSD's tokens); None = not packed
+    hinted_BL: torch.Tensor | None = None
 
     # int64 state + chosen action
     chosen_tokens_PS: torch.Tensor | None = None
@@ -161,6 +165,13 @@ class TrainBatch:
                 raise ValueError(f"hint_index_BL must lie in [-1, {H}), got values outside")
             if (self.distill_mask_BL & (idx < 0)).any():
                 raise ValueError("distill_mask_BL marks a token whose hint_index_BL is -1 (no teacher position)")
+            if self.hinted_BL is not None:
+                _expect(self, "hinted_BL", (B, L))
+                _dtype(self, "hinted_BL", kind="bool")
+                if (self.hinted_BL & (idx < 0)).any():
+                    raise ValueError("hinted_BL marks a token whose hint_index_BL is -1 (no teacher position)")
+        elif self.hinted_BL is not None:
+            raise ValueError("hinted_BL given without hint distillation tensors")
         present = [getattr(self, n) is not None for n in _PAIR_FIELDS]
         if any(present) and not all(present):
             raise ValueError(f"preference pairs need all of {_PAIR_FIELDS} or none")

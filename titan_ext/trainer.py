@@ -10,7 +10,8 @@ One step, per gradient-accumulation microbatch (`TrainBatch.microbatches`):
 
 1. hint distillation: a no-grad forward of the policy on the hint-injected
    teacher rows; its hidden states are gathered to the student's positions
-   (`hint_index_BL`);
+   (`hint_index_BL`); with `[loss.distill] rlsd` they also size the policy
+   channel's advantages on the hinted rollouts' tokens (`hinted_BL`);
 2. the student forward on the packed rows gives hidden states for the policy
    and distillation channels; `losses.composer.compose_loss` applies the LM
    head chunk by chunk (no `[B, L, V]` logits) → backward;
@@ -309,7 +310,12 @@ class Trainer:
                 teacher_hidden_BTD=teacher_BLD,
                 mask_BT=mb.distill_mask_BL.to(dev),
                 num_tokens=mb.distill_tokens,
+                labels_BT=labels_BL,
+                gen_logprobs_BT=mb.generator_logprobs_BL.to(dev),
             )
+            if policy is not None and mb.hinted_BL is not None:
+                policy.rlsd_mask_BT = mb.hinted_BL.to(dev)
+                policy.rlsd_teacher_hidden_BTD = teacher_BLD
         out = compose_loss(
             self.loss_cfg, self.head_weight(), policy=policy, distill=distill,
             taid_t=None if self.taid is None else self.taid.t,

@@ -11,6 +11,7 @@ factory (`plugin`). docs/tasks.md shows each.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -64,6 +65,10 @@ class SandboxConfig:
         "(envs.grade_cache); 0 = judge every time",
         ge=0,
     )
+
+
+# task sources of [env] task = "coding" (besides the named [[env.coding.variants]])
+CODING_SOURCES = ("micro", "repos", "swe")
 
 
 def _check_train_left(section: str, heldout_fraction: float, validation_fraction: float) -> None:
@@ -123,6 +128,42 @@ class FeatureDeletionConfig:
     )
 
 
+# the micro knobs a `[[env.coding.variants]]` table may override (each unset key keeps [env.coding]'s value)
+VARIANT_KNOBS = ("functions_per_task", "statements_per_body", "kinds", "ops_per_kind", "distractor_files",
+                 "failing_visible_test", "hidden_tests_per_function", "namings", "docstring", "heldout_fraction",
+                 "validation_fraction", "heldout_by")
+VARIANT_SHAPES = ("micro", "swe")
+
+
+@dataclass(frozen=True)
+class MicroVariant:
+    """One `[[env.coding.variants]]` table: a named task source made of [env.coding]'s micro knobs with some
+    overridden (a key left out keeps [env.coding]'s value). `shape = "swe"` renders its tasks as SWE-style
+    instances (envs.swe_mini): a package repository in git whose functions are implemented, one of them buggy, an
+    issue stating a failing call, hidden tests as a test patch, graded by the SWE grader."""
+
+    name: str = option("", doc="the source's name, as env.coding.sources and warm_start_sources name it")
+    shape: str = option("micro", doc="micro: tool-loop micro tasks; swe: SWE-style mini instances of the same "
+                        "templates (implemented functions, one buggy; issue, test patch, gold patch)",
+                        choices=VARIANT_SHAPES)
+    functions_per_task: int | None = option(None, doc="micro: functions to implement per task", ge=1, le=8)
+    statements_per_body: int | None = option(None, doc="operations chained in one function body", ge=1, le=6)
+    kinds: tuple[str, ...] | None = option(None, doc="operation kinds: arithmetic, strings, lists, dicts, control")
+    ops_per_kind: int | None = option(None, doc="the first N operations of each kind (0 = all)", ge=0)
+    distractor_files: int | None = option(None, doc="extra implemented modules the task does not touch", ge=0, le=6)
+    failing_visible_test: bool | None = option(None, doc="add an implemented function with a bug to fix")
+    hidden_tests_per_function: int | None = option(None, doc="graded cases per function", ge=1, le=16)
+    namings: tuple[int, ...] | None = option(None, doc="naming variants tasks draw (0, 1, 2)")
+    docstring: str | None = option(None, doc="words or code", choices=("words", "code", None))
+    heldout_fraction: float | None = option(None, doc="share of templates held out", ge=0.0, lt=1.0)
+    validation_fraction: float | None = option(None, doc="share of templates carved out of train", ge=0.0, lt=1.0)
+    heldout_by: str | None = option(None, doc="template or surface", choices=("template", "surface", None))
+
+    def overrides(self) -> dict[str, Any]:
+        """The knobs this variant sets."""
+        return {k: getattr(self, k) for k in VARIANT_KNOBS if getattr(self, k) is not None}
+
+
 @dataclass(frozen=True)
 class CodingConfig:
     """`task = "coding"`: the tool loop over a union of task sources, and the knobs of generated micro-repositories."""
@@ -173,9 +214,48 @@ class CodingConfig:
         (), doc="micro: the tool-loop warm start's prompts draw every operation of these kinds (train templates "
         "only: the held-out templates stay unseen); empty = the task's own operations"
     )
+    partial_credit: bool = option(
+        True, doc="micro: reward = the share of hidden tests passed; false = 1 only when every hidden test passes "
+        "(as SWE instances are graded)"
+    )
+    variants: tuple[MicroVariant, ...] = option(
+        (), doc="named micro task sources ([[env.coding.variants]] tables: name, shape (micro or swe), and any of "
+        f"{', '.join(VARIANT_KNOBS)} overriding this section's value); sources and warm_start_sources name them"
+    )
+    warm_start_sources: tuple[str, ...] = option(
+        (), doc="the sources the tool-loop warm start's prompts come from (train split; micro widened by "
+        "warm_start_kinds); empty = sources. Two recipes that set the same warm-start keys share one base"
+    )
 
     def __post_init__(self) -> None:
         _check_train_left("env.coding", self.heldout_fraction, self.validation_fraction)
+        names = [v.name for v in self.variants]
+        for i, variant in enumerate(self.variants):
+            key = f"env.coding.variants[{i}]"
+            if not variant.name or variant.name in CODING_SOURCES or variant.name in names[:i]:
+                raise ValueError(f"{key}.name = {variant.name!r}: a variant needs a name of its own (unique, none of "
+                                 f"{', '.join(CODING_SOURCES)})")
+            fractions = {"heldout_fraction": self.heldout_fraction, "validation_fraction": self.validation_fraction,
+                         **variant.overrides()}
+            _check_train_left(key, fractions["heldout_fraction"], fractions["validation_fraction"])
+
+    def variant(self, name: str) -> CodingConfig:
+        """The micro knobs of source `name`: this section's own ("micro"), or a variant's overrides of them (its
+        own variants and warm-start keys dropped, so a config is one source's)."""
+        if name == "micro":
+            return dataclasses.replace(self, variants=(), warm_start_sources=())
+        found = next((v for v in self.variants if v.name == name), None)
+        if found is None:
+            raise ValueError(f"env.coding: no source {name!r}")
+        return dataclasses.replace(self, variants=(), warm_start_sources=(), **found.overrides())
+
+    def shape_of(self, name: str) -> str:
+        """"micro" or "swe": how source `name`'s tasks are rendered ("micro" for this section's own)."""
+        return next((v.shape for v in self.variants if v.name == name), "micro")
+
+
+# the formats of a warm-start note (the hint channel's: replay.hints reference_note, change_note, cases_note)
+NOTE_FORMATS = ("reference", "change", "cases")
 
 
 @dataclass(frozen=True)
@@ -222,6 +302,16 @@ class ToolLoopConfig:
         0.0, doc="clip the warm start's gradient norm to this before each step (0 = off); without it a "
         "different set of examples can diverge at a high rate (docs/coding.md)", ge=0.0,
     )
+    warm_start_note_share: float = option(
+        0.0, doc="share of the warm start's conversations that hold a privileged note where the hint channel puts "
+        "hints (a user message after the prompt) and whose edits write what the note shows (random code, never a "
+        "solution); 0 = none, the examples as before", ge=0.0, le=1.0,
+    )
+    warm_start_note_formats: tuple[str, ...] = option(
+        NOTE_FORMATS, doc="the hint formats those notes take, one drawn per note: reference (the files, "
+        "replay.hints.reference_note), change (the written lines, or their first k: change_note), cases "
+        "(assert lines of the note's code: cases_note)",
+    )
     max_calls_per_message: int = option(
         16, doc="tool calls run per assistant message; each call past them gets a bad_tool_call error saying so "
         "and is not run (counted in the episode's calls_refused)", ge=1,
@@ -243,6 +333,12 @@ class ToolLoopConfig:
         "wall_timeout_s each); an edit it would have to check is refused, not run (the final grade always runs)",
         ge=1.0,
     )
+
+    def __post_init__(self) -> None:
+        unknown = [f for f in self.warm_start_note_formats if f not in NOTE_FORMATS]
+        if unknown or not self.warm_start_note_formats:
+            raise ValueError(f"env.tool_loop.warm_start_note_formats: {unknown or 'empty'}; formats: "
+                             f"{', '.join(NOTE_FORMATS)}")
 
 
 @dataclass(frozen=True)
@@ -331,8 +427,11 @@ class EnvConfig:
 
     def __post_init__(self) -> None:
         # only micro tasks have visible tests to check an edit against; elsewhere the key would do nothing
-        if self.tool_loop.check_edits != "off" and not (self.task == "coding" and "micro" in self.coding.sources):
+        checked = self.task == "coding" and any(self.coding.shape_of(s) == "micro" and s not in ("repos", "swe")
+                                                 for s in self.coding.sources)
+        if self.tool_loop.check_edits != "off" and not checked:
             raise ValueError(
                 f"env.tool_loop.check_edits = {self.tool_loop.check_edits!r} needs tasks with visible tests: "
-                f"[env] task = \"coding\" with \"micro\" in env.coding.sources (task is {self.task!r})"
+                f"[env] task = \"coding\" with \"micro\" (or a micro variant) in env.coding.sources "
+                f"(task is {self.task!r})"
             )

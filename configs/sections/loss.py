@@ -75,7 +75,9 @@ class PolicyLossConfig:
 
 
 # `[loss.distill] hint_kind` values (`replay.hints.make_hint_generator` builds each)
-HINT_KINDS = ("template", "feedback", "reference", "llm")
+HINT_KINDS = ("template", "feedback", "reference", "reference_prefix", "failing_test", "llm")
+# `[loss.distill] targets`: which failed rollouts get a hint (`mesh.hinting.HintMaker`)
+HINT_TARGETS = ("failed", "all_fail_groups")
 
 
 @dataclass(frozen=True)
@@ -93,14 +95,45 @@ class DistillLossConfig:
     taid_adaptive: bool = option(True, doc="TAID adaptive update of t; false = linear t_start -> t_end over the run's steps")
     eopd_h_max: float | None = option(None, doc="entropy-aware OPD entropy scale; unset = log(vocab)", gt=0.0)
     # what the hints of this channel hold (`replay.hints.make_hint_generator`)
-    hint_kind: Literal["template", "feedback", "reference", "llm"] = option(
+    hint_kind: Literal["template", "feedback", "reference", "reference_prefix", "failing_test", "llm"] = option(
         "template",
         doc="what the teacher's hint holds: a template per error kind, the environment's feedback on the failure "
-        "(SDPO), the task's reference solution (OPSD), or a teacher model's advice (hint_teacher)",
+        "(SDPO), the task's reference solution (OPSD), the first lines the reference writes (a share adapted per "
+        "task: hint_reveal_*), the hidden tests the attempt failed, or a teacher model's advice (hint_teacher)",
         choices=HINT_KINDS,
     )
-    hint_max_chars: int = option(2000, doc="cap on the privileged text (feedback or reference) of one hint", ge=1)
+    hint_max_chars: int = option(
+        2000, doc="cap on the privileged text (feedback, reference, its lines or the failed tests) of one hint", ge=1
+    )
     hint_teacher: str = option("", doc="hint_kind = 'llm': the [[teachers.models]] name that writes the hints")
+    hint_reveal_start: float = option(
+        0.5, doc="hint_kind = 'reference_prefix': share of the reference's written lines shown for a task at first",
+        ge=0.0, le=1.0,
+    )
+    hint_reveal_step: float = option(
+        0.25, doc="hint_kind = 'reference_prefix': the task's share grows by this after a group of it where every "
+        "sample failed and shrinks by it after a group with a pass (AdaBack-style), within [0, 1]",
+        ge=0.0, le=1.0,
+    )
+    targets: Literal["failed", "all_fail_groups"] = option(
+        "failed",
+        doc="which rollouts get a hint: every failed one, or only those of groups where no sample passed (where "
+        "the policy gradient has no signal)",
+        choices=HINT_TARGETS,
+    )
+    rlsd: bool = option(
+        False,
+        doc="RLSD: scale each sampled token's policy-gradient advantage of a hinted rollout by "
+        "clip(exp(sign(A) * (log p_teacher - log p_student)), rlsd_w_min, rlsd_w_max) (needs hints, not alpha)",
+    )
+    rlsd_w_min: float = option(0.8, doc="RLSD: lower clip of the token weight", ge=0.0, le=1.0)
+    rlsd_w_max: float = option(1.2, doc="RLSD: upper clip of the token weight", ge=1.0)
+    kl_guard: float = option(
+        0.0,
+        doc="adds kl_guard x the mean over distilled tokens of k3 = exp(lp_gen - lp) - (lp_gen - lp) - 1 "
+        "(policy vs the generator's logprobs of the sampled token) to the channel; 0 = off",
+        ge=0.0,
+    )
 
     def __post_init__(self) -> None:
         if self.hint_kind == "llm" and not self.hint_teacher:
@@ -125,6 +158,12 @@ class PreferenceLossConfig:
         0.0,
         doc="RPO anchor: adds nll_weight x the chosen response's per-token mean NLL to each pair's loss (0 = off)",
         ge=0.0,
+    )
+    min_weight: float = option(
+        0.0,
+        doc="drop pairs whose DPO weight sigmoid(-margin) (DPO: margin = beta * delta) is below this: they add "
+        "nothing and are counted (preference/dropped_low_weight); 0 = keep every pair",
+        ge=0.0, lt=1.0,
     )
 
     def __post_init__(self) -> None:

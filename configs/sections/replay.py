@@ -14,6 +14,8 @@ from composer_mesh.configs.fields import option
 
 # Who answers on the local teacher server (`mesh.responders.build_responder`).
 RESPONDERS = ("consensus", "echo", "solver", "hf", "coding")
+# `[replay] semi_online`'s default group pass-rate bound: prompts the student solves at most 1 in 8 times
+SEMI_ONLINE_PASS_RATE = 0.125
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,32 @@ class ReplayConfig:
         doc="keep a pair from the run's own rollouts only if the run's environment scores its chosen action above "
         "the rejected one (frozen-trace pairs are unverifiable and kept)",
     )
+    semi_online: bool = option(
+        False,
+        doc="pairs only from this step's own failed rollouts, replayed for the step that trains on them (no working "
+        "ahead), chosen only when the grader passes it (reward 1); needs verify_pairs and no traces",
+    )
+    max_group_pass_rate: float | None = option(
+        None,
+        doc="states only from groups whose pass rate is at most this (the failed rollouts of hard prompts); "
+        "unset: 1/8 with semi_online, every group otherwise",
+        ge=0.0, le=1.0,
+    )
     recipe: str = option("default", doc="data-juicer recipe: a name in replay/recipes or a YAML path")
     gating: GatingConfig = option(default_factory=GatingConfig, doc="uncertainty gating")
     local_server: LocalServerConfig = option(default_factory=LocalServerConfig, doc="local teacher server")
+
+    def __post_init__(self) -> None:
+        if self.semi_online and not self.verify_pairs:
+            raise ValueError("replay.semi_online keeps only pairs whose chosen action the grader passes: it needs "
+                             "replay.verify_pairs = true")
+        if self.semi_online and self.traces:
+            raise ValueError("replay.semi_online replays only this step's own failures: frozen replay.traces would "
+                             "never be replayed (set replay.traces = [])")
+
+    @property
+    def group_pass_limit(self) -> float | None:
+        """The pass rate a group's failed rollouts need at most to be replayed (None: every group)."""
+        if self.max_group_pass_rate is not None:
+            return self.max_group_pass_rate
+        return SEMI_ONLINE_PASS_RATE if self.semi_online else None

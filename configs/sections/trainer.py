@@ -26,6 +26,11 @@ class TrainerConfig:
         doc="The split evaluations draw from: heldout (for reporting), or validation (for choosing settings: "
         "env.demo / env.coding validation_fraction carves it out of train, so the held-out split stays unseen).",
     )
+    eval_hinted: bool = option(
+        False, doc="Coding tasks: each evaluation also samples its problems with the task's reference as a privileged "
+        "note after the prompt (where the hint channel puts hints; never trained on): eval/heldout_hinted_sampled_pass "
+        "and eval/heldout_hint_gap (hinted minus unhinted sampled pass rate). Costs a second sampled pass.",
+    )
     dpo_reference: str = option(
         "frozen", choices=("frozen", "policy"),
         doc="DPO's reference π_ref: frozen = the initial weights, kept by the trainer (one more parameter copy, "

@@ -10,7 +10,9 @@ stopped); 1 an actor failed or the run broke (one
 line naming the actor; `--debug` raises with the full remote traceback); 3 the
 run finished but no step trained (every group dropped: one line naming the
 reasons and the key to change; summary.json has `trained_steps` and
-`dropped_groups`).
+`dropped_groups`), or a switched-on channel 2 or 3 got nothing (no hinted token,
+no pair: one line per channel naming it, its key and why; summary.json has
+`silent_channels`).
 """
 
 from __future__ import annotations
@@ -86,4 +88,6 @@ def run(args: argparse.Namespace) -> int:
     if "untrained" in summary:
         print(f"error: {summary['untrained']}", file=sys.stderr)
         return 3
-    return 0
+    for line in summary.get("silent_channels", {}).values():
+        print(f"error: {line}", file=sys.stderr)
+    return 3 if "silent_channels" in summary else 0

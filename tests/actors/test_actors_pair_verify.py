@@ -95,3 +95,24 @@ def test_replay_actor_drops_refuted_pairs_and_counts_verdicts(tmp_path):
     assert status["pairs_made"] == 3 and status["pairs_ready"] == 0
     assert (status["pairs_verified"], status["pairs_refuted"], status["pairs_unverifiable"]) == (1, 1, 1)
     assert snap.verification == {"verified": 1, "refuted": 1, "unverifiable": 1}
+
+
+def test_require_pass_keeps_only_chosen_actions_the_grader_passes():
+    """`[replay] semi_online`'s verifier: a teacher answer better than the student's that still fails is
+    `chosen_failed` and dropped, as is an unverifiable pair; a passing answer is kept."""
+    make = env_factory(EnvConfig(task="demo"))
+    env = make("train")
+    prompt = env.reset(seed=2).messages
+    env.close()
+    state = TraceState("rollout:2:0:v0", 0, tuple(prompt), answer(solve(prompt, slip=7)), env_seed=2)
+    closer = answer(solve(prompt, slip=1))
+    assert action_score(make, 2, "train", prompt, state.action) < action_score(make, 2, "train", prompt, closer) < 1.0
+    verifier = PairVerifier(partial(env_factory, EnvConfig(task="demo")), require_pass=True)
+    assert not verifier.keep(make_pair(state, closer, state.action))
+    assert verifier.keep(make_pair(state, answer(solve(prompt)), state.action))
+    assert not verifier.keep(make_pair(TraceState("trace.jsonl", 0, tuple(prompt), state.action), closer, state.action))
+    assert not verifier.keep(make_pair(state, state.action, closer))
+    assert dict(verifier.counts) == {"chosen_failed": 1, "verified": 1, "unverifiable": 1, "refuted": 1}
+    # without require_pass the better-but-failing answer is a verified pair, as before
+    assert PairVerifier(partial(env_factory, EnvConfig(task="demo"))).verdict(make_pair(state, closer, state.action)) \
+        == "verified"

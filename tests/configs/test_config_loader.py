@@ -232,7 +232,7 @@ def test_validation_split_needs_a_task_that_carves_one():
         load_config("configs/coding_cpu.toml", ["--trainer.eval_split=validation"])
     with pytest.raises(ConfigError, match=r"eval_split = 'validation' needs env\.task = 'demo' or 'coding'"):
         load_config("configs/coding_cpu.toml", ["--trainer.eval_split=validation", "--env.coding.validation_fraction=0.2",
-                                                "--env.coding.sources=[\"micro\",\"repos\"]"])
+                                                "--env.coding.sources=[\"repos\"]", "--env.tool_loop.check_edits=off"])
     with pytest.raises(ConfigError, match=r"leaves no train split"):
         load_config("configs/demo_cpu.toml", ["--env.demo.validation_fraction=0.8"])
     cfg = load_config("configs/demo_cpu.toml", ["--trainer.eval_split=validation", "--env.demo.validation_fraction=0.2"])

@@ -9,6 +9,7 @@ teachers answer from the files as the context's own edits left them (an undone e
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 
@@ -20,9 +21,10 @@ from composer_mesh.configs.sections.env import CodingConfig, EnvConfig, SandboxC
 from composer_mesh.envs.micro import VISIBLE_TESTS, make_task
 from composer_mesh.envs.safeguards import manifest
 from composer_mesh.envs.sandbox import Sandbox
-from composer_mesh.envs.tool_format import CLOSING, EXPRESSIONS, retried_edits, tool_format_examples
+from composer_mesh.envs.tool_format import CLOSING, EXPRESSIONS, attempt_edits, tool_format_examples
 from composer_mesh.envs.tool_loop import ToolLoopEnv
-from composer_mesh.replay.reference_teacher import DONE_TEXT, ReferenceResponder, files_after
+from composer_mesh.mesh.launch import HINT_FORMATS
+from composer_mesh.replay.reference_teacher import DONE_TEXT, ReferenceResponder, edit_args, files_after
 from composer_mesh.replay.server import TeacherServer
 
 CHECKED = ToolLoopConfig(tools=("edit_file",), max_turns=4, check_edits="report")
@@ -116,7 +118,7 @@ def test_revert_undoes_a_failing_edit_and_keeps_a_passing_one(sandbox):
 def test_retry_examples_word_results_as_the_loop_and_draw_edits_blind(sandbox, loop):
     tasks = [task_of(seed) for seed in range(30)]
     make = lambda split: ToolLoopEnv(tasks, sandbox, loop)  # noqa: E731
-    conversations, _ = tool_format_examples(make, 60, seed=5)
+    conversations, _ = tool_format_examples(make, 60, seed=5, formats=HINT_FORMATS)
     firsts, repeats, retries = 0, 0, 0
     for messages in conversations:
         task = next(t for t in tasks if t.prompt() == messages[1]["content"])
@@ -147,14 +149,18 @@ def test_retry_examples_word_results_as_the_loop_and_draw_edits_blind(sandbox, l
         env.close()
 
 
-def test_retried_edits_replace_the_line_before_or_the_stub():
+def test_attempt_edits_replace_the_line_before_or_the_stub():
     task = task_of(3)
-    edits = retried_edits(task.prompt(), "no line of it", 3, random.Random(0))
+    never = dataclasses.replace(task, signatures=tuple(dataclasses.replace(s, body=("no line of it",))
+                                                       for s in task.signatures))
+    edits = [e for e, ok in attempt_edits(never, 3, random.Random(0), edit_args, "report")]
     assert len(edits) == 3 and edits[0]["old"] == "pass"
     assert [e["old"] for e in edits[1:]] == [e["new"] for e in edits[:-1]]
     assert all(e["new"][len("return "):] in {x.format(a="m", b="n") for x in EXPRESSIONS} for e in edits)
-    undone = retried_edits(task.prompt(), "no line of it", 3, random.Random(0), undone=True)
+    undone = [e for e, ok in attempt_edits(never, 3, random.Random(0), edit_args, "revert")]
     assert [e["old"] for e in undone] == ["pass"] * 3 and [e["new"] for e in undone] == [e["new"] for e in edits]
+    # unchecked: each site edited once
+    assert len(attempt_edits(never, 3, random.Random(0), edit_args, "off")) == 1
 
 
 def test_reference_teachers_answer_from_the_edited_file(sandbox):
@@ -188,6 +194,38 @@ def test_reference_teachers_answer_from_the_edited_file(sandbox):
         r = httpx.post(f"{server.url}/chat/completions", json={"model": "local-a", "messages": undone}, timeout=30)
     again = json.loads(r.json()["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"])
     assert again["old"] == "pass" and again["new"].strip() == ref_line(task)
+
+
+def test_a_failed_episode_names_the_failed_hidden_cases_and_the_written_line_for_the_teacher(sandbox):
+    """The final info of a failed micro episode: `reference_change` (the line the reference writes, indented) and
+    `failing_cases` (the `assert` lines of the hidden tests the workspace failed); `failure_sites` hands both to
+    the hint teacher, and neither reaches the policy's messages or the workspace."""
+    from composer_mesh.actors.rollout import Rollout, failure_sites
+
+    task = task_of(6)
+    env = ToolLoopEnv([task], sandbox, REVERT)
+    env.reset(seed=0)
+    right = env.step(edit("pass", ref_line(task)))
+    passed = env.step({"role": "assistant", "content": CLOSING})
+    assert right.messages[0]["content"].endswith("passed") and passed.reward == 1.0
+    assert "reference_change" not in passed.info and "failing_cases" not in passed.info
+    env.reset(seed=0)
+    ws = env.ws.path
+    env.step(edit("pass", wrong_line(task)))
+    obs = env.step({"role": "assistant", "content": CLOSING})
+    messages = list(env.state.messages)
+    env.close()
+    assert obs.done and obs.reward == 0.0
+    assert obs.info["reference_change"] == f"--- m.py\n    {ref_line(task)}"
+    cases = obs.info["failing_cases"].splitlines()
+    hidden = [line.strip() for line in task.hidden["test_hidden.py"].splitlines() if line.strip().startswith("assert")]
+    assert cases and set(cases) <= set(hidden) and len(cases) == len(hidden)  # the stub passes none of them
+    rollout = Rollout(0, 0, 0, [1, 2], 1, [False, True], [0.0, 0.0], messages, [0] * len(messages),
+                      [(2, 1, 2)], obs.reward, "done", 0, info=dict(obs.info))
+    (site,) = failure_sites(rollout)
+    assert site.change == obs.info["reference_change"] and site.cases == obs.info["failing_cases"]
+    assert not any(ref_line(task) in str(m.get("content")) or cases[0] in str(m.get("content")) for m in messages)
+    assert not ws.exists()
 
 
 def test_check_edits_is_refused_where_no_task_has_visible_tests():

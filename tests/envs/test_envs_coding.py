@@ -67,3 +67,66 @@ def test_coding_keys_load_from_toml():
     assert env.task == "coding" and env.coding.sources == ("micro", "repos") and env.coding.kinds == ("lists", "dicts")
     assert env.feature_deletion.repos == ("a", "b") and env.tool_loop.tools == ("edit_file",)
     assert env.coding.failing_visible_test and env.coding.functions_per_task == 1
+
+
+VARIANTS = '''
+[env]
+task = "coding"
+[env.coding]
+sources = ["micro", "chain", "fix"]
+namings = [2]
+heldout_by = "surface"
+heldout_fraction = 0.3
+[[env.coding.variants]]
+name = "chain"
+statements_per_body = 2
+kinds = ["arithmetic", "strings"]
+ops_per_kind = 0
+validation_fraction = 0.25
+[[env.coding.variants]]
+name = "fix"
+failing_visible_test = true
+heldout_by = "template"
+'''
+
+
+def test_variants_are_named_sources_of_overridden_micro_knobs():
+    """`[[env.coding.variants]]`: each a micro source whose unset keys keep [env.coding]'s; `sources` names them, the
+    union alternates over them, each splits by its own template hash, and validation is the union of the sources
+    that carve one."""
+    env = loads_config(VARIANTS).env
+    chain, fix = env.coding.variant("chain"), env.coding.variant("fix")
+    assert (chain.statements_per_body, chain.kinds, chain.namings, chain.validation_fraction) == \
+        (2, ("arithmetic", "strings"), (2,), 0.25)
+    assert fix.failing_visible_test and fix.statements_per_body == 1 and env.coding.variant("micro").variants == ()
+    check_task(env)
+    make = env_factory(env)
+    loop = make("train")
+    seen = []
+    for seed in range(6):
+        loop.reset(seed=seed)
+        seen.append(loop.task.source)
+        assert loop.task.name.startswith(f"{loop.task.source}:train:{seed // 3}:")
+    loop.close()
+    assert seen == ["micro", "chain", "fix"] * 2
+    validation = make("validation")
+    validation.reset(seed=5)
+    assert validation.task.source == "chain" and validation.task.name.startswith("chain:validation:5:")
+    validation.close()
+
+
+def test_variant_errors_name_the_key():
+    for table, message in (('name = "micro"', r"env.coding.variants\[0\].name = 'micro'"),
+                           ('statements_per_body = 2', r"env.coding.variants\[0\].name = ''"),
+                           ('name = "x"\nvalidation_fraction = 0.9', r"env.coding.variants\[0\].heldout_fraction"),
+                           ('name = "x"\nshape = "git"', "env.coding.variants.0.shape")):
+        with pytest.raises(ValueError, match=message):
+            loads_config(f'[env]\ntask = "coding"\n[[env.coding.variants]]\n{table}\n')
+    with pytest.raises(ValueError, match=r"env.coding.variants\[1\].name = 'x'"):
+        loads_config('[env]\ntask = "coding"\n[[env.coding.variants]]\nname = "x"\n[[env.coding.variants]]\nname = "x"\n')
+    with pytest.raises(ValueError, match=r"env.coding.sources: unknown source\(s\) \['chian'\]"):
+        check_task(loads_config(VARIANTS.replace('"chain", "fix"]', '"chian", "fix"]')).env)
+    with pytest.raises(ValueError, match="env.coding.kinds"):
+        check_task(loads_config(VARIANTS.replace('kinds = ["arithmetic", "strings"]', 'kinds = ["poetry"]')).env)
+    with pytest.raises(ValueError, match="env.tool_loop.warm_start_note_formats"):
+        loads_config('[env.tool_loop]\nwarm_start_note_formats = ["reference", "essay"]\n')

@@ -12,7 +12,6 @@ well-formed tool calls whose code is not the task's.
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import re
 from functools import partial
@@ -28,17 +27,21 @@ from composer_mesh.actors.hf_engine import Completion
 from composer_mesh.actors.rollout import EpisodeRequest, SamplingParams
 from composer_mesh.actors.teacher_replay import rollout_states
 from composer_mesh.configs.records import ErrorKind
-from composer_mesh.configs.sections.env import CodingConfig, EnvConfig, SandboxConfig, ToolLoopConfig
+from composer_mesh.configs.sections.env import CodingConfig, EnvConfig, MicroVariant, SandboxConfig, ToolLoopConfig
+from composer_mesh.envs.coding import reference_change, render_reference
 from composer_mesh.envs.factory import env_factory
 from composer_mesh.envs.micro import make_task, templates
 from composer_mesh.envs.sandbox import Sandbox
-from composer_mesh.envs.tool_format import CLOSING, EXPRESSIONS, tool_format_examples, warm_start_env
+from composer_mesh.envs.tool_format import CLOSING, EXPRESSIONS, edit_sites, tool_format_examples, warm_start_env
 from composer_mesh.envs.tool_loop import ToolLoopEnv, offered_tools
 from composer_mesh.mesh.episode_metrics import episode_metrics, eval_pass_rates
+from composer_mesh.mesh.launch import HINT_FORMATS
 from composer_mesh.mesh.packing import make_hint, pair_tokens
-from composer_mesh.replay.hints import FeedbackHintGenerator, ReferenceHintGenerator, TemplateHintGenerator
+from composer_mesh.replay.hints import (
+    FeedbackHintGenerator, ReferenceHintGenerator, TemplateHintGenerator, change_note, reference_note,
+)
 from composer_mesh.replay.pairs import PreferencePair
-from composer_mesh.replay.reference_teacher import DONE_TEXT, ReferenceResponder, change_calls, near_miss
+from composer_mesh.replay.reference_teacher import DONE_TEXT, ReferenceResponder, change_calls, files_after, near_miss
 from composer_mesh.replay.server import TeacherServer
 from composer_mesh.replay.traces import TraceState
 from composer_mesh.titan_ext.warmstart import sft_rows
@@ -117,7 +120,8 @@ def test_episode_grade_failures_hints_and_metrics(tok, task, sandbox):
     assert hint is not None and "no/such_file.py" in hint.text and hint.site.kind is ErrorKind.FILE_NOT_FOUND
     states = rollout_states(r)
     assert len(states) == 1 and states[0].action["tool_calls"][0]["function"]["name"] == "read_file"
-    assert eval_pass_rates(rollouts[:1], rollouts)["eval/heldout_greedy_pass"] == 1.0
+    rates = eval_pass_rates(rollouts[:1], [rollouts])
+    assert rates["eval/heldout_greedy_pass"] == 1.0 and rates["eval/heldout_all_fail_share"] == 0.0
     # a pair's context is rendered with the run's tool schemas, as the episode's prompt was
     pair = pair_tokens(ChatTokens(tok), r.messages[:2], r.messages[4], r.messages[2], offered_tools(LOOP.tools))
     assert tok.decode(pair.prompt) == tok.decode(r.token_ids[: r.turn_spans[0][1]])
@@ -208,7 +212,7 @@ def test_reference_teachers_over_loopback(task, sandbox):
 def test_warm_start_examples_teach_the_format_not_the_task(tok, sandbox):
     tasks = [make_task(CodingConfig(), "train", seed) for seed in range(40)]
     make = lambda split: ToolLoopEnv(tasks, sandbox, ToolLoopConfig(tools=("edit_file",), max_turns=2))  # noqa: E731
-    conversations, tools = tool_format_examples(make, 40, seed=3)
+    conversations, tools = tool_format_examples(make, 40, seed=3, formats=HINT_FORMATS)
     assert len(conversations) == 40 and [t["function"]["name"] for t in tools] == ["edit_file"]
     rows = sft_rows(tok, conversations, tools)
     right = 0
@@ -230,8 +234,8 @@ def test_warm_start_examples_teach_the_format_not_the_task(tok, sandbox):
     # chance is 1/len(EXPRESSIONS) of 40 (names always right); twice chance would mean the task leaked in
     assert 1 <= right <= 2 * 40 // len(EXPRESSIONS)
     # the same seed gives the same examples; another seed others
-    assert tool_format_examples(make, 40, seed=3)[0] == conversations
-    assert tool_format_examples(make, 40, seed=4)[0] != conversations
+    assert tool_format_examples(make, 40, seed=3, formats=HINT_FORMATS)[0] == conversations
+    assert tool_format_examples(make, 40, seed=4, formats=HINT_FORMATS)[0] != conversations
 
 
 def test_warm_start_env_widens_the_ops_and_keeps_heldout_unseen(sandbox):
@@ -328,3 +332,86 @@ def test_pairs_from_a_rollout_are_verified_in_the_sandbox(tok, coding):
     assert dict(verifier.counts) == {"verified": 1, "refuted": 1, "unverifiable": 1}
     # every scored episode closed its workspace
     assert not list((Path(coding.sandbox.root_dir) / "composer-mesh-sandboxes").iterdir())
+
+
+HARD_SOURCES = CodingConfig(
+    namings=(2,), kinds=("arithmetic", "strings", "lists", "dicts", "control"), ops_per_kind=0, heldout_by="template",
+    sources=("micro", "pair", "bugfix", "swe_mini"),
+    variants=(MicroVariant(name="pair", functions_per_task=2), MicroVariant(name="bugfix", failing_visible_test=True),
+              MicroVariant(name="swe_mini", shape="swe")))
+
+
+def test_note_examples_write_exactly_what_the_note_shows(tok, tmp_path):
+    """With `note_share = 1` every example holds a note right after the prompt (where the hint channel puts hints),
+    in the hint channel's own formats, showing random code that is never the task's solution; its edits, applied
+    as the tool loop applies them, make exactly that code (one edit per function, unique context where two stubs
+    read `pass`), each answered as passing, then the episode closes."""
+    env = EnvConfig(task="coding", coding=HARD_SOURCES, sandbox=SandboxConfig(root_dir=str(tmp_path)),
+                    tool_loop=ToolLoopConfig(tools=("edit_file",), max_turns=4, check_edits="revert"))
+    make = env_factory(env)
+    conversations, tools = tool_format_examples(make, 48, seed=1, formats=HINT_FORMATS, note_share=1.0)
+    kinds = set()
+    # the edits replayed in the real loop with the check off: the note's random code fails the real visible tests,
+    # and a revert would undo what the next edit's context expects (the notes' verdicts are those of a right note)
+    loop = env_factory(dataclasses.replace(env, tool_loop=ToolLoopConfig(tools=("edit_file",), max_turns=4)))("train")
+    for i, messages in enumerate(conversations):
+        loop.reset(seed=1 * 1_000_003 + 10_000_019 + i)
+        task = loop.task
+        assert messages[:2] == loop.state.messages and messages[2]["role"] == "user"
+        note = messages[2]["content"]
+        edits = [json.loads(m["tool_calls"][0]["function"]["arguments"]) for m in messages if m.get("tool_calls")]
+        start = {task.target: task.stubbed_source}
+        final = files_after(start, [("edit_file", e) for e in edits])[task.target]
+        sites = edit_sites(task)
+        assert len(edits) == len(sites) and final != start[task.target]
+        assert all(task.render({s.name: s.body}) != final for s in sites)  # never a site's solution
+        if note.startswith("Here is a reference solution"):
+            kinds.add("reference")
+            assert note == reference_note(render_reference({task.target: final}))
+        elif note.startswith("Hidden tests"):
+            kinds.add("cases")
+            ns: dict = {}
+            exec(final, ns)
+            for line in note.splitlines()[1:-1]:
+                exec(line, ns)  # each case holds for the note's code
+        else:
+            kinds.add("change")
+            change = reference_change(start, {task.target: final})
+            shown = [change_note(change, k) for k in [None, *range(1, len(change.splitlines()) - 1)]]
+            assert note in shown
+        for k, m in enumerate(messages):
+            if m.get("tool_calls"):
+                assert loop.step(m).messages[0]["content"] == f"edited {task.target}"
+                assert messages[k + 1]["content"] == f"edited {task.target}" + (
+                    "\nvisible tests: passed" if hasattr(task, "check") else "")
+        assert messages[-1] == {"role": "assistant", "content": CLOSING}
+        loop.close()
+    assert kinds == {"reference", "change", "cases"}
+    rows = sft_rows(tok, conversations, tools)
+    assert all(any(mask) for _, mask in rows)
+    # no share: no note, and the same seed draws the same examples
+    plain, _ = tool_format_examples(make, 12, seed=1, formats=HINT_FORMATS)
+    assert not any(m[2]["role"] == "user" for m in plain)
+    half, _ = tool_format_examples(make, 48, seed=1, formats=HINT_FORMATS, note_share=0.5)
+    assert 12 <= sum(m[2]["role"] == "user" for m in half) <= 36
+
+
+def test_the_hard_splits_base_spans_its_sources_and_is_one_for_every_loss(tmp_path):
+    """configs/coding_hard_cpu.toml's warm start draws its prompts from the main job's source and every hard source
+    (SWE mini instances among them), holds notes, and is the same conversations whatever loss channels a run then
+    trains with (one base per recipe, so channel ablations start from one point)."""
+    from composer_mesh.configs.loader import load_config
+
+    overrides = ["--env.tool_loop.warm_start_examples=24", "--env.sandbox.pool_size=0",
+                 f"--env.sandbox.root_dir={tmp_path}"]
+    examples = []
+    for extra in ([], ["--loss.alpha=0.25", "--loss.beta=0.25", "--trainer.eval_split=validation"]):
+        job = load_config("configs/coding_hard_cpu.toml", overrides + extra)
+        tl = job.env.tool_loop
+        examples.append(tool_format_examples(env_factory(warm_start_env(job.env)), tl.warm_start_examples,
+                                             tl.warm_start_seed, HINT_FORMATS, note_share=tl.warm_start_note_share,
+                                             note_formats=tl.warm_start_note_formats))
+    assert examples[0] == examples[1]
+    prompts = {m[1]["content"].split("\n")[0] for m in examples[0][0]}
+    assert any(p.startswith("Repository `acme/") for p in prompts) and any(p.startswith("Implement") for p in prompts)
+    assert any(m[2]["role"] == "user" for m in examples[0][0])  # notes

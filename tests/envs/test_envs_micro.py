@@ -12,10 +12,11 @@ import pytest
 from composer_mesh.configs.sections.env import CodingConfig
 from composer_mesh.envs.demo import stable_split
 from composer_mesh.envs.micro import (
-    HIDDEN_TESTS, STUB, VISIBLE_TESTS, MicroTasks, build_task, check_task, make_task, run_in_process, templates,
+    HIDDEN_TESTS, STUB, VISIBLE_TESTS, MicroTasks, Signature, build_task, call_cases, changed_functions, check_task,
+    make_task, random_body, run_in_process, templates,
 )
 from composer_mesh.envs.micro_ops import BY_ID, KINDS
-from composer_mesh.envs.safeguards import manifest
+from composer_mesh.envs.safeguards import MAX_SCAN_CHARS, manifest
 
 EASY = CodingConfig()
 ALL_KINDS = CodingConfig(kinds=KINDS, ops_per_kind=0)
@@ -219,3 +220,73 @@ def test_a_violation_earns_nothing_even_with_the_reference(sandbox):
     task = make_task(EASY, "train", 5)
     grade = _grade(task, sandbox, {**task.reference, VISIBLE_TESTS: task.files[VISIBLE_TESTS] + "\n# edited\n"})
     assert grade.reward == 0.0 and grade.reason == "edited_tests" and grade.passed == grade.total
+
+
+def test_binary_reward_pays_only_a_full_pass(sandbox):
+    """`partial_credit = false`: the same third of the hidden tests earns 0, the reference 1."""
+    binary = dataclasses.replace(HARD, partial_credit=False)
+    task = make_task(binary, "heldout", 4)
+    assert task == dataclasses.replace(make_task(HARD, "heldout", 4), partial_credit=False)
+    ref, stub = task.reference[task.target], task.stubbed_source
+    fixed = ref.split("\n\n\n")[0] + "\n\n\n" + "\n\n\n".join(stub.split("\n\n\n")[1:])
+    third = _grade(task, sandbox, {task.target: fixed})
+    assert third.passed == HARD.hidden_tests_per_function and third.reward == 0.0
+    assert _grade(task, sandbox, {task.target: ref}).reward == 1.0
+
+
+def test_failing_cases_are_the_failed_hidden_asserts(sandbox):
+    """The teacher's `failing_cases`: the `assert` lines of exactly the hidden tests the workspace failed."""
+    task = make_task(HARD, "heldout", 4)
+    ref, stub = task.reference[task.target], task.stubbed_source
+    fixed = ref.split("\n\n\n")[0] + "\n\n\n" + "\n\n\n".join(stub.split("\n\n\n")[1:])
+    cases = task.failing_cases(_grade(task, sandbox, {task.target: fixed})).splitlines()
+    first = task.functions[0]
+    hidden = task.hidden[HIDDEN_TESTS]
+    assert len(cases) == 2 * HARD.hidden_tests_per_function and all(c in hidden for c in cases)
+    assert all(c.startswith("assert ") and not c.startswith(f"assert {first}(") for c in cases)
+    assert task.failing_cases(_grade(task, sandbox, {task.target: ref})) == ""
+
+
+def test_check_counts_the_functions_the_workspace_changed(sandbox):
+    """A task of several functions is done one checked edit at a time: the check judges the visible tests of the
+    functions changed from the start (all of them when none is, or when the module does not parse)."""
+    config = CodingConfig(functions_per_task=2, failing_visible_test=True, namings=(2,))
+    task = make_task(config, "train", 1)
+    ref = {s.name: s.body for s in task.signatures}
+    first, second, bug = task.functions
+
+    def check(bodies: dict | None = None, text: str | None = None):
+        with task.workspace(sandbox) as ws:
+            start = manifest(ws.path)
+            (ws.path / task.target).write_text(text if text is not None else task.render(bodies or {}))
+            return task.check(sandbox, ws, start)
+
+    assert check({first: ref[first]}).reason == "passed"
+    assert check({first: ref[first], bug: ref[bug]}).reason == "passed"
+    assert check({first: ref[first], second: ("return 0",)}).reason.startswith("tests_failed (1/2")
+    assert check({}).reason.startswith("tests_failed (0/3")  # nothing changed: every visible test
+    assert check(text="def (:\n").reason != "passed"  # does not parse: every visible test
+    assert changed_functions(task.stubbed_source, task.render({bug: ref[bug]})) == (bug,)
+    assert changed_functions(task.stubbed_source, "x" * (MAX_SCAN_CHARS + 1)) == ()
+    assert changed_functions(task.stubbed_source, "(" * 100_000) == ()
+    assert changed_functions(task.stubbed_source, "x = 1\n") == task.functions  # every function gone
+
+
+def test_random_bodies_are_type_correct_code_over_the_parameters():
+    """The warm start's note code: chains of the micro vocabulary over a function's typed parameters that run on
+    drawn inputs, of at most the statements asked, whatever the function is."""
+    rng = random.Random(0)
+    for params in ((("m", "int"), ("n", "int")), (("m", "str"), ("n", "int")), (("m", "list"),),
+                   (("m", "dict"), ("n", "key"))):
+        lengths = set()
+        for _ in range(60):
+            statements = rng.randint(1, 3)
+            body = random_body(params, statements, rng)
+            sig = Signature("f", params, "Doc.", body, (STUB,))
+            source = sig.source(body)
+            assert body[-1].startswith("return ") and 1 <= len(_body(source, "f")) <= statements
+            names = {n.id for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Name)}
+            assert names <= {p for p, _ in params} | {f"r{i}" for i in range(1, 4)} | {"i", "len", "max", "min", "sum", "sorted"}
+            assert len(call_cases(source, sig, 4, rng)) == 4, source
+            lengths.add(len(body))
+        assert len(lengths) > 1

@@ -121,6 +121,11 @@ def test_a_failed_episode_hands_the_teacher_its_privileged_context(env):
                       [(len(messages) - 1, 1, 2)], obs.reward, "done", 0, info=dict(obs.info))
     (site,) = failure_sites(rollout)
     assert site.reference == reference and site.feedback == obs.info["feedback"] and site.tool == "grade"
+    # the lines the reference writes: the deleted body, indented as in the file, which the stub does not hold
+    change = obs.info["reference_change"].splitlines()
+    assert change[0] == f"--- {task.target}" and len(change) > 2 and site.change == obs.info["reference_change"]
+    body = "\n".join(change[1:])
+    assert body in task.original_source() and body not in task.stubbed_source
     assert site.message == f"hidden tests: {obs.info['reason']}"  # what the policy may be told: no test output
     context = "".join(str(m.get("content")) for m in [*first.messages, *messages])
     assert task.original_source().strip() not in context and obs.info["feedback"].strip() not in context

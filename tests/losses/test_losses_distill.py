@@ -209,3 +209,47 @@ def test_bad_specs_are_rejected():
         token_divergence(torch.zeros(2, 3), torch.zeros(2, 4), DistillSpec())
     with pytest.raises(ValueError, match="t_start"):
         TAIDSchedule(t_start=1.0)
+
+
+@pytest.mark.parametrize("path", [dict(chunked=False), dict(chunked=True, chunk_tokens=4),
+                                  dict(chunked=True, chunk_tokens=64)])
+@pytest.mark.parametrize("beta,guard", [(0.5, 0.3), (0.0, 2.0), (0.5, 0.0)])
+def test_kl_guard_matches_the_formula(path, beta, guard):
+    """`[loss.distill] kl_guard = c`: the channel is Σ_distilled [JSD_β(p_s, p_t) + c·k3] / N with
+    k3 = exp(lp_gen − lp) − (lp_gen − lp) − 1 on the sampled token (lp the policy's, lp_gen the generator's);
+    `distill/kl_guard_mean` is the token mean of k3."""
+    from composer_mesh.configs.sections.loss import DistillLossConfig, LossConfig
+    from composer_mesh.losses.composer import DistillInputs, compose_loss, summarize_metrics
+
+    g = torch.Generator().manual_seed(31 + int(10 * guard))
+    B, T, Dm, Vm = 3, 9, 6, 23
+    h_s = torch.randn(B, T, Dm, generator=g).requires_grad_()
+    h_t = torch.randn(B, T, Dm, generator=g)
+    w = (torch.randn(Vm, Dm, generator=g) / Dm**0.5).requires_grad_()
+    mask = torch.rand(B, T, generator=g) > 0.3
+    labels = torch.randint(0, Vm, (B, T), generator=g)
+    gen = -torch.rand(B, T, generator=g) * 4 - 1
+    n = int(mask.sum()) + 2  # the global count of distilled tokens
+    cfg = LossConfig(**path, distill=DistillLossConfig(beta=beta, kl_guard=guard))
+    out = compose_loss(cfg, w, distill=DistillInputs(h_s, h_t, mask, n, labels_BT=labels, gen_logprobs_BT=gen))
+
+    # the teacher is a constant (no gradient reaches the head through it)
+    s_logits, t_logits = (h_s.double() @ w.double().T)[mask], (h_t.double() @ w.detach().double().T)[mask]
+    lp = torch.log_softmax(s_logits, -1).gather(-1, labels[mask].unsqueeze(-1)).squeeze(-1)
+    x = gen[mask].double() - lp
+    k3 = x.exp() - x - 1
+    ref = (jsd_ref(s_logits, t_logits, beta) + guard * k3).sum() / n
+    torch.testing.assert_close(out.loss.double(), ref, atol=1e-5, rtol=1e-5)
+    for a, b in zip(torch.autograd.grad(out.loss, [w, h_s]), torch.autograd.grad(ref, [w, h_s])):
+        torch.testing.assert_close(a.double(), b.double(), atol=1e-5, rtol=1e-4)
+    summary = summarize_metrics(out.metrics)
+    if guard:
+        assert summary["distill/kl_guard_mean"] == pytest.approx(float(k3.detach().mean()), abs=1e-5)
+        assert float(k3.detach().mean()) > 1e-3  # the guard adds something here
+    else:
+        assert "distill/kl_guard_sum" not in out.metrics
+        bare = compose_loss(cfg, w, distill=DistillInputs(h_s, h_t, mask, n))  # no labels needed when off
+        assert torch.equal(bare.loss, out.loss)
+    if guard:
+        with pytest.raises(ValueError, match="kl_guard"):
+            compose_loss(cfg, w, distill=DistillInputs(h_s, h_t, mask, n))

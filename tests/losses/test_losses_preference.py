@@ -235,3 +235,74 @@ def test_nll_weight_is_validated():
         load_config(None, ["--loss.preference.nll_weight=-0.5"])
     assert load_config(None, ["--loss.preference.nll_weight=1.0"]).loss.preference.nll_weight == 1.0
     assert load_config(None, []).loss.preference.nll_weight == 0.0
+
+
+# --- the DPO-weight filter (`[loss.preference] min_weight`) ---
+
+
+def _weighted_reference(kind, w_VD, x, nll_weight, beta, gamma, min_weight):
+    """Per pair, in float64 with full logits: the kind's loss ℓ_p (+ nll_weight·NLL), its DPO weight
+    ω_p = σ(−m_p) with m_p = β·Δ_p (DPO), β·Δ_p on length averages (IPO, as TRL), β·(avg_w − avg_l) − γ (SimPO);
+    the channel is Σ_p [ω_p ≥ min_weight]·(ℓ_p + nll_weight·NLL_p) / P. Returns (loss, weights)."""
+    total, weights = 0.0, []
+    for p in range(x.chosen_mask_BT.shape[0]):
+        sums, lens = [], []
+        for h, y, m in ((x.chosen_hidden_BTD, x.chosen_labels_BT, x.chosen_mask_BT),
+                        (x.rejected_hidden_BTD, x.rejected_labels_BT, x.rejected_mask_BT)):
+            logp_TV = torch.log_softmax(h[p].double() @ w_VD.double().T, dim=-1)
+            sums.append(sum(logp_TV[t, y[p, t]] for t in range(y.shape[1]) if m[p, t]))
+            lens.append(int(m[p].sum()))
+        (c, r), (n_c, n_r) = sums, lens
+        ref_c, ref_r = x.ref_chosen_logps_P[p].double(), x.ref_rejected_logps_P[p].double()
+        if kind == "dpo":
+            margin = beta * ((c - ref_c) - (r - ref_r))
+            loss = -torch.log(torch.sigmoid(margin))
+        elif kind == "ipo":
+            delta = (c - ref_c) / n_c - (r - ref_r) / n_r
+            margin = beta * delta
+            loss = (delta - 1 / (2 * beta)) ** 2
+        else:
+            margin = beta * (c / n_c - r / n_r) - gamma
+            loss = -torch.log(torch.sigmoid(margin))
+        weight = float(torch.sigmoid(-margin.detach()))
+        weights.append(weight)
+        if weight >= min_weight:
+            total = total + loss + nll_weight * (-c / n_c)
+    return total / x.chosen_mask_BT.shape[0], weights
+
+
+@pytest.mark.parametrize("path", LOSS_PATHS)
+@pytest.mark.parametrize("kind", ["dpo", "ipo", "simpo"])
+@pytest.mark.parametrize("nll_weight", [0.0, 0.7])
+def test_min_weight_drops_pairs_without_dpo_gradient(path, kind, nll_weight):
+    x = _pair_batch(6, 11, seed=5 + int(10 * nll_weight))
+    leaves = _leaves(x)
+    w = (torch.randn(V_RPO, D_RPO, generator=torch.Generator().manual_seed(8)) / D_RPO**0.5).requires_grad_()
+    beta = {"dpo": 0.3, "ipo": 0.3, "simpo": 2.0}[kind]
+    gamma = 0.5 if kind == "simpo" else 0.0
+    _, weights = _weighted_reference(kind, w, x, nll_weight, beta, gamma, 0.0)
+    ranked = sorted(weights)
+    # a threshold between the 3rd and 4th weights: three pairs dropped, three kept
+    assert ranked[3] - ranked[2] > 1e-4
+    min_weight = (ranked[2] + ranked[3]) / 2
+    pref = PreferenceLossConfig(kind=kind, dpo_beta=beta, simpo_beta=beta, simpo_gamma=gamma,
+                                nll_weight=nll_weight, min_weight=min_weight)
+    out = compose_loss(LossConfig(**path, preference=pref), w, preference=x)
+    ref, _ = _weighted_reference(kind, w, x, nll_weight, beta, gamma, min_weight)
+    torch.testing.assert_close(out.loss.double(), ref, atol=1e-5, rtol=1e-5)
+    for a, b in zip(torch.autograd.grad(out.loss, [w, *leaves]), torch.autograd.grad(ref, [w, *leaves])):
+        torch.testing.assert_close(a.double(), b.double(), atol=1e-5, rtol=1e-4)
+    summary = summarize_metrics(out.metrics)
+    assert summary["preference/dropped_low_weight"] == 3
+    assert summary["preference/weight_mean"] == pytest.approx(sum(weights) / 6, abs=1e-6)
+    # off (the default): every pair counts, the same loss as before the key existed
+    kept_all = compose_loss(LossConfig(**path, preference=dataclasses.replace(pref, min_weight=0.0)), w, preference=x)
+    all_ref, _ = _weighted_reference(kind, w, x, nll_weight, beta, gamma, 0.0)
+    torch.testing.assert_close(kept_all.loss.double(), all_ref.detach(), atol=1e-5, rtol=1e-5)
+    assert summarize_metrics(kept_all.metrics)["preference/dropped_low_weight"] == 0
+
+
+def test_min_weight_is_validated():
+    with pytest.raises(ConfigError, match=r"loss\.preference\.min_weight"):
+        load_config(None, ["--loss.preference.min_weight=1.0"])
+    assert load_config(None, []).loss.preference.min_weight == 0.0

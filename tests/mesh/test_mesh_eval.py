@@ -140,3 +140,106 @@ def test_validation_evaluation_draws_the_validation_split_through_the_env_factor
     trained, held = problems("train", range(400)), problems("heldout", range(400))
     assert validation and validation.isdisjoint(trained) and validation.isdisjoint(held)
     assert all(split_of(p, job.env.demo) == "validation" for p in validation)
+
+
+class _Replies:
+    """A policy that reads the note: with the hinted evaluation's note in its context it writes the task's reference
+    edit, without it a wrong one, then closes (the engine's interface; the episodes, tool loop and grades are real)."""
+
+    def __init__(self, tok, tasks) -> None:
+        from composer_mesh.actors.episodes import ChatTokens
+
+        self.tok, self.tasks, self.chat = tok, tasks, ChatTokens(tok)
+
+    def generate(self, prompts, sampling):
+        from composer_mesh.actors.hf_engine import Completion
+        from composer_mesh.replay.reference_teacher import change_calls, near_miss
+
+        out = []
+        for ids in prompts:
+            text = self.tok.decode(ids)
+            task = next(t for t in self.tasks if t.stubbed_source in text)
+            reference = task.reference_files()
+            files = reference if "Here is a reference solution" in text else {p: near_miss(t) for p, t in reference.items()}
+            (call,) = change_calls({task.target: task.stubbed_source}, files, "edit_file")
+            turn = text.count("<|im_start|>assistant")
+            reply = (f'<tool_call>\n{{"name": "edit_file", "arguments": {call["function"]["arguments"]}}}\n</tool_call>'
+                     if turn == 1 else "Done.")
+            tokens = self.chat.encode(reply) + [self.chat.end_id]
+            out.append(Completion(tokens, [-0.5] * len(tokens), "stop"))
+        return out
+
+
+class _InProcess:
+    """A generator actor's `generate` endpoint in this process (`mesh.evaluation` calls `gen.generate.call_one`);
+    `calls` keeps each call's groups."""
+
+    def __init__(self, runner, group_size: int) -> None:
+        self.runner, self.group_size, self.generate, self.calls = runner, group_size, self, []
+
+    def call_one(self, requests, sampling, group_size):
+        groups = self.runner.run(list(requests), group_size or self.group_size, sampling, 0)
+        self.calls.append(groups)
+        return type("Done", (), {"get": lambda _: groups})()
+
+
+def test_hinted_evaluation_puts_the_reference_note_before_the_first_reply(tiny_assets, tmp_path):
+    """`EvalConfig.hinted` (`[trainer] eval_hinted`): the sampled set again, each episode with the task's reference
+    as a user message after its prompt (`EpisodeRequest.hinted`, `Environment.add_note`); a policy that reads it
+    passes every hinted episode and none without it: hint_gap 1, all-fail share 1 -> 0, pass@k 0."""
+    from transformers import AutoTokenizer
+
+    from composer_mesh.actors.episodes import EpisodeRunner
+    from composer_mesh.actors.rollout import SamplingParams
+    from composer_mesh.configs.sections.env import CodingConfig, SandboxConfig, ToolLoopConfig
+    from composer_mesh.envs.coding import render_reference
+    from composer_mesh.envs.micro import MicroTasks
+    from composer_mesh.envs.sandbox import Sandbox
+    from composer_mesh.envs.tool_loop import ToolLoopEnv
+    from composer_mesh.mesh.evaluation import EvalConfig, evaluate
+    from composer_mesh.replay.hints import reference_note
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_assets.tokenizer_dir))
+    sandbox = Sandbox(SandboxConfig(root_dir=str(tmp_path), wall_timeout_s=90.0))
+    pool = MicroTasks(CodingConfig(), "heldout")
+    loop = ToolLoopConfig(tools=("edit_file",), max_turns=3)
+    runner = EpisodeRunner(_Replies(tok, [pool.pick(s) for s in range(3)]), tok,
+                           lambda split: ToolLoopEnv(pool, sandbox, loop), max_turns=3, max_context_tokens=4096)
+    gen = _InProcess(runner, 2)
+    metrics = evaluate([gen], EvalConfig(samples=3, sampling=SamplingParams(max_new_tokens=256), hinted=True))
+    assert metrics["eval/heldout_sampled_pass"] == 0.0 and metrics["eval/heldout_hinted_sampled_pass"] == 1.0
+    assert metrics["eval/heldout_hint_gap"] == 1.0
+    assert metrics["eval/heldout_all_fail_share"] == 1.0 and metrics["eval/heldout_pass_at_k"] == 0.0
+    assert metrics["eval/heldout_hinted_all_fail_share"] == 0.0
+    greedy, sampled, hinted = gen.calls
+    for plain, noted in zip(sampled, hinted):
+        for a, b in zip(plain.rollouts, noted.rollouts):
+            task = pool.pick(a.seed)
+            note = {"role": "user", "content": reference_note(render_reference(task.reference_files()))}
+            assert b.messages[:2] == a.messages[:2] and b.messages[2] == note and note not in a.messages
+            assert b.messages[3]["role"] == "assistant" and b.turn_spans[0][0] == 3
+    # off by default: no hinted pass, no hint gap
+    assert "eval/heldout_hint_gap" not in evaluate([_InProcess(runner, 2)], EvalConfig(samples=1))
+
+
+def test_a_note_goes_before_the_first_reply_and_hinted_evaluation_needs_a_coding_task(tmp_path):
+    from composer_mesh.configs.loader import ConfigError, load_config
+    from composer_mesh.configs.sections.env import CodingConfig, SandboxConfig
+    from composer_mesh.envs.base import assistant
+    from composer_mesh.envs.micro import MicroTasks
+    from composer_mesh.envs.sandbox import Sandbox
+    from composer_mesh.envs.tool_loop import ToolLoopEnv
+
+    env = ToolLoopEnv(MicroTasks(CodingConfig(), "train"), Sandbox(SandboxConfig(root_dir=str(tmp_path))))
+    with pytest.raises(RuntimeError, match="after reset"):
+        env.add_note("early")
+    env.reset(seed=0)
+    env.add_note("a note")
+    assert env.state.messages[-1] == {"role": "user", "content": "a note"}
+    env.step(assistant("Done."))
+    with pytest.raises(RuntimeError, match="before the first step"):
+        env.add_note("late")
+    env.close()
+    with pytest.raises(ConfigError, match="trainer.eval_hinted needs a coding task"):
+        load_config(REPO / "configs" / "demo_cpu.toml", ["--trainer.eval_hinted=true"])
+    assert load_config(REPO / "configs" / "coding_hard_cpu.toml").trainer.eval_hinted

@@ -148,3 +148,113 @@ def test_train_exits_nonzero_when_every_prompt_is_too_long(tmp_path, tiny_assets
     rows = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     assert [r["rollouts/dropped_reason/prompt_too_long"] for r in rows] == [2.0, 2.0]
     assert all(r["skipped"] == 1.0 and r["rollouts/completion_tokens"] == 0.0 for r in rows)
+
+
+def test_a_switched_on_channel_that_gets_nothing_is_named(caplog):
+    """`mesh.channels.ChannelWatch`: a warning at every step while an on channel has had nothing, then the
+    summary's `silent_channels` naming it, its key and why; a channel that got something, or is off, is not."""
+    from composer_mesh.configs.loader import load_config
+    from composer_mesh.mesh.api import StepRecord
+    from composer_mesh.mesh.channels import ChannelWatch
+
+    job = load_config("coding_cpu.toml", {"loss.alpha": 0.25, "loss.beta": 0.25,
+                                          "loss.distill.targets": "all_fail_groups"})
+    nothing = {"distill/hinted_tokens": 0.0, "distill/targeted": 0.0, "distill/hinted": 0.0,
+               "preference/pairs_in_batch": 0.0}
+    history = [StepRecord(s, dict(nothing), 0.0, [], 0, 2, 0.1) for s in (1, 2)]
+    watch = ChannelWatch(job, replay=True)
+    with caplog.at_level(logging.WARNING, logger="composer_mesh.mesh.channels"):
+        for record in history:
+            watch.step(record)
+    warnings = [r.getMessage() for r in caplog.records]
+    assert warnings == [f"step {s}: {name} has got nothing in {s} step{'s' * (s > 1)} so far"
+                        for s in (1, 2) for name in ("channel 2 (hint distillation) (loss.alpha = 0.25)",
+                                                     "channel 3 (preference pairs) (loss.beta = 0.25)")]
+    replay = {"states_done": 6, "outcomes": {"no_consensus": 6}, "pairs_made": 0,
+              "teacher_refusals": {"a": {"unknown task: x": 6}, "b": {"unknown task: x": 6}},
+              "client": {"failures": {"server_error": 2}}}
+    summary = watch.summary(history, replay)
+    silent = summary["silent_channels"]
+    assert silent["distill"] == ("channel 2 (hint distillation) is on (loss.alpha = 0.25) but got nothing in 2 steps: "
+                                 "loss.distill.targets = 'all_fail_groups' let no rollout through (no group failed "
+                                 "every sample)")
+    assert silent["preference"].startswith("channel 3 (preference pairs) is on (loss.beta = 0.25) but got nothing in "
+                                           "2 steps: 6 failed turns replayed (outcomes: no_consensus 6); teachers "
+                                           "could not answer: a: unknown task: x 6, b: unknown task: x 6; teacher calls "
+                                           "failed: server_error 2; 0 pairs made")
+    assert summary["channels"]["preference"] == {"on": True, "got": 0.0, "counts": "preference/pairs_in_batch"}
+
+    # a channel that got something at a step stops warning and is not silent; an off one is named off
+    caplog.clear()
+    fed = ChannelWatch(job, replay=False)
+    with caplog.at_level(logging.WARNING, logger="composer_mesh.mesh.channels"):
+        fed.step(history[0])
+        fed.step(StepRecord(2, {**nothing, "distill/hinted_tokens": 12.0}, 0.0, [], 0, 2, 0.1))
+        fed.step(StepRecord(3, dict(nothing), 0.0, [], 0, 2, 0.1))
+    assert [r.getMessage() for r in caplog.records] == [
+        "step 1: channel 2 (hint distillation) (loss.alpha = 0.25) has got nothing in 1 step so far"]
+    quiet = fed.summary(history, None)
+    assert "silent_channels" not in quiet and quiet["channels"]["distill"]["got"] == 12.0
+    assert quiet["channels"]["preference"]["off"] == "mesh.replay_procs = 0 starts no replay actor"
+    # a resumed run with nothing left to do is not a failure
+    assert "silent_channels" not in ChannelWatch(job, replay=True).summary([], replay)
+
+
+@pytest.mark.slow
+def test_train_exits_nonzero_when_a_switched_on_channel_gets_nothing(tmp_path, tiny_assets):
+    """The acceptance run: the coding recipe (micro tasks, the tiny model, 2 steps) with channels 2 and 3 on, its
+    teachers pointed at a teacher server for another run's tasks (SWE-style instances of a local git repository),
+    so that every state it is asked about is a task it does not know. Channel 3 gets no pair: the run warns at each
+    step, exits 3 naming the channel, its key and why (the teachers' refusals, counted by reason), no server
+    error; channel 2, which got its hinted tokens, is not named."""
+    import importlib.util
+
+    from composer_mesh.configs.sections.env import CodingConfig, EnvConfig, SandboxConfig, SweConfig
+    from composer_mesh.mesh.responders import build_responder
+    from composer_mesh.replay.reference_teacher import UNKNOWN_TASK
+    from composer_mesh.replay.server import TeacherServer
+
+    spec = importlib.util.spec_from_file_location("swe_shapes", REPO / "tests" / "envs" / "swe_shapes.py")
+    shapes = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(shapes)
+    row = shapes.make_instance(tmp_path / "repos")
+    (tmp_path / "instances.jsonl").write_text(json.dumps(row) + "\n")
+    other = EnvConfig(task="coding", coding=CodingConfig(sources=("swe",)), sandbox=SandboxConfig(root_dir=str(tmp_path)),
+                      swe=SweConfig(instances=str(tmp_path / "instances.jsonl"), repos_dir=str(tmp_path / "repos"),
+                                    runtime="local"))
+    cache = tiny_assets.root.parents[1]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", COMPOSER_MESH_CACHE=str(cache))
+    with TeacherServer(build_responder("coding", noise=0.0, env=other)) as server:
+        cmd = [sys.executable, "-m", "composer_mesh.mesh.cli", "train", "--no-progress", "configs/coding_cpu.toml",
+               "--trainer.steps=2", f"--job.output_dir={tmp_path / 'runs'}", "--trainer.prompts_per_step=2",
+               "--generator.group_size=2", "--generator.max_new_tokens=16", "--generator.max_turns=1",
+               "--env.tool_loop.max_turns=1", "--env.tool_loop.warm_start_steps=0", "--trainer.eval_every=0",
+               "--checkpoint.enabled=false", "--loss.alpha=0.25", "--loss.beta=0.25", "--replay.traces=[]",
+               "--replay.local_server.enabled=false", f"--teachers.base_url={server.url}"]
+        out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        served = list(server.log)
+    assert out.returncode == 3, out.stderr[-4000:]
+    error = out.stderr.strip().splitlines()[-1]
+    assert error.startswith("error: channel 3 (preference pairs) is on (loss.beta = 0.25) but got nothing in 2 steps"), \
+        out.stderr[-4000:]
+    assert "teachers could not answer: " in error and UNKNOWN_TASK in error and "teacher calls failed: none" in error
+    assert "channel 2" not in error and out.stderr.count("error: ") == 1
+    # as it happened: each step's warning
+    assert "step 1: channel 3 (preference pairs) (loss.beta = 0.25) has got nothing in 1 step so far" in out.stderr
+    assert "step 2: channel 3 (preference pairs) (loss.beta = 0.25) has got nothing in 2 steps so far" in out.stderr
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["trained_steps"] == 2 and "untrained" not in summary
+    assert set(summary["silent_channels"]) == {"preference"}
+    assert summary["silent_channels"]["preference"] == error[len("error: "):]
+    assert summary["channels"]["distill"]["got"] > 0
+    refusals = summary["replay"]["teacher_refusals"]
+    # the recipe's tier-0 teachers a and b every time, its tie-breaker c where they disagreed
+    assert set(refusals) >= {"a", "b"} and all(set(r) == {f"{UNKNOWN_TASK} (the first 1024 train tasks scanned)"}
+                                               for r in refusals.values())
+    assert refusals["a"] == refusals["b"] == {f"{UNKNOWN_TASK} (the first 1024 train tasks scanned)":
+                                              summary["replay"]["states_done"]}
+    # every request the teachers got was answered: no server error, nothing retried
+    assert served and all(r["outcome"] == "ok" and r["billed"] for r in served), {r["outcome"] for r in served}
+    assert summary["replay"]["client"]["failures"] == {} and summary["replay"]["client"]["retries"] == 0
+    assert json.loads((Path(summary["run_dir"]) / "summary.json").read_text())["silent_channels"] == \
+        summary["silent_channels"]

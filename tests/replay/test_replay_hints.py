@@ -138,11 +138,13 @@ def test_reference_hint_holds_the_reference_or_falls_back_to_feedback():
 def test_hint_kind_selects_the_generator_and_bad_values_name_the_key():
     from composer_mesh.configs.loader import ConfigError, loads_config
     from composer_mesh.replay.hints import (
-        FeedbackHintGenerator, ReferenceHintGenerator, make_hint_generator,
+        FailingTestHintGenerator, FeedbackHintGenerator, ReferenceHintGenerator, ReferencePrefixHintGenerator,
+        make_hint_generator,
     )
 
     kinds = {"template": TemplateHintGenerator, "feedback": FeedbackHintGenerator,
-             "reference": ReferenceHintGenerator}
+             "reference": ReferenceHintGenerator, "reference_prefix": ReferencePrefixHintGenerator,
+             "failing_test": FailingTestHintGenerator}
     for kind, cls in kinds.items():
         job = loads_config(f'[loss.distill]\nhint_kind = "{kind}"')
         assert type(make_hint_generator(job.loss.distill, job.teachers)) is cls
@@ -195,3 +197,63 @@ def test_failure_sites_carry_the_episodes_change_and_failing_cases():
     tool_site = ErrorSite(turn=1, kind=ErrorKind.BAD_TOOL_CALL, message="bad", cases="own")
     (kept,) = failure_sites(Rollout(**{**rollout.__dict__, "error_sites": [tool_site]}))
     assert (kept.change, kept.cases) == (info["reference_change"], "own")
+
+
+CHANGE = "--- m.py\n    a = x + 1\n    b = a * 2\n    c = b - 3\n--- util.py\n    return c"
+
+
+def test_reference_prefix_reveals_an_adaptive_share_per_task():
+    """k = ceil(s·n) of the n written lines; s starts at `start`, +step after an all-fail group of the task,
+    −step after one with a pass, within [0, 1]; each task has its own s; a site without a change falls back."""
+    from composer_mesh.replay.hints import ReferencePrefixHintGenerator, change_note
+
+    site = ErrorSite(1, ErrorKind.TEST_FAILURE, "hidden tests: 0/3", feedback="E  assert 5 == 4", change=CHANGE)
+    gen = ReferencePrefixHintGenerator(start=0.5, step=0.25)
+    assert gen.hint(site, MESSAGES) == change_note(CHANGE, 2)  # ceil(0.5 · 4)
+    expected = {"t": [], "u": []}
+    for task, solved, share in (("t", False, 0.75), ("t", False, 1.0), ("t", False, 1.0), ("u", True, 0.25),
+                                ("u", True, 0.0), ("t", True, 0.75)):
+        gen.observe(task, solved)
+        assert gen.share(task) == pytest.approx(share)
+        expected[task].append(gen.for_task(task).hint(site, MESSAGES))
+    assert expected["t"][:2] == [change_note(CHANGE, 3), change_note(CHANGE)]  # 0.75 · 4 = 3, then all
+    assert expected["u"][-1] == change_note(CHANGE, 0)
+    assert expected["t"][-1] == change_note(CHANGE, 3) and gen.share("never seen") == 0.5
+    # the shares are the run's state
+    again = ReferencePrefixHintGenerator(start=0.5, step=0.25)
+    again.load_state_dict(gen.state_dict())
+    assert again.for_task("t").hint(site, MESSAGES) == expected["t"][-1] and again.share("u") == 0.0
+    # no change known: the feedback, counted
+    bare = ErrorSite(1, ErrorKind.TEST_FAILURE, "hidden tests: 0/3", feedback="E  assert 5 == 4")
+    assert "E  assert 5 == 4" in gen.for_task("t").hint(bare, MESSAGES) and gen.fallbacks == 1
+    # the cap cuts the change before the lines are counted
+    short = ReferencePrefixHintGenerator(start=1.0, max_chars=len("--- m.py\n    a = x + 1"))
+    assert short.hint(site, MESSAGES) == change_note("--- m.py\n    a = x + 1")
+
+
+def test_failing_test_hint_holds_the_failed_cases_or_falls_back():
+    from composer_mesh.replay.hints import FailingTestHintGenerator, cases_note
+
+    site = ErrorSite(1, ErrorKind.TEST_FAILURE, "hidden tests: 0/2", feedback="E  assert 5 == 4",
+                     cases="assert add(2, 3) == 5\nassert add(0, 0) == 0", reference="def add(a, b): ...")
+    gen = FailingTestHintGenerator()
+    text = gen.hint(site, MESSAGES)
+    assert text == cases_note(site.cases) and "def add" not in text and gen.fallbacks == 0
+    assert FailingTestHintGenerator(max_chars=22).hint(site, MESSAGES) == cases_note("assert add(2, 3) == 5\n")
+    bare = ErrorSite(1, ErrorKind.TEST_FAILURE, "hidden tests: 0/2", feedback="E  assert 5 == 4")
+    assert "E  assert 5 == 4" in gen.hint(bare, MESSAGES) and gen.fallbacks == 1
+
+
+def test_new_hint_kinds_and_their_keys():
+    from composer_mesh.configs.loader import ConfigError, loads_config
+    from composer_mesh.replay.hints import make_hint_generator
+
+    job = loads_config('[loss.distill]\nhint_kind = "reference_prefix"\nhint_reveal_start = 0.25\nhint_reveal_step = 0.5')
+    prefix = make_hint_generator(job.loss.distill, job.teachers)
+    assert (prefix.start, prefix.step) == (0.25, 0.5)
+    job = loads_config('[loss.distill]\nhint_kind = "failing_test"\nhint_max_chars = 99')
+    assert make_hint_generator(job.loss.distill, job.teachers).max_chars == 99
+    assert loads_config("").loss.distill.targets == "failed"  # today's behaviour stays the default
+    for key, value in (("hint_reveal_step", "1.5"), ("targets", '"passed"'), ("rlsd_w_max", "0.9")):
+        with pytest.raises(ConfigError, match=rf"loss\.distill\.{key}"):
+            loads_config(f"[loss.distill]\n{key} = {value}")

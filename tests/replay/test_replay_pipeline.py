@@ -229,3 +229,24 @@ def test_serve_teachers_command_and_replay_errors(tmp_path):
     typo = subprocess.run(_replay_cmd(tmp_path / "c.toml") + ["--replay.min_agre=3"], cwd=REPO, env=env,
                           capture_output=True, text=True)
     assert typo.returncode == 2 and "min_agree" in typo.stderr
+
+
+def test_teachers_that_say_why_they_cannot_answer_are_counted_not_failed(tmp_path):
+    """A reply carrying OpenAI's `refusal` field is a reply (it votes, worded per model here, so no pair from it)
+    and summary.json counts it by teacher and reason, apart from the failures."""
+    reason = "no reference solution: the task has none"
+
+    def responder(model, messages, params):
+        if model == "m-none":
+            return {"content": f"{model}: no reference solution for this task.", "refusal": reason}
+        return _agreeing(model, messages, params)
+
+    with TeacherServer(responder) as server:
+        specs = (TeacherSpec(name="good1", model="g1"), TeacherSpec(name="good2", model="g2"),
+                 TeacherSpec(name="none", model="m-none"))
+        teachers = TeachersConfig(models=specs, base_url=server.url, max_retries=1, backoff_base_s=0.001, budget_usd=1.0)
+        cfg = ReplayConfig(traces=(str(FIXTURES / "openai_traces.jsonl"),), output_dir=str(tmp_path), min_agree=2)
+        summary = run_replay(cfg, teachers)
+    assert summary["refusals_by_teacher"] == {"none": {reason: summary["states"]}} and summary["states"] > 0
+    assert summary["failures"] == [] and summary["outcomes"].get("pair", 0) > 0
+    assert json.loads((tmp_path / "summary.json").read_text())["refusals_by_teacher"] == summary["refusals_by_teacher"]

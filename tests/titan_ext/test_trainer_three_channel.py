@@ -12,6 +12,11 @@ trainer are all checked against plain per-sequence code):
   hint-injected document without gradient, Σ over distilled tokens / N;
 - trace replay: DPO, β = 0.1, Σ over pairs / P;
 - total = policy + 1·distill + 1·preference; gradient norm over all parameters.
+
+With `[loss.distill] rlsd` each policy token's advantage is scaled by RLSD's
+w = clip(exp(sign(Â)·(logπ_T − logπ_S)), w_min, w_max), π_T the hinted document's
+prediction of the same token; with `kl_guard = c` each distilled token adds
+c·(exp(lp_gen − lp) − (lp_gen − lp) − 1).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ def _kl(logp, logq):
     return (logp.exp() * (logp - logq)).sum(-1)
 
 
-def _reference(hf_dir, sequence_is: bool = False):
+def _reference(hf_dir, sequence_is: bool = False, rlsd: tuple[float, float] | None = None, kl_guard: float = 0.0):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
@@ -53,16 +58,22 @@ def _reference(hf_dir, sequence_is: bool = False):
                 if batch.policy_mask_BL[b, j]:
                     lp = logp_s[i, batch.labels_BL[b, j]]
                     ratio = (lp - lp.detach()).exp()
+                    adv = batch.advantages_BL[b, j]
+                    if rlsd is not None and batch.hint_index_BL[b, j] >= 0:
+                        gap = logp_t[batch.hint_index_BL[b, j] - hlo, batch.labels_BL[b, j]] - lp.detach()
+                        adv = adv * (torch.sign(adv) * gap).exp().clamp(*rlsd)
                     if sequence_is:  # one weight per rollout: the product of its token ratios
                         tis = torch.stack(doc_log_m).sum().exp()
                     else:
                         tis = (lp.detach() - batch.generator_logprobs_BL[b, j]).exp().clamp(max=2.0)
-                    policy_terms.append(-batch.advantages_BL[b, j] * ratio * tis)
+                    policy_terms.append(-adv * ratio * tis)
                 if batch.distill_mask_BL[b, j]:
                     t = batch.hint_index_BL[b, j] - hlo
                     m = torch.logsumexp(torch.stack([logp_t[t] + torch.log(torch.tensor(0.5)),
                                                      logp_s[i] + torch.log(torch.tensor(0.5))]), 0)
-                    distill_terms.append(0.5 * _kl(logp_t[t], m) + 0.5 * _kl(logp_s[i], m))
+                    x = batch.generator_logprobs_BL[b, j] - logp_s[i, batch.labels_BL[b, j]]
+                    distill_terms.append(0.5 * _kl(logp_t[t], m) + 0.5 * _kl(logp_s[i], m)
+                                         + kl_guard * (x.exp() - x - 1))
 
     def seq_logp(tokens, labels):
         logp = F.log_softmax(model(tokens.unsqueeze(0)).logits[0], -1)
@@ -136,6 +147,27 @@ def test_sequence_level_is_weights_each_packed_rollout(tiny_assets, tmp_path):
     ref = _reference(tiny_assets.dense_dir, sequence_is=True)
     assert first["policy/loss"] == pytest.approx(ref["policy"], abs=1e-5, rel=1e-4)
     assert first["policy/loss"] != pytest.approx(_reference(tiny_assets.dense_dir)["policy"], abs=1e-5, rel=1e-4)
+
+
+@pytest.mark.slow
+def test_rlsd_and_kl_guard_on_the_trainer_path(tiny_assets, tmp_path):
+    """`[loss.distill] rlsd` and `kl_guard` through the train step: the hinted teacher's forward, gathered by
+    `hint_index_BL`, sizes the policy tokens of the hinted rollouts (`hinted_BL`), and the guard adds its k3 on
+    the distilled tokens against the packed generator logprobs; both against the reference above."""
+    from test_trainer_harness import run_ranks
+
+    configs = {"rlsd": {"optimizer": "adamw", "distill": {"rlsd": True, "rlsd_w_min": 0.5, "rlsd_w_max": 2.0,
+                                                          "kl_guard": 0.5}}}
+    args = {"configs": configs, "steps": 1, "hf_path": str(tiny_assets.dense_dir)}
+    first = run_ranks("trajectory", 1, tmp_path, args)["history"]["rlsd"][0]
+    ref = _reference(tiny_assets.dense_dir, rlsd=(0.5, 2.0), kl_guard=0.5)
+    plain = _reference(tiny_assets.dense_dir)
+    for channel in ("policy", "distill"):
+        assert first[f"{channel}/loss"] == pytest.approx(ref[channel], abs=1e-5, rel=1e-4), channel
+        assert first[f"{channel}/loss"] != pytest.approx(plain[channel], abs=1e-5, rel=1e-4), channel
+    assert first["loss"] == pytest.approx(ref["loss"], abs=1e-5)
+    assert first["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
+    assert first["policy/rlsd_tokens"] == first["policy/tokens"] and first["distill/kl_guard_mean"] > 0
 
 
 @pytest.mark.slow
