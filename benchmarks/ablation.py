@@ -3,7 +3,9 @@
 Every configuration runs the task's recipe (`--task demo`: `configs/demo_cpu.toml`,
 the arithmetic demo with three local solver teachers that slip; `--task coding`:
 `configs/coding_cpu.toml`, the main job, micro coding tasks in the tool loop
-graded by hidden tests) as `composer-mesh train` in a process of its own, at the
+graded by hidden tests; `--task coding_hard`: `configs/coding_hard_cpu.toml`, the
+hard split the base rarely passes, its base trained to read a note, semi-online
+pairs) as `composer-mesh train` in a process of its own, at the
 same steps, seeds and budget; only the channel weights differ. A channel
 switched on trains at the task's weight (`--alpha`, `--beta`; demo 1.0 and 1.0,
 coding 0.25 and 0.25, the weights docs/recipe.md measured), whatever the recipe
@@ -29,6 +31,7 @@ their curves and the train reward go to `<plot>_mechanism.png`.
 
     python benchmarks/ablation.py --quick   # 20 steps, 2 seeds, the four keyed configurations, 2 evaluations
     python benchmarks/ablation.py --quick --task coding   # the coding recipe, 10 steps, pass rates
+    python benchmarks/ablation.py --quick --task coding_hard   # the hard split (its control: --task coding)
     python benchmarks/ablation.py           # the recipe's steps (90), 3 seeds, all six configurations
     python benchmarks/ablation.py --jobs 2  # the same, two runs at a time (time columns then share the cores)
     python benchmarks/ablation.py --task coding --first-seed 3   # seeds 3..5: more seeds for a table
@@ -43,8 +46,13 @@ all / gain of policy only; null when the policy-only gain is 0),
 distill_gain_delta, preference_gain_delta (gain with the channel added to
 the policy channel minus policy only), greedy_gain_all (held-out greedy gain
 of all three channels), overhead_ratio (training wall time of
-all / policy only), and the per-configuration figures (each seed's held-out
-gain under "seed_gains", so the tables of two commands can be pooled).
+all / policy only), policy_gain and all_gain, the paired standard errors of
+the deltas (`*_delta_se`: sd of the per-seed differences / sqrt(seeds)), the
+base's figures from the evaluation before step 1 (hint_gap: hinted minus
+unhinted sampled pass rate, coding_hard only; base_all_fail_share: problems
+whose every sample failed; base_pass_at_k), and the per-configuration figures
+(each seed's held-out gain under "seed_gains", so the tables of two commands
+can be pooled; gain_per_train_hour).
 """
 
 from __future__ import annotations
@@ -73,6 +81,7 @@ from composer_mesh.mesh.metrics import read_metrics  # noqa: E402
 
 # per-step training metrics whose first and last fifth the mechanism columns compare (absent: channel off)
 MECHANISM = ("preference/chosen_logp_mean", "preference/rejected_logp_mean", "preference/margin_mean",
+             "preference/weight_mean",
              "distill/divergence_mean")
 
 # per configuration: which channels train (policy, distillation, preference)
@@ -100,12 +109,18 @@ class Task(NamedTuple):
 TASKS: dict[str, Task] = {
     "demo": Task("configs/demo_cpu.toml", "eval/heldout_sampled", "eval/heldout_greedy", 1.0, 1.0),
     "coding": Task("configs/coding_cpu.toml", "eval/heldout_sampled_pass", "eval/heldout_greedy_pass", 0.25, 0.25),
+    "coding_hard": Task("configs/coding_hard_cpu.toml", "eval/heldout_sampled_pass", "eval/heldout_greedy_pass",
+                        0.25, 0.25),
 }
+# the base's figures read off the evaluation before step 1 (coding tasks; coding_hard also samples hinted)
+BASE_FIGURES = {"hint_gap": "eval/heldout_hint_gap", "all_fail_share": "eval/heldout_all_fail_share",
+                "pass_at_k": "eval/heldout_pass_at_k"}
 # `--split validation`: the task's validation split, carved out of train, for choosing settings without
 # looking at the held-out split (the figures keep their held-out names; the JSON line says which split)
 VALIDATION: dict[str, tuple[str, ...]] = {
     "demo": ("--trainer.eval_split=validation", "--env.demo.validation_fraction=0.2"),
     "coding": ("--trainer.eval_split=validation", "--env.coding.validation_fraction=0.2"),
+    "coding_hard": ("--trainer.eval_split=validation",),  # its sources carve a validation band already
 }
 # the configurations the JSON line's keys compare (--quick runs only these)
 KEYED = ("policy", "policy+distill", "policy+replay", "all")
@@ -135,6 +150,7 @@ class RunResult:
     pair_rate: float  # share of the replayed turns that became a pair (the rest: no majority, or the student's answer)
     # per step, in order: "reward/mean" and each MECHANISM key the run logged (absent: that channel was off)
     curves: dict[str, list[float]] = field(default_factory=dict)
+    base: dict[str, float] = field(default_factory=dict)  # BASE_FIGURES the evaluation before step 1 logged
 
     @property
     def mechanism(self) -> dict[str, tuple[float, float]]:
@@ -194,7 +210,8 @@ def read_run(run_dir: Path, summary: dict, task: str, wall: float) -> RunResult:
                      total("rollouts/completion_tokens"), float(replay.get("spend_usd", 0.0)),
                      total("rollouts/policy"), total("distill/hinted"), total("preference/pairs_in_batch"),
                      replayed, replay.get("pairs_made", 0) / replayed if replayed else 0.0,
-                     {key: [row[key] for row in rows if key in row] for key in ("reward/mean", *MECHANISM)})
+                     {key: [row[key] for row in rows if key in row] for key in ("reward/mean", *MECHANISM)},
+                     {name: before[key] for name, key in BASE_FIGURES.items() if key in before})
 
 
 def _fifths(values: list[float]) -> tuple[float, float]:
@@ -325,7 +342,8 @@ def main() -> None:
                         help="2 seeds, the four configurations of the JSON keys; demo 20 steps, coding 10; "
                         "evaluated before step 1, at the middle and at the end")
     parser.add_argument("--task", choices=list(TASKS), default="demo",
-                        help="demo: configs/demo_cpu.toml, reward; coding: configs/coding_cpu.toml, pass rate")
+                        help="demo: configs/demo_cpu.toml, reward; coding: configs/coding_cpu.toml, pass rate; coding_hard: "
+                        "configs/coding_hard_cpu.toml, pass rate")
     parser.add_argument("--steps", type=int, help="steps per run (default: the recipe's [trainer] steps; --quick 20)")
     parser.add_argument("--seeds", type=int, help="seeds first..first+n-1 (default 3, --quick 2)")
     parser.add_argument("--first-seed", type=int, default=0,
@@ -407,7 +425,7 @@ def main() -> None:
     print(f"\n{args.task} task, {steps} steps, seeds {seed_range[0]}..{seed_range[-1]}, {args.split} split evaluated every {eval_every} "
           "steps; mean ± sd over seeds")
     head = (f"{'configuration':<16}{split + ' sampled':>20}{split + ' greedy':>19}{'train gain':>16}"
-            f"{'at equal time':>15}{'train s':>9}{'wall s':>8}{'tokens':>9}{'teacher $':>11}{'hinted':>8}{'pairs':>7}"
+            f"{'at equal time':>15}{'train s':>9}{'gain/h':>8}{'wall s':>8}{'tokens':>9}{'teacher $':>11}{'hinted':>8}{'pairs':>7}"
             f"{'replayed':>10}{'pair rate':>11}")
     print(head)
     figures: dict[str, dict[str, float]] = {}
@@ -420,12 +438,14 @@ def main() -> None:
         hinted, pairs = row.figure(lambda r: r.hinted)[0], row.figure(lambda r: r.pairs)[0]
         replayed, pair_rate = row.figure(lambda r: r.replayed)[0], row.figure(lambda r: r.pair_rate)[0]
         at_budget = f"{eq[0]:+.3f}" if eq else "-"
+        per_hour = g[0] / (train_s / 3600) if train_s else 0.0  # held-out gain per hour of training
         print(f"{row.name:<16}{f'{g[0]:+.3f} ± {g[1]:.3f}':>20}{f'{gg[0]:+.3f} ± {gg[1]:.3f}':>19}"
-              f"{f'{tg[0]:+.3f} ± {tg[1]:.3f}':>16}{at_budget:>15}{train_s:>9.0f}{wall:>8.0f}{tokens:>9.0f}"
+              f"{f'{tg[0]:+.3f} ± {tg[1]:.3f}':>16}{at_budget:>15}{train_s:>9.0f}{per_hour:>+8.2f}{wall:>8.0f}{tokens:>9.0f}"
               f"{spend:>11.4f}{hinted:>8.0f}{pairs:>7.0f}{replayed:>10.0f}{pair_rate:>11.2f}")
         figures[row.name] = {"heldout_gain": round(g[0], 4), "heldout_gain_sd": round(g[1], 4),
                              "heldout_greedy_gain": round(gg[0], 4), "train_gain": round(tg[0], 4),
                              "heldout_gain_equal_time": round(eq[0], 4) if eq else None, "train_s": round(train_s, 1),
+                             "gain_per_train_hour": round(per_hour, 3),
                              "wall_s": round(wall, 1), "tokens": round(tokens, 1), "teacher_usd": round(spend, 5),
                              "replayed": round(replayed, 1), "pair_rate": round(pair_rate, 4),
                              "seed_gains": [round(r.gain(), 4) for r in row.runs],
@@ -440,8 +460,28 @@ def main() -> None:
     def gain(name: str) -> float | None:
         return figures[name]["heldout_gain"] if name in figures else None
 
+    def paired(name: str) -> tuple[float, float] | None:
+        """Mean and standard error over seeds of configuration `name`'s held-out gain minus policy-only's (same seeds)."""
+        if name not in by or "policy" not in by:
+            return None
+        deltas = [a.gain() - b.gain() for a, b in zip(by[name].runs, by["policy"].runs)]
+        mean, sd = _mean_sd(deltas)
+        return round(mean, 4), round(sd / len(deltas) ** 0.5, 4)
+
+    def base_figure(name: str) -> float | None:
+        """A base figure (BASE_FIGURES) averaged over every run that logged it (the same base and problems)."""
+        values = [r.base[name] for row in rows for r in row.runs if name in r.base]
+        return round(statistics.fmean(values), 4) if values else None
+
     base = gain("policy")
+    distill_delta, preference_delta = paired("policy+distill"), paired("policy+replay")
     out: dict[str, object] = {
+        "policy_gain": base, "all_gain": gain("all"),
+        "distill_gain_delta_se": distill_delta[1] if distill_delta else None,
+        "preference_gain_delta_se": preference_delta[1] if preference_delta else None,
+        "all_gain_delta": (paired("all") or (None,))[0], "all_gain_delta_se": (paired("all") or (None, None))[1],
+        "hint_gap": base_figure("hint_gap"), "base_all_fail_share": base_figure("all_fail_share"),
+        "base_pass_at_k": base_figure("pass_at_k"),
         "all_vs_policy_heldout_gain": (round(gain("all") / base, 4)
                                        if base not in (None, 0.0) and gain("all") is not None else None),
         "distill_gain_delta": (round(gain("policy+distill") - base, 4)
