@@ -136,7 +136,8 @@ class ControllerConfig:
             deadline=Deadline(job.mesh.hang_floor_s, job.mesh.hang_s_per_token),
             tokens_per_request=gen.group_size * gen.max_new_tokens * gen.max_turns, max_new_tokens=gen.max_new_tokens,
             eval=EvalConfig(trainer.eval_every, trainer.eval_samples,
-                            SamplingParams.from_config(gen, seed=job.job.seed), trainer.eval_split),
+                            SamplingParams.from_config(gen, seed=job.job.seed), trainer.eval_split,
+                            trainer.eval_hinted),
             rollouts_every=job.metrics.rollouts_every,
         )
 

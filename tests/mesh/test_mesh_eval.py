@@ -242,4 +242,11 @@ def test_a_note_goes_before_the_first_reply_and_hinted_evaluation_needs_a_coding
     env.close()
     with pytest.raises(ConfigError, match="trainer.eval_hinted needs a coding task"):
         load_config(REPO / "configs" / "demo_cpu.toml", ["--trainer.eval_hinted=true"])
-    assert load_config(REPO / "configs" / "coding_hard_cpu.toml").trainer.eval_hinted
+    hard = load_config(REPO / "configs" / "coding_hard_cpu.toml")
+    assert hard.trainer.eval_hinted
+    # the run's evaluation samples hinted when the recipe asks
+    from composer_mesh.mesh.controller import ControllerConfig
+
+    assert ControllerConfig.from_job(hard, steps=1, weight_dir="", state_dir="", replay=False).eval.hinted
+    demo = load_config(REPO / "configs" / "demo_cpu.toml")
+    assert not ControllerConfig.from_job(demo, steps=1, weight_dir="", state_dir="", replay=False).eval.hinted
