@@ -77,6 +77,11 @@ def is_test_config(rel: str) -> bool:
     return PurePosixPath(rel).name in TEST_CONFIG_FILES or rel.endswith(".pth")
 
 
+def is_test_side(rel: str) -> bool:
+    """Files grading always takes from the pristine repository (tests and test configuration), never the agent's."""
+    return (is_test_path(rel) or is_test_config(rel)) and not is_bytecode(rel)
+
+
 def is_bytecode(rel: str) -> bool:
     p = PurePosixPath(rel)
     return p.suffix in (".pyc", ".pyo") or "__pycache__" in p.parts
