@@ -29,7 +29,7 @@ from typing import Mapping, Sequence
 
 from composer_mesh.envs.grade_cache import content_key
 from composer_mesh.envs.safeguards import (
-    change_violations, diff_tree, is_bytecode, is_test_config, is_test_path, manifest, scan_source,
+    change_violations, diff_tree, is_bytecode, is_test_side, manifest, scan_source,
 )
 from composer_mesh.envs.sandbox import Sandbox, SandboxResult, SandboxUnavailable, Workspace
 from composer_mesh.envs.tree import TreeTooDeep, walk
@@ -409,11 +409,6 @@ def _seal(ws: Workspace) -> None:
                 os.chmod(path, 0o644)
 
 
-def _is_test_side(rel: str) -> bool:
-    """Files grading always takes from the pristine repository."""
-    return (is_test_path(rel) or is_test_config(rel)) and not is_bytecode(rel)
-
-
 def _is_source(rel: str) -> bool:
     """Files grading takes from the agent's workspace."""
-    return not (is_test_path(rel) or is_test_config(rel) or is_bytecode(rel))
+    return not (is_test_side(rel) or is_bytecode(rel))

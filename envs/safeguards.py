@@ -77,6 +77,17 @@ def is_test_config(rel: str) -> bool:
     return PurePosixPath(rel).name in TEST_CONFIG_FILES or rel.endswith(".pth")
 
 
+# `is_test_side` in words (`composer-mesh swe-instances --help` says it)
+TEST_SIDE_RULE = ("files under a tests/ or test/ directory, files named test_* or *_test.py, conftest.py, and test "
+                  "configuration (pytest.ini, tox.ini, setup.cfg, pyproject.toml, sitecustomize.py, usercustomize.py, "
+                  "*.pth)")
+
+
+def is_test_side(rel: str) -> bool:
+    """Files grading always takes from the pristine repository (tests and test configuration), never the agent's."""
+    return (is_test_path(rel) or is_test_config(rel)) and not is_bytecode(rel)
+
+
 def is_bytecode(rel: str) -> bool:
     p = PurePosixPath(rel)
     return p.suffix in (".pyc", ".pyo") or "__pycache__" in p.parts

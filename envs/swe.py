@@ -138,6 +138,13 @@ class SweTask:
             ws.adopt()
             return self.grade(backend, ws, start, ())
 
+    def run_pytest(self, backend: SandboxBackend, ws: Workspace, args: Sequence[str]) -> SandboxResult:
+        """pytest over `args` (node ids, test files, options) in `ws` on `backend`, as a grade runs it: its short
+        summary of every outcome (`envs.swe_verdict.read_report` reads it), plugins autoloaded only when the task
+        allows them."""
+        env = {} if self.plugin_autoload else {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+        return backend.run([backend.python(), *_PYTEST, *args], ws, env=env, tail_chars=_REPORT_CHARS)
+
     def grade(
         self, backend: SandboxBackend, ws: Workspace, start_manifest: dict[str, str],
         violations: tuple[tuple[str, str], ...] | list[tuple[str, str]] = (), canaries: bool = True,
@@ -166,9 +173,7 @@ class SweTask:
             write_files(judge.path, hidden)
             planted = plant(judge.path, self.fail_to_pass or self.tests, rng) if canaries else Canaries(())
             judge.adopt()
-            env = {} if self.plugin_autoload else {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
-            argv = [backend.python(), *_PYTEST, *planted.mixed_with(self.tests, rng)]
-            result = backend.run(argv, judge, env=env, tail_chars=_REPORT_CHARS)
+            result = self.run_pytest(backend, judge, planted.mixed_with(self.tests, rng))
         report = read_report(result.stdout, result.exit_code, self.tests, planted)
         found += [(v, "tests") for v in result.violations]
         found += [("forged_report", why) for why in report.forged]

@@ -281,13 +281,20 @@ class Report:
     summary_found: bool
 
 
+def node_outcomes(stdout: str) -> dict[str, str]:
+    """Every node id pytest's short summary names (a module that failed to collect under its path), with its worst
+    outcome, in the order the summary first names them."""
+    outcomes: dict[str, str] = {}
+    for outcome, node in _OUTCOME.findall(stdout):
+        prior = outcomes.get(node, "PASSED")
+        outcomes[node] = outcome if _WORST.index(outcome) >= _WORST.index(prior) else prior
+    return outcomes
+
+
 def read_report(stdout: str, exit_code: int, tests: Sequence[str], canaries: Canaries) -> Report:
     """Outcomes of `tests`, cross-checked against the canaries, pytest's final counts and its exit status."""
     lines = _OUTCOME.findall(stdout)
-    outcomes: dict[str, str] = {}
-    for outcome, node in lines:
-        prior = outcomes.get(node, "PASSED")
-        outcomes[node] = outcome if _WORST.index(outcome) >= _WORST.index(prior) else prior
+    outcomes = node_outcomes(stdout)
     forged = [f"canary {node} reported {outcomes[node].lower()}" for node in canaries.nodes
               if outcomes.get(node) in ("PASSED", "XPASS")]
     if any(outcomes.get(t) == "PASSED" for t in tests):  # a run that collected nothing pays nothing anyway

@@ -17,7 +17,7 @@ from typing import NoReturn, Sequence
 from composer_mesh.mesh.process_exit import exit_without_teardown
 
 # Module names under mesh/commands, in the order `--help` lists them.
-COMMANDS: tuple[str, ...] = ("config", "assets", "replay", "serve_teachers", "tasks", "train", "export")
+COMMANDS: tuple[str, ...] = ("config", "assets", "replay", "serve_teachers", "tasks", "swe_instances", "train", "export")
 
 
 def build_parser() -> argparse.ArgumentParser:
