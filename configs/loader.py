@@ -184,12 +184,12 @@ def from_dict(
     environ = os.environ if environ is None else environ
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     hints = typing.get_type_hints(cls)
-    for key in data:
-        if key not in fields:
-            where = _where(sources, (*_prefix, key))
-            near = difflib.get_close_matches(key, list(fields), n=1, cutoff=0.5)
+    for name in data:
+        if name not in fields:
+            where = _where(sources, (*_prefix, name))
+            near = difflib.get_close_matches(name, list(fields), n=1, cutoff=0.5)
             hint = f"; did you mean '{near[0]}'?" if near else f"; valid keys: {', '.join(fields)}"
-            raise ConfigError(f"{where}unknown key '{_dotted((*_prefix, key))}'{hint}")
+            raise ConfigError(f"{where}unknown key '{_dotted((*_prefix, name))}'{hint}")
     kwargs: dict[str, Any] = {}
     for name, value in data.items():
         key = (*_prefix, name)
@@ -228,7 +228,8 @@ def _convert(tp: Any, value: Any, key: tuple[str, ...], sources: Mapping, enviro
         if value not in args:
             fail("one of " + ", ".join(repr(a) for a in args))
         return value
-    if dataclasses.is_dataclass(tp):
+    # a type hint is a class or a typing form, never a dataclass instance: isinstance only narrows it for mypy
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
         if not isinstance(value, dict):

@@ -33,7 +33,8 @@ def _section(cls: type, name: str, lines: list[str]) -> None:
     rows = []
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
-        if dataclasses.is_dataclass(tp):
+        # a type hint is a class or a typing form, never a dataclass instance: isinstance only narrows it for mypy
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             nested.append((tp, f"{name}.{f.name}"))
             continue
         rows.append(f"| `{f.name}` | `{_type(tp)}` | `{_default(f)}` | {_constraints(f.metadata)}{f.metadata.get('doc', '')} |")

@@ -30,7 +30,7 @@ import json
 import os
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, TypeVar
 
 from composer_mesh.actors.mesh_utils import rank0
 from composer_mesh.actors.rollout import SamplingParams
@@ -47,6 +47,8 @@ if TYPE_CHECKING:
     from composer_mesh.mesh.launch import Launch
 
 __all__ = ["Run", "StepRecord"]
+
+_T = TypeVar("_T")
 
 
 class Run:
@@ -105,6 +107,11 @@ class Run:
     def start(self) -> "Run":
         """Check the recipe's task and model, place the actors, resume the newest checkpoint (unless
         `resume=False`), open the metrics sink. Later calls do nothing."""
+        self._launched()
+        return self
+
+    def _launched(self) -> Launch:
+        """`start()`'s work, returning what it brought up (the actors, sink and controller of `mesh.launch`)."""
         if self._stopped:
             raise RuntimeError("this Run was stopped; build a new one")
         if self._launch is None:
@@ -120,14 +127,14 @@ class Run:
                 raise
             self.job, self.memory = self._launch.job, self._launch.memory
             self._channels = ChannelWatch(self.job, replay=self._launch.placement.replay is not None)
-        return self
+        return self._launch
 
     def _on_step(self, record: StepRecord) -> None:
         """Each step: remember it, log it; after a replacement, name the new processes in processes.json."""
-        launch = self._launch
+        launch = _set_by_start(self._launch, "the launch")
         self.history.append(record)
-        self._channels.step(record)
-        launch.sink(record)
+        _set_by_start(self._channels, "the channel watch").step(record)
+        _set_by_start(launch.sink, "the metrics sink")(record)
         if launch.supervisor is not None:
             launch.placement.write_pids(self.run_dir / "processes.json", len(launch.supervisor.restarts))
 
@@ -153,7 +160,7 @@ class Run:
     def step(self) -> StepRecord:
         """One controller step (generate, train, sync, evaluate when due): sync mode only — async mode and
         DiLoCo interleave steps inside `run()`. Raises RuntimeError once `trainer.steps` steps are done."""
-        launch = self.start()._launch
+        launch = self._launched()
         if not launch.loop.steppable:
             raise RuntimeError("Run.step() needs trainer.mode = 'sync' without diloco.enabled; "
                                "run() drives async mode and DiLoCo")
@@ -172,10 +179,12 @@ class Run:
         """The steps left, then the final checkpoint (unless the last step saved one) and the servable
         `hf/` export; writes summary.json and plot.png and returns the summary. The actors stay up for
         `generate`, `evaluate` and `export_hf` until `stop()`."""
-        launch = self.start()._launch
+        launch = self._launched()
         if self.summary is not None:
             return self.summary
         job, placement, loop = self.job, launch.placement, launch.loop
+        sink = _set_by_start(launch.sink, "the metrics sink")
+        channels = _set_by_start(self._channels, "the channel watch")
         plotting = job.metrics.jsonl and job.metrics.plot
         if plotting:
             # matplotlib loads while the steps run (the controller mostly waits on its actors then)
@@ -192,9 +201,9 @@ class Run:
         evals = loop.evals(launch.controller)  # (step, metrics), oldest first
         if evals:
             # the baseline (the later ones are in their steps' rows)
-            launch.sink.scalars(*evals[0])
+            sink.scalars(*evals[0])
         # flushes metrics.jsonl and TensorBoard before the plot reads them
-        launch.sink.close()
+        sink.close()
         plotted = None
         if plotting and (self.run_dir / "metrics.jsonl").exists():
             warm.result()
@@ -221,7 +230,7 @@ class Run:
         }
         summary.update(loop.summary(placement))
         summary.update(trained_summary(self.history, job))
-        summary.update(self._channels.summary(self.history, summary["replay"]))
+        summary.update(channels.summary(self.history, summary["replay"]))
         if evals:
             summary["heldout"] = {"split": job.trainer.eval_split,
                                   "before": {"step": evals[0][0], **evals[0][1]},
@@ -239,7 +248,7 @@ class Run:
 
     def _ready(self) -> Any:
         """Actors up and, in sync mode, the generators holding the trainer's weights; returns the controller."""
-        launch = self.start()._launch
+        launch = self._launched()
         if launch.loop.steppable:
             launch.controller.begin()
         return launch.controller
@@ -264,8 +273,16 @@ class Run:
     def export_hf(self, out_dir: str | os.PathLike) -> Path:
         """The trainer's current weights as a Hugging Face checkpoint (safetensors, config.json with
         `architectures`, generation config, tokenizer) that transformers loads and vLLM serves."""
-        launch = self.start()._launch
+        launch = self._launched()
         return Path(rank0(launch.placement.trainer.save_hf.call(str(out_dir)).get()))
+
+
+def _set_by_start(value: _T | None, what: str) -> _T:
+    """`value`, which `Run.start()` sets: a RuntimeError naming `what` while it is unset (narrows the Optional
+    state for the type checker where start() has run)."""
+    if value is None:
+        raise RuntimeError(f"{what} is set by Run.start(), which has not completed")
+    return value
 
 
 def _in_thread(fn: Any, *args: Any) -> concurrent.futures.Future:
