@@ -2,7 +2,7 @@
 checkout (the source path editors and mypy resolve `composer_mesh.*` through), and pyproject.toml's mypy
 configuration, which the test command runs, covers the public API (docs/python_api.md).
 
-mypy itself is not run here (≈15 s cold): `python3 -m mesh.bootstrap test` runs it before the tests.
+mypy itself is not run here (≈15–19 s cold): `python3 -m mesh.bootstrap test` runs it before the tests.
 """
 
 from __future__ import annotations
