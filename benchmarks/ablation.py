@@ -122,6 +122,9 @@ VALIDATION: dict[str, tuple[str, ...]] = {
     "coding": ("--trainer.eval_split=validation", "--env.coding.validation_fraction=0.2"),
     "coding_hard": ("--trainer.eval_split=validation",),  # its sources carve a validation band already
 }
+# --quick's extra overrides per task: a hard-split evaluation samples every problem twice (with and without the
+# note), so --quick evaluates half the problems
+QUICK: dict[str, tuple[str, ...]] = {"coding_hard": ("--trainer.eval_samples=10",)}
 # the configurations the JSON line's keys compare (--quick runs only these)
 KEYED = ("policy", "policy+distill", "policy+replay", "all")
 
@@ -151,6 +154,7 @@ class RunResult:
     # per step, in order: "reward/mean" and each MECHANISM key the run logged (absent: that channel was off)
     curves: dict[str, list[float]] = field(default_factory=dict)
     base: dict[str, float] = field(default_factory=dict)  # BASE_FIGURES the evaluation before step 1 logged
+    exit_note: str = ""  # why `train` exited 3 (nothing trained, or a switched-on channel got nothing); "" = exit 0
 
     @property
     def mechanism(self) -> dict[str, tuple[float, float]]:
@@ -185,10 +189,14 @@ def run_one(recipe: Path, overrides: list[str], out: Path, name: str, seed: int,
     finally:
         _LIVE.discard(proc)
     wall = time.perf_counter() - start
-    if proc.returncode != 0:
+    # exit 3: the run finished and evaluated, but trained nothing or a switched-on channel got nothing (its
+    # summary says which): a measured outcome of that configuration, kept with the reason
+    if proc.returncode not in (0, 3):
         raise RuntimeError(f"{name} seed {seed} failed (exit {proc.returncode}): {stderr[-2000:]}")
     summary = json.loads(stdout.strip().splitlines()[-1])
-    return read_run(Path(summary["run_dir"]), summary, task, wall)
+    result = read_run(Path(summary["run_dir"]), summary, task, wall)
+    result.exit_note = "; ".join([summary.get("untrained", ""), *summary.get("silent_channels", {}).values()]).strip("; ")
+    return result
 
 
 def read_run(run_dir: Path, summary: dict, task: str, wall: float) -> RunResult:
@@ -247,6 +255,14 @@ def saved_run(results: Path, key: dict, name: str, seed: int, run: Callable[[], 
 
 def _mean_sd(xs: list[float]) -> tuple[float, float]:
     return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+
+
+def paired_delta(runs: list[RunResult], baseline: list[RunResult]) -> tuple[float, float]:
+    """Mean and standard error (sd of the per-seed differences / sqrt(seeds)) of the held-out gain of `runs` minus
+    that of `baseline`, seed by seed (both in seed order)."""
+    deltas = [a.gain() - b.gain() for a, b in zip(runs, baseline, strict=True)]
+    mean, sd = _mean_sd(deltas)
+    return round(mean, 4), round(sd / len(deltas) ** 0.5, 4)
 
 
 @dataclass
@@ -360,9 +376,9 @@ def main() -> None:
                         help="channel 3's weight where on (default: the task's, demo 1.0, coding 0.25)")
     parser.add_argument("--override", action="append", default=[], metavar="--SECTION.KEY=VALUE",
                         help="applied to every configuration, before its channel switches (repeatable)")
-    parser.add_argument("--jobs", type=int, default=1,
-                        help="runs at once (a run's trainer and generator alternate, so 2 on 2 cores finish sooner; "
-                        "the time columns then include the contention)")
+    parser.add_argument("--jobs", type=int,
+                        help="runs at once (default 1; --quick --task coding_hard 2: its runs are mostly start-up and "
+                        "evaluation, which overlap on 2 cores; the time columns then include the contention)")
     parser.add_argument("--results", type=Path,
                         help="keep each run's figures here (a JSON file per configuration and seed) and reuse those "
                         "already there with the same task, steps and overrides: resumes a stopped ablation, and "
@@ -373,7 +389,8 @@ def main() -> None:
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(128 + signum))  # unwinds, so the runs are stopped
     config = args.config or REPO / TASKS[args.task].recipe
-    overrides = [*(VALIDATION[args.task] if args.split == "validation" else ()), *args.override]
+    overrides = [*(VALIDATION[args.task] if args.split == "validation" else ()),
+                 *(QUICK.get(args.task, ()) if args.quick else ()), *args.override]
     alpha = TASKS[args.task].alpha if args.alpha is None else args.alpha
     beta = TASKS[args.task].beta if args.beta is None else args.beta
     recipe = load_config(config, overrides)  # a bad override fails here, before any run
@@ -381,8 +398,9 @@ def main() -> None:
     seeds = args.seeds or (2 if args.quick else 3)
     seed_range = range(args.first_seed, args.first_seed + seeds)
     # six evaluations after step 0 (the curves); --quick only the middle and the last, which the gains read (a
-    # coding evaluation is 80 sandboxed episodes: at every step, --quick --task coding took 18 min)
-    eval_every = max(1, steps // (2 if args.quick else 6))
+    # coding evaluation is 80 sandboxed episodes: at every step, --quick --task coding took 18 min); --quick
+    # --task coding_hard only the last
+    eval_every = max(1, steps // (6 if not args.quick else 1 if args.task == "coding_hard" else 2))
     names = args.only or list(KEYED if args.quick else CONFIGS)
     rows = [Row(n) for n in names]
     split = "held-out" if args.split == "heldout" else "validation"
@@ -405,12 +423,14 @@ def main() -> None:
                 raise RuntimeError(f"{row.name}: the policy channel trained {result.policy_rollouts:.0f} rollouts")
             print(f"  {row.name:<15} seed {seed}: {split} sampled {result.heldout[0][2]:.3f} -> "
                   f"{result.heldout[-1][2]:.3f}, greedy {result.heldout[0][3]:.3f} -> {result.heldout[-1][3]:.3f}, "
-                  f"train gain {result.train_gain:+.3f}, {result.wall_s:.0f} s",
+                  f"train gain {result.train_gain:+.3f}, {result.wall_s:.0f} s"
+                  + (f" (exit 3: {result.exit_note})" if result.exit_note else ""),
                   file=sys.stderr, flush=True)
             return result
 
         # seed-major: a partial run still compares every configuration; each run is a process of its own
-        with ThreadPoolExecutor(args.jobs) as pool:
+        jobs = args.jobs or (2 if args.quick and args.task == "coding_hard" else 1)
+        with ThreadPoolExecutor(jobs) as pool:
             runs = [(row, pool.submit(one, seed, row)) for seed in seed_range for row in rows]
             try:
                 for row, future in runs:
@@ -450,6 +470,7 @@ def main() -> None:
                              "replayed": round(replayed, 1), "pair_rate": round(pair_rate, 4),
                              "seed_gains": [round(r.gain(), 4) for r in row.runs],
                              "seed_greedy_gains": [round(r.gain(greedy=True), 4) for r in row.runs],
+                             "exit_notes": [r.exit_note for r in row.runs if r.exit_note],
                              "mechanism": _mechanism(row)}
     print_mechanism(rows)
     plot(rows, Path(args.plot), split)
@@ -461,12 +482,7 @@ def main() -> None:
         return figures[name]["heldout_gain"] if name in figures else None
 
     def paired(name: str) -> tuple[float, float] | None:
-        """Mean and standard error over seeds of configuration `name`'s held-out gain minus policy-only's (same seeds)."""
-        if name not in by or "policy" not in by:
-            return None
-        deltas = [a.gain() - b.gain() for a, b in zip(by[name].runs, by["policy"].runs)]
-        mean, sd = _mean_sd(deltas)
-        return round(mean, 4), round(sd / len(deltas) ** 0.5, 4)
+        return paired_delta(by[name].runs, by["policy"].runs) if name in by and "policy" in by else None
 
     def base_figure(name: str) -> float | None:
         """A base figure (BASE_FIGURES) averaged over every run that logged it (the same base and problems)."""
