@@ -224,7 +224,7 @@ class Launch:
         if not teachers.models:
             raise ValueError("loss.beta > 0 needs [[teachers.models]] (or set loss.beta = 0 / mesh.replay_procs = 0)")
         if ls.enabled:
-            self.server = TeacherServer(build_responder(ls.responder, ls.model_dir, ls.noise, job.env), host=ls.host,
+            self.server = TeacherServer(build_responder(ls.responder, ls.model_dir, ls.noise, job.env, job.job.seed), host=ls.host,
                                         port=ls.port, request_log=ls.request_log or None).start()
             teachers = dataclasses.replace(teachers, base_url=self.server.url)
         replay = dataclasses.replace(job.replay, output_dir=str(self.run_dir / "replay"))

@@ -12,6 +12,15 @@ import threading
 from composer_mesh.actors.rollout import EpisodeRequest, RolloutGroup
 
 
+# request i of a run with job seed s has problem seed `s * SEED_STRIDE + i`
+SEED_STRIDE = 1_000_003
+
+
+def problem_seed(job_seed: int, i: int) -> int:
+    """The problem seed of a run's `i`-th fresh training request (`job_seed`: `[job] seed`)."""
+    return job_seed * SEED_STRIDE + i
+
+
 class StaleWorker(Exception):
     """An async worker started before a rollback touched the request ledger: it must stop, not hand anything in."""
 
@@ -19,7 +28,7 @@ class StaleWorker(Exception):
 class RequestLedger:
     """Thread-safe source of episode requests: re-queued ones first, then fresh prompts from the cursor.
 
-    Fresh request i is group id i with problem seed `seed * 1_000_003 + i`. An issued request stays
+    Fresh request i is group id i with problem seed `problem_seed(seed, i)`. An issued request stays
     outstanding until its group is accepted; a lost one (its generator died) is re-queued with the same
     group id and seed, and a group whose id is not outstanding (a late or repeated answer) is dropped.
     `restore` (a rollback) starts a new epoch: a call made with an older `epoch` raises `StaleWorker`, so an
@@ -44,7 +53,7 @@ class RequestLedger:
             out, self.requeued = self.requeued[:n], self.requeued[n:]
             fresh = range(self.next, self.next + n - len(out))
             self.next += len(fresh)
-            out += [EpisodeRequest(group_id=i, seed=self.seed * 1_000_003 + i) for i in fresh]
+            out += [EpisodeRequest(group_id=i, seed=problem_seed(self.seed, i)) for i in fresh]
             self.outstanding.update((r.group_id, r) for r in out)
         return out
 

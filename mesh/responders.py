@@ -17,12 +17,15 @@ from composer_mesh.envs.factory import env_factory
 from composer_mesh.envs.feature_deletion import RepoTask
 from composer_mesh.envs.micro import MicroTask
 from composer_mesh.envs.swe import SweTask
+from composer_mesh.mesh.requests import problem_seed
 from composer_mesh.replay.reference_teacher import UNKNOWN_TASK, Lookup, ReferenceResponder, TaskFiles
 from composer_mesh.replay.server import ConsensusResponder, HFResponder, Responder, SolverResponder, echo_responder
 
 
-def build_responder(kind: str, model_dir: str = "", noise: float = 0.2, env: EnvConfig | None = None) -> Responder:
-    """The responder named by a config / command line (one of `RESPONDERS`); `coding` needs the job's `env`."""
+def build_responder(kind: str, model_dir: str = "", noise: float = 0.2, env: EnvConfig | None = None,
+                    job_seed: int = 0) -> Responder:
+    """The responder named by a config / command line (one of `RESPONDERS`); `coding` needs the job's `env` (and
+    its `job_seed`: the teachers look the run's own problems up)."""
     if kind == "consensus":
         return ConsensusResponder(noise=noise)
     if kind == "echo":
@@ -38,7 +41,7 @@ def build_responder(kind: str, model_dir: str = "", noise: float = 0.2, env: Env
             raise ValueError("responder 'coding' serves a recipe's coding tasks: use it from a recipe's "
                              "[replay.local_server], not on its own")
         tool = "edit_file" if "edit_file" in env.tool_loop.tools else "write_file"
-        return ReferenceResponder(reference_lookup(env), noise=noise, tool=tool)
+        return ReferenceResponder(reference_lookup(env, job_seed), noise=noise, tool=tool)
     raise ValueError(f"unknown responder {kind!r}; choose from {', '.join(RESPONDERS)}")
 
 
@@ -61,27 +64,28 @@ def task_files(task: Any) -> TaskFiles | str:
     return f"no starting files: a {type(task).__name__} task does not name them"
 
 
-def reference_lookup(env: EnvConfig, scan: int = 1024) -> Lookup:
+def reference_lookup(env: EnvConfig, job_seed: int = 0, scan: int = 1024) -> Lookup:
     """Prompt text -> the files (`task_files`) of the train split's task with that prompt, or why there are none.
     A source makes tasks from seeds (`pick`), so prompts are indexed lazily: a prompt not seen yet scans further
-    seeds, up to `scan`; each task's files are made once (the server answers on several threads: one lock guards
-    the index)."""
+    seeds, up to `scan` of each range: first the problem seeds of a run with `job_seed` (`mesh.requests.
+    problem_seed`: its failed turns), then seeds from 0 (frozen traces recorded on train tasks). Each task's files
+    are made once (the server answers on several threads: one lock guards the index)."""
     train = env_factory(env)("train")
     pool: Any = train.tasks
     train.close()
     by_prompt: dict[str, Any] = {}
     files: dict[str, TaskFiles | str] = {}
-    scanned, lock = 0, threading.Lock()
+    first = problem_seed(job_seed, 0)
+    seeds = iter([*range(first, first + scan), *(range(scan) if first else ())])
+    lock = threading.Lock()
 
     def lookup(prompt: str) -> TaskFiles | str:
-        nonlocal scanned
         with lock:
-            while prompt not in by_prompt and scanned < scan:
-                task = pool.pick(scanned)
+            while prompt not in by_prompt and (seed := next(seeds, None)) is not None:
+                task = pool.pick(seed)
                 by_prompt.setdefault(task.prompt(), task)
-                scanned += 1
             if prompt not in by_prompt:
-                return f"{UNKNOWN_TASK} (the first {scan} train tasks scanned)"
+                return f"{UNKNOWN_TASK} (the first {scan} train tasks of the run's seeds and of seed 0 scanned)"
             if prompt not in files:
                 files[prompt] = task_files(by_prompt[prompt])
             return files[prompt]

@@ -119,3 +119,27 @@ def test_coding_teachers_serve_micro_tasks_from_their_workspace():
     assert files.reference == task.reference_files()
     assert files.start == {path: task.files[path] for path in task.reference_files()}
     assert files.start[task.target] == task.stubbed_source
+
+
+def test_coding_teachers_find_the_runs_own_problems_whatever_its_seed():
+    """A run of job seed s draws problem seeds `problem_seed(s, i)`: the teachers of that run find those tasks
+    on a split with many templates (the hard split's union of sources), and still the seed-0 range (frozen traces
+    recorded on train tasks)."""
+    from composer_mesh.configs.loader import load_config
+    from composer_mesh.envs.factory import env_factory
+    from composer_mesh.mesh.requests import problem_seed
+    from composer_mesh.mesh.responders import reference_lookup
+
+    env = load_config(REPO / "configs" / "coding_hard_cpu.toml", ["--env.sandbox.pool_size=0"]).env
+    episode = env_factory(env)("train")
+    prompts = {}
+    for seed in (problem_seed(3, 0), problem_seed(3, 117), 5):
+        obs = episode.reset(seed=seed)
+        prompts[seed] = (next(m["content"] for m in obs.messages if m["role"] == "user"),
+                         episode.task.reference_files())
+    episode.close()
+    lookup = reference_lookup(env, job_seed=3, scan=200)
+    for prompt, reference in prompts.values():
+        assert lookup(prompt).reference == reference
+    # a run of another seed does not scan these (in the first 200 of its seeds and of seed 0)
+    assert isinstance(reference_lookup(env, job_seed=4, scan=200)(prompts[problem_seed(3, 117)][0]), str)
