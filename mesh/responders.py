@@ -77,6 +77,7 @@ def reference_lookup(env: EnvConfig, job_seed: int = 0, scan: int = 1024) -> Loo
     files: dict[str, TaskFiles | str] = {}
     first = problem_seed(job_seed, 0)
     seeds = iter([*range(first, first + scan), *(range(scan) if first else ())])
+    scanned = "of the run's seeds and of seed 0" if first else "of seed 0"
     lock = threading.Lock()
 
     def lookup(prompt: str) -> TaskFiles | str:
@@ -85,7 +86,7 @@ def reference_lookup(env: EnvConfig, job_seed: int = 0, scan: int = 1024) -> Loo
                 task = pool.pick(seed)
                 by_prompt.setdefault(task.prompt(), task)
             if prompt not in by_prompt:
-                return f"{UNKNOWN_TASK} (the first {scan} train tasks of the run's seeds and of seed 0 scanned)"
+                return f"{UNKNOWN_TASK} (the first {scan} train tasks {scanned} scanned)"
             if prompt not in files:
                 files[prompt] = task_files(by_prompt[prompt])
             return files[prompt]
