@@ -31,7 +31,7 @@ their curves and the train reward go to `<plot>_mechanism.png`.
 
     python benchmarks/ablation.py --quick   # 20 steps, 2 seeds, the four keyed configurations, 2 evaluations
     python benchmarks/ablation.py --quick --task coding   # the coding recipe, 10 steps, pass rates
-    python benchmarks/ablation.py --quick --task coding_hard   # the hard split, 6 steps (its control: --task coding)
+    python benchmarks/ablation.py --quick --task coding_hard   # the hard split, 4 steps (its control: --task coding)
     python benchmarks/ablation.py           # the recipe's steps (90), 3 seeds, all six configurations
     python benchmarks/ablation.py --jobs 2  # the same, two runs at a time (time columns then share the cores)
     python benchmarks/ablation.py --task coding --first-seed 3   # seeds 3..5: more seeds for a table
@@ -123,8 +123,8 @@ VALIDATION: dict[str, tuple[str, ...]] = {
     "coding_hard": ("--trainer.eval_split=validation",),  # its sources carve a validation band already
 }
 # --quick's extra overrides per task: a hard-split evaluation samples every problem twice (with and without the
-# note), so --quick evaluates 8 of its 20 problems
-QUICK: dict[str, tuple[str, ...]] = {"coding_hard": ("--trainer.eval_samples=8",)}
+# note), so --quick evaluates 6 of its 20 problems
+QUICK: dict[str, tuple[str, ...]] = {"coding_hard": ("--trainer.eval_samples=6",)}
 # the configurations the JSON line's keys compare (--quick runs only these)
 KEYED = ("policy", "policy+distill", "policy+replay", "all")
 
@@ -356,12 +356,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
                         help="2 seeds, the four configurations of the JSON keys; demo 20 steps, coding 10, coding_hard "
-                        "6 (8 problems, evaluated before step 1 and at the end); others evaluated before step 1, at "
+                        "4 (6 problems, evaluated before step 1 and at the end); others evaluated before step 1, at "
                         "the middle and at the end")
     parser.add_argument("--task", choices=list(TASKS), default="demo",
                         help="demo: configs/demo_cpu.toml, reward; coding: configs/coding_cpu.toml, pass rate; coding_hard: "
                         "configs/coding_hard_cpu.toml, pass rate")
-    parser.add_argument("--steps", type=int, help="steps per run (default: the recipe's [trainer] steps; --quick: demo 20, coding 10, coding_hard 6)")
+    parser.add_argument("--steps", type=int, help="steps per run (default: the recipe's [trainer] steps; --quick: demo 20, coding 10, coding_hard 4)")
     parser.add_argument("--seeds", type=int, help="seeds first..first+n-1 (default 3, --quick 2)")
     parser.add_argument("--first-seed", type=int, default=0,
                         help="the first seed (default 0; 3 with the default --seeds runs seeds 3, 4, 5)")
@@ -396,7 +396,7 @@ def main() -> None:
     alpha = TASKS[args.task].alpha if args.alpha is None else args.alpha
     beta = TASKS[args.task].beta if args.beta is None else args.beta
     recipe = load_config(config, overrides)  # a bad override fails here, before any run
-    steps = args.steps or ({"demo": 20, "coding": 10, "coding_hard": 6}[args.task] if args.quick else recipe.trainer.steps)
+    steps = args.steps or ({"demo": 20, "coding": 10, "coding_hard": 4}[args.task] if args.quick else recipe.trainer.steps)
     seeds = args.seeds or (2 if args.quick else 3)
     seed_range = range(args.first_seed, args.first_seed + seeds)
     # six evaluations after step 0 (the curves); --quick only the middle and the last, which the gains read (a
